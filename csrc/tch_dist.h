@@ -1,0 +1,98 @@
+// C ABI of the tch-dist shim. Every function returns 0 on success or a TDX_E* code; the message of the
+// last failure on the calling thread is read with tdx_last_error(). No C++ exception crosses this boundary.
+// Tensors are tch's C_tensor, i.e. `at::Tensor*`; handles are opaque and freed by their *_free function.
+#pragma once
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+enum {
+  TDX_OK = 0,
+  TDX_EGENERIC = 1,      // any other c10/std exception
+  TDX_ETIMEOUT = 2,      // an operation or wait ran past its timeout
+  TDX_ENETWORK = 3,      // a peer closed its connection or could not be reached
+  TDX_EINVALID = 4,      // bad argument (shape, dtype, rank, ...)
+  TDX_EUNAVAILABLE = 5,  // backend or device not available (e.g. no GPU, cuda feature off)
+};
+
+typedef struct tdx_store tdx_store;
+typedef struct tdx_pg tdx_pg;
+typedef struct tdx_work tdx_work;
+typedef struct tdx_hook tdx_hook;
+typedef void* tdx_tensor;  // at::Tensor*
+
+const char* tdx_last_error(void);
+
+// ---- stores
+int tdx_store_tcp(const char* host, uint16_t port, int is_server, int64_t num_workers, int wait_workers,
+                  int64_t timeout_ms, int multi_tenant, int use_libuv, tdx_store** out);
+int tdx_store_hash(tdx_store** out);
+int tdx_store_prefix(const char* prefix, const tdx_store* base, tdx_store** out);
+int tdx_store_clone_handle(const tdx_store* s, tdx_store** out);
+void tdx_store_free(tdx_store* s);
+int tdx_store_set(const tdx_store* s, const char* key, const uint8_t* data, size_t len);
+// *out is malloc'ed; free with tdx_buf_free.
+int tdx_store_get(const tdx_store* s, const char* key, uint8_t** out, size_t* out_len);
+int tdx_store_add(const tdx_store* s, const char* key, int64_t delta, int64_t* out);
+int tdx_store_check(const tdx_store* s, const char* key, int* out);
+int tdx_store_wait(const tdx_store* s, const char* key, int64_t timeout_ms);
+int tdx_store_set_timeout(const tdx_store* s, int64_t timeout_ms);
+int tdx_store_tcp_port(const tdx_store* s, uint16_t* out);
+void tdx_buf_free(uint8_t* p);
+
+// ---- process groups
+// hostname may be NULL: then the device binds like Python's default (hostname, else loopback).
+int tdx_pg_gloo(const tdx_store* s, int rank, int size, int64_t timeout_ms, const char* hostname, int threads,
+                tdx_pg** out);
+int tdx_pg_nccl(const tdx_store* s, int rank, int size, int64_t timeout_ms, tdx_pg** out);
+void tdx_pg_free(tdx_pg* pg);
+int tdx_pg_set_timeout(tdx_pg* pg, int64_t timeout_ms);
+int tdx_pg_backend_name(const tdx_pg* pg, char* buf, size_t len);
+
+// op: 0 sum, 1 avg, 2 product, 3 min, 4 max (c10d::ReduceOp order)
+int tdx_pg_allreduce(tdx_pg* pg, tdx_tensor t, int op, tdx_work** out);
+int tdx_pg_broadcast(tdx_pg* pg, tdx_tensor t, int root, tdx_work** out);
+int tdx_pg_allgather(tdx_pg* pg, tdx_tensor* outs, size_t n, tdx_tensor in, tdx_work** out);
+int tdx_pg_reduce_scatter(tdx_pg* pg, tdx_tensor out_t, tdx_tensor* ins, size_t n, int op, tdx_work** out);
+int tdx_pg_send(tdx_pg* pg, tdx_tensor t, int dst, int tag, tdx_work** out);
+int tdx_pg_recv(tdx_pg* pg, tdx_tensor t, int src, int tag, tdx_work** out);
+int tdx_pg_barrier(tdx_pg* pg, tdx_work** out);
+
+// Waits at most timeout_ms (<0: the group's own timeout applies). Errors with TDX_ETIMEOUT when not done.
+int tdx_work_wait(tdx_work* w, int64_t timeout_ms);
+int tdx_work_is_completed(tdx_work* w, int* out);
+void tdx_work_free(tdx_work* w);
+
+// ---- autograd hooks on AccumulateGrad (fires after a leaf's .grad was accumulated)
+typedef void (*tdx_hook_fn)(void* ctx, int64_t index);
+int tdx_hook_register(tdx_tensor var, tdx_hook_fn fn, void* ctx, int64_t index, tdx_hook** out);
+void tdx_hook_free(tdx_hook* h);  // removes the hook
+int tdx_tensor_set_grad(tdx_tensor var, tdx_tensor grad);  // grad NULL: undefine .grad
+int tdx_tensor_grad_data_ptr(tdx_tensor var, uint64_t* out);  // 0 when undefined
+
+// ---- DDP reference (libtorch's own c10d::compute_bucket_assignment_by_size)
+// sizes: numel per tensor; dtypes: c10::ScalarType codes; limits in bytes. out_bucket_of[i] receives the
+// bucket index of tensor i, in libtorch's bucket order; *out_buckets the number of buckets.
+int tdx_ref_bucket_assignment(const int64_t* numels, const int* dtypes, const int* device_ids, size_t n,
+                              const uint64_t* limits, size_t n_limits, int64_t* out_order, int64_t* out_bucket_of,
+                              size_t* out_buckets);
+
+// ---- memory
+int tdx_cpu_counter_install(void);
+int tdx_cpu_counter_installed(void);
+int64_t tdx_cpu_allocated(void);
+int64_t tdx_cpu_peak(void);
+void tdx_cpu_reset_peak(void);
+int tdx_cuda_memory(int device, int64_t* allocated, int64_t* peak);
+int tdx_cuda_reset_peak(int device);
+int tdx_cuda_device_count(int* out);
+
+// ---- layout self-checks for the declaration-only gloo headers (see gloo_decl/README.md)
+int tdx_layout_check(char* buf, size_t len);
+
+#ifdef __cplusplus
+}
+#endif

@@ -1,0 +1,14 @@
+# Sourced by every script: where the torch venv lives and what the build and the binaries need.
+# Override TCH_DIST_CACHE to move the venv (default: ~/.cache/tch-dist, or $XDG_CACHE_HOME/tch-dist).
+TCH_DIST_TORCH_VERSION=2.13.0
+TCH_DIST_SETUP_VERSION=1
+export TCH_DIST_CACHE=${TCH_DIST_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/tch-dist}
+export TCH_DIST_VENV=${TCH_DIST_VENV:-$TCH_DIST_CACHE/venv-torch-$TCH_DIST_TORCH_VERSION}
+export TCH_DIST_PYTHON_BIN="$TCH_DIST_VENV/bin/python"
+# torch-sys finds libtorch through the venv's python (LIBTORCH_USE_PYTORCH), so the venv goes first on PATH.
+export VIRTUAL_ENV="$TCH_DIST_VENV"
+export PATH="$TCH_DIST_VENV/bin:$PATH"
+export LIBTORCH_USE_PYTORCH=1
+unset LIBTORCH LIBTORCH_LIB LIBTORCH_INCLUDE 2>/dev/null || true
+# Two cores: keep the build from starving the test processes it spawns.
+export CARGO_TERM_COLOR=${CARGO_TERM_COLOR:-never}

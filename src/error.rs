@@ -1,0 +1,102 @@
+//! One error type for the crate: what failed, and the message libtorch gave.
+use std::ffi::CStr;
+use std::time::Duration;
+
+use crate::ffi;
+
+/// Errors of tch-dist. Each variant says which operation failed and carries the engine's message.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// An operation did not complete within its timeout (collective, store wait, rendezvous).
+    #[error("{op}: timed out after {timeout:?}: {msg}")]
+    Timeout { op: String, timeout: Duration, msg: String },
+    /// A peer closed its connection, died, or could not be reached.
+    #[error("{op}: peer gone or unreachable: {msg}")]
+    PeerGone { op: String, msg: String },
+    /// Tensors or models disagree across ranks or with what the operation needs.
+    #[error("{op}: mismatch: {msg}")]
+    Mismatch { op: String, msg: String },
+    /// A bad argument: rank out of range, unsupported dtype for an op, ...
+    #[error("{op}: invalid argument: {msg}")]
+    Invalid { op: String, msg: String },
+    /// The backend or device is not available (e.g. NCCL without the `cuda` feature, or no GPU).
+    #[error("{what} is not available: {msg}")]
+    Unavailable { what: String, msg: String },
+    /// A `torchrun`-style environment variable is missing or malformed.
+    #[error("environment variable {var}: {msg}")]
+    Env { var: String, msg: String },
+    /// Any other failure reported by c10d.
+    #[error("{op}: {msg}")]
+    Backend { op: String, msg: String },
+    /// An error from tch itself.
+    #[error(transparent)]
+    Torch(#[from] tch::TchError),
+}
+
+pub type Result<T> = std::result::Result<T, Error>;
+
+impl Error {
+    pub(crate) fn invalid(op: impl Into<String>, msg: impl Into<String>) -> Self {
+        Error::Invalid { op: op.into(), msg: msg.into() }
+    }
+
+    pub(crate) fn mismatch(op: impl Into<String>, msg: impl Into<String>) -> Self {
+        Error::Mismatch { op: op.into(), msg: msg.into() }
+    }
+
+    /// True for errors that mean a peer is gone or did not answer in time.
+    pub fn is_peer_failure(&self) -> bool {
+        matches!(self, Error::Timeout { .. } | Error::PeerGone { .. })
+    }
+}
+
+fn last_error() -> String {
+    // SAFETY: the shim returns a pointer to a thread-local NUL-terminated string that lives until the next
+    // failing call on this thread; we copy it at once.
+    unsafe {
+        let p = ffi::tdx_last_error();
+        if p.is_null() {
+            return String::new();
+        }
+        CStr::from_ptr(p).to_string_lossy().trim().to_string()
+    }
+}
+
+/// Turns a shim return code into a `Result`, reading the thread's last error message.
+/// `op` is evaluated only on failure, so hot paths do not format strings.
+pub(crate) fn check(code: libc::c_int, timeout: Duration, op: impl FnOnce() -> String) -> Result<()> {
+    if code == ffi::TDX_OK {
+        return Ok(());
+    }
+    let msg = last_error();
+    let op = op();
+    Err(match code {
+        ffi::TDX_ETIMEOUT => Error::Timeout { op, timeout, msg },
+        ffi::TDX_ENETWORK => Error::PeerGone { op, msg },
+        ffi::TDX_EINVALID => classify_invalid(op, msg),
+        ffi::TDX_EUNAVAILABLE => Error::Unavailable { what: op, msg },
+        _ => classify_generic(op, msg),
+    })
+}
+
+fn classify_invalid(op: String, msg: String) -> Error {
+    if looks_like_mismatch(&msg) {
+        Error::Mismatch { op, msg }
+    } else {
+        Error::Invalid { op, msg }
+    }
+}
+
+fn classify_generic(op: String, msg: String) -> Error {
+    if looks_like_mismatch(&msg) {
+        Error::Mismatch { op, msg }
+    } else {
+        Error::Backend { op, msg }
+    }
+}
+
+// Gloo reports a size disagreement between ranks as a failed length check on the received message.
+fn looks_like_mismatch(msg: &str) -> bool {
+    let m = msg.to_ascii_lowercase();
+    m.contains("mismatch") || m.contains("preamble.length") || m.contains("nbytes") || m.contains("size of")
+}

@@ -1,0 +1,128 @@
+//! Raw bindings to the C ABI in `csrc/tch_dist.h`. Everything here is unsafe; the safe API is above it.
+#![allow(non_camel_case_types, dead_code)]
+use libc::{c_char, c_int, c_void, size_t};
+
+pub const TDX_OK: c_int = 0;
+pub const TDX_EGENERIC: c_int = 1;
+pub const TDX_ETIMEOUT: c_int = 2;
+pub const TDX_ENETWORK: c_int = 3;
+pub const TDX_EINVALID: c_int = 4;
+pub const TDX_EUNAVAILABLE: c_int = 5;
+
+#[repr(C)]
+pub struct tdx_store {
+    _p: [u8; 0],
+}
+#[repr(C)]
+pub struct tdx_pg {
+    _p: [u8; 0],
+}
+#[repr(C)]
+pub struct tdx_work {
+    _p: [u8; 0],
+}
+#[repr(C)]
+pub struct tdx_hook {
+    _p: [u8; 0],
+}
+pub type tdx_tensor = *mut c_void;
+pub type tdx_hook_fn = unsafe extern "C" fn(ctx: *mut c_void, index: i64);
+
+extern "C" {
+    pub fn tdx_last_error() -> *const c_char;
+
+    pub fn tdx_store_tcp(
+        host: *const c_char,
+        port: u16,
+        is_server: c_int,
+        num_workers: i64,
+        wait_workers: c_int,
+        timeout_ms: i64,
+        multi_tenant: c_int,
+        use_libuv: c_int,
+        out: *mut *mut tdx_store,
+    ) -> c_int;
+    pub fn tdx_store_hash(out: *mut *mut tdx_store) -> c_int;
+    pub fn tdx_store_prefix(prefix: *const c_char, base: *const tdx_store, out: *mut *mut tdx_store) -> c_int;
+    pub fn tdx_store_clone_handle(s: *const tdx_store, out: *mut *mut tdx_store) -> c_int;
+    pub fn tdx_store_free(s: *mut tdx_store);
+    pub fn tdx_store_set(s: *const tdx_store, key: *const c_char, data: *const u8, len: size_t) -> c_int;
+    pub fn tdx_store_get(s: *const tdx_store, key: *const c_char, out: *mut *mut u8, len: *mut size_t) -> c_int;
+    pub fn tdx_store_add(s: *const tdx_store, key: *const c_char, delta: i64, out: *mut i64) -> c_int;
+    pub fn tdx_store_check(s: *const tdx_store, key: *const c_char, out: *mut c_int) -> c_int;
+    pub fn tdx_store_wait(s: *const tdx_store, key: *const c_char, timeout_ms: i64) -> c_int;
+    pub fn tdx_store_set_timeout(s: *const tdx_store, timeout_ms: i64) -> c_int;
+    pub fn tdx_store_tcp_port(s: *const tdx_store, out: *mut u16) -> c_int;
+    pub fn tdx_buf_free(p: *mut u8);
+
+    pub fn tdx_pg_gloo(
+        s: *const tdx_store,
+        rank: c_int,
+        size: c_int,
+        timeout_ms: i64,
+        hostname: *const c_char,
+        threads: c_int,
+        out: *mut *mut tdx_pg,
+    ) -> c_int;
+    pub fn tdx_pg_nccl(s: *const tdx_store, rank: c_int, size: c_int, timeout_ms: i64, out: *mut *mut tdx_pg) -> c_int;
+    pub fn tdx_pg_free(pg: *mut tdx_pg);
+    pub fn tdx_pg_set_timeout(pg: *mut tdx_pg, timeout_ms: i64) -> c_int;
+    pub fn tdx_pg_allreduce(pg: *mut tdx_pg, t: tdx_tensor, op: c_int, out: *mut *mut tdx_work) -> c_int;
+    pub fn tdx_pg_broadcast(pg: *mut tdx_pg, t: tdx_tensor, root: c_int, out: *mut *mut tdx_work) -> c_int;
+    pub fn tdx_pg_allgather(
+        pg: *mut tdx_pg,
+        outs: *mut tdx_tensor,
+        n: size_t,
+        input: tdx_tensor,
+        out: *mut *mut tdx_work,
+    ) -> c_int;
+    pub fn tdx_pg_reduce_scatter(
+        pg: *mut tdx_pg,
+        out_t: tdx_tensor,
+        ins: *mut tdx_tensor,
+        n: size_t,
+        op: c_int,
+        out: *mut *mut tdx_work,
+    ) -> c_int;
+    pub fn tdx_pg_send(pg: *mut tdx_pg, t: tdx_tensor, dst: c_int, tag: c_int, out: *mut *mut tdx_work) -> c_int;
+    pub fn tdx_pg_recv(pg: *mut tdx_pg, t: tdx_tensor, src: c_int, tag: c_int, out: *mut *mut tdx_work) -> c_int;
+    pub fn tdx_pg_barrier(pg: *mut tdx_pg, out: *mut *mut tdx_work) -> c_int;
+
+    pub fn tdx_work_wait(w: *mut tdx_work, timeout_ms: i64) -> c_int;
+    pub fn tdx_work_is_completed(w: *mut tdx_work, out: *mut c_int) -> c_int;
+    pub fn tdx_work_free(w: *mut tdx_work);
+
+    pub fn tdx_hook_register(
+        var: tdx_tensor,
+        f: tdx_hook_fn,
+        ctx: *mut c_void,
+        index: i64,
+        out: *mut *mut tdx_hook,
+    ) -> c_int;
+    pub fn tdx_hook_free(h: *mut tdx_hook);
+    pub fn tdx_tensor_set_grad(var: tdx_tensor, grad: tdx_tensor) -> c_int;
+    pub fn tdx_tensor_grad_data_ptr(var: tdx_tensor, out: *mut u64) -> c_int;
+
+    pub fn tdx_ref_bucket_assignment(
+        numels: *const i64,
+        dtypes: *const c_int,
+        device_ids: *const c_int,
+        n: size_t,
+        limits: *const u64,
+        n_limits: size_t,
+        out_order: *mut i64,
+        out_bucket_of: *mut i64,
+        out_buckets: *mut size_t,
+    ) -> c_int;
+
+    pub fn tdx_cpu_counter_install() -> c_int;
+    pub fn tdx_cpu_counter_installed() -> c_int;
+    pub fn tdx_cpu_allocated() -> i64;
+    pub fn tdx_cpu_peak() -> i64;
+    pub fn tdx_cpu_reset_peak();
+    pub fn tdx_cuda_memory(device: c_int, allocated: *mut i64, peak: *mut i64) -> c_int;
+    pub fn tdx_cuda_reset_peak(device: c_int) -> c_int;
+    pub fn tdx_cuda_device_count(out: *mut c_int) -> c_int;
+
+    pub fn tdx_layout_check(buf: *mut c_char, len: size_t) -> c_int;
+}

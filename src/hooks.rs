@@ -1,0 +1,103 @@
+//! Autograd hooks on a leaf's gradient accumulator (what DDP's reducer uses), and the `.grad` slot.
+use std::ffi::c_void;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::ptr::NonNull;
+
+use tch::Tensor;
+
+use crate::error::{check, Error, Result};
+use crate::ffi;
+
+type Callback = Box<dyn Fn() + Send + Sync>;
+
+/// A registered hook; dropping it removes the hook.
+pub struct GradHook {
+    ptr: NonNull<ffi::tdx_hook>,
+    // Boxed twice so the C side holds a thin pointer; freed after the hook is removed.
+    callback: *mut Callback,
+}
+
+// SAFETY: the callback is Send + Sync; the handle is only freed in Drop.
+unsafe impl Send for GradHook {}
+unsafe impl Sync for GradHook {}
+
+unsafe extern "C" fn trampoline(ctx: *mut c_void, _index: i64) {
+    // SAFETY: ctx is the *mut Callback registered below, alive until the hook is removed.
+    let f = unsafe { &*(ctx as *const Callback) };
+    // Never unwind into libtorch's autograd engine.
+    if catch_unwind(AssertUnwindSafe(|| f())).is_err() {
+        eprintln!("tch-dist: a gradient hook panicked; the panic was contained");
+    }
+}
+
+/// Runs `f` each time autograd has accumulated a gradient into `var.grad` (after accumulation, as
+/// `Tensor.register_post_accumulate_grad_hook`). `var` must be a leaf that requires grad. On CUDA the
+/// callback runs on autograd's device threads, hence `Send + Sync`.
+///
+/// ```no_run
+/// let x = tch::Tensor::ones([3], (tch::Kind::Float, tch::Device::Cpu)).set_requires_grad(true);
+/// let _h = tch_dist::hooks::on_grad_accumulated(&x, || println!("x.grad is ready"))?;
+/// (&x * 2).sum(tch::Kind::Float).backward();
+/// # Ok::<(), tch_dist::Error>(())
+/// ```
+pub fn on_grad_accumulated(var: &Tensor, f: impl Fn() + Send + Sync + 'static) -> Result<GradHook> {
+    let callback: *mut Callback = Box::into_raw(Box::new(Box::new(f)));
+    let mut out = std::ptr::null_mut();
+    // SAFETY: var is a live tensor; callback stays alive until GradHook drops.
+    let code = unsafe {
+        ffi::tdx_hook_register(var.as_ptr() as ffi::tdx_tensor, trampoline, callback as *mut c_void, 0, &mut out)
+    };
+    if let Err(e) = check(code, std::time::Duration::ZERO, || format!("register grad hook on {:?}", var.size())) {
+        // SAFETY: registration failed, so nothing else refers to the callback.
+        drop(unsafe { Box::from_raw(callback) });
+        return Err(e);
+    }
+    match NonNull::new(out) {
+        Some(ptr) => Ok(GradHook { ptr, callback }),
+        None => {
+            // SAFETY: as above.
+            drop(unsafe { Box::from_raw(callback) });
+            Err(Error::invalid("register grad hook", "shim returned a null hook"))
+        }
+    }
+}
+
+impl Drop for GradHook {
+    fn drop(&mut self) {
+        // SAFETY: removes the hook first, so the callback can no longer be reached, then frees it.
+        unsafe {
+            ffi::tdx_hook_free(self.ptr.as_ptr());
+            drop(Box::from_raw(self.callback));
+        }
+    }
+}
+
+/// Sets `var.grad` to `grad` (which may be a view, e.g. into a flat bucket), or clears it with `None`.
+pub fn set_grad(var: &Tensor, grad: Option<&Tensor>) -> Result<()> {
+    let g = grad.map_or(std::ptr::null_mut(), |g| g.as_ptr() as ffi::tdx_tensor);
+    // SAFETY: both tensors are live for the call; the shim copies the at::Tensor handle.
+    let code = unsafe { ffi::tdx_tensor_set_grad(var.as_ptr() as ffi::tdx_tensor, g) };
+    check(code, std::time::Duration::ZERO, || format!("set .grad of {:?}", var.size()))
+}
+
+/// The address of `var.grad`'s data, or 0 when it is undefined (to check that a grad is a bucket view).
+pub fn grad_data_ptr(var: &Tensor) -> Result<u64> {
+    let mut out = 0u64;
+    // SAFETY: var is live for the call.
+    let code = unsafe { ffi::tdx_tensor_grad_data_ptr(var.as_ptr() as ffi::tdx_tensor, &mut out) };
+    check(code, std::time::Duration::ZERO, || "read .grad".into())?;
+    Ok(out)
+}
+
+/// Zeroes every defined `.grad` in place, keeping bucket views intact. Use this instead of tch's
+/// `Optimizer::zero_grad` / `Tensor::zero_grad`, which call `detach_()` and fail on views.
+pub fn zero_grads(vars: &[Tensor]) -> Result<()> {
+    let _guard = tch::no_grad_guard();
+    for v in vars {
+        let mut g = v.grad();
+        if g.defined() {
+            let _ = g.f_zero_()?;
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,179 @@
+//! Starting a group the way `torch.distributed.init_process_group` does: from `torchrun`'s environment or
+//! from explicit values, with the same store layout so that Python and Rust ranks can share one group.
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use crate::error::{Error, Result};
+use crate::group::{Backend, GroupOptions, ProcessGroup, DEFAULT_TIMEOUT};
+use crate::store::{Store, TcpStoreOptions};
+
+/// Everything `init_process_group` needs.
+#[derive(Clone, Debug)]
+pub struct InitOptions {
+    pub rank: usize,
+    pub world_size: usize,
+    pub master_addr: String,
+    pub master_port: u16,
+    pub timeout: Duration,
+    /// `None`: chosen from `device` (Gloo for CPU, NCCL for CUDA).
+    pub backend: Option<Backend>,
+    pub device: tch::Device,
+    /// Gloo: the address to bind; `None` binds like PyTorch.
+    pub hostname: Option<String>,
+}
+
+impl InitOptions {
+    pub fn new(rank: usize, world_size: usize, master_addr: &str, master_port: u16) -> Self {
+        InitOptions {
+            rank,
+            world_size,
+            master_addr: master_addr.to_string(),
+            master_port,
+            timeout: DEFAULT_TIMEOUT,
+            backend: None,
+            device: tch::Device::Cpu,
+            hostname: None,
+        }
+    }
+
+    pub fn timeout(mut self, t: Duration) -> Self {
+        self.timeout = t;
+        self
+    }
+    pub fn backend(mut self, b: Backend) -> Self {
+        self.backend = Some(b);
+        self
+    }
+    pub fn device(mut self, d: tch::Device) -> Self {
+        self.device = d;
+        self
+    }
+
+    /// Reads `RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT` as `torchrun` sets them. With `LOCAL_RANK`
+    /// set and CUDA available, the device is `cuda:LOCAL_RANK`; else CPU. `TCH_DIST_TIMEOUT_SECS` and
+    /// `TCH_DIST_BACKEND` override the timeout and backend.
+    pub fn from_env() -> Result<Self> {
+        let rank: usize = env_num("RANK")?;
+        let world_size: usize = env_num("WORLD_SIZE")?;
+        if world_size == 0 {
+            return Err(Error::Env { var: "WORLD_SIZE".into(), msg: "must be at least 1".into() });
+        }
+        if rank >= world_size {
+            return Err(Error::Env {
+                var: "RANK".into(),
+                msg: format!("RANK={rank} is not below WORLD_SIZE={world_size}"),
+            });
+        }
+        let master_addr = env_str("MASTER_ADDR")?;
+        let master_port: u16 = env_num("MASTER_PORT")?;
+        let mut o = InitOptions::new(rank, world_size, &master_addr, master_port);
+        if let Ok(v) = std::env::var("LOCAL_RANK") {
+            let local: usize = parse_num("LOCAL_RANK", &v)?;
+            if tch::Cuda::is_available() && (local as i64) < tch::Cuda::device_count() {
+                o.device = tch::Device::Cuda(local);
+            }
+        }
+        if let Ok(v) = std::env::var("TCH_DIST_TIMEOUT_SECS") {
+            let secs: f64 = parse_num("TCH_DIST_TIMEOUT_SECS", &v)?;
+            o.timeout = Duration::from_secs_f64(secs);
+        }
+        if let Ok(v) = std::env::var("TCH_DIST_BACKEND") {
+            o.backend = Some(v.parse().map_err(|_| Error::Env {
+                var: "TCH_DIST_BACKEND".into(),
+                msg: format!("{v:?} is not gloo or nccl"),
+            })?);
+        }
+        Ok(o)
+    }
+}
+
+fn env_str(var: &str) -> Result<String> {
+    match std::env::var(var) {
+        Ok(v) if !v.trim().is_empty() => Ok(v.trim().to_string()),
+        Ok(_) => Err(Error::Env { var: var.into(), msg: "is empty".into() }),
+        Err(_) => Err(Error::Env { var: var.into(), msg: "is not set (torchrun and tchrun set it)".into() }),
+    }
+}
+
+fn env_num<T: std::str::FromStr>(var: &str) -> Result<T> {
+    let v = env_str(var)?;
+    parse_num(var, &v)
+}
+
+fn parse_num<T: std::str::FromStr>(var: &str, v: &str) -> Result<T> {
+    v.trim()
+        .parse()
+        .map_err(|_| Error::Env { var: var.into(), msg: format!("{v:?} is not a valid number here") })
+}
+
+impl ProcessGroup {
+    /// Joins the group described by `torchrun`'s environment variables (see [`InitOptions::from_env`]).
+    pub fn from_env() -> Result<ProcessGroup> {
+        ProcessGroup::init(&InitOptions::from_env()?)
+    }
+
+    /// Rendezvous through a TCPStore at `master_addr:master_port` (rank 0 serves it) and build the group,
+    /// with the same store prefixes as PyTorch's default group, so Python ranks can join.
+    pub fn init(o: &InitOptions) -> Result<ProcessGroup> {
+        if o.world_size == 0 || o.rank >= o.world_size {
+            return Err(Error::invalid(
+                "init_process_group",
+                format!("rank {} is not in a world of size {}", o.rank, o.world_size),
+            ));
+        }
+        let backend = o.backend.unwrap_or_else(|| Backend::for_device(o.device));
+        let base = if o.rank == 0 {
+            TcpStoreOptions::server(&o.master_addr, o.master_port, o.world_size)
+        } else {
+            TcpStoreOptions::client(&o.master_addr, o.master_port, o.world_size)
+        };
+        let store = Store::tcp(&base.timeout(o.timeout))?;
+        ProcessGroup::on_default_store(&store, o.rank, o.world_size, backend, o.timeout, o.hostname.clone())
+    }
+
+    /// Builds the default group on an existing store with PyTorch's key layout
+    /// (`default_pg` / group name `0/` / device `cpu/` or `cuda/`).
+    pub fn on_default_store(
+        store: &Store,
+        rank: usize,
+        world_size: usize,
+        backend: Backend,
+        timeout: Duration,
+        hostname: Option<String>,
+    ) -> Result<ProcessGroup> {
+        let s = store.prefixed("default_pg")?.prefixed("0/")?.prefixed(backend.store_prefix())?;
+        let opts = GroupOptions { backend, timeout, hostname, threads: 0 };
+        ProcessGroup::new(&s, rank, world_size, &opts)
+    }
+}
+
+static GLOBAL: RwLock<Option<Arc<ProcessGroup>>> = RwLock::new(None);
+
+/// Sets up the process-wide default group (what `torch.distributed.init_process_group` does).
+pub fn init_process_group(o: &InitOptions) -> Result<Arc<ProcessGroup>> {
+    let pg = Arc::new(ProcessGroup::init(o)?);
+    set_default_group(pg.clone())?;
+    Ok(pg)
+}
+
+/// Installs `pg` as the default group; fails if one is already set.
+pub fn set_default_group(pg: Arc<ProcessGroup>) -> Result<()> {
+    let mut g = GLOBAL.write().map_err(|_| Error::invalid("default group", "lock poisoned"))?;
+    if g.is_some() {
+        return Err(Error::invalid("init_process_group", "the default process group is already initialised"));
+    }
+    *g = Some(pg);
+    Ok(())
+}
+
+/// The default group, if initialised.
+pub fn default_group() -> Option<Arc<ProcessGroup>> {
+    GLOBAL.read().ok().and_then(|g| g.clone())
+}
+
+/// Drops the default group (collectives in flight finish first, as the group's destructor waits).
+pub fn destroy_process_group() {
+    if let Ok(mut g) = GLOBAL.write() {
+        *g = None;
+    }
+}

@@ -1,0 +1,28 @@
+//! tch-dist: what `torch.distributed` gives PyTorch users, for tch-rs.
+//!
+//! Layers, bottom up: a thin C++ shim over libtorch's c10d (`csrc/`, reached through [`ffi`]); safe wrappers
+//! ([`store`], [`group`], [`work`], [`hooks`], [`memory`]); and the features built on them.
+//!
+//! ```no_run
+//! use tch_dist::{ProcessGroup, ReduceOp};
+//! let pg = ProcessGroup::from_env()?; // as torchrun sets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+//! let mut t = tch::Tensor::from_slice(&[pg.rank() as f32]);
+//! pg.allreduce(&mut t, ReduceOp::Sum)?;
+//! # Ok::<(), tch_dist::Error>(())
+//! ```
+mod ffi;
+
+pub mod error;
+pub mod group;
+pub mod hooks;
+pub mod init;
+pub mod memory;
+pub mod reference;
+pub mod store;
+pub mod work;
+
+pub use error::{Error, Result};
+pub use group::{Backend, GroupOptions, ProcessGroup, ReduceOp};
+pub use init::{default_group, destroy_process_group, init_process_group, InitOptions};
+pub use store::{Store, TcpStoreOptions};
+pub use work::Work;

@@ -1,0 +1,114 @@
+//! Memory rulers: bytes allocated now and at peak, per device.
+//!
+//! On CPU the ruler is a counting allocator layered over libtorch's CPU allocator. It counts only what is
+//! allocated after it is installed: install it first thing in `main` ([`install_cpu_counter`]), or let the
+//! first call to [`allocated`] / [`peak`] install it. It does not see Gloo's or the TCPStore's own buffers.
+//!
+//! The same code is built as `libtch_dist_memory.so` ([`ruler_library_path`]); a Python process loads it
+//! with ctypes and calls `tdx_cpu_counter_install`, `tdx_cpu_allocated`, `tdx_cpu_peak`, so PyTorch is
+//! measured with the very same ruler (see `scripts/memory_ruler.py`).
+//!
+//! On CUDA the numbers are the caching allocator's (`torch.cuda.memory_allocated` / `max_memory_allocated`).
+use tch::Device;
+
+use crate::error::{Error, Result};
+use crate::ffi;
+
+/// Installs the counting CPU allocator (idempotent). Tensors allocated before are not counted.
+pub fn install_cpu_counter() -> Result<()> {
+    // SAFETY: no arguments; the shim serialises installation.
+    match unsafe { ffi::tdx_cpu_counter_install() } {
+        ffi::TDX_OK => Ok(()),
+        _ => Err(Error::Backend {
+            op: "install CPU memory counter".into(),
+            msg: "another CPU allocator with higher priority is installed".into(),
+        }),
+    }
+}
+
+/// Whether the CPU counter is installed.
+pub fn cpu_counter_installed() -> bool {
+    // SAFETY: reads a flag.
+    unsafe { ffi::tdx_cpu_counter_installed() != 0 }
+}
+
+fn cuda_stats(index: usize) -> Result<(i64, i64)> {
+    let (mut a, mut p) = (0i64, 0i64);
+    // SAFETY: out-pointers valid for the call.
+    match unsafe { ffi::tdx_cuda_memory(index as i32, &mut a, &mut p) } {
+        ffi::TDX_OK => Ok((a, p)),
+        _ => Err(unavailable(index)),
+    }
+}
+
+fn unavailable(index: usize) -> Error {
+    Error::Unavailable {
+        what: format!("CUDA memory stats for cuda:{index}"),
+        msg: if cfg!(feature = "cuda") {
+            "no such CUDA device".into()
+        } else {
+            "tch-dist was built without the `cuda` feature".into()
+        },
+    }
+}
+
+fn unsupported(d: Device) -> Error {
+    Error::invalid("memory stats", format!("device {d:?} has no memory ruler (CPU and CUDA only)"))
+}
+
+/// Bytes currently allocated on `device`.
+pub fn allocated(device: Device) -> Result<i64> {
+    match device {
+        Device::Cpu => {
+            install_cpu_counter()?;
+            // SAFETY: reads an atomic.
+            Ok(unsafe { ffi::tdx_cpu_allocated() })
+        }
+        Device::Cuda(i) => Ok(cuda_stats(i)?.0),
+        d => Err(unsupported(d)),
+    }
+}
+
+/// Highest [`allocated`] value since installation or the last [`reset_peak`].
+pub fn peak(device: Device) -> Result<i64> {
+    match device {
+        Device::Cpu => {
+            install_cpu_counter()?;
+            // SAFETY: reads an atomic.
+            Ok(unsafe { ffi::tdx_cpu_peak() })
+        }
+        Device::Cuda(i) => Ok(cuda_stats(i)?.1),
+        d => Err(unsupported(d)),
+    }
+}
+
+/// Sets the peak to the current allocation.
+pub fn reset_peak(device: Device) -> Result<()> {
+    match device {
+        Device::Cpu => {
+            install_cpu_counter()?;
+            // SAFETY: writes an atomic.
+            unsafe { ffi::tdx_cpu_reset_peak() };
+            Ok(())
+        }
+        // SAFETY: plain call; failure is reported by code.
+        Device::Cuda(i) => match unsafe { ffi::tdx_cuda_reset_peak(i as i32) } {
+            ffi::TDX_OK => Ok(()),
+            _ => Err(unavailable(i)),
+        },
+        d => Err(unsupported(d)),
+    }
+}
+
+/// Number of CUDA devices this build can use (0 without the `cuda` feature or without a GPU).
+pub fn cuda_device_count() -> usize {
+    let mut n = 0;
+    // SAFETY: out-pointer valid for the call.
+    unsafe { ffi::tdx_cuda_device_count(&mut n) };
+    n.max(0) as usize
+}
+
+/// Path of `libtch_dist_memory.so`, the CPU ruler for Python processes (ctypes), as built with this crate.
+pub fn ruler_library_path() -> &'static str {
+    env!("TCH_DIST_MEMORY_LIB")
+}

@@ -1,0 +1,79 @@
+//! libtorch's own implementations, reached through the shim, for tests that compare ours against them.
+use crate::error::{check, Error, Result};
+use crate::ffi;
+
+/// `c10d::compute_bucket_assignment_by_size` on tensors of the given element counts, dtypes and device ids
+/// (0 or 1: two distinct devices), without a tensor index order (so buckets are sorted by smallest index).
+/// Returns the buckets in libtorch's order, each a list of tensor indices.
+pub fn libtorch_bucket_assignment(
+    numels: &[i64],
+    kinds: &[tch::Kind],
+    devices: &[u8],
+    limits: &[u64],
+) -> Result<Vec<Vec<usize>>> {
+    let n = numels.len();
+    if kinds.len() != n || devices.len() != n {
+        return Err(Error::invalid("libtorch_bucket_assignment", "numels, kinds and devices differ in length"));
+    }
+    if devices.iter().any(|&d| d > 1) {
+        return Err(Error::invalid("libtorch_bucket_assignment", "device ids must be 0 or 1"));
+    }
+    let dtypes: Vec<i32> = kinds.iter().map(|&k| scalar_type_code(k)).collect::<Result<_>>()?;
+    let devs: Vec<i32> = devices.iter().map(|&d| d as i32).collect();
+    let mut order = vec![0i64; n];
+    let mut bucket_of = vec![0i64; n];
+    let mut nb = 0usize;
+    // SAFETY: all arrays have n (or limits.len()) elements.
+    let code = unsafe {
+        ffi::tdx_ref_bucket_assignment(
+            numels.as_ptr(),
+            dtypes.as_ptr(),
+            devs.as_ptr(),
+            n,
+            limits.as_ptr(),
+            limits.len(),
+            order.as_mut_ptr(),
+            bucket_of.as_mut_ptr(),
+            &mut nb,
+        )
+    };
+    check(code, std::time::Duration::ZERO, || "c10d::compute_bucket_assignment_by_size".into())?;
+    let mut buckets = vec![Vec::new(); nb];
+    for &i in &order {
+        buckets[bucket_of[i as usize] as usize].push(i as usize);
+    }
+    Ok(buckets)
+}
+
+/// Checks the layout assumptions behind the declaration-only gloo headers against the linked libtorch.
+/// Returns a description of what was checked, or an error naming the broken assumption.
+pub fn gloo_layout_check() -> Result<String> {
+    let mut buf = vec![0u8; 512];
+    // SAFETY: buf is writable for its length.
+    let code = unsafe { ffi::tdx_layout_check(buf.as_mut_ptr() as *mut libc::c_char, buf.len()) };
+    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+    let msg = String::from_utf8_lossy(&buf[..end]).to_string();
+    if code == ffi::TDX_EINVALID && !msg.is_empty() {
+        return Err(Error::mismatch("gloo layout check", msg));
+    }
+    check(code, std::time::Duration::ZERO, || "gloo layout check".into())?;
+    Ok(msg)
+}
+
+/// c10::ScalarType codes of the kinds DDP buckets hold.
+fn scalar_type_code(k: tch::Kind) -> Result<i32> {
+    use tch::Kind::*;
+    Ok(match k {
+        Uint8 => 0,
+        Int8 => 1,
+        Int16 => 2,
+        Int => 3,
+        Int64 => 4,
+        Half => 5,
+        Float => 6,
+        Double => 7,
+        Bool => 11,
+        BFloat16 => 15,
+        other => return Err(Error::invalid("libtorch_bucket_assignment", format!("unsupported kind {other:?}"))),
+    })
+}

@@ -1,0 +1,225 @@
+//! Key-value stores for rendezvous: c10d's `TCPStore` (across processes, wire-compatible with PyTorch),
+//! `HashStore` (threads of one process, for tests) and `PrefixStore` (namespaces inside another store).
+use std::ffi::CString;
+use std::ptr::NonNull;
+use std::time::Duration;
+
+use crate::error::{check, Error, Result};
+use crate::ffi;
+
+/// Default timeout for store operations and rendezvous, as PyTorch's (`timedelta(minutes=30)` is PyTorch's
+/// process-group default; stores default to 300 s). We choose 300 s for both; pass your own for tests.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// A handle to a c10d store. Cloning shares the same store.
+///
+/// ```no_run
+/// use tch_dist::store::{Store, TcpStoreOptions};
+/// let s = Store::tcp(&TcpStoreOptions::server("127.0.0.1", 29500, 2))?;
+/// s.set("key", b"value")?;
+/// # Ok::<(), tch_dist::Error>(())
+/// ```
+pub struct Store {
+    ptr: NonNull<ffi::tdx_store>,
+    timeout: Duration,
+    desc: String,
+}
+
+// SAFETY: c10d stores synchronise internally (TCPStore's client holds a mutex, HashStore too).
+unsafe impl Send for Store {}
+unsafe impl Sync for Store {}
+
+/// Options of a `TCPStore`, as `torch.distributed.TCPStore` takes them.
+#[derive(Clone, Debug)]
+pub struct TcpStoreOptions {
+    pub host: String,
+    /// 0 with `is_server` picks a free port; read it back with [`Store::port`].
+    pub port: u16,
+    pub is_server: bool,
+    /// Number of clients the server waits for (`world_size`), if it waits.
+    pub num_workers: Option<usize>,
+    pub wait_workers: bool,
+    pub timeout: Duration,
+    /// Several stores may share one host:port (PyTorch's `init_process_group` sets it).
+    pub multi_tenant: bool,
+    pub use_libuv: bool,
+}
+
+impl TcpStoreOptions {
+    /// A server (rank 0's side) waiting for `world_size` participants.
+    pub fn server(host: &str, port: u16, world_size: usize) -> Self {
+        TcpStoreOptions {
+            host: host.to_string(),
+            port,
+            is_server: true,
+            num_workers: Some(world_size),
+            wait_workers: true,
+            timeout: DEFAULT_TIMEOUT,
+            multi_tenant: true,
+            use_libuv: true,
+        }
+    }
+
+    /// A client connecting to `host:port`.
+    pub fn client(host: &str, port: u16, world_size: usize) -> Self {
+        TcpStoreOptions { is_server: false, ..Self::server(host, port, world_size) }
+    }
+
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+}
+
+fn cstr(what: &str, s: &str) -> Result<CString> {
+    CString::new(s).map_err(|_| Error::invalid(what, format!("{s:?} contains a NUL byte")))
+}
+
+pub(crate) fn millis(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
+impl Store {
+    fn wrap(ptr: *mut ffi::tdx_store, timeout: Duration, desc: String) -> Result<Store> {
+        let ptr = NonNull::new(ptr).ok_or_else(|| Error::invalid(desc.clone(), "shim returned a null store"))?;
+        Ok(Store { ptr, timeout, desc })
+    }
+
+    /// Connects to (or, with `is_server`, starts) a TCPStore.
+    pub fn tcp(o: &TcpStoreOptions) -> Result<Store> {
+        let host = cstr("TCPStore host", &o.host)?;
+        let desc = format!(
+            "TCPStore {} at {}:{}",
+            if o.is_server { "server" } else { "client" },
+            o.host,
+            o.port
+        );
+        let mut out = std::ptr::null_mut();
+        let workers = o.num_workers.map(|n| n as i64).unwrap_or(-1);
+        // SAFETY: all pointers are valid for the call; `out` receives an owned handle.
+        let code = unsafe {
+            ffi::tdx_store_tcp(
+                host.as_ptr(),
+                o.port,
+                o.is_server as i32,
+                workers,
+                o.wait_workers as i32,
+                millis(o.timeout),
+                o.multi_tenant as i32,
+                o.use_libuv as i32,
+                &mut out,
+            )
+        };
+        check(code, o.timeout, || desc.clone())?;
+        Store::wrap(out, o.timeout, desc)
+    }
+
+    /// An in-process store: ranks that are threads of one process rendezvous through clones of it.
+    pub fn hash() -> Result<Store> {
+        let mut out = std::ptr::null_mut();
+        // SAFETY: `out` receives an owned handle.
+        check(unsafe { ffi::tdx_store_hash(&mut out) }, DEFAULT_TIMEOUT, || "HashStore".into())?;
+        Store::wrap(out, DEFAULT_TIMEOUT, "HashStore".into())
+    }
+
+    /// A view of this store whose keys are prefixed by `prefix` (c10d's `PrefixStore`).
+    pub fn prefixed(&self, prefix: &str) -> Result<Store> {
+        let p = cstr("PrefixStore prefix", prefix)?;
+        let mut out = std::ptr::null_mut();
+        // SAFETY: self.ptr is a live handle; `out` receives an owned handle.
+        let code = unsafe { ffi::tdx_store_prefix(p.as_ptr(), self.ptr.as_ptr(), &mut out) };
+        check(code, self.timeout, || format!("PrefixStore({prefix:?}) over {}", self.desc))?;
+        Store::wrap(out, self.timeout, format!("{}/{prefix}", self.desc))
+    }
+
+    pub fn set(&self, key: &str, value: &[u8]) -> Result<()> {
+        let k = cstr("store key", key)?;
+        // SAFETY: pointers valid for the call.
+        let code = unsafe { ffi::tdx_store_set(self.ptr.as_ptr(), k.as_ptr(), value.as_ptr(), value.len()) };
+        check(code, self.timeout, || format!("{}: set {key:?}", self.desc))
+    }
+
+    /// Reads `key`, waiting up to the store's timeout for it to be set.
+    pub fn get(&self, key: &str) -> Result<Vec<u8>> {
+        let k = cstr("store key", key)?;
+        let mut buf = std::ptr::null_mut();
+        let mut len = 0usize;
+        // SAFETY: on success `buf` is a malloc'ed buffer of `len` bytes that we copy and free.
+        let code = unsafe { ffi::tdx_store_get(self.ptr.as_ptr(), k.as_ptr(), &mut buf, &mut len) };
+        check(code, self.timeout, || format!("{}: get {key:?}", self.desc))?;
+        let v = unsafe { std::slice::from_raw_parts(buf, len).to_vec() };
+        unsafe { ffi::tdx_buf_free(buf) };
+        Ok(v)
+    }
+
+    /// Atomically adds `delta` to the integer at `key` and returns the new value.
+    pub fn add(&self, key: &str, delta: i64) -> Result<i64> {
+        let k = cstr("store key", key)?;
+        let mut out = 0;
+        // SAFETY: pointers valid for the call.
+        let code = unsafe { ffi::tdx_store_add(self.ptr.as_ptr(), k.as_ptr(), delta, &mut out) };
+        check(code, self.timeout, || format!("{}: add {key:?}", self.desc))?;
+        Ok(out)
+    }
+
+    /// Whether `key` is set, without waiting.
+    pub fn check(&self, key: &str) -> Result<bool> {
+        let k = cstr("store key", key)?;
+        let mut out = 0;
+        // SAFETY: pointers valid for the call.
+        let code = unsafe { ffi::tdx_store_check(self.ptr.as_ptr(), k.as_ptr(), &mut out) };
+        check(code, self.timeout, || format!("{}: check {key:?}", self.desc))?;
+        Ok(out != 0)
+    }
+
+    /// Waits until `key` is set, at most `timeout`.
+    pub fn wait(&self, key: &str, timeout: Duration) -> Result<()> {
+        let k = cstr("store key", key)?;
+        // SAFETY: pointers valid for the call.
+        let code = unsafe { ffi::tdx_store_wait(self.ptr.as_ptr(), k.as_ptr(), millis(timeout)) };
+        check(code, timeout, || format!("{}: wait for {key:?}", self.desc))
+    }
+
+    /// The port a TCPStore listens on or connects to (useful after asking for port 0).
+    pub fn port(&self) -> Result<u16> {
+        let mut out = 0u16;
+        // SAFETY: pointers valid for the call.
+        let code = unsafe { ffi::tdx_store_tcp_port(self.ptr.as_ptr(), &mut out) };
+        check(code, self.timeout, || format!("{}: port", self.desc))?;
+        Ok(out)
+    }
+
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    pub(crate) fn as_ptr(&self) -> *const ffi::tdx_store {
+        self.ptr.as_ptr()
+    }
+}
+
+impl Clone for Store {
+    fn clone(&self) -> Self {
+        let mut out = std::ptr::null_mut();
+        // SAFETY: copying an intrusive_ptr cannot fail short of allocation failure, which aborts anyway.
+        let code = unsafe { ffi::tdx_store_clone_handle(self.ptr.as_ptr(), &mut out) };
+        let ptr = match NonNull::new(out) {
+            Some(p) if code == ffi::TDX_OK => p,
+            _ => std::process::abort(),
+        };
+        Store { ptr, timeout: self.timeout, desc: self.desc.clone() }
+    }
+}
+
+impl Drop for Store {
+    fn drop(&mut self) {
+        // SAFETY: we own the handle.
+        unsafe { ffi::tdx_store_free(self.ptr.as_ptr()) }
+    }
+}
+
+impl std::fmt::Debug for Store {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.desc)
+    }
+}

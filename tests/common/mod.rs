@@ -1,0 +1,114 @@
+//! Helpers shared by the integration tests: ranks as threads (HashStore) or as processes (TCPStore).
+#![allow(dead_code)]
+use std::net::TcpListener;
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use tch_dist::{Backend, GroupOptions, ProcessGroup, Store};
+
+/// A port that was free a moment ago (the OS picks it).
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("free port")
+}
+
+pub fn gloo_opts(timeout: Duration) -> GroupOptions {
+    GroupOptions { backend: Backend::Gloo, timeout, hostname: Some("127.0.0.1".into()), threads: 0 }
+}
+
+/// Runs `f(pg)` on `world` threads, each a rank of one Gloo group over a shared HashStore.
+/// Returns each rank's result, in rank order.
+pub fn run_threads<T: Send + 'static>(
+    world: usize,
+    timeout: Duration,
+    f: impl Fn(ProcessGroup) -> T + Send + Sync + Clone + 'static,
+) -> Vec<T> {
+    let store = Store::hash().expect("hash store");
+    let handles: Vec<_> = (0..world)
+        .map(|rank| {
+            let store = store.clone();
+            let f = f.clone();
+            std::thread::spawn(move || {
+                let pg = ProcessGroup::new(&store, rank, world, &gloo_opts(timeout)).expect("group");
+                f(pg)
+            })
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().expect("rank thread panicked")).collect()
+}
+
+/// Starts `world` copies of this test binary, each running the ignored test `worker` with torchrun's
+/// environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) plus `env`. Returns the children.
+pub fn spawn_ranks(worker: &str, world: usize, env: &[(&str, String)]) -> Vec<std::process::Child> {
+    let port = free_port();
+    let exe = std::env::current_exe().expect("current exe");
+    (0..world)
+        .map(|rank| {
+            let mut c = Command::new(&exe);
+            c.args(["--ignored", "--exact", worker, "--nocapture", "--test-threads=1"])
+                .env("RANK", rank.to_string())
+                .env("LOCAL_RANK", rank.to_string())
+                .env("WORLD_SIZE", world.to_string())
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", port.to_string())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped());
+            for (k, v) in env {
+                c.env(k, v);
+            }
+            c.spawn().expect("spawn rank process")
+        })
+        .collect()
+}
+
+/// Waits for every child, at most `limit` in all (killing stragglers), and returns their outputs.
+pub fn wait_all(children: Vec<std::process::Child>, limit: Duration) -> Vec<Output> {
+    let start = Instant::now();
+    let mut children: Vec<Option<std::process::Child>> = children.into_iter().map(Some).collect();
+    loop {
+        let done = children.iter_mut().all(|c| match c {
+            Some(ch) => matches!(ch.try_wait(), Ok(Some(_))),
+            None => true,
+        });
+        if done || start.elapsed() > limit {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    children
+        .into_iter()
+        .map(|c| {
+            let mut ch = c.expect("child");
+            if !matches!(ch.try_wait(), Ok(Some(_))) {
+                let _ = ch.kill();
+            }
+            ch.wait_with_output().expect("child output")
+        })
+        .collect()
+}
+
+pub fn show(o: &Output) -> String {
+    format!(
+        "status {:?}\n--- stdout\n{}\n--- stderr\n{}",
+        o.status,
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+/// Spawns the ranks, waits, and asserts every one exited successfully.
+pub fn run_ranks_ok(worker: &str, world: usize, env: &[(&str, String)], limit: Duration) -> Vec<Output> {
+    let outs = wait_all(spawn_ranks(worker, world, env), limit);
+    for (r, o) in outs.iter().enumerate() {
+        assert!(o.status.success(), "rank {r} of {worker} failed:\n{}", show(o));
+    }
+    outs
+}
+
+/// The venv's Python (set by scripts/env.sh), else python3 on PATH.
+pub fn python() -> String {
+    std::env::var("TCH_DIST_PYTHON_BIN").unwrap_or_else(|_| "python3".into())
+}
+
+pub fn repo_path(rel: &str) -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(rel)
+}
