@@ -44,6 +44,18 @@ impl Error {
         Error::Mismatch { op: op.into(), msg: msg.into() }
     }
 
+    /// The same error, reported as a failure of `op` (keeps the kind and the engine's message).
+    pub(crate) fn in_op(self, op: String) -> Self {
+        match self {
+            Error::Timeout { timeout, msg, .. } => Error::Timeout { op, timeout, msg },
+            Error::PeerGone { msg, .. } => Error::PeerGone { op, msg },
+            Error::Mismatch { msg, .. } => Error::Mismatch { op, msg },
+            Error::Invalid { msg, .. } => Error::Invalid { op, msg },
+            Error::Backend { msg, .. } => Error::Backend { op, msg },
+            other => other,
+        }
+    }
+
     /// True for errors that mean a peer is gone or did not answer in time.
     pub fn is_peer_failure(&self) -> bool {
         matches!(self, Error::Timeout { .. } | Error::PeerGone { .. })

@@ -8,6 +8,7 @@ use tch::Tensor;
 use crate::error::{check, Error, Result};
 use crate::ffi;
 use crate::store::{millis, Store};
+use crate::verify;
 use crate::work::Work;
 
 /// PyTorch's default collective timeout for Gloo is 30 minutes; a stuck job should fail sooner by default.
@@ -88,12 +89,29 @@ pub struct GroupOptions {
     pub hostname: Option<String>,
     /// Gloo worker threads; 0 means PyTorch's default (2 per device).
     pub threads: usize,
+    /// Before each collective, check that all ranks pass the same operation, dtype and shape (one small
+    /// all_gather), and before each recv, that the sender's tensor matches. Gloo aborts the process on a
+    /// size mismatch, so this is on by default; turn it off (or set `TCH_DIST_VERIFY=0`) to save the round
+    /// trip once a program is known to be consistent. DDP's bucket collectives never pay it: their shapes
+    /// are checked once, at construction.
+    pub verify: bool,
 }
 
 impl Default for GroupOptions {
     fn default() -> Self {
-        GroupOptions { backend: Backend::Gloo, timeout: DEFAULT_TIMEOUT, hostname: None, threads: 0 }
+        GroupOptions {
+            backend: Backend::Gloo,
+            timeout: DEFAULT_TIMEOUT,
+            hostname: None,
+            threads: 0,
+            verify: verify_default(),
+        }
     }
+}
+
+/// `TCH_DIST_VERIFY=0` turns agreement checks off by default.
+pub fn verify_default() -> bool {
+    !matches!(std::env::var("TCH_DIST_VERIFY").as_deref(), Ok("0") | Ok("false") | Ok("off"))
 }
 
 /// A group of `size` ranks that run collectives together; this process is `rank`.
@@ -111,6 +129,7 @@ pub struct ProcessGroup {
     size: usize,
     backend: Backend,
     timeout: Duration,
+    verify: bool,
     // Keeps the rendezvous store alive as long as the group, as Python's group does.
     _store: Store,
 }
@@ -165,7 +184,7 @@ impl ProcessGroup {
         };
         check(code, opts.timeout, what)?;
         let ptr = NonNull::new(out).ok_or_else(|| Error::invalid(what(), "shim returned a null group"))?;
-        Ok(ProcessGroup { ptr, rank, size, backend: opts.backend, timeout: opts.timeout, _store: store.clone() })
+        Ok(ProcessGroup { ptr, rank, size, backend: opts.backend, timeout: opts.timeout, verify: opts.verify, _store: store.clone() })
     }
 
     pub fn rank(&self) -> usize {
@@ -179,6 +198,27 @@ impl ProcessGroup {
     }
     pub fn timeout(&self) -> Duration {
         self.timeout
+    }
+    /// Whether collectives check agreement across ranks first (see [`GroupOptions::verify`]).
+    pub fn verifies(&self) -> bool {
+        self.verify
+    }
+    pub fn set_verify(&mut self, on: bool) {
+        self.verify = on;
+    }
+
+    fn meta_device(&self, t: &Tensor) -> tch::Device {
+        match self.backend {
+            Backend::Gloo => tch::Device::Cpu,
+            Backend::Nccl => t.device(),
+        }
+    }
+
+    fn agree(&self, what: &str, op: i64, t: &Tensor, extra: i64) -> Result<()> {
+        if self.verify {
+            verify::agree(self, what, verify::fingerprint(op, t, extra), self.meta_device(t))?;
+        }
+        Ok(())
     }
 
     fn ctx(&self) -> String {
@@ -217,6 +257,13 @@ impl ProcessGroup {
 
     /// Asynchronous [`allreduce`](Self::allreduce). Gloo has no AVG: it runs SUM and divides on `wait`.
     pub fn allreduce_async(&self, t: &mut Tensor, op: ReduceOp) -> Result<Work> {
+        self.agree("allreduce", 1, t, op.code() as i64)?;
+        self.allreduce_unverified(t, op)
+    }
+
+    /// [`allreduce_async`](Self::allreduce_async) without the agreement check, for callers that
+    /// established agreement once (DDP buckets).
+    pub(crate) fn allreduce_unverified(&self, t: &mut Tensor, op: ReduceOp) -> Result<Work> {
         let desc = format!("allreduce({op:?}) of {}", describe(t));
         let emulate_avg = op == ReduceOp::Avg && self.backend == Backend::Gloo;
         if op == ReduceOp::Avg && !t.is_floating_point() {
@@ -245,6 +292,7 @@ impl ProcessGroup {
 
     pub fn broadcast_async(&self, t: &mut Tensor, root: usize) -> Result<Work> {
         self.check_peer("broadcast root", root)?;
+        self.agree("broadcast", 2, t, root as i64)?;
         let desc = format!("broadcast from rank {root} of {}", describe(t));
         let tp = t.as_mut_ptr() as ffi::tdx_tensor;
         // SAFETY: as in allreduce_async.
@@ -257,6 +305,11 @@ impl ProcessGroup {
     }
 
     pub fn all_gather_async(&self, outputs: &mut [Tensor], input: &Tensor) -> Result<Work> {
+        self.agree("all_gather", 3, input, 0)?;
+        self.all_gather_unverified(outputs, input)
+    }
+
+    pub(crate) fn all_gather_unverified(&self, outputs: &mut [Tensor], input: &Tensor) -> Result<Work> {
         let desc = format!("all_gather of {}", describe(input));
         if outputs.len() != self.size {
             return Err(Error::invalid(desc, format!("{} output tensors for {} ranks", outputs.len(), self.size)));
@@ -280,6 +333,7 @@ impl ProcessGroup {
             return Err(Error::invalid(desc, format!("{} input tensors for {} ranks", inputs.len(), self.size)));
         }
         check_like(&desc, inputs, output)?;
+        self.agree("reduce_scatter", 4, output, op.code() as i64)?;
         if op == ReduceOp::Avg && !output.is_floating_point() {
             return Err(Error::invalid(desc, "ReduceOp::Avg needs a floating-point tensor"));
         }
@@ -311,11 +365,27 @@ impl ProcessGroup {
         self.send_async(t, dst, tag)?.wait()
     }
 
+    /// With verification on, a small header (dtype and shape) goes first on tag `tag + 2^30`, so the
+    /// receiver can refuse a mismatched tensor cleanly.
     pub fn send_async(&self, t: &Tensor, dst: usize, tag: i32) -> Result<Work> {
         self.check_peer("send destination", dst)?;
         if dst == self.rank {
             return Err(Error::invalid("send", format!("rank {dst} cannot send to itself")));
         }
+        let header = if self.verify {
+            let mut h = Tensor::from_slice(&verify::fingerprint(5, t, 0)).to_device(self.meta_device(t));
+            Some(self.send_raw(&mut h, dst, header_tag(tag))?)
+        } else {
+            None
+        };
+        let mut work = self.send_raw(t, dst, tag)?;
+        if let Some(h) = header {
+            work.wait_first(h);
+        }
+        Ok(work)
+    }
+
+    fn send_raw(&self, t: &Tensor, dst: usize, tag: i32) -> Result<Work> {
         let desc = format!("send of {} to rank {dst} (tag {tag})", describe(t));
         let tp = t.as_ptr() as ffi::tdx_tensor;
         // SAFETY: as in allreduce_async.
@@ -327,11 +397,35 @@ impl ProcessGroup {
         self.recv_async(t, src, tag)?.wait()
     }
 
+    /// With verification on, this first receives the sender's header (blocking), and on a dtype or shape
+    /// mismatch drains the message into a scratch tensor and returns [`Error::Mismatch`].
     pub fn recv_async(&self, t: &mut Tensor, src: usize, tag: i32) -> Result<Work> {
         self.check_peer("recv source", src)?;
         if src == self.rank {
             return Err(Error::invalid("recv", format!("rank {src} cannot receive from itself")));
         }
+        if self.verify {
+            let mine = verify::fingerprint(5, t, 0);
+            let mut h = Tensor::zeros([verify::LEN as i64], (tch::Kind::Int64, self.meta_device(t)));
+            self.recv_raw(&mut h, src, header_tag(tag))?.wait()?;
+            let theirs = Vec::<i64>::try_from(h.to_device(tch::Device::Cpu))?;
+            if theirs[..] != mine[..] {
+                let msg = format!(
+                    "rank {src} sent {} but rank {} posted {}",
+                    verify::render(&theirs),
+                    self.rank,
+                    verify::render(&mine)
+                );
+                if let Some(mut scratch) = verify::tensor_for(&theirs, t.device()) {
+                    self.recv_raw(&mut scratch, src, tag)?.wait()?;
+                }
+                return Err(Error::mismatch(format!("recv from rank {src} (tag {tag})"), msg));
+            }
+        }
+        self.recv_raw(t, src, tag)
+    }
+
+    fn recv_raw(&self, t: &mut Tensor, src: usize, tag: i32) -> Result<Work> {
         let desc = format!("recv of {} from rank {src} (tag {tag})", describe(t));
         let tp = t.as_mut_ptr() as ffi::tdx_tensor;
         // SAFETY: as in allreduce_async.
@@ -356,6 +450,10 @@ impl ProcessGroup {
         self.timeout = timeout;
         Ok(())
     }
+}
+
+fn header_tag(tag: i32) -> i32 {
+    tag.wrapping_add(1 << 30)
 }
 
 fn check_like(desc: &str, ts: &[Tensor], like: &Tensor) -> Result<()> {

@@ -142,7 +142,7 @@ impl ProcessGroup {
         hostname: Option<String>,
     ) -> Result<ProcessGroup> {
         let s = store.prefixed("default_pg")?.prefixed("0/")?.prefixed(backend.store_prefix())?;
-        let opts = GroupOptions { backend, timeout, hostname, threads: 0 };
+        let opts = GroupOptions { backend, timeout, hostname, ..GroupOptions::default() };
         ProcessGroup::new(&s, rank, world_size, &opts)
     }
 }

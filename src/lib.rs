@@ -10,7 +10,9 @@
 //! pg.allreduce(&mut t, ReduceOp::Sum)?;
 //! # Ok::<(), tch_dist::Error>(())
 //! ```
+mod dtype;
 mod ffi;
+mod verify;
 
 pub mod error;
 pub mod group;

@@ -18,7 +18,13 @@ pub fn libtorch_bucket_assignment(
     if devices.iter().any(|&d| d > 1) {
         return Err(Error::invalid("libtorch_bucket_assignment", "device ids must be 0 or 1"));
     }
-    let dtypes: Vec<i32> = kinds.iter().map(|&k| scalar_type_code(k)).collect::<Result<_>>()?;
+    let dtypes: Vec<i32> = kinds
+        .iter()
+        .map(|&k| {
+            crate::dtype::code(k)
+                .ok_or_else(|| Error::invalid("libtorch_bucket_assignment", format!("unsupported kind {k:?}")))
+        })
+        .collect::<Result<_>>()?;
     let devs: Vec<i32> = devices.iter().map(|&d| d as i32).collect();
     let mut order = vec![0i64; n];
     let mut bucket_of = vec![0i64; n];
@@ -58,22 +64,4 @@ pub fn gloo_layout_check() -> Result<String> {
     }
     check(code, std::time::Duration::ZERO, || "gloo layout check".into())?;
     Ok(msg)
-}
-
-/// c10::ScalarType codes of the kinds DDP buckets hold.
-fn scalar_type_code(k: tch::Kind) -> Result<i32> {
-    use tch::Kind::*;
-    Ok(match k {
-        Uint8 => 0,
-        Int8 => 1,
-        Int16 => 2,
-        Int => 3,
-        Int64 => 4,
-        Half => 5,
-        Float => 6,
-        Double => 7,
-        Bool => 11,
-        BFloat16 => 15,
-        other => return Err(Error::invalid("libtorch_bucket_assignment", format!("unsupported kind {other:?}"))),
-    })
 }

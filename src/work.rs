@@ -17,6 +17,8 @@ pub struct Work {
     desc: Box<dyn Fn() -> String + Send>,
     // Runs once after a successful wait (e.g. the division that turns SUM into AVG on Gloo).
     finish: Option<Finish>,
+    // Works that must complete before this one counts as done (e.g. a send's header).
+    before: Vec<Work>,
 }
 
 // SAFETY: c10d::Work is internally synchronised (mutex + condition variable).
@@ -34,7 +36,7 @@ impl Work {
             // The shim only returns TDX_OK with a handle; a null here is a broken invariant, not input.
             None => std::process::abort(),
         };
-        Work { ptr, timeout, desc, finish }
+        Work { ptr, timeout, desc, finish, before: Vec::new() }
     }
 
     /// Waits for completion, at most the group's timeout.
@@ -45,6 +47,9 @@ impl Work {
 
     /// Waits at most `timeout`; an operation still running then is an [`Error::Timeout`](crate::Error).
     pub fn wait_timeout(mut self, timeout: Duration) -> Result<()> {
+        for w in std::mem::take(&mut self.before) {
+            w.wait_timeout(timeout)?;
+        }
         // SAFETY: we own the handle.
         let code = unsafe { ffi::tdx_work_wait(self.ptr.as_ptr(), millis(timeout)) };
         check(code, timeout, || (self.desc)())?;
@@ -52,6 +57,10 @@ impl Work {
             Some(f) => f(),
             None => Ok(()),
         }
+    }
+
+    pub(crate) fn wait_first(&mut self, w: Work) {
+        self.before.push(w);
     }
 
     /// Whether the operation has finished (successfully or not), without blocking.

@@ -104,6 +104,14 @@ fn collectives_threads_2_ranks() {
 }
 
 #[test]
+fn collectives_threads_2_ranks_unverified() {
+    common::run_threads(2, T, |mut pg| {
+        pg.set_verify(false);
+        scenario(&pg)
+    });
+}
+
+#[test]
 fn collectives_threads_3_ranks() {
     common::run_threads(3, T, |pg| scenario(&pg));
 }
