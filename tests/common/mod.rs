@@ -1,5 +1,7 @@
 //! Helpers shared by the integration tests: ranks as threads (HashStore) or as processes (TCPStore).
 #![allow(dead_code)]
+pub mod scenario;
+
 use std::net::TcpListener;
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
