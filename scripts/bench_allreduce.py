@@ -1,0 +1,33 @@
+"""PyTorch twin of examples/bench_allreduce.rs: same sizes, same iteration rule, same output format."""
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def main():
+    dist.init_process_group("gloo", init_method="env://")
+    sizes = [int(s) for s in os.environ["BENCH_SIZES"].split(",")]
+    budget = float(os.environ.get("BENCH_SECONDS", "0.5"))
+    for nbytes in sizes:
+        t = torch.ones(nbytes // 4, dtype=torch.float32)
+        for _ in range(3):
+            dist.all_reduce(t)
+        start = time.perf_counter()
+        dist.all_reduce(t)
+        iters = torch.tensor([min(max(int(budget / max(time.perf_counter() - start, 1e-6)), 5), 2000)])
+        dist.broadcast(iters, 0)
+        n = int(iters.item())
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(n):
+            dist.all_reduce(t)
+        per_op = (time.perf_counter() - start) / n
+        if dist.get_rank() == 0:
+            print(f"{nbytes} {per_op:.9f}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
