@@ -2,6 +2,7 @@
 #include "common.h"
 
 #include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
@@ -37,6 +38,19 @@ void tdx_hook_free(tdx_hook* h) {
     delete h;
   } catch (...) {
   }
+}
+
+int tdx_queue_backward_callback(tdx_callback_fn fn, void* ctx) {
+  TDX_TRY({
+    torch::autograd::Engine::get_default_engine().queue_callback([fn, ctx]() {
+      char buf[2048];
+      buf[0] = 0;
+      // The Rust side catches its own panics and reports failure through the return code; the
+      // exception below is how autograd reports a failed callback: backward() itself fails.
+      if (fn(ctx, buf, sizeof(buf)) != 0) throw std::runtime_error(buf);
+    });
+    return TDX_OK;
+  })
 }
 
 int tdx_tensor_set_grad(tdx_tensor var, tdx_tensor grad) {

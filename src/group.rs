@@ -293,6 +293,10 @@ impl ProcessGroup {
     pub fn broadcast_async(&self, t: &mut Tensor, root: usize) -> Result<Work> {
         self.check_peer("broadcast root", root)?;
         self.agree("broadcast", 2, t, root as i64)?;
+        self.broadcast_unverified(t, root)
+    }
+
+    pub(crate) fn broadcast_unverified(&self, t: &mut Tensor, root: usize) -> Result<Work> {
         let desc = format!("broadcast from rank {root} of {}", describe(t));
         let tp = t.as_mut_ptr() as ffi::tdx_tensor;
         // SAFETY: as in allreduce_async.

@@ -101,3 +101,37 @@ pub fn zero_grads(vars: &[Tensor]) -> Result<()> {
     }
     Ok(())
 }
+
+type EndCallback = Box<dyn FnOnce() -> std::result::Result<(), String> + Send>;
+
+unsafe extern "C" fn end_trampoline(ctx: *mut c_void, err: *mut libc::c_char, errlen: libc::size_t) -> libc::c_int {
+    // SAFETY: ctx is the Box<EndCallback> leaked by queue_backward_callback; autograd runs it exactly once.
+    let f = unsafe { Box::from_raw(ctx as *mut EndCallback) };
+    let msg = match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(Ok(())) => return 0,
+        Ok(Err(m)) => m,
+        Err(_) => "tch-dist: a backward callback panicked".to_string(),
+    };
+    if errlen > 0 {
+        let n = msg.len().min(errlen - 1);
+        // SAFETY: err has room for errlen bytes.
+        unsafe {
+            std::ptr::copy_nonoverlapping(msg.as_ptr(), err as *mut u8, n);
+            *err.add(n) = 0;
+        }
+    }
+    1
+}
+
+/// Runs `f` once when the backward pass in progress finishes (as PyTorch's reducer finalises DDP). Call it
+/// from inside a gradient hook. If `f` returns an error, that backward fails with its message.
+pub fn queue_backward_callback(f: impl FnOnce() -> std::result::Result<(), String> + Send + 'static) -> Result<()> {
+    let ctx: *mut EndCallback = Box::into_raw(Box::new(Box::new(f)));
+    // SAFETY: ownership of ctx passes to the callback on success.
+    let code = unsafe { ffi::tdx_queue_backward_callback(end_trampoline, ctx as *mut c_void) };
+    if code != ffi::TDX_OK {
+        // SAFETY: not queued, so still ours.
+        drop(unsafe { Box::from_raw(ctx) });
+    }
+    check(code, std::time::Duration::ZERO, || "queue a callback at the end of backward".into())
+}

@@ -14,6 +14,7 @@ mod dtype;
 mod ffi;
 mod verify;
 
+pub mod ddp;
 pub mod error;
 pub mod group;
 pub mod hooks;

@@ -1,0 +1,64 @@
+//! The forum question, in Rust: "my model takes twice the memory under DDP; why, and can I avoid it?"
+//!
+//! One rank per process, started with torchrun's environment (scripts/demo.sh starts both ranks, and the
+//! PyTorch twin scripts/forum_repro.py, and prints them side by side). Prints `rank <r> <stage> <bytes>`
+//! at the same points as the forum's program: start, model created, model on device, wrapped in DDP, and
+//! after one backward.
+//!   forum_repro [--view on|off] [--device cpu|cuda]
+use std::sync::Arc;
+
+use tch::{nn, Device, Kind, Tensor};
+use tch_dist::ddp::{DdpOptions, DistributedDataParallel};
+use tch_dist::{memory, Backend, InitOptions, ProcessGroup};
+
+fn arg(name: &str, default: &str) -> String {
+    let args: Vec<String> = std::env::args().collect();
+    args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).cloned().unwrap_or_else(|| default.into())
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let view = arg("--view", "on") == "on";
+    let device = match arg("--device", "cpu").as_str() {
+        "cuda" => Device::Cuda(0), // both ranks share one GPU, as Gloo allows
+        "cpu" => Device::Cpu,
+        other => return Err(format!("--device must be cpu or cuda, not {other:?}").into()),
+    };
+    if device == Device::Cpu {
+        memory::install_cpu_counter()?;
+    }
+    let mem = || memory::allocated(device);
+    let init = InitOptions::from_env()?;
+    let rank = init.rank;
+    let report = |stage: &str| -> tch_dist::Result<()> {
+        println!("rank {rank} {stage} {}", mem()?);
+        Ok(())
+    };
+    report("start")?;
+    // Created on the CPU, then moved, as the forum's model.to(device).
+    let mut vs = nn::VarStore::new(Device::Cpu);
+    let _created_on_cpu = nn::linear(vs.root(), 1000, 1000, Default::default());
+    report("model created")?;
+    vs.set_device(device);
+    // set_device replaces the variables, so the layer is taken again from the store.
+    let model = nn::Linear { ws: vs.root().get("weight").ok_or("no weight")?, bs: vs.root().get("bias") };
+    report("model on device")?;
+    let pg = Arc::new(ProcessGroup::init(&InitOptions { backend: Some(Backend::Gloo), ..init })?);
+    let ddp = DistributedDataParallel::new(
+        &vs,
+        model,
+        DdpOptions::default().gradient_as_bucket_view(view).process_group(pg),
+    )?;
+    report("wrapped in DDP")?;
+    {
+        let x = Tensor::randn([20, 1000], (Kind::Float, Device::Cpu)).to_device(device);
+        let loss = ddp.forward(&x)?.sum(Kind::Float);
+        ddp.backward(&loss)?;
+    }
+    report("after one backward")?;
+    let m = ddp.memory_breakdown()?;
+    println!(
+        "breakdown rank {rank}: parameters {} B, gradients outside buckets {} B, buckets {} B",
+        m.parameters, m.gradients, m.buckets
+    );
+    Ok(())
+}

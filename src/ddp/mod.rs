@@ -1,0 +1,275 @@
+//! DistributedDataParallel: data parallelism with gradient buckets reduced while backward runs.
+//!
+//! ```no_run
+//! use tch::{nn, nn::Module, nn::OptimizerConfig, Device, Kind, Tensor};
+//! use tch_dist::ddp::{DdpOptions, DistributedDataParallel};
+//! use tch_dist::ProcessGroup;
+//! use std::sync::Arc;
+//!
+//! let pg = Arc::new(ProcessGroup::from_env()?);
+//! let vs = nn::VarStore::new(Device::Cpu);
+//! let net = nn::seq().add(nn::linear(vs.root() / "l1", 10, 32, Default::default()))
+//!     .add_fn(|x| x.relu()).add(nn::linear(vs.root() / "l2", 32, 1, Default::default()));
+//! let ddp = DistributedDataParallel::new(&vs, net, DdpOptions::default().process_group(pg))?;
+//! let mut opt = nn::Sgd::default().build(&vs, 0.1)?;
+//! let (x, y) = (Tensor::randn([8, 10], (Kind::Float, Device::Cpu)), Tensor::zeros([8, 1], (Kind::Float, Device::Cpu)));
+//! let loss = ddp.forward(&x)?.mse_loss(&y, tch::Reduction::Mean);
+//! ddp.backward(&loss)?;   // or loss.backward(): the reduction finishes inside it either way
+//! opt.step();
+//! ddp.zero_grad()?;       // not opt.zero_grad(): it cannot zero bucket views
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
+//! Semantics follow PyTorch's `DistributedDataParallel` (see `reducer.rs`), with one default changed:
+//! `gradient_as_bucket_view` is on, so gradients live inside the communication buckets and DDP costs one
+//! copy of the parameters, not two.
+pub mod bucket;
+pub mod comm_hook;
+mod memory;
+mod reducer;
+pub mod sync;
+
+use std::sync::Arc;
+
+use tch::{nn, Tensor};
+
+pub use comm_hook::CommHook;
+pub use memory::DdpMemory;
+pub use reducer::ReducerEvent;
+
+use crate::error::{Error, Result};
+use crate::group::ProcessGroup;
+use crate::hooks::{self, GradHook};
+use reducer::{Config, Reducer};
+
+/// PyTorch's `_DEFAULT_FIRST_BUCKET_BYTES`.
+pub const DEFAULT_FIRST_BUCKET_BYTES: usize = 1024 * 1024;
+/// PyTorch's default `bucket_cap_mb`.
+pub const DEFAULT_BUCKET_CAP_MB: f64 = 25.0;
+
+/// Options of [`DistributedDataParallel`], named as PyTorch's.
+#[derive(Clone, Debug)]
+pub struct DdpOptions {
+    /// Bucket size limit in MiB (25).
+    pub bucket_cap_mb: f64,
+    /// Limit of the first bucket after the rebuild, in bytes (1 MiB): a small first bucket starts
+    /// communication early.
+    pub first_bucket_bytes: usize,
+    /// Gradients are views into the buckets (default **true**; PyTorch's default is false).
+    pub gradient_as_bucket_view: bool,
+    /// Broadcast rank 0's buffers (non-trainable variables) before each forward.
+    pub broadcast_buffers: bool,
+    /// Parameters that get no gradient in a backward are reduced as zeros instead of stalling.
+    pub find_unused_parameters: bool,
+    pub comm_hook: CommHook,
+    /// The group; `None` uses the default one ([`crate::init_process_group`]).
+    pub process_group: Option<Arc<ProcessGroup>>,
+}
+
+impl Default for DdpOptions {
+    fn default() -> Self {
+        DdpOptions {
+            bucket_cap_mb: DEFAULT_BUCKET_CAP_MB,
+            first_bucket_bytes: DEFAULT_FIRST_BUCKET_BYTES,
+            gradient_as_bucket_view: true,
+            broadcast_buffers: true,
+            find_unused_parameters: false,
+            comm_hook: CommHook::Allreduce,
+            process_group: None,
+        }
+    }
+}
+
+impl DdpOptions {
+    pub fn bucket_cap_mb(mut self, mb: f64) -> Self {
+        self.bucket_cap_mb = mb;
+        self
+    }
+    pub fn first_bucket_bytes(mut self, b: usize) -> Self {
+        self.first_bucket_bytes = b;
+        self
+    }
+    pub fn gradient_as_bucket_view(mut self, on: bool) -> Self {
+        self.gradient_as_bucket_view = on;
+        self
+    }
+    pub fn broadcast_buffers(mut self, on: bool) -> Self {
+        self.broadcast_buffers = on;
+        self
+    }
+    pub fn find_unused_parameters(mut self, on: bool) -> Self {
+        self.find_unused_parameters = on;
+        self
+    }
+    pub fn comm_hook(mut self, h: CommHook) -> Self {
+        self.comm_hook = h;
+        self
+    }
+    pub fn process_group(mut self, pg: Arc<ProcessGroup>) -> Self {
+        self.process_group = Some(pg);
+        self
+    }
+}
+
+/// A model whose gradients are averaged across the ranks of a process group during backward.
+pub struct DistributedDataParallel<M> {
+    module: M,
+    reducer: Arc<Reducer>,
+    buffers: Vec<Tensor>,
+    broadcast_buffers: bool,
+    // Dropped before the reducer's last strong reference goes.
+    _hooks: Vec<GradHook>,
+}
+
+/// Trainable variables in creation order with their names, and the other variables (buffers) by name.
+fn split_vars(vs: &nn::VarStore) -> (Vec<Tensor>, Vec<String>, Vec<Tensor>) {
+    let vars = match vs.variables_.lock() {
+        Ok(v) => v,
+        Err(e) => e.into_inner(),
+    };
+    let params: Vec<Tensor> = vars.trainable_variables.iter().map(|v| v.tensor.shallow_clone()).collect();
+    let mut named: Vec<(&String, &Tensor)> = vars.named_variables.iter().collect();
+    named.sort_by(|a, b| a.0.cmp(b.0));
+    let names = params
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            named
+                .iter()
+                .find(|(_, t)| t.data_ptr() == p.data_ptr() && t.size() == p.size())
+                .map_or_else(|| format!("param{i}"), |(n, _)| n.to_string())
+        })
+        .collect();
+    let buffers = named
+        .iter()
+        .filter(|(_, t)| !t.requires_grad())
+        .filter(|(_, t)| !params.iter().any(|p| p.data_ptr() == t.data_ptr()))
+        .map(|(_, t)| t.shallow_clone())
+        .collect();
+    (params, names, buffers)
+}
+
+impl<M> DistributedDataParallel<M> {
+    /// Wraps `module`, whose variables live in `vs`. Checks that all ranks hold the same parameters, then
+    /// copies rank 0's parameters and buffers to every rank, allocates the buckets and installs the hooks.
+    pub fn new(vs: &nn::VarStore, module: M, opts: DdpOptions) -> Result<Self> {
+        let pg = match opts.process_group.clone().or_else(crate::init::default_group) {
+            Some(pg) => pg,
+            None => {
+                return Err(Error::invalid(
+                    "DistributedDataParallel::new",
+                    "no process group: pass DdpOptions::process_group or call init_process_group first",
+                ))
+            }
+        };
+        if !(opts.bucket_cap_mb > 0.0) {
+            return Err(Error::invalid("DdpOptions::bucket_cap_mb", format!("{} is not positive", opts.bucket_cap_mb)));
+        }
+        let (params, names, buffers) = split_vars(vs);
+        if params.is_empty() {
+            return Err(Error::invalid("DistributedDataParallel::new", "the VarStore has no trainable variables"));
+        }
+        sync::verify_params(&pg, &params, &names)?;
+        let mut states: Vec<Tensor> = params.iter().map(|p| p.shallow_clone()).collect();
+        if opts.broadcast_buffers {
+            states.extend(buffers.iter().map(|b| b.shallow_clone()));
+        }
+        sync::broadcast_coalesced(&pg, &states, sync::BROADCAST_BUCKET_BYTES, 0)?;
+        let cfg = Config {
+            world: pg.size(),
+            bucket_view: opts.gradient_as_bucket_view,
+            find_unused: opts.find_unused_parameters,
+            first_bucket_bytes: opts.first_bucket_bytes.max(1),
+            bucket_bytes: ((opts.bucket_cap_mb * 1024.0 * 1024.0) as usize).max(1),
+            comm_hook: opts.comm_hook,
+        };
+        let reducer = Reducer::new(pg, cfg, params, names)?;
+        let hooks = reducer.install_hooks()?;
+        Ok(DistributedDataParallel { module, reducer, buffers, broadcast_buffers: opts.broadcast_buffers, _hooks: hooks })
+    }
+
+    /// Runs `f` on the wrapped module as a forward pass: first finishes the bookkeeping PyTorch does
+    /// before forward (bucket rebuild after the first iteration, buffer broadcast).
+    pub fn forward_with<T>(&self, f: impl FnOnce(&M) -> T) -> Result<T> {
+        self.prepare_for_forward()?;
+        Ok(f(&self.module))
+    }
+
+    fn prepare_for_forward(&self) -> Result<()> {
+        self.reducer.prepare_for_forward()?;
+        if self.broadcast_buffers && !self.buffers.is_empty() && lock_sync(&self.reducer) {
+            sync::broadcast_coalesced(&self.reducer.pg, &self.buffers, sync::BROADCAST_BUCKET_BYTES, 0)?;
+        }
+        Ok(())
+    }
+
+    /// Backward of `loss`, with the gradient reduction finished when it returns. (A plain
+    /// `loss.backward()` reduces too; this form returns errors instead of panicking.)
+    pub fn backward(&self, loss: &Tensor) -> Result<()> {
+        loss.f_backward()?;
+        Ok(())
+    }
+
+    /// Zeroes gradients in place, keeping them as bucket views. Use instead of tch's `zero_grad`.
+    pub fn zero_grad(&self) -> Result<()> {
+        hooks::zero_grads(&self.parameters())
+    }
+
+    /// Runs `f` without gradient synchronisation: gradients accumulate locally, and the next backward
+    /// outside `no_sync` reduces the accumulated sum (PyTorch's `no_sync()` context).
+    pub fn no_sync<R>(&self, f: impl FnOnce(&Self) -> R) -> R {
+        self.reducer.set_sync(false);
+        let r = f(self);
+        self.reducer.set_sync(true);
+        r
+    }
+
+    pub fn module(&self) -> &M {
+        &self.module
+    }
+
+    pub fn process_group(&self) -> &Arc<ProcessGroup> {
+        &self.reducer.pg
+    }
+
+    /// The parameters, in the order DDP indexes them.
+    pub fn parameters(&self) -> Vec<Tensor> {
+        self.reducer.state.lock().map(|s| s.params.iter().map(|p| p.shallow_clone()).collect()).unwrap_or_default()
+    }
+
+    /// Parameter names per bucket, in bucket (launch) order.
+    pub fn bucket_layout(&self) -> Vec<Vec<String>> {
+        match self.reducer.state.lock() {
+            Ok(s) => s.buckets.iter().map(|b| b.params.iter().map(|&i| s.names[i].clone()).collect()).collect(),
+            Err(_) => Vec::new(),
+        }
+    }
+
+    /// What the reducer did during the last synchronised backward, in order.
+    pub fn last_events(&self) -> Vec<ReducerEvent> {
+        self.reducer.state.lock().map(|s| s.events.clone()).unwrap_or_default()
+    }
+
+    /// Whether buckets were rebuilt from the observed gradient order.
+    pub fn buckets_rebuilt(&self) -> bool {
+        self.reducer.state.lock().map(|s| s.rebuilt).unwrap_or(false)
+    }
+}
+
+fn lock_sync(r: &Reducer) -> bool {
+    r.state.lock().map(|s| s.sync).unwrap_or(true)
+}
+
+impl<M: nn::Module> DistributedDataParallel<M> {
+    /// The wrapped module's forward.
+    pub fn forward(&self, xs: &Tensor) -> Result<Tensor> {
+        self.forward_with(|m| m.forward(xs))
+    }
+}
+
+impl<M: nn::ModuleT> DistributedDataParallel<M> {
+    /// The wrapped module's forward with a train flag.
+    pub fn forward_t(&self, xs: &Tensor, train: bool) -> Result<Tensor> {
+        self.forward_with(|m| m.forward_t(xs, train))
+    }
+}

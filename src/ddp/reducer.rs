@@ -1,0 +1,324 @@
+//! The reducer: gradient buckets filled by autograd hooks, reduced asynchronously in bucket order while
+//! backward goes on, finalised when backward ends. Semantics follow PyTorch's `reducer.cpp`.
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+
+use tch::Tensor;
+
+use super::bucket::{self, TensorSpec};
+use super::comm_hook::{CommHook, InFlight};
+use super::sync;
+use crate::error::{Error, Result};
+use crate::group::{ProcessGroup, ReduceOp};
+use crate::hooks::{self, GradHook};
+
+/// What the reducer did during the last backward, in order (to see communication overlap backward).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ReducerEvent {
+    /// The gradient of parameter `param` became ready.
+    GradReady { param: usize },
+    /// The reduction of bucket `bucket` was launched.
+    BucketLaunched { bucket: usize },
+}
+
+pub(crate) struct Config {
+    pub world: usize,
+    pub bucket_view: bool,
+    pub find_unused: bool,
+    pub first_bucket_bytes: usize,
+    pub bucket_bytes: usize,
+    pub comm_hook: CommHook,
+}
+
+pub(crate) struct Bucket {
+    pub flat: Tensor,
+    pub params: Vec<usize>,
+    pub views: Vec<Tensor>,
+}
+
+pub(crate) struct State {
+    pub params: Vec<Tensor>,
+    pub names: Vec<String>,
+    specs: Vec<TensorSpec>,
+    pub buckets: Vec<Bucket>,
+    loc: Vec<(usize, usize)>, // param -> (bucket, slot)
+    pending: Vec<usize>,
+    ready: Vec<bool>,
+    has_grad: Vec<bool>,
+    next_launch: usize,
+    in_flight: Vec<InFlight>,
+    ready_order: Vec<usize>,
+    pub rebuilt: bool,
+    /// A hook fired in the backward in progress (so the end-of-backward callback is queued).
+    active: bool,
+    pub sync: bool,
+    /// Reductions completed (iterations fully finalised).
+    pub iterations: u64,
+    pub events: Vec<ReducerEvent>,
+    error: Option<String>,
+}
+
+pub(crate) struct Reducer {
+    pub pg: Arc<ProcessGroup>,
+    pub cfg: Config,
+    pub state: Mutex<State>,
+}
+
+fn lock(m: &Mutex<State>) -> MutexGuard<'_, State> {
+    // A panic while holding the lock is contained by the hook trampoline; the state stays usable.
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Reducer {
+    pub fn new(pg: Arc<ProcessGroup>, cfg: Config, params: Vec<Tensor>, names: Vec<String>) -> Result<Arc<Reducer>> {
+        let specs: Vec<TensorSpec> = params.iter().map(TensorSpec::of).collect();
+        // First iteration, as PyTorch: without unused-parameter search, one bucket per dtype/device
+        // (rebuilt after the first backward from the order gradients arrived); with it, the usual caps.
+        // Buckets come in reverse parameter order, since gradients arrive roughly last layer first.
+        let limits = if cfg.find_unused { vec![cfg.first_bucket_bytes, cfg.bucket_bytes] } else { vec![usize::MAX] };
+        let mut assignment = bucket::assign(&specs, &limits, None);
+        assignment.reverse();
+        let n = params.len();
+        let mut st = State {
+            params,
+            names,
+            specs,
+            buckets: Vec::new(),
+            loc: vec![(0, 0); n],
+            pending: Vec::new(),
+            ready: vec![false; n],
+            has_grad: vec![false; n],
+            next_launch: 0,
+            in_flight: Vec::new(),
+            ready_order: Vec::with_capacity(n),
+            rebuilt: cfg.find_unused, // PyTorch rebuilds only without unused-parameter search
+            active: false,
+            sync: true,
+            iterations: 0,
+            events: Vec::new(),
+            error: None,
+        };
+        init_buckets(&mut st, &cfg, assignment)?;
+        Ok(Arc::new(Reducer { pg, cfg, state: Mutex::new(st) }))
+    }
+
+    /// Registers one AccumulateGrad hook per parameter. The hooks hold a weak reference.
+    pub fn install_hooks(self: &Arc<Self>) -> Result<Vec<GradHook>> {
+        let params: Vec<Tensor> = lock(&self.state).params.iter().map(|p| p.shallow_clone()).collect();
+        params
+            .iter()
+            .enumerate()
+            .map(|(i, p)| {
+                let weak: Weak<Reducer> = Arc::downgrade(self);
+                hooks::on_grad_accumulated(p, move || {
+                    if let Some(r) = weak.upgrade() {
+                        r.on_grad_ready(i);
+                    }
+                })
+            })
+            .collect()
+    }
+
+    fn on_grad_ready(self: &Arc<Self>, i: usize) {
+        let mut st = lock(&self.state);
+        if !st.sync || st.error.is_some() {
+            return;
+        }
+        if !st.active {
+            st.active = true;
+            st.events.clear();
+            let weak = Arc::downgrade(self);
+            let queued = hooks::queue_backward_callback(move || match weak.upgrade() {
+                Some(r) => r.finalize().map_err(|e| e.to_string()),
+                None => Ok(()),
+            });
+            if let Err(e) = queued {
+                st.error = Some(e.to_string());
+                return;
+            }
+        }
+        st.events.push(ReducerEvent::GradReady { param: i });
+        if st.ready[i] {
+            st.error = Some(format!(
+                "parameter {i} ({}) was marked ready twice in one backward; DDP supports one backward per forward",
+                st.names[i]
+            ));
+            return;
+        }
+        if let Err(e) = self.mark_ready(&mut st, i) {
+            st.error = Some(e.to_string());
+        }
+    }
+
+    /// Copies parameter `i`'s gradient into its bucket slot (divided by the world size) and launches every
+    /// bucket that is now complete, strictly in bucket order.
+    fn mark_ready(&self, st: &mut State, i: usize) -> Result<()> {
+        let _g = tch::no_grad_guard();
+        let (b, k) = st.loc[i];
+        let mut view = st.buckets[b].views[k].shallow_clone();
+        let grad = st.params[i].grad();
+        let scale = 1.0 / self.cfg.world as f64;
+        if !grad.defined() {
+            // An unused parameter contributes zeros.
+            let _ = view.f_zero_()?;
+        } else if self.cfg.bucket_view && hooks::grad_data_ptr(&st.params[i])? == view.data_ptr() as u64 {
+            // Already accumulated in place in the bucket.
+            let _ = view.f_mul_scalar_(scale)?;
+        } else {
+            view.f_copy_(&grad)?;
+            let _ = view.f_mul_scalar_(scale)?;
+            if self.cfg.bucket_view {
+                // From now on autograd accumulates straight into the bucket; the separate grad is freed.
+                hooks::set_grad(&st.params[i], Some(&view))?;
+            }
+        }
+        st.has_grad[i] = grad.defined();
+        st.ready[i] = true;
+        if !st.rebuilt {
+            st.ready_order.push(i);
+        }
+        st.pending[b] -= 1;
+        while st.next_launch < st.buckets.len() && st.pending[st.next_launch] == 0 {
+            let nb = st.next_launch;
+            let f = self.cfg.comm_hook.launch(&self.pg, nb, &st.buckets[nb].flat)?;
+            st.in_flight.push(f);
+            st.events.push(ReducerEvent::BucketLaunched { bucket: nb });
+            st.next_launch += 1;
+        }
+        Ok(())
+    }
+
+    /// End of backward: reduce what is left, wait for every bucket, write results into `.grad`.
+    pub fn finalize(&self) -> Result<()> {
+        let mut st = lock(&self.state);
+        let r = self.finalize_locked(&mut st);
+        reset_iteration(&mut st);
+        if r.is_ok() {
+            st.iterations += 1;
+        }
+        r
+    }
+
+    fn finalize_locked(&self, st: &mut State) -> Result<()> {
+        let op = || format!("DDP backward on rank {} of {}", self.pg.rank(), self.pg.size());
+        if let Some(e) = st.error.take() {
+            return Err(Error::Backend { op: op(), msg: e });
+        }
+        let missing: Vec<usize> = (0..st.params.len()).filter(|&i| !st.ready[i]).collect();
+        if !missing.is_empty() {
+            if !self.cfg.find_unused {
+                let names: Vec<&str> = missing.iter().map(|&i| st.names[i].as_str()).collect();
+                return Err(Error::invalid(
+                    op(),
+                    format!(
+                        "parameters received no gradient in this backward: {}. Construct DDP with \
+                         find_unused_parameters(true), or make every parameter take part in the loss",
+                        names.join(", ")
+                    ),
+                ));
+            }
+            for i in missing {
+                self.mark_ready(st, i)?;
+            }
+        }
+        let _g = tch::no_grad_guard();
+        for f in std::mem::take(&mut st.in_flight) {
+            let b = f.bucket;
+            let mut flat = st.buckets[b].flat.shallow_clone();
+            f.finish(&mut flat)?;
+        }
+        let globally_used = if self.cfg.find_unused {
+            let flags: Vec<i32> = st.has_grad.iter().map(|&u| u as i32).collect();
+            let mut t = Tensor::from_slice(&flags);
+            self.pg.allreduce_unverified(&mut t, ReduceOp::Sum)?.wait()?;
+            Vec::<i32>::try_from(&t)?.into_iter().map(|c| c > 0).collect()
+        } else {
+            vec![true; st.params.len()]
+        };
+        for i in 0..st.params.len() {
+            let (b, k) = st.loc[i];
+            let view = &st.buckets[b].views[k];
+            let mut grad = st.params[i].grad();
+            if self.cfg.bucket_view {
+                if !grad.defined() && globally_used[i] {
+                    hooks::set_grad(&st.params[i], Some(view))?;
+                }
+            } else if grad.defined() {
+                grad.f_copy_(view)?;
+            } else if globally_used[i] {
+                hooks::set_grad(&st.params[i], Some(&view.f_detach_copy()?))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Before a forward: fail clearly if the last backward did not finish its reduction, and rebuild
+    /// buckets once, from the order gradients arrived, with rank 0's assignment.
+    pub fn prepare_for_forward(&self) -> Result<()> {
+        let mut st = lock(&self.state);
+        if st.active || st.ready.iter().any(|&r| r) {
+            reset_iteration(&mut st);
+            return Err(Error::invalid(
+                format!("DDP forward on rank {} of {}", self.pg.rank(), self.pg.size()),
+                "the previous iteration did not finish reducing gradients (did its backward fail?)",
+            ));
+        }
+        if st.sync && !st.rebuilt && st.iterations > 0 && st.ready_order.len() == st.params.len() {
+            let order = std::mem::take(&mut st.ready_order);
+            let limits = [self.cfg.first_bucket_bytes, self.cfg.bucket_bytes];
+            let local = bucket::assign(&st.specs, &limits, Some(&order));
+            let agreed = sync::sync_bucket_indices(&self.pg, &local, st.params.len())?;
+            init_buckets(&mut st, &self.cfg, agreed)?;
+            st.rebuilt = true;
+        }
+        Ok(())
+    }
+
+    pub fn set_sync(&self, on: bool) {
+        lock(&self.state).sync = on;
+    }
+}
+
+fn reset_iteration(st: &mut State) {
+    st.active = false;
+    st.in_flight.clear();
+    st.next_launch = 0;
+    st.ready.iter_mut().for_each(|r| *r = false);
+    st.has_grad.iter_mut().for_each(|r| *r = false);
+    st.pending = st.buckets.iter().map(|b| b.params.len()).collect();
+    if !st.rebuilt && st.ready_order.len() != st.params.len() {
+        st.ready_order.clear();
+    }
+}
+
+/// Allocates one flat buffer per bucket and a view per parameter; with bucket views, existing gradients
+/// move into their views.
+fn init_buckets(st: &mut State, cfg: &Config, assignment: Vec<Vec<usize>>) -> Result<()> {
+    let _g = tch::no_grad_guard();
+    st.buckets.clear(); // frees the old buffers once grads no longer point into them (below)
+    let mut buckets = Vec::with_capacity(assignment.len());
+    for (b, params) in assignment.into_iter().enumerate() {
+        let first = &st.params[params[0]];
+        let total: i64 = params.iter().map(|&i| st.specs[i].numel as i64).sum();
+        let flat = Tensor::f_zeros([total], (first.kind(), first.device()))?;
+        let mut views = Vec::with_capacity(params.len());
+        let mut off = 0i64;
+        for (k, &i) in params.iter().enumerate() {
+            let n = st.specs[i].numel as i64;
+            let view = flat.f_narrow(0, off, n)?.f_view(st.params[i].size().as_slice())?;
+            off += n;
+            st.loc[i] = (b, k);
+            if cfg.bucket_view {
+                let grad = st.params[i].grad();
+                if grad.defined() {
+                    view.shallow_clone().f_copy_(&grad)?;
+                    hooks::set_grad(&st.params[i], Some(&view))?;
+                }
+            }
+            views.push(view);
+        }
+        buckets.push(Bucket { flat, params, views });
+    }
+    st.buckets = buckets;
+    st.pending = st.buckets.iter().map(|b| b.params.len()).collect();
+    Ok(())
+}
