@@ -35,7 +35,7 @@ fn train(world: usize, opts: DdpOptions) -> Vec<Vec<Tensor>> {
             opt.step();
             ddp.zero_grad().unwrap();
         }
-        vs.trainable_variables().iter().map(|t| t.detach().copy()).collect()
+        model::params(&vs)
     })
 }
 
@@ -137,7 +137,7 @@ fn no_sync_accumulates_then_one_synced_step_matches_reference() {
             model::loss(&net.forward(&x), &y).backward();
         }
         opt.step();
-        vs.trainable_variables().iter().map(|t| t.detach().copy()).collect::<Vec<_>>()
+        model::params(&vs)
     };
     for view in [true, false] {
         let ranks = common::run_threads(world, T, move |pg| {
@@ -157,7 +157,7 @@ fn no_sync_accumulates_then_one_synced_step_matches_reference() {
             let (x, y) = batch(2, rank, PER);
             ddp.backward(&model::loss(&ddp.forward(&x).unwrap(), &y)).unwrap();
             opt.step();
-            vs.trainable_variables().iter().map(|t| t.detach().copy()).collect::<Vec<_>>()
+            model::params(&vs)
         });
         for p in &ranks {
             let d = model::max_diff(p, &reference);

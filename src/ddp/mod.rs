@@ -153,6 +153,14 @@ impl<M> DistributedDataParallel<M> {
     /// Wraps `module`, whose variables live in `vs`. Checks that all ranks hold the same parameters, then
     /// copies rank 0's parameters and buffers to every rank, allocates the buckets and installs the hooks.
     pub fn new(vs: &nn::VarStore, module: M, opts: DdpOptions) -> Result<Self> {
+        let (params, names, buffers) = split_vars(vs);
+        Self::from_parameters(names.into_iter().zip(params).collect(), buffers, module, opts)
+    }
+
+    /// As [`new`](Self::new), with the parameters given explicitly, in the order DDP indexes them. The
+    /// order decides bucket layouts: to share a group with PyTorch DDP ranks, pass them in the order of
+    /// PyTorch's `model.parameters()` (tch creates a Linear's bias before its weight; PyTorch the other way).
+    pub fn from_parameters(named: Vec<(String, Tensor)>, buffers: Vec<Tensor>, module: M, opts: DdpOptions) -> Result<Self> {
         let pg = match opts.process_group.clone().or_else(crate::init::default_group) {
             Some(pg) => pg,
             None => {
@@ -165,7 +173,10 @@ impl<M> DistributedDataParallel<M> {
         if !(opts.bucket_cap_mb > 0.0) {
             return Err(Error::invalid("DdpOptions::bucket_cap_mb", format!("{} is not positive", opts.bucket_cap_mb)));
         }
-        let (params, names, buffers) = split_vars(vs);
+        let (names, params): (Vec<String>, Vec<Tensor>) = named.into_iter().unzip();
+        if let Some(i) = params.iter().position(|p| !p.requires_grad()) {
+            return Err(Error::invalid("DistributedDataParallel::new", format!("parameter {} does not require grad", names[i])));
+        }
         if params.is_empty() {
             return Err(Error::invalid("DistributedDataParallel::new", "the VarStore has no trainable variables"));
         }

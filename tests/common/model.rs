@@ -15,11 +15,29 @@ pub fn mlp(vs: &nn::VarStore) -> nn::Sequential {
         .add(nn::linear(&r / "l3", 40, OUT, Default::default()))
 }
 
+/// Parameters in PyTorch's order (`model.parameters()`: per layer, weight before bias), with names.
+pub fn pytorch_order(vs: &nn::VarStore) -> Vec<(String, Tensor)> {
+    let mut named: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+    named.sort_by(|a, b| a.0.cmp(&b.0).reverse());
+    let mut layers: Vec<String> = named.iter().map(|(n, _)| n.split('.').next().unwrap().to_string()).collect();
+    layers.sort();
+    layers.dedup();
+    let mut out = Vec::new();
+    for l in layers {
+        for kind in ["weight", "bias"] {
+            if let Some((n, t)) = named.iter().find(|(n, _)| *n == format!("{l}.{kind}")) {
+                out.push((n.clone(), t.shallow_clone()));
+            }
+        }
+    }
+    out
+}
+
 /// Deterministic parameter values (identical on every rank and in the reference), offset by `shift` so
 /// that ranks can start different and rely on DDP's broadcast from rank 0.
 pub fn init(vs: &nn::VarStore, shift: f64) {
     let _g = tch::no_grad_guard();
-    for (i, mut p) in vs.trainable_variables().into_iter().enumerate() {
+    for (i, (_, mut p)) in pytorch_order(vs).into_iter().enumerate() {
         let n = p.numel() as i64;
         let v = (Tensor::arange(n, (Kind::Float, Device::Cpu)) * 0.37 + i as f64 * 1.3).sin() * 0.3 + shift;
         p.copy_(&v.view(p.size().as_slice()));
@@ -60,7 +78,12 @@ pub fn reference(steps: usize, world: usize, per: i64, lr: f64) -> Vec<Tensor> {
         loss(&net.forward(&x), &y).backward();
         opt.step();
     }
-    vs.trainable_variables().iter().map(|t| t.detach().copy()).collect()
+    params(&vs)
+}
+
+/// Parameter values in PyTorch's order.
+pub fn params(vs: &nn::VarStore) -> Vec<Tensor> {
+    pytorch_order(vs).iter().map(|(_, t)| t.detach().copy()).collect()
 }
 
 pub fn max_diff(a: &[Tensor], b: &[Tensor]) -> f64 {

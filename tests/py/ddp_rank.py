@@ -1,0 +1,53 @@
+"""A PyTorch DDP rank training the same MLP on the same data as tests/common/model.rs, for the mixed
+PyTorch/tch-dist DDP test (tests/ddp_interop.rs). Writes its final parameters (float32, in parameter
+order) to the file named by DDP_OUT."""
+import os
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+IN, OUT, PER, STEPS, LR = 12, 4, 5, 5, 0.1
+
+
+def init(model, shift):
+    with torch.no_grad():
+        for i, p in enumerate(model.parameters()):
+            n = p.numel()
+            v = torch.sin(torch.arange(n, dtype=torch.float32) * 0.37 + i * 1.3) * 0.3 + shift
+            p.copy_(v.view(p.shape))
+
+
+def batch(step, rank, per):
+    base = float(step * 1000 + rank * per)
+    rows = torch.arange(per, dtype=torch.float32).unsqueeze(1) + base
+    cols = torch.arange(IN, dtype=torch.float32).unsqueeze(0)
+    x = torch.sin(rows * 0.13 + cols * 0.71)
+    ycols = torch.arange(OUT, dtype=torch.float32).unsqueeze(0)
+    y = torch.cos(rows * 0.05 - ycols * 0.3)
+    return x, y
+
+
+def main():
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    model = torch.nn.Sequential(
+        torch.nn.Linear(IN, 24), torch.nn.Tanh(), torch.nn.Linear(24, 40), torch.nn.ReLU(), torch.nn.Linear(40, OUT)
+    )
+    init(model, float(rank))
+    ddp = DDP(model, bucket_cap_mb=float(os.environ.get("DDP_CAP_MB", "25")))
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    for s in range(STEPS):
+        x, y = batch(s, rank, PER)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(ddp(x), y).backward()
+        opt.step()
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    np.asarray(flat.numpy(), dtype=np.float32).tofile(os.environ["DDP_OUT"])
+    dist.destroy_process_group()
+    print(f"python rank {rank} ok", flush=True)
+
+
+if __name__ == "__main__":
+    main()
