@@ -5,7 +5,7 @@
 //! Started with torchrun's environment (scripts/train-ddp.sh runs it on 1 and on 2 ranks and compares);
 //! with WORLD_SIZE=1 it is the single-process baseline with the same global batch.
 //!   train_ddp [--epochs N] [--data path/to/digits.csv.gz]
-use std::io::Read;
+use std::io::{IsTerminal, Read};
 use std::sync::Arc;
 
 use indicatif::{ProgressBar, ProgressStyle};
@@ -111,7 +111,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let msg = format!("epoch {:>2}  loss {:.4}  test accuracy {:.2}%", epoch + 1, loss_sum / steps as f64, 100.0 * acc);
         bar.set_message(msg.clone());
         if rank == 0 {
-            if bar.is_hidden() {
+            if !std::io::stderr().is_terminal() {
                 println!("{msg}"); // not a terminal: plain lines
             } else {
                 bar.println(&msg);
