@@ -8,6 +8,8 @@ scripts/setup.sh
 source scripts/env.sh
 
 echo "== cargo test (default features)"
+# Some tests run the examples (forum repro, training); build them first, whatever cargo test filters.
+cargo build --examples
 cargo test -- --skip cuda_
 
 echo "== cuda feature: build and link every target, run the GPU tests"
