@@ -1,0 +1,53 @@
+"""PyTorch twin of examples/bench_ddp.rs: same model, batch, steps and output. Memory is measured with
+tch-dist's counting allocator (scripts/memory_ruler.py), the ruler the Rust side uses.
+Usage: bench_ddp.py [--view on|off] [--no-ddp]"""
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import memory_ruler  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+
+DIMS = [1024, 4096, 4096, 1024]
+BATCH, WARMUP, STEPS = 32, 2, 8
+
+
+def main():
+    view = "--view" in sys.argv and sys.argv[sys.argv.index("--view") + 1] == "on"
+    no_ddp = "--no-ddp" in sys.argv
+    torch.set_num_threads(1)
+    memory_ruler.install()
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    layers = []
+    for i in range(len(DIMS) - 1):
+        layers.append(torch.nn.Linear(DIMS[i], DIMS[i + 1]))
+        if i + 2 < len(DIMS):
+            layers.append(torch.nn.ReLU())
+    net = torch.nn.Sequential(*layers)
+    model = net if no_ddp else DDP(net, gradient_as_bucket_view=view)
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    times = []
+    for step in range(WARMUP + STEPS):
+        torch.manual_seed(1000 + step * 10 + rank)
+        x = torch.randn(BATCH, DIMS[0])
+        y = torch.randn(BATCH, DIMS[-1])
+        dist.barrier()
+        start = time.perf_counter()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        if step >= WARMUP:
+            times.append(time.perf_counter() - start)
+    times.sort()
+    if rank == 0:
+        print(f"{times[len(times) // 2]:.6f} {memory_ruler.peak()}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
