@@ -223,7 +223,11 @@ impl<M> DistributedDataParallel<M> {
 
     /// Zeroes gradients in place, keeping them as bucket views. Use instead of tch's `zero_grad`.
     pub fn zero_grad(&self) -> Result<()> {
-        hooks::zero_grads(&self.parameters())
+        hooks::zero_grads(&self.parameters())?;
+        if let Ok(mut st) = self.reducer.state.lock() {
+            st.grads_zeroed = true;
+        }
+        Ok(())
     }
 
     /// Runs `f` without gradient synchronisation: gradients accumulate locally, and the next backward

@@ -55,6 +55,9 @@ pub(crate) struct State {
     pub iterations: u64,
     pub events: Vec<ReducerEvent>,
     error: Option<String>,
+    /// Every gradient is zero since the last `zero_grad` (no backward ran since): a bucket rebuild then
+    /// need not preserve gradient values, so the old buckets can go before the new ones come.
+    pub grads_zeroed: bool,
 }
 
 pub(crate) struct Reducer {
@@ -96,8 +99,9 @@ impl Reducer {
             iterations: 0,
             events: Vec::new(),
             error: None,
+            grads_zeroed: false,
         };
-        init_buckets(&mut st, &cfg, assignment)?;
+        init_buckets(&mut st, &cfg, assignment, false)?;
         Ok(Arc::new(Reducer { pg, cfg, state: Mutex::new(st) }))
     }
 
@@ -120,6 +124,7 @@ impl Reducer {
 
     fn on_grad_ready(self: &Arc<Self>, i: usize) {
         let mut st = lock(&self.state);
+        st.grads_zeroed = false;
         if !st.sync || st.error.is_some() {
             return;
         }
@@ -267,7 +272,19 @@ impl Reducer {
             let limits = [self.cfg.first_bucket_bytes, self.cfg.bucket_bytes];
             let local = bucket::assign(&st.specs, &limits, Some(&order));
             let agreed = sync::sync_bucket_indices(&self.pg, &local, st.params.len())?;
-            init_buckets(&mut st, &self.cfg, agreed)?;
+            // Old and new buckets side by side would cost a third copy of the parameters at the peak.
+            // The old ones can go first when nothing in them is needed: without bucket views they are
+            // scratch space; with views they hold the gradients, which after zero_grad are all zero.
+            let lean = !self.cfg.bucket_view || st.grads_zeroed;
+            if lean {
+                if self.cfg.bucket_view {
+                    for p in &st.params {
+                        hooks::set_grad(p, None)?;
+                    }
+                }
+                st.buckets.clear();
+            }
+            init_buckets(&mut st, &self.cfg, agreed, lean && self.cfg.bucket_view)?;
             st.rebuilt = true;
         }
         Ok(())
@@ -291,8 +308,8 @@ fn reset_iteration(st: &mut State) {
 }
 
 /// Allocates one flat buffer per bucket and a view per parameter; with bucket views, existing gradients
-/// move into their views.
-fn init_buckets(st: &mut State, cfg: &Config, assignment: Vec<Vec<usize>>) -> Result<()> {
+/// move into their views, or with `zero_views` every gradient becomes its (zeroed) view.
+fn init_buckets(st: &mut State, cfg: &Config, assignment: Vec<Vec<usize>>, zero_views: bool) -> Result<()> {
     let _g = tch::no_grad_guard();
     st.buckets.clear(); // frees the old buffers once grads no longer point into them (below)
     let mut buckets = Vec::with_capacity(assignment.len());
@@ -307,7 +324,9 @@ fn init_buckets(st: &mut State, cfg: &Config, assignment: Vec<Vec<usize>>) -> Re
             let view = flat.f_narrow(0, off, n)?.f_view(st.params[i].size().as_slice())?;
             off += n;
             st.loc[i] = (b, k);
-            if cfg.bucket_view {
+            if zero_views {
+                hooks::set_grad(&st.params[i], Some(&view))?;
+            } else if cfg.bucket_view {
                 let grad = st.params[i].grad();
                 if grad.defined() {
                     view.shallow_clone().f_copy_(&grad)?;

@@ -1,0 +1,52 @@
+//! Memory of the bucket rebuild (before the second iteration): after zero_grad the old buckets are freed
+//! before the new ones are allocated, so the rebuild costs no extra copy of the parameters; with live
+//! gradients it must keep both while copying. Measured in a child process, so no other test allocates.
+mod common;
+
+use std::process::Command;
+use std::sync::Arc;
+
+use tch::{nn, Device, Kind, Tensor};
+use tch_dist::ddp::{DdpOptions, DistributedDataParallel};
+use tch_dist::{memory, ProcessGroup, Store};
+
+#[test]
+#[ignore = "process spawned by rebuild_after_zero_grad_needs_no_extra_copy"]
+fn worker_rebuild_peak() {
+    memory::install_cpu_counter().unwrap();
+    let zero = std::env::var("ZERO_GRAD").unwrap() == "1";
+    let pg = ProcessGroup::new(&Store::hash().unwrap(), 0, 1, &common::gloo_opts(std::time::Duration::from_secs(30))).unwrap();
+    let vs = nn::VarStore::new(Device::Cpu);
+    let net = nn::linear(vs.root(), 1000, 1000, Default::default());
+    let ddp = DistributedDataParallel::new(&vs, net, DdpOptions::default().process_group(Arc::new(pg))).unwrap();
+    let x = Tensor::ones([4, 1000], (Kind::Float, Device::Cpu));
+    ddp.backward(&ddp.forward(&x).unwrap().sum(Kind::Float)).unwrap();
+    if zero {
+        ddp.zero_grad().unwrap();
+    }
+    let before = memory::allocated(Device::Cpu).unwrap();
+    memory::reset_peak(Device::Cpu).unwrap();
+    let out = ddp.forward(&x).unwrap(); // rebuilds the buckets first
+    assert!(ddp.buckets_rebuilt());
+    let rise = memory::peak(Device::Cpu).unwrap() - before - (out.numel() * 4) as i64;
+    println!("{rise}");
+}
+
+fn rise(zero: bool) -> i64 {
+    let o = Command::new(std::env::current_exe().unwrap())
+        .args(["--ignored", "--exact", "worker_rebuild_peak", "--nocapture"])
+        .env("ZERO_GRAD", if zero { "1" } else { "0" })
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", common::show(&o));
+    String::from_utf8_lossy(&o.stdout).lines().filter_map(|l| l.trim().parse().ok()).last().unwrap()
+}
+
+#[test]
+fn rebuild_after_zero_grad_needs_no_extra_copy() {
+    let params = (1000 * 1000 + 1000) * 4;
+    let lean = rise(true);
+    let full = rise(false);
+    assert!(lean < params / 10, "rebuild after zero_grad raised the peak by {lean} B");
+    assert!(full >= params, "with live gradients both buckets coexist: {full} B");
+}
