@@ -34,7 +34,8 @@ inline at::Tensor& tensor(tdx_tensor t) { return *static_cast<at::Tensor*>(t); }
     return tdx::set_error(tdx::classify(e.what_without_backtrace(), TDX_ENETWORK),     \
                           e.what_without_backtrace());                                 \
   } catch (const c10::ValueError& e) {                                                 \
-    return tdx::set_error(TDX_EINVALID, e.what_without_backtrace());                   \
+    return tdx::set_error(tdx::classify(e.what_without_backtrace(), TDX_EINVALID),     \
+                          e.what_without_backtrace());                                 \
   } catch (const c10::TypeError& e) {                                                  \
     return tdx::set_error(TDX_EINVALID, e.what_without_backtrace());                   \
   } catch (const c10::Error& e) {                                                      \
