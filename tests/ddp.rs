@@ -292,3 +292,24 @@ fn memory_breakdown_shows_where_ddp_memory_goes() {
     assert_eq!((off.parameters, off.gradients, off.buckets), (bytes, bytes, bytes));
     assert_eq!((on.parameters, on.gradients, on.buckets), (bytes, 0, bytes));
 }
+
+#[test]
+fn buffers_follow_rank_0_at_construction_and_every_forward() {
+    let res = common::run_threads(3, T, |pg| {
+        let rank = pg.rank() as f64;
+        let vs = nn::VarStore::new(Device::Cpu);
+        let net = nn::linear(vs.root() / "fc", 2, 2, Default::default());
+        let mut stat = vs.root().zeros_no_train("running_mean", &[3]);
+        let _ = stat.fill_(rank + 1.0);
+        let ddp = DistributedDataParallel::new(&vs, net, DdpOptions::default().process_group(Arc::new(pg))).unwrap();
+        let after_construction = Vec::<f32>::try_from(&stat).unwrap();
+        // each rank's forward updates its statistics differently, as BatchNorm would
+        let _ = stat.fill_(10.0 * (rank + 1.0));
+        let _ = ddp.forward(&Tensor::ones([1, 2], (Kind::Float, Device::Cpu))).unwrap();
+        (after_construction, Vec::<f32>::try_from(&stat).unwrap())
+    });
+    for (built, fwd) in res {
+        assert_eq!(built, vec![1.0; 3]);
+        assert_eq!(fwd, vec![10.0; 3]);
+    }
+}
