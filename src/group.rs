@@ -9,7 +9,7 @@ use crate::error::{check, Error, Result};
 use crate::ffi;
 use crate::store::{millis, Store};
 use crate::verify;
-use crate::work::Work;
+use crate::work::{Finish, Work};
 
 /// PyTorch's default collective timeout for Gloo is 30 minutes; a stuck job should fail sooner by default.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(600);
@@ -225,12 +225,33 @@ impl ProcessGroup {
         format!("rank {} of {} ({})", self.rank, self.size, self.backend.name())
     }
 
+    /// The engine's op code for `op` on tensor `t`, and what to do after the wait. Gloo has no AVG: it
+    /// runs SUM and the finish step divides by the group size.
+    fn reduction(&self, desc: &str, op: ReduceOp, t: &Tensor) -> Result<(i32, Option<Finish>)> {
+        if op != ReduceOp::Avg {
+            return Ok((op.code(), None));
+        }
+        if !t.is_floating_point() {
+            return Err(Error::invalid(desc.to_string(), "ReduceOp::Avg needs a floating-point tensor"));
+        }
+        if self.backend != Backend::Gloo {
+            return Ok((op.code(), None));
+        }
+        let mut target = t.shallow_clone();
+        let n = self.size as f64;
+        let finish: Finish = Box::new(move || {
+            let _ = target.f_div_scalar_(n)?;
+            Ok(())
+        });
+        Ok((ReduceOp::Sum.code(), Some(finish)))
+    }
+
     /// Starts an operation through `start` and wraps the handle it returns.
     fn launch(
         &self,
         op: String,
         start: impl FnOnce(*mut ffi::tdx_pg, *mut *mut ffi::tdx_work) -> libc::c_int,
-        finish: Option<Box<dyn FnOnce() -> Result<()> + Send>>,
+        finish: Option<Finish>,
     ) -> Result<Work> {
         let mut out = std::ptr::null_mut();
         let code = start(self.ptr.as_ptr(), &mut out);
@@ -257,6 +278,7 @@ impl ProcessGroup {
 
     /// Asynchronous [`allreduce`](Self::allreduce). Gloo has no AVG: it runs SUM and divides on `wait`.
     pub fn allreduce_async(&self, t: &mut Tensor, op: ReduceOp) -> Result<Work> {
+        self.reduction("allreduce", op, t)?; // refuse bad input before talking to other ranks
         self.agree("allreduce", 1, t, op.code() as i64)?;
         self.allreduce_unverified(t, op)
     }
@@ -265,21 +287,7 @@ impl ProcessGroup {
     /// established agreement once (DDP buckets).
     pub(crate) fn allreduce_unverified(&self, t: &mut Tensor, op: ReduceOp) -> Result<Work> {
         let desc = format!("allreduce({op:?}) of {}", describe(t));
-        let emulate_avg = op == ReduceOp::Avg && self.backend == Backend::Gloo;
-        if op == ReduceOp::Avg && !t.is_floating_point() {
-            return Err(Error::invalid(desc, "ReduceOp::Avg needs a floating-point tensor"));
-        }
-        let code = if emulate_avg { ReduceOp::Sum.code() } else { op.code() };
-        let finish: Option<Box<dyn FnOnce() -> Result<()> + Send>> = if emulate_avg {
-            let mut target = t.shallow_clone();
-            let n = self.size as f64;
-            Some(Box::new(move || {
-                let _ = target.f_div_scalar_(n)?;
-                Ok(())
-            }))
-        } else {
-            None
-        };
+        let (code, finish) = self.reduction(&desc, op, t)?;
         let tp = t.as_mut_ptr() as ffi::tdx_tensor;
         // SAFETY: the tensor pointer is valid for the call; the shim copies the at::Tensor (shared storage).
         self.launch(desc, |pg, out| unsafe { ffi::tdx_pg_allreduce(pg, tp, code, out) }, finish)
@@ -337,22 +345,8 @@ impl ProcessGroup {
             return Err(Error::invalid(desc, format!("{} input tensors for {} ranks", inputs.len(), self.size)));
         }
         check_like(&desc, inputs, output)?;
+        let (code, finish) = self.reduction(&desc, op, output)?;
         self.agree("reduce_scatter", 4, output, op.code() as i64)?;
-        if op == ReduceOp::Avg && !output.is_floating_point() {
-            return Err(Error::invalid(desc, "ReduceOp::Avg needs a floating-point tensor"));
-        }
-        let emulate_avg = op == ReduceOp::Avg && self.backend == Backend::Gloo;
-        let code = if emulate_avg { ReduceOp::Sum.code() } else { op.code() };
-        let finish: Option<Box<dyn FnOnce() -> Result<()> + Send>> = if emulate_avg {
-            let mut target = output.shallow_clone();
-            let n = self.size as f64;
-            Some(Box::new(move || {
-                let _ = target.f_div_scalar_(n)?;
-                Ok(())
-            }))
-        } else {
-            None
-        };
         let mut ins: Vec<ffi::tdx_tensor> = inputs.iter().map(|t| t.as_ptr() as ffi::tdx_tensor).collect();
         let op_ = output.as_mut_ptr() as ffi::tdx_tensor;
         let n = ins.len();

@@ -6,7 +6,8 @@ use crate::error::{check, Result};
 use crate::ffi;
 use crate::store::millis;
 
-type Finish = Box<dyn FnOnce() -> Result<()> + Send>;
+/// A step run once after a successful wait.
+pub(crate) type Finish = Box<dyn FnOnce() -> Result<()> + Send>;
 
 /// An asynchronous collective or point-to-point operation. Wait on it before reading the tensors it writes.
 /// Dropping it without waiting is allowed: the operation still runs to completion in the background.
