@@ -26,6 +26,7 @@ def main():
         per_op = (time.perf_counter() - start) / n
         if dist.get_rank() == 0:
             print(f"{nbytes} {per_op:.9f}", flush=True)
+    dist.barrier()  # see scripts/forum_repro.py: avoids an abort at exit in PyTorch 2.13
     dist.destroy_process_group()
 
 

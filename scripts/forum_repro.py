@@ -55,6 +55,9 @@ def main():
     model(x).sum().backward()
     del x
     report("after one backward")
+    # Without this barrier a rank can tear its group down while the other is still in it, and PyTorch
+    # 2.13 then sometimes aborts at exit ("terminate called without an active exception").
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -39,6 +39,7 @@ fn worker_rust_ddp_rank() {
     let v = Vec::<f32>::try_from(&flat).unwrap();
     let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
     std::fs::write(std::env::var("DDP_OUT").unwrap(), bytes).unwrap();
+    ddp.process_group().barrier().unwrap(); // the PyTorch rank ends with a barrier too
     println!("rust rank {rank} ok");
 }
 

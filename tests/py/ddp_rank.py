@@ -45,6 +45,7 @@ def main():
         opt.step()
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     np.asarray(flat.numpy(), dtype=np.float32).tofile(os.environ["DDP_OUT"])
+    dist.barrier()  # see scripts/forum_repro.py: avoids an abort at exit in PyTorch 2.13
     dist.destroy_process_group()
     print(f"python rank {rank} ok", flush=True)
 

@@ -1,0 +1,168 @@
+//! A layer list that can be cut into stages. tch's `nn::Sequential` hides its layers, and a stage's
+//! variables must be created on the stage's device, so layers are kept as builders and built per stage,
+//! each stage with its own `VarStore`.
+//!
+//! ```
+//! use tch::{nn, Device};
+//! use tch_dist::pipeline::{LayerList, Partition};
+//! let layers = LayerList::new()
+//!     .add("fc1", |p| nn::linear(p, 8, 16, Default::default()))
+//!     .add_fn("relu", |x| x.relu())
+//!     .add("fc2", |p| nn::linear(p, 16, 4, Default::default()));
+//! let stages = layers.build(&Partition::sizes(&[2, 1], 3)?, &[Device::Cpu, Device::Cpu])?;
+//! assert_eq!(stages[1].names(), vec!["fc2"]);
+//! # Ok::<(), tch_dist::Error>(())
+//! ```
+use std::ops::Range;
+use std::sync::Arc;
+use std::time::Instant;
+
+use tch::{nn, Device, Kind, Tensor};
+
+use super::partition::Partition;
+use crate::error::{Error, Result};
+
+type Builder = Arc<dyn Fn(&nn::Path) -> Box<dyn nn::Module> + Send + Sync>;
+
+/// An ordered list of named layer builders. Layer `i` is built right after `manual_seed(seed + i)`, so
+/// its initial values do not depend on how the list is cut (on one kind of device).
+#[derive(Clone)]
+pub struct LayerList {
+    layers: Vec<(String, Builder)>,
+    seed: i64,
+}
+
+impl Default for LayerList {
+    fn default() -> Self {
+        LayerList { layers: Vec::new(), seed: 0 }
+    }
+}
+
+/// Consecutive layers built on one device, with their own variables.
+pub struct Stage {
+    pub vs: nn::VarStore,
+    pub device: Device,
+    /// Indices of its layers in the list.
+    pub range: Range<usize>,
+    names: Vec<String>,
+    layers: Vec<Box<dyn nn::Module>>,
+}
+
+impl std::fmt::Debug for Stage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Stage({:?} on {:?}: {:?})", self.range, self.device, self.names)
+    }
+}
+
+impl nn::Module for Stage {
+    fn forward(&self, xs: &Tensor) -> Tensor {
+        self.layers.iter().fold(xs.shallow_clone(), |x, l| l.forward(&x))
+    }
+}
+
+impl Stage {
+    pub fn names(&self) -> Vec<&str> {
+        self.names.iter().map(|s| s.as_str()).collect()
+    }
+
+    /// Bytes of this stage's trainable variables.
+    pub fn param_bytes(&self) -> usize {
+        self.vs.trainable_variables().iter().map(|t| t.numel() * t.kind().elt_size_in_bytes()).sum()
+    }
+}
+
+impl LayerList {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Base seed for the layers' initial values.
+    pub fn seed(mut self, seed: i64) -> Self {
+        self.seed = seed;
+        self
+    }
+
+    /// A layer with variables, created under `path / name`.
+    pub fn add<M: nn::Module + 'static>(mut self, name: &str, f: impl Fn(&nn::Path) -> M + Send + Sync + 'static) -> Self {
+        self.layers.push((name.to_string(), Arc::new(move |p: &nn::Path| Box::new(f(p)) as Box<dyn nn::Module>)));
+        self
+    }
+
+    /// A layer without variables (an activation, a reshape).
+    pub fn add_fn(self, name: &str, f: impl Fn(&Tensor) -> Tensor + Send + Sync + Clone + 'static) -> Self {
+        self.add(name, move |_| nn::func(f.clone()))
+    }
+
+    pub fn len(&self) -> usize {
+        self.layers.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.layers.is_empty()
+    }
+
+    pub fn names(&self) -> Vec<&str> {
+        self.layers.iter().map(|(n, _)| n.as_str()).collect()
+    }
+
+    /// Builds layers `range` on `device`.
+    pub fn build_stage(&self, range: Range<usize>, device: Device) -> Result<Stage> {
+        if range.end > self.len() || range.is_empty() {
+            return Err(Error::invalid("build_stage", format!("layers {range:?} of a list of {}", self.len())));
+        }
+        let vs = nn::VarStore::new(device);
+        let mut layers = Vec::with_capacity(range.len());
+        for i in range.clone() {
+            tch::manual_seed(self.seed + i as i64);
+            let (name, build) = &self.layers[i];
+            layers.push(build(&(vs.root() / name.as_str())));
+        }
+        let names = self.layers[range.clone()].iter().map(|(n, _)| n.clone()).collect();
+        Ok(Stage { vs, device, range, names, layers })
+    }
+
+    /// One stage per partition part, stage `s` on `devices[s]`.
+    pub fn build(&self, partition: &Partition, devices: &[Device]) -> Result<Vec<Stage>> {
+        let total: usize = partition.sizes.iter().sum();
+        if total != self.len() {
+            return Err(Error::invalid("LayerList::build", format!("partition covers {total} layers, the list has {}", self.len())));
+        }
+        if devices.len() != partition.stages() {
+            return Err(Error::invalid(
+                "LayerList::build",
+                format!("{} devices for {} stages", devices.len(), partition.stages()),
+            ));
+        }
+        partition.ranges().into_iter().zip(devices).map(|(r, &d)| self.build_stage(r, d)).collect()
+    }
+
+    /// Parameter bytes of each layer (built once on the CPU to count).
+    pub fn param_bytes(&self) -> Result<Vec<usize>> {
+        (0..self.len()).map(|i| Ok(self.build_stage(i..i + 1, Device::Cpu)?.param_bytes())).collect()
+    }
+
+    /// Seconds of forward + backward per layer on `sample` (median of `iters` runs), as torchgpipe's
+    /// `balance_by_time` profiles: input to cost for [`Partition::balanced`].
+    pub fn profile_times(&self, sample: &Tensor, iters: usize) -> Result<Vec<f64>> {
+        let stage = self.build_stage(0..self.len(), sample.device())?;
+        let mut x = sample.shallow_clone();
+        let mut times = Vec::with_capacity(self.len());
+        for layer in &stage.layers {
+            let inp = x.detach().set_requires_grad(x.is_floating_point());
+            let mut runs = Vec::with_capacity(iters.max(1));
+            let mut out = Tensor::new();
+            for _ in 0..iters.max(1) {
+                let t = Instant::now();
+                out = layer.forward(&inp);
+                if out.requires_grad() {
+                    out.f_sum(Kind::Float)?.f_backward()?;
+                }
+                runs.push(t.elapsed().as_secs_f64());
+            }
+            runs.sort_by(|a, b| a.total_cmp(b));
+            times.push(runs[runs.len() / 2]);
+            x = out.detach();
+        }
+        Ok(times)
+    }
+}

@@ -1,0 +1,205 @@
+//! Runs one training step of a schedule: the per-rank executor shared by the two forms (threads with
+//! channels, processes with send/recv). Microbatch losses are scaled by 1/m; gradients accumulate in the
+//! stages' variables; the caller steps its optimizers once per batch.
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tch::{nn::Module, Kind, Tensor};
+
+use super::layers::Stage;
+use super::schedule::{Action, Schedule};
+use super::trace::Span;
+use super::transport::{self, Payload, Transport};
+use crate::error::{Error, Result};
+
+/// The loss of the last stage's output against the targets (a scalar).
+pub type LossFn = dyn Fn(&Tensor, &Tensor) -> Tensor + Send + Sync;
+
+/// What one rank did in a step.
+#[derive(Clone, Debug, Default)]
+pub struct RankReport {
+    /// Sum of this rank's microbatch losses divided by m (only the last virtual stage has any).
+    pub loss: Option<f64>,
+    pub spans: Vec<Span>,
+    /// Most microbatch-chunks whose activations this rank held at once.
+    pub max_in_flight: usize,
+}
+
+/// Inputs of one rank's step.
+pub struct RankStep<'a> {
+    pub rank: usize,
+    pub schedule: &'a Schedule,
+    /// This rank's chunks: `chunks[c]` is virtual stage `c * p + rank`.
+    pub chunks: &'a [Stage],
+    /// Microbatched inputs (needed by virtual stage 0) and targets (needed by the last).
+    pub inputs: &'a [Tensor],
+    pub targets: &'a [Tensor],
+    pub loss: &'a LossFn,
+    /// Keep only each chunk's input per microbatch in flight; recompute the forward in backward.
+    pub recompute: bool,
+    pub t0: Instant,
+}
+
+struct Saved {
+    input: Tensor,
+    output: Option<Tensor>,
+    loss: Option<Tensor>,
+}
+
+/// Executes `step.schedule.actions[rank]` with `net` carrying tensors.
+pub fn run_rank(step: &RankStep, net: &mut dyn Transport) -> Result<RankReport> {
+    let sch = step.schedule;
+    let (p, m) = (sch.stages, sch.microbatches);
+    let last_vs = p * sch.chunks - 1;
+    let rank = step.rank;
+    let vs_of = |chunk: usize| chunk * p + rank;
+    let prev_rank = (rank + p - 1) % p;
+    let next_rank = (rank + 1) % p;
+    let scale = 1.0 / m as f64;
+    let mut received: HashMap<(usize, usize), Tensor> = HashMap::new(); // (mb, chunk) -> activation or grad
+    let mut saved: HashMap<(usize, usize), Saved> = HashMap::new();
+    let mut grads_in: HashMap<(usize, usize), Tensor> = HashMap::new();
+    let mut report = RankReport::default();
+    let mut loss_sum = 0.0;
+    for &a in &sch.actions[rank] {
+        match a {
+            Action::RecvActivation { mb, chunk } => {
+                let t = net.recv(prev_rank, (Payload::Activation, mb, vs_of(chunk)))?;
+                received.insert((mb, chunk), t);
+            }
+            Action::RecvGrad { mb, chunk } => {
+                let t = net.recv(next_rank, (Payload::Grad, mb, vs_of(chunk)))?;
+                grads_in.insert((mb, chunk), t);
+            }
+            Action::Forward { mb, chunk } => {
+                let stage = &step.chunks[chunk];
+                let vs = vs_of(chunk);
+                let start = step.t0.elapsed().as_secs_f64();
+                let input = if vs == 0 {
+                    step.inputs[mb].f_to_device(stage.device)?
+                } else {
+                    let t = received.remove(&(mb, chunk)).ok_or_else(|| missing(rank, a))?;
+                    t.f_to_device(stage.device)?.f_detach()?.set_requires_grad(true)
+                };
+                let (output, loss) = if step.recompute && vs != last_vs {
+                    (tch::no_grad(|| stage.forward(&input)), None)
+                } else {
+                    let out = stage.forward(&input);
+                    let loss = if vs == last_vs { Some(last_loss(step, &out, mb, scale)?) } else { None };
+                    (out, loss)
+                };
+                if let Some(l) = &loss {
+                    loss_sum += l.f_double_value(&[])?;
+                }
+                if vs != last_vs {
+                    net.send(next_rank, (Payload::Activation, mb, vs + 1), &output.f_detach()?)?;
+                }
+                let keep_output = !(step.recompute && vs != last_vs);
+                saved.insert((mb, chunk), Saved { input, output: keep_output.then_some(output), loss });
+                report.max_in_flight = report.max_in_flight.max(saved.len());
+                report.spans.push(Span { stage: rank, forward: true, mb, chunk, start, end: step.t0.elapsed().as_secs_f64() });
+            }
+            Action::Backward { mb, chunk } => {
+                let stage = &step.chunks[chunk];
+                let vs = vs_of(chunk);
+                let start = step.t0.elapsed().as_secs_f64();
+                let s = saved.remove(&(mb, chunk)).ok_or_else(|| missing(rank, a))?;
+                if vs == last_vs {
+                    let loss = s.loss.ok_or_else(|| missing(rank, a))?;
+                    loss.f_backward()?;
+                } else {
+                    let output = match s.output {
+                        Some(o) => o,
+                        None => stage.forward(&s.input), // recomputation
+                    };
+                    let g = grads_in.remove(&(mb, chunk)).ok_or_else(|| missing(rank, a))?;
+                    // backward of `output` with incoming gradient g (tch's backward takes no gradient)
+                    output.f_mul(&g.f_to_device(output.device())?)?.f_sum(Kind::Float)?.f_backward()?;
+                }
+                if vs > 0 {
+                    let gin = s.input.grad();
+                    if !gin.defined() {
+                        return Err(Error::invalid(
+                            format!("pipeline stage {rank}, virtual stage {vs}"),
+                            "the stage's output does not depend on its input, so no gradient flows back",
+                        ));
+                    }
+                    net.send(prev_rank, (Payload::Grad, mb, vs - 1), &gin)?;
+                }
+                report.spans.push(Span { stage: rank, forward: false, mb, chunk, start, end: step.t0.elapsed().as_secs_f64() });
+            }
+            Action::SendActivation { .. } | Action::SendGrad { .. } => {} // done right after the compute
+        }
+    }
+    net.flush()?;
+    if rank == last_vs % p && step.chunks.len() * p > last_vs {
+        report.loss = Some(loss_sum);
+    }
+    Ok(report)
+}
+
+fn last_loss(step: &RankStep, out: &Tensor, mb: usize, scale: f64) -> Result<Tensor> {
+    let y = step.targets[mb].f_to_device(out.device())?;
+    Ok((step.loss)(out, &y).f_mul_scalar(scale)?)
+}
+
+fn missing(rank: usize, a: Action) -> Error {
+    Error::invalid(format!("pipeline stage {rank}"), format!("{a:?} has nothing to work on: schedule out of order"))
+}
+
+/// Runs a step with one thread per rank. `ranks[s]` holds stage `s`'s chunks. A failure on any stage
+/// stops the others (no hang) and is returned.
+pub fn run_threads(
+    schedule: &Schedule,
+    ranks: &[Vec<Stage>],
+    inputs: &[Tensor],
+    targets: &[Tensor],
+    loss: &LossFn,
+    recompute: bool,
+    timeout: Duration,
+) -> Result<Vec<RankReport>> {
+    let p = schedule.stages;
+    let abort = Arc::new(AtomicBool::new(false));
+    let nets = transport::channels(p, abort.clone(), timeout);
+    let t0 = Instant::now();
+    let results: Vec<Result<RankReport>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = nets
+            .into_iter()
+            .enumerate()
+            .map(|(rank, mut net)| {
+                let abort = abort.clone();
+                let chunks = &ranks[rank];
+                scope.spawn(move || {
+                    let step = RankStep { rank, schedule, chunks, inputs, targets, loss, recompute, t0 };
+                    let r = run_rank(&step, &mut net);
+                    if r.is_err() {
+                        abort.store(true, Ordering::SeqCst);
+                    }
+                    r
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|_| Err(Error::invalid("pipeline", "a stage thread panicked"))))
+            .collect()
+    });
+    // Report the root cause, not the "another stage failed" of the others.
+    let mut first_other = None;
+    let mut out = Vec::with_capacity(p);
+    for r in results {
+        match r {
+            Ok(rep) => out.push(rep),
+            Err(e @ Error::PeerGone { .. }) => {
+                first_other.get_or_insert(e);
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    match first_other {
+        Some(e) => Err(e),
+        None => Ok(out),
+    }
+}

@@ -1,0 +1,174 @@
+//! How activations and gradients travel between stages: channels between threads of one process, or a
+//! process group's send/recv between processes. Both are keyed by (kind, microbatch, receiving virtual
+//! stage), so the runtime does not care which it has.
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
+use tch::{Device, Kind, Tensor};
+
+use crate::error::{Error, Result};
+use crate::group::ProcessGroup;
+use crate::work::Work;
+
+/// What travels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Payload {
+    Activation,
+    Grad,
+}
+
+/// (payload, microbatch, virtual stage that receives it)
+pub type Key = (Payload, usize, usize);
+
+pub trait Transport {
+    /// Sends without blocking the caller.
+    fn send(&mut self, to_rank: usize, key: Key, t: &Tensor) -> Result<()>;
+    /// Blocks until the tensor for `key` arrives from `from_rank`.
+    fn recv(&mut self, from_rank: usize, key: Key) -> Result<Tensor>;
+    /// Completes outstanding sends (end of a step).
+    fn flush(&mut self) -> Result<()>;
+}
+
+/// Channels between stage threads. A failing stage raises `abort`, so the others stop waiting.
+pub struct ChannelTransport {
+    pub(crate) rank: usize,
+    pub(crate) senders: Vec<Sender<(Key, Tensor)>>, // indexed by destination rank
+    pub(crate) inbox: Receiver<(Key, Tensor)>,
+    pub(crate) mailbox: HashMap<Key, Tensor>,
+    pub(crate) abort: Arc<AtomicBool>,
+    pub(crate) timeout: Duration,
+}
+
+/// One transport per stage thread, all connected.
+pub fn channels(ranks: usize, abort: Arc<AtomicBool>, timeout: Duration) -> Vec<ChannelTransport> {
+    let (txs, rxs): (Vec<_>, Vec<_>) = (0..ranks).map(|_| crossbeam_channel::unbounded()).unzip();
+    rxs.into_iter()
+        .enumerate()
+        .map(|(rank, inbox)| ChannelTransport {
+            rank,
+            senders: txs.clone(),
+            inbox,
+            mailbox: HashMap::new(),
+            abort: abort.clone(),
+            timeout,
+        })
+        .collect()
+}
+
+impl Transport for ChannelTransport {
+    fn send(&mut self, to_rank: usize, key: Key, t: &Tensor) -> Result<()> {
+        self.senders[to_rank]
+            .send((key, t.shallow_clone()))
+            .map_err(|_| Error::PeerGone { op: format!("stage {} send {key:?}", self.rank), msg: "stage thread ended".into() })
+    }
+
+    fn recv(&mut self, from_rank: usize, key: Key) -> Result<Tensor> {
+        let start = Instant::now();
+        loop {
+            if let Some(t) = self.mailbox.remove(&key) {
+                return Ok(t);
+            }
+            if self.abort.load(Ordering::SeqCst) {
+                return Err(Error::PeerGone {
+                    op: format!("stage {} waiting for {key:?} from stage {from_rank}", self.rank),
+                    msg: "another stage failed".into(),
+                });
+            }
+            match self.inbox.recv_timeout(Duration::from_millis(50)) {
+                Ok((k, t)) => {
+                    self.mailbox.insert(k, t);
+                }
+                Err(RecvTimeoutError::Timeout) if start.elapsed() < self.timeout => {}
+                Err(_) => {
+                    return Err(Error::Timeout {
+                        op: format!("stage {} waiting for {key:?} from stage {from_rank}", self.rank),
+                        timeout: self.timeout,
+                        msg: "nothing arrived".into(),
+                    })
+                }
+            }
+        }
+    }
+
+    fn flush(&mut self) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// Send/recv over a process group (one process per stage). Each tensor is preceded by a small header
+/// with its dtype and shape, so receivers need not know shapes in advance. Tensors travel through the
+/// CPU for Gloo.
+pub struct GroupTransport {
+    pub pg: Arc<ProcessGroup>,
+    pub microbatches: usize,
+    pub virtual_stages: usize,
+    pub device: Device,
+    // The engine keeps the sent tensors alive until their work completes.
+    pending: Vec<Work>,
+}
+
+impl GroupTransport {
+    pub fn new(pg: Arc<ProcessGroup>, microbatches: usize, virtual_stages: usize, device: Device) -> Self {
+        GroupTransport { pg, microbatches, virtual_stages, device, pending: Vec::new() }
+    }
+
+    fn tag(&self, key: Key) -> i32 {
+        let kind = match key.0 {
+            Payload::Activation => 0,
+            Payload::Grad => 1,
+        };
+        // two tags per message: header (even) and payload (odd)
+        (((kind * self.microbatches + key.1) * self.virtual_stages + key.2) * 2) as i32
+    }
+
+    fn wire_device(&self) -> Device {
+        match self.pg.backend() {
+            crate::Backend::Gloo => Device::Cpu,
+            crate::Backend::Nccl => self.device,
+        }
+    }
+}
+
+const HEADER: usize = 8;
+
+impl Transport for GroupTransport {
+    fn send(&mut self, to_rank: usize, key: Key, t: &Tensor) -> Result<()> {
+        let size = t.size();
+        if size.len() > HEADER - 2 {
+            return Err(Error::invalid("pipeline send", format!("{} dims; at most {}", size.len(), HEADER - 2)));
+        }
+        let mut h = vec![0i64; HEADER];
+        h[0] = crate::dtype::code(t.kind()).map_or(-1, i64::from);
+        h[1] = size.len() as i64;
+        h[2..2 + size.len()].copy_from_slice(&size);
+        let header = Tensor::from_slice(&h).to_device(self.wire_device());
+        let body = t.f_to_device(self.wire_device())?.f_contiguous()?;
+        let tag = self.tag(key);
+        self.pending.push(self.pg.send_async(&header, to_rank, tag)?);
+        self.pending.push(self.pg.send_async(&body, to_rank, tag + 1)?);
+        Ok(())
+    }
+
+    fn recv(&mut self, from_rank: usize, key: Key) -> Result<Tensor> {
+        let tag = self.tag(key);
+        let mut h = Tensor::zeros([HEADER as i64], (Kind::Int64, self.wire_device()));
+        self.pg.recv(&mut h, from_rank, tag)?;
+        let h = Vec::<i64>::try_from(h.to_device(Device::Cpu))?;
+        let kind = crate::dtype::from_code(h[0])
+            .ok_or_else(|| Error::invalid("pipeline recv", format!("unknown dtype code {}", h[0])))?;
+        let nd = (h[1].max(0) as usize).min(HEADER - 2);
+        let mut t = Tensor::f_empty(&h[2..2 + nd], (kind, self.wire_device()))?;
+        self.pg.recv(&mut t, from_rank, tag + 1)?;
+        Ok(t.f_to_device(self.device)?)
+    }
+
+    fn flush(&mut self) -> Result<()> {
+        for w in self.pending.drain(..) {
+            w.wait()?;
+        }
+        Ok(())
+    }
+}
