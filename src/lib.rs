@@ -20,6 +20,7 @@ pub mod group;
 pub mod hooks;
 pub mod init;
 pub mod memory;
+pub mod pipeline;
 pub mod reference;
 pub mod store;
 pub mod work;

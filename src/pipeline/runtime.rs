@@ -153,7 +153,7 @@ fn missing(rank: usize, a: Action) -> Error {
 /// stops the others (no hang) and is returned.
 pub fn run_threads(
     schedule: &Schedule,
-    ranks: &[Vec<Stage>],
+    ranks: &mut [Vec<Stage>],
     inputs: &[Tensor],
     targets: &[Tensor],
     loss: &LossFn,
@@ -167,12 +167,16 @@ pub fn run_threads(
     let results: Vec<Result<RankReport>> = std::thread::scope(|scope| {
         let handles: Vec<_> = nets
             .into_iter()
+            .zip(ranks.iter_mut())
             .enumerate()
-            .map(|(rank, mut net)| {
+            .map(|(rank, (mut net, chunks))| {
                 let abort = abort.clone();
-                let chunks = &ranks[rank];
+                // Tensors are Send but not Sync: each thread gets its own handles to the microbatches.
+                let inputs: Vec<Tensor> = inputs.iter().map(|t| t.shallow_clone()).collect();
+                let targets: Vec<Tensor> = targets.iter().map(|t| t.shallow_clone()).collect();
                 scope.spawn(move || {
-                    let step = RankStep { rank, schedule, chunks, inputs, targets, loss, recompute, t0 };
+                    let chunks: &[Stage] = chunks;
+                    let step = RankStep { rank, schedule, chunks, inputs: &inputs, targets: &targets, loss, recompute, t0 };
                     let r = run_rank(&step, &mut net);
                     if r.is_err() {
                         abort.store(true, Ordering::SeqCst);

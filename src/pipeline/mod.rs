@@ -1,0 +1,221 @@
+//! Model splits across devices and pipeline parallelism.
+//!
+//! - [`LayerList`] + [`Partition`]: a layer list cut into stages, by hand or balanced by cost.
+//! - [`split`]: the manual split (the forum's `MyModel` on `cuda:0` and `cuda:1`).
+//! - [`schedule`]: GPipe, 1F1B and interleaved 1F1B as plain per-stage action lists, simulated in tests.
+//! - [`Pipeline`]: runs a schedule on stage threads (channels) or stage processes (send/recv), with
+//!   optional activation recomputation, and timelines ([`trace`]).
+//!
+//! ```
+//! use tch::{nn, nn::OptimizerConfig, Device, Kind, Tensor};
+//! use tch_dist::pipeline::{LayerList, Partition, Pipeline, schedule::Kind as Sched};
+//! let layers = LayerList::new()
+//!     .add("fc1", |p| nn::linear(p, 8, 16, Default::default()))
+//!     .add_fn("tanh", |x| x.tanh())
+//!     .add("fc2", |p| nn::linear(p, 16, 4, Default::default()));
+//! let mut pipe = Pipeline::new(&layers, &Partition::sizes(&[2, 1], 3)?, &[Device::Cpu, Device::Cpu], Sched::OneFOneB, 4, 1)?;
+//! let mut opts: Vec<_> = pipe.var_stores().iter().map(|vs| nn::Sgd::default().build(vs, 0.1).unwrap()).collect();
+//! let (x, y) = (Tensor::randn([8, 8], (Kind::Float, Device::Cpu)), Tensor::zeros([8, 4], (Kind::Float, Device::Cpu)));
+//! let report = pipe.step(&x, &y, &|out, y| out.mse_loss(y, tch::Reduction::Mean))?;
+//! opts.iter_mut().for_each(|o| o.step());
+//! pipe.zero_grad()?;
+//! println!("loss {:.4}, bubble {:.2}", report.loss, report.bubble_fraction);
+//! # Ok::<(), tch_dist::Error>(())
+//! ```
+pub mod layers;
+pub mod microbatch;
+pub mod partition;
+pub mod runtime;
+pub mod schedule;
+pub mod split;
+pub mod trace;
+pub mod transport;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tch::{nn, Device, Tensor};
+
+pub use layers::{LayerList, Stage};
+pub use partition::Partition;
+pub use runtime::LossFn;
+use schedule::Schedule;
+pub use trace::Span;
+
+use crate::error::{Error, Result};
+use crate::group::ProcessGroup;
+
+/// A step's outcome.
+#[derive(Clone, Debug)]
+pub struct StepReport {
+    /// Mean loss over the batch (the microbatch losses' mean).
+    pub loss: f64,
+    pub spans: Vec<Span>,
+    /// Measured idle share of the stages between the first start and the last end.
+    pub bubble_fraction: f64,
+    /// Per stage, most microbatch-chunks held at once.
+    pub max_in_flight: Vec<usize>,
+    pub seconds: f64,
+}
+
+/// A model cut into `p` stages (× `v` chunks each for interleaving) and the schedule that runs it.
+pub struct Pipeline {
+    /// `ranks[s][c]`: chunk `c` of stage `s`, i.e. virtual stage `c * p + s`.
+    ranks: Vec<Vec<Stage>>,
+    schedule: Schedule,
+    recompute: bool,
+    timeout: Duration,
+}
+
+impl Pipeline {
+    /// Builds all stages in this process. `partition` has `p * v` parts, in virtual-stage order;
+    /// `devices[s]` is stage `s`'s device.
+    pub fn new(
+        layers: &LayerList,
+        partition: &Partition,
+        devices: &[Device],
+        kind: schedule::Kind,
+        microbatches: usize,
+        chunks: usize,
+    ) -> Result<Pipeline> {
+        let p = devices.len();
+        let schedule = Schedule::new(kind, p, microbatches, chunks)?;
+        if partition.stages() != p * chunks {
+            return Err(Error::invalid(
+                "Pipeline::new",
+                format!("{} parts for {p} stages x {chunks} chunks (need {})", partition.stages(), p * chunks),
+            ));
+        }
+        let vdevices: Vec<Device> = (0..p * chunks).map(|k| devices[k % p]).collect();
+        let mut built: Vec<Option<Stage>> = layers.build(partition, &vdevices)?.into_iter().map(Some).collect();
+        let ranks = (0..p)
+            .map(|s| (0..chunks).map(|c| built[c * p + s].take().expect("each virtual stage once")).collect())
+            .collect();
+        Ok(Pipeline { ranks, schedule, recompute: false, timeout: crate::group::DEFAULT_TIMEOUT })
+    }
+
+    /// Keep only each stage's input per microbatch in flight and recompute its forward during backward.
+    pub fn recompute(mut self, on: bool) -> Self {
+        self.recompute = on;
+        self
+    }
+
+    /// How long a stage waits for a tensor before failing.
+    pub fn timeout(mut self, t: Duration) -> Self {
+        self.timeout = t;
+        self
+    }
+
+    pub fn schedule(&self) -> &Schedule {
+        &self.schedule
+    }
+
+    /// The variable stores, one per virtual stage (build one optimizer per store).
+    pub fn var_stores(&self) -> Vec<&nn::VarStore> {
+        self.ranks.iter().flat_map(|r| r.iter().map(|s| &s.vs)).collect()
+    }
+
+    pub fn stages(&self) -> &[Vec<Stage>] {
+        &self.ranks
+    }
+
+    /// Zeroes every stage's gradients.
+    pub fn zero_grad(&self) -> Result<()> {
+        for vs in self.var_stores() {
+            crate::hooks::zero_grads(&vs.trainable_variables())?;
+        }
+        Ok(())
+    }
+
+    /// One training step on the batch (`x`, `y`), one thread per stage. Gradients accumulate in the
+    /// stages' variables; step the optimizers afterwards.
+    pub fn step(&mut self, x: &Tensor, y: &Tensor, loss: &LossFn) -> Result<StepReport> {
+        let m = self.schedule.microbatches;
+        let inputs = microbatch::split(x, m, "inputs")?;
+        let targets = microbatch::split(y, m, "targets")?;
+        let start = Instant::now();
+        let reports = runtime::run_threads(&self.schedule, &mut self.ranks, &inputs, &targets, loss, self.recompute, self.timeout)?;
+        Ok(summarise(&self.schedule, reports, start.elapsed().as_secs_f64()))
+    }
+}
+
+fn summarise(schedule: &Schedule, reports: Vec<runtime::RankReport>, seconds: f64) -> StepReport {
+    let loss = reports.iter().filter_map(|r| r.loss).sum();
+    let max_in_flight = reports.iter().map(|r| r.max_in_flight).collect();
+    let spans: Vec<Span> = reports.into_iter().flat_map(|r| r.spans).collect();
+    let bubble_fraction = trace::bubble_fraction(&spans, schedule.stages);
+    StepReport { loss, spans, bubble_fraction, max_in_flight, seconds }
+}
+
+/// One stage of a pipeline whose stages are processes: this process is `pg.rank()` and holds that
+/// stage's chunks. Activations and gradients travel by the group's send/recv.
+pub struct PipelineRank {
+    chunks: Vec<Stage>,
+    schedule: Schedule,
+    pg: Arc<ProcessGroup>,
+    recompute: bool,
+}
+
+impl PipelineRank {
+    /// Builds this rank's chunks only (virtual stages `c * p + rank`). `partition` has `p * v` parts.
+    pub fn new(
+        pg: Arc<ProcessGroup>,
+        layers: &LayerList,
+        partition: &Partition,
+        device: Device,
+        kind: schedule::Kind,
+        microbatches: usize,
+        chunks: usize,
+    ) -> Result<PipelineRank> {
+        let p = pg.size();
+        let schedule = Schedule::new(kind, p, microbatches, chunks)?;
+        if partition.stages() != p * chunks {
+            return Err(Error::invalid(
+                "PipelineRank::new",
+                format!("{} parts for {p} stages x {chunks} chunks (need {})", partition.stages(), p * chunks),
+            ));
+        }
+        let ranges = partition.ranges();
+        let chunks = (0..chunks)
+            .map(|c| layers.build_stage(ranges[c * p + pg.rank()].clone(), device))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(PipelineRank { chunks, schedule, pg, recompute: false })
+    }
+
+    pub fn recompute(mut self, on: bool) -> Self {
+        self.recompute = on;
+        self
+    }
+
+    pub fn var_stores(&self) -> Vec<&nn::VarStore> {
+        self.chunks.iter().map(|s| &s.vs).collect()
+    }
+
+    pub fn zero_grad(&self) -> Result<()> {
+        for vs in self.var_stores() {
+            crate::hooks::zero_grads(&vs.trainable_variables())?;
+        }
+        Ok(())
+    }
+
+    /// One training step. Every rank passes the same full batch (only the first stage reads `x`, only the
+    /// last reads `y`). Returns this rank's report; the loss is known on the rank holding the last stage.
+    pub fn step(&mut self, x: &Tensor, y: &Tensor, loss: &LossFn) -> Result<runtime::RankReport> {
+        let m = self.schedule.microbatches;
+        let inputs = microbatch::split(x, m, "inputs")?;
+        let targets = microbatch::split(y, m, "targets")?;
+        let device = self.chunks[0].device;
+        let mut net = transport::GroupTransport::new(self.pg.clone(), m, self.schedule.stages * self.schedule.chunks, device);
+        let step = runtime::RankStep {
+            rank: self.pg.rank(),
+            schedule: &self.schedule,
+            chunks: &self.chunks,
+            inputs: &inputs,
+            targets: &targets,
+            loss,
+            recompute: self.recompute,
+            t0: Instant::now(),
+        };
+        runtime::run_rank(&step, &mut net)
+    }
+}

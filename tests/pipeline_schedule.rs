@@ -1,0 +1,100 @@
+//! The schedules, simulated with unit-time forward and backward: no deadlock, every microbatch forwarded
+//! and backwarded exactly once per virtual stage, activations in flight within the schedule's bound, and
+//! the bubble the formulas predict. Impossible settings are refused with a clear error.
+use std::collections::HashMap;
+
+use tch_dist::pipeline::schedule::{Action, Kind, Schedule};
+
+fn check(kind: Kind, p: usize, m: usize, v: usize) {
+    let s = Schedule::new(kind, p, m, v).unwrap_or_else(|e| panic!("{kind:?} p={p} m={m} v={v}: {e}"));
+    let sim = s.simulate().unwrap_or_else(|e| panic!("{kind:?} p={p} m={m} v={v}: {e}"));
+    // exactly once each
+    for stage in 0..p {
+        let mut count: HashMap<(bool, usize, usize), usize> = HashMap::new();
+        for a in &s.actions[stage] {
+            match *a {
+                Action::Forward { mb, chunk } => *count.entry((true, mb, chunk)).or_default() += 1,
+                Action::Backward { mb, chunk } => *count.entry((false, mb, chunk)).or_default() += 1,
+                _ => {}
+            }
+        }
+        assert_eq!(count.len(), 2 * m * v, "{kind:?} p={p} m={m} v={v} stage {stage}");
+        assert!(count.values().all(|&c| c == 1), "{kind:?} p={p} m={m} v={v} stage {stage}: {count:?}");
+    }
+    // memory bound
+    for (stage, &f) in sim.max_in_flight.iter().enumerate() {
+        assert!(f <= s.in_flight_bound(), "{kind:?} p={p} m={m} v={v}: stage {stage} holds {f} > {}", s.in_flight_bound());
+    }
+    if kind == Kind::OneFOneB {
+        assert_eq!(sim.max_in_flight[0], p.min(m), "1F1B's first stage holds p activations");
+    }
+    if kind == Kind::GPipe {
+        assert_eq!(sim.max_in_flight[0], m);
+    }
+    // bubble
+    let want = s.ideal_bubble_fraction();
+    assert!(
+        (sim.bubble_fraction - want).abs() < 1e-12,
+        "{kind:?} p={p} m={m} v={v}: bubble {} vs formula {want} (makespan {})",
+        sim.bubble_fraction,
+        sim.makespan
+    );
+}
+
+#[test]
+fn gpipe_for_many_settings() {
+    for p in 1..=8 {
+        for m in 1..=16 {
+            check(Kind::GPipe, p, m, 1);
+        }
+    }
+}
+
+#[test]
+fn one_f_one_b_for_many_settings() {
+    for p in 1..=8 {
+        for m in p..=20 {
+            check(Kind::OneFOneB, p, m, 1);
+        }
+    }
+}
+
+#[test]
+fn interleaved_for_many_settings() {
+    for p in 1..=6 {
+        for v in 2..=4 {
+            for k in 1..=4 {
+                check(Kind::Interleaved1F1B, p, k * p, v);
+            }
+        }
+    }
+}
+
+#[test]
+fn interleaving_shrinks_the_bubble() {
+    let plain = Schedule::new(Kind::OneFOneB, 4, 8, 1).unwrap().simulate().unwrap();
+    let inter = Schedule::new(Kind::Interleaved1F1B, 4, 8, 2).unwrap().simulate().unwrap();
+    assert!(inter.bubble_fraction < plain.bubble_fraction);
+}
+
+#[test]
+fn impossible_settings_are_refused() {
+    let e = |k, p, m, v| Schedule::new(k, p, m, v).unwrap_err().to_string();
+    assert!(e(Kind::OneFOneB, 4, 2, 1).contains("at least as many microbatches as stages (2 < 4)"));
+    assert!(e(Kind::Interleaved1F1B, 4, 6, 2).contains("divisible by stages (6 % 4 != 0)"));
+    assert!(e(Kind::Interleaved1F1B, 4, 8, 1).contains("at least 2 chunks"));
+    assert!(e(Kind::GPipe, 2, 4, 2).contains("only the interleaved schedule"));
+    assert!(e(Kind::GPipe, 0, 4, 1).contains("at least 1"));
+    assert!("zigzag".parse::<Kind>().unwrap_err().to_string().contains("unknown schedule"));
+}
+
+#[test]
+fn a_schedule_that_deadlocks_is_caught() {
+    // Stage 1 wants microbatch 1's activation before microbatch 0's backward can flow: fine. But a stage 0
+    // that waits for a gradient before sending any activation can never proceed.
+    let mut s = Schedule::new(Kind::GPipe, 2, 2, 1).unwrap();
+    s.actions[0].retain(|a| !matches!(a, Action::Forward { .. } | Action::SendActivation { .. }));
+    s.actions[0].push(Action::Forward { mb: 0, chunk: 0 });
+    let e = s.simulate().unwrap_err().to_string();
+    assert!(e.contains("deadlock") && e.contains("stage 0 waits at RecvGrad"), "{e}");
+}
