@@ -177,7 +177,10 @@ pub fn run_threads(
                 scope.spawn(move || {
                     let chunks: &[Stage] = chunks;
                     let step = RankStep { rank, schedule, chunks, inputs: &inputs, targets: &targets, loss, recompute, t0 };
-                    let r = run_rank(&step, &mut net);
+                    // tch's infallible ops (layers, loss functions) panic on bad shapes: turn that into
+                    // this stage's error and stop the other stages.
+                    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run_rank(&step, &mut net)))
+                        .unwrap_or_else(|p| Err(Error::invalid(format!("pipeline stage {rank}"), panic_message(&*p))));
                     if r.is_err() {
                         abort.store(true, Ordering::SeqCst);
                     }
@@ -206,4 +209,14 @@ pub fn run_threads(
         Some(e) => Err(e),
         None => Ok(out),
     }
+}
+
+fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
+    let msg = p
+        .downcast_ref::<String>()
+        .map(|s| s.as_str())
+        .or_else(|| p.downcast_ref::<&str>().copied())
+        .unwrap_or("panic");
+    // tch's messages carry a C++ backtrace after the first line
+    msg.lines().next().unwrap_or(msg).to_string()
 }

@@ -1,6 +1,7 @@
 //! Helpers shared by the integration tests: ranks as threads (HashStore) or as processes (TCPStore).
 #![allow(dead_code)]
 pub mod model;
+pub mod pipe;
 pub mod scenario;
 
 use std::net::TcpListener;
