@@ -383,7 +383,7 @@ impl ProcessGroup {
         Ok(work)
     }
 
-    fn send_raw(&self, t: &Tensor, dst: usize, tag: i32) -> Result<Work> {
+    pub(crate) fn send_raw(&self, t: &Tensor, dst: usize, tag: i32) -> Result<Work> {
         let desc = format!("send of {} to rank {dst} (tag {tag})", describe(t));
         let tp = t.as_ptr() as ffi::tdx_tensor;
         // SAFETY: as in allreduce_async.
@@ -423,7 +423,7 @@ impl ProcessGroup {
         self.recv_raw(t, src, tag)
     }
 
-    fn recv_raw(&self, t: &mut Tensor, src: usize, tag: i32) -> Result<Work> {
+    pub(crate) fn recv_raw(&self, t: &mut Tensor, src: usize, tag: i32) -> Result<Work> {
         let desc = format!("recv of {} from rank {src} (tag {tag})", describe(t));
         let tp = t.as_mut_ptr() as ffi::tdx_tensor;
         // SAFETY: as in allreduce_async.

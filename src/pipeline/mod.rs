@@ -214,7 +214,6 @@ impl PipelineRank {
             targets: &targets,
             loss,
             recompute: self.recompute,
-            t0: Instant::now(),
         };
         runtime::run_rank(&step, &mut net)
     }

@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use tch::{nn::Module, Kind, Tensor};
 
@@ -39,7 +39,11 @@ pub struct RankStep<'a> {
     pub loss: &'a LossFn,
     /// Keep only each chunk's input per microbatch in flight; recompute the forward in backward.
     pub recompute: bool,
-    pub t0: Instant,
+}
+
+/// Wall-clock seconds since the Unix epoch: comparable across the stage processes of one machine.
+pub fn now() -> f64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64())
 }
 
 struct Saved {
@@ -76,44 +80,46 @@ pub fn run_rank(step: &RankStep, net: &mut dyn Transport) -> Result<RankReport> 
             Action::Forward { mb, chunk } => {
                 let stage = &step.chunks[chunk];
                 let vs = vs_of(chunk);
-                let start = step.t0.elapsed().as_secs_f64();
+                let start = now();
                 let input = if vs == 0 {
                     step.inputs[mb].f_to_device(stage.device)?
                 } else {
                     let t = received.remove(&(mb, chunk)).ok_or_else(|| missing(rank, a))?;
                     t.f_to_device(stage.device)?.f_detach()?.set_requires_grad(true)
                 };
-                let (output, loss) = if step.recompute && vs != last_vs {
-                    (tch::no_grad(|| stage.forward(&input)), None)
-                } else {
-                    let out = stage.forward(&input);
-                    let loss = if vs == last_vs { Some(last_loss(step, &out, mb, scale)?) } else { None };
-                    (out, loss)
-                };
+                // With recomputation the forward keeps no graph: only `input` is kept, and backward
+                // runs the forward again.
+                let _no_graph = step.recompute.then(tch::no_grad_guard);
+                let output = stage.forward(&input);
+                let loss = if vs == last_vs { Some(last_loss(step, &output, mb, scale)?) } else { None };
                 if let Some(l) = &loss {
                     loss_sum += l.f_double_value(&[])?;
                 }
                 if vs != last_vs {
                     net.send(next_rank, (Payload::Activation, mb, vs + 1), &output.f_detach()?)?;
                 }
-                let keep_output = !(step.recompute && vs != last_vs);
-                saved.insert((mb, chunk), Saved { input, output: keep_output.then_some(output), loss });
+                let (output, loss) = if step.recompute { (None, None) } else { (Some(output), loss) };
+                saved.insert((mb, chunk), Saved { input, output, loss });
                 report.max_in_flight = report.max_in_flight.max(saved.len());
-                report.spans.push(Span { stage: rank, forward: true, mb, chunk, start, end: step.t0.elapsed().as_secs_f64() });
+                report.spans.push(Span { stage: rank, forward: true, mb, chunk, start, end: now() });
             }
             Action::Backward { mb, chunk } => {
                 let stage = &step.chunks[chunk];
                 let vs = vs_of(chunk);
-                let start = step.t0.elapsed().as_secs_f64();
+                let start = now();
                 let s = saved.remove(&(mb, chunk)).ok_or_else(|| missing(rank, a))?;
+                // recomputation: the forward again, this time recording the graph
+                let output = match s.output {
+                    Some(o) => o,
+                    None => stage.forward(&s.input),
+                };
                 if vs == last_vs {
-                    let loss = s.loss.ok_or_else(|| missing(rank, a))?;
+                    let loss = match s.loss {
+                        Some(l) => l,
+                        None => last_loss(step, &output, mb, scale)?,
+                    };
                     loss.f_backward()?;
                 } else {
-                    let output = match s.output {
-                        Some(o) => o,
-                        None => stage.forward(&s.input), // recomputation
-                    };
                     let g = grads_in.remove(&(mb, chunk)).ok_or_else(|| missing(rank, a))?;
                     // backward of `output` with incoming gradient g (tch's backward takes no gradient)
                     output.f_mul(&g.f_to_device(output.device())?)?.f_sum(Kind::Float)?.f_backward()?;
@@ -128,7 +134,7 @@ pub fn run_rank(step: &RankStep, net: &mut dyn Transport) -> Result<RankReport> 
                     }
                     net.send(prev_rank, (Payload::Grad, mb, vs - 1), &gin)?;
                 }
-                report.spans.push(Span { stage: rank, forward: false, mb, chunk, start, end: step.t0.elapsed().as_secs_f64() });
+                report.spans.push(Span { stage: rank, forward: false, mb, chunk, start, end: now() });
             }
             Action::SendActivation { .. } | Action::SendGrad { .. } => {} // done right after the compute
         }
@@ -163,7 +169,6 @@ pub fn run_threads(
     let p = schedule.stages;
     let abort = Arc::new(AtomicBool::new(false));
     let nets = transport::channels(p, abort.clone(), timeout);
-    let t0 = Instant::now();
     let results: Vec<Result<RankReport>> = std::thread::scope(|scope| {
         let handles: Vec<_> = nets
             .into_iter()
@@ -176,7 +181,7 @@ pub fn run_threads(
                 let targets: Vec<Tensor> = targets.iter().map(|t| t.shallow_clone()).collect();
                 scope.spawn(move || {
                     let chunks: &[Stage] = chunks;
-                    let step = RankStep { rank, schedule, chunks, inputs: &inputs, targets: &targets, loss, recompute, t0 };
+                    let step = RankStep { rank, schedule, chunks, inputs: &inputs, targets: &targets, loss, recompute };
                     // tch's infallible ops (layers, loss functions) panic on bad shapes: turn that into
                     // this stage's error and stop the other stages.
                     let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run_rank(&step, &mut net)))

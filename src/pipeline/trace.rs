@@ -5,7 +5,7 @@ use std::path::Path;
 
 use crate::error::{Error, Result};
 
-/// One forward or backward of one microbatch-chunk on one stage, in seconds from the step's start.
+/// One forward or backward of one microbatch-chunk on one stage; times in seconds (wall clock).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Span {
     pub stage: usize,
@@ -31,6 +31,7 @@ pub fn bubble_fraction(spans: &[Span], stages: usize) -> f64 {
 pub fn write_chrome_trace(path: &Path, spans: &[Span]) -> Result<()> {
     let io = |e: std::io::Error| Error::invalid(format!("write trace {}", path.display()), e.to_string());
     let mut f = std::io::BufWriter::new(std::fs::File::create(path).map_err(io)?);
+    let t0 = spans.iter().map(|s| s.start).fold(f64::INFINITY, f64::min);
     writeln!(f, "{{\"traceEvents\":[").map_err(io)?;
     for (i, s) in spans.iter().enumerate() {
         let name = format!("{}{}{}", if s.forward { "F" } else { "B" }, s.mb, if s.chunk > 0 { format!(".{}", s.chunk) } else { String::new() });
@@ -40,7 +41,7 @@ pub fn write_chrome_trace(path: &Path, spans: &[Span]) -> Result<()> {
             "{{\"name\":\"{name}\",\"cat\":\"{}\",\"ph\":\"X\",\"pid\":0,\"tid\":{},\"ts\":{:.3},\"dur\":{:.3},\"args\":{{\"microbatch\":{},\"chunk\":{}}}}}{sep}",
             if s.forward { "forward" } else { "backward" },
             s.stage,
-            s.start * 1e6,
+            (s.start - t0) * 1e6,
             (s.end - s.start) * 1e6,
             s.mb,
             s.chunk

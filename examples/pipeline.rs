@@ -1,0 +1,290 @@
+//! Pipeline-parallel training of a deep MLP on synthetic data (a fixed random "teacher" network).
+//!
+//!   pipeline [--stages 2] [--schedule gpipe|1f1b|interleaved] [--microbatches 8] [--chunks 2]
+//!            [--steps 20] [--batch 256] [--recompute] [--form processes|threads] [--trace out.json] [--png out.png]
+//!   pipeline --all        # 2 and 4 stages, every schedule: a summary table
+//!   pipeline --unsplit    # the same model in one process, for comparison
+//!
+//! With `--form processes` (default) the example starts one process per stage (itself, with torchrun's
+//! environment) so each stage's peak memory is its own; stages talk through send/recv over Gloo.
+//! Prints loss, throughput, the measured bubble fraction against the formula, and per-stage memory.
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::Instant;
+
+use tch::{nn, nn::Module, nn::OptimizerConfig, Device, Kind, Tensor};
+use tch_dist::pipeline::schedule::{Kind as Sched, Schedule};
+use tch_dist::pipeline::{trace, LayerList, Partition, Pipeline, PipelineRank, Span};
+use tch_dist::{memory, ProcessGroup};
+
+const WIDTH: i64 = 1024;
+const DEPTH: usize = 16; // linear layers, each followed by tanh
+const DEFAULT_BATCH: i64 = 256;
+const LR: f64 = 0.05;
+
+struct Args {
+    stages: usize,
+    schedule: Sched,
+    m: usize,
+    v: usize,
+    steps: usize,
+    recompute: bool,
+    threads_form: bool,
+    trace: Option<String>,
+    png: Option<String>,
+}
+
+fn get(name: &str) -> Option<String> {
+    let a: Vec<String> = std::env::args().collect();
+    a.iter().position(|x| x == name).and_then(|i| a.get(i + 1)).cloned()
+}
+fn flag(name: &str) -> bool {
+    std::env::args().any(|x| x == name)
+}
+
+fn parse() -> Result<Args, Box<dyn std::error::Error>> {
+    let schedule: Sched = get("--schedule").unwrap_or_else(|| "1f1b".into()).parse()?;
+    let v = get("--chunks").map_or(Ok(if schedule == Sched::Interleaved1F1B { 2 } else { 1 }), |s| s.parse())?;
+    Ok(Args {
+        stages: get("--stages").map_or(Ok(2), |s| s.parse())?,
+        schedule,
+        m: get("--microbatches").map_or(Ok(8), |s| s.parse())?,
+        v,
+        steps: get("--steps").map_or(Ok(20), |s| s.parse())?,
+        recompute: flag("--recompute"),
+        threads_form: get("--form").as_deref() == Some("threads"),
+        trace: get("--trace"),
+        png: get("--png"),
+    })
+}
+
+fn layers() -> LayerList {
+    let mut l = LayerList::new().seed(7);
+    for i in 0..DEPTH {
+        l = l.add(&format!("fc{i}"), |p| nn::linear(p, WIDTH, WIDTH, Default::default())).add_fn(&format!("tanh{i}"), |x| x.tanh());
+    }
+    l
+}
+
+/// Synthetic regression data: y = sin(x W) for a fixed W; each step a fresh batch.
+fn batch_size() -> i64 {
+    get("--batch").and_then(|s| s.parse().ok()).unwrap_or(DEFAULT_BATCH)
+}
+
+fn batch(step: usize) -> (Tensor, Tensor) {
+    tch::manual_seed(10_000);
+    let w = Tensor::randn([WIDTH, WIDTH], (Kind::Float, Device::Cpu)) / (WIDTH as f64).sqrt();
+    tch::manual_seed(step as i64);
+    let x = Tensor::randn([batch_size(), WIDTH], (Kind::Float, Device::Cpu));
+    let y = x.matmul(&w).sin();
+    (x, y)
+}
+
+fn loss(out: &Tensor, y: &Tensor) -> Tensor {
+    out.mse_loss(y, tch::Reduction::Mean)
+}
+
+fn partition(a: &Args) -> Result<Partition, Box<dyn std::error::Error>> {
+    // Balanced by parameter bytes over p * v parts.
+    let bytes: Vec<f64> = layers().param_bytes()?.into_iter().map(|b| b as f64).collect();
+    Ok(Partition::balanced(&bytes, a.stages * a.v)?)
+}
+
+/// Runs the steps in one process; returns (losses, spans, seconds).
+fn run_threads(a: &Args) -> Result<(Vec<f64>, Vec<Span>, f64, Vec<usize>), Box<dyn std::error::Error>> {
+    let mut pipe = Pipeline::new(&layers(), &partition(a)?, &vec![Device::Cpu; a.stages], a.schedule, a.m, a.v)?.recompute(a.recompute);
+    let mut opts = pipe.var_stores().iter().map(|vs| nn::Sgd::default().build(vs, LR)).collect::<Result<Vec<_>, _>>()?;
+    let (mut losses, mut spans, mut inflight) = (Vec::new(), Vec::new(), vec![0; a.stages]);
+    let start = Instant::now();
+    for s in 0..a.steps {
+        let (x, y) = batch(s);
+        let r = pipe.step(&x, &y, &loss)?;
+        opts.iter_mut().for_each(|o| o.step());
+        pipe.zero_grad()?;
+        losses.push(r.loss);
+        inflight.iter_mut().zip(&r.max_in_flight).for_each(|(a, b)| *a = (*a).max(*b));
+        if s + 1 == a.steps {
+            spans = r.spans;
+        }
+    }
+    Ok((losses, spans, start.elapsed().as_secs_f64(), inflight))
+}
+
+/// One stage process (started by `run_processes` with torchrun's environment).
+fn worker(a: &Args) -> Result<(), Box<dyn std::error::Error>> {
+    tch::set_num_threads(1); // stages share the machine's cores
+    memory::install_cpu_counter()?;
+    let pg = Arc::new(ProcessGroup::from_env()?);
+    let mut st = PipelineRank::new(pg.clone(), &layers(), &partition(a)?, Device::Cpu, a.schedule, a.m, a.v)?.recompute(a.recompute);
+    let mut opts = st.var_stores().iter().map(|vs| nn::Sgd::default().build(vs, LR)).collect::<Result<Vec<_>, _>>()?;
+    let base = memory::allocated(Device::Cpu)?;
+    memory::reset_peak(Device::Cpu)?;
+    pg.barrier()?;
+    let start = Instant::now();
+    let mut inflight = 0;
+    for s in 0..a.steps {
+        let (x, y) = batch(s);
+        let r = st.step(&x, &y, &loss)?;
+        opts.iter_mut().for_each(|o| o.step());
+        st.zero_grad()?;
+        inflight = inflight.max(r.max_in_flight);
+        if let Some(l) = r.loss {
+            println!("loss {s} {l}");
+        }
+        if s + 1 == a.steps {
+            for sp in &r.spans {
+                println!("span {} {} {} {} {} {}", sp.stage, sp.forward as u8, sp.mb, sp.chunk, sp.start, sp.end);
+            }
+        }
+    }
+    pg.barrier()?;
+    let secs = start.elapsed().as_secs_f64();
+    println!("stage {} seconds {secs} base {base} peak {} inflight {inflight}", pg.rank(), memory::peak(Device::Cpu)?);
+    Ok(())
+}
+
+struct Outcome {
+    losses: Vec<f64>,
+    spans: Vec<Span>,
+    seconds: f64,
+    per_stage: Vec<(i64, i64, usize)>, // base, peak, in flight
+}
+
+fn run_processes(a: &Args) -> Result<Outcome, Box<dyn std::error::Error>> {
+    let exe = std::env::current_exe()?;
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+    let passthrough: Vec<String> = std::env::args().skip(1).filter(|x| x != "--all").collect();
+    let children = (0..a.stages)
+        .map(|r| {
+            Command::new(&exe)
+                .args(&passthrough)
+                .args(["--worker", "--stages", &a.stages.to_string(), "--schedule", sched_name(a.schedule)])
+                .args(["--microbatches", &a.m.to_string(), "--chunks", &a.v.to_string(), "--steps", &a.steps.to_string()])
+                .env("RANK", r.to_string())
+                .env("WORLD_SIZE", a.stages.to_string())
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", port.to_string())
+                .stdout(Stdio::piped())
+                .spawn()
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut out = Outcome { losses: Vec::new(), spans: Vec::new(), seconds: 0.0, per_stage: vec![(0, 0, 0); a.stages] };
+    for (r, c) in children.into_iter().enumerate() {
+        let o = c.wait_with_output()?;
+        if !o.status.success() {
+            return Err(format!("stage {r} failed ({})", o.status).into());
+        }
+        for line in String::from_utf8_lossy(&o.stdout).lines() {
+            let w: Vec<&str> = line.split_whitespace().collect();
+            match w.first() {
+                Some(&"loss") => out.losses.push(w[2].parse()?),
+                Some(&"span") => out.spans.push(Span {
+                    stage: w[1].parse()?,
+                    forward: w[2] == "1",
+                    mb: w[3].parse()?,
+                    chunk: w[4].parse()?,
+                    start: w[5].parse()?,
+                    end: w[6].parse()?,
+                }),
+                Some(&"stage") => {
+                    out.seconds = out.seconds.max(w[3].parse()?);
+                    out.per_stage[r] = (w[5].parse()?, w[7].parse()?, w[9].parse()?);
+                }
+                _ => {}
+            }
+        }
+    }
+    Ok(out)
+}
+
+fn sched_name(k: Sched) -> &'static str {
+    match k {
+        Sched::GPipe => "gpipe",
+        Sched::OneFOneB => "1f1b",
+        Sched::Interleaved1F1B => "interleaved",
+    }
+}
+
+fn unsplit(steps: usize) -> Result<(f64, f64), Box<dyn std::error::Error>> {
+    let threads: i32 = get("--threads").map_or(Ok(1), |s| s.parse())?;
+    tch::set_num_threads(threads);
+    let l = layers();
+    let stage = l.build_stage(0..l.len(), Device::Cpu)?;
+    let mut opt = nn::Sgd::default().build(&stage.vs, LR)?;
+    let mut last = 0.0;
+    let start = Instant::now();
+    for s in 0..steps {
+        let (x, y) = batch(s);
+        opt.zero_grad();
+        let lo = loss(&stage.forward(&x), &y);
+        last = lo.double_value(&[]);
+        lo.backward();
+        opt.step();
+    }
+    Ok((batch_size() as f64 * steps as f64 / start.elapsed().as_secs_f64(), last))
+}
+
+fn report(a: &Args, o: &Outcome) -> Result<(), Box<dyn std::error::Error>> {
+    let formula = Schedule::new(a.schedule, a.stages, a.m, a.v)?.ideal_bubble_fraction();
+    let bubble = trace::bubble_fraction(&o.spans, a.stages);
+    println!(
+        "{:<12} p={} m={:<2} v={} recompute={:<5} loss {:.4} -> {:.4}  {:>7.1} samples/s  bubble {:.3} (formula {:.3})",
+        sched_name(a.schedule),
+        a.stages,
+        a.m,
+        a.v,
+        a.recompute,
+        o.losses.first().copied().unwrap_or(f64::NAN),
+        o.losses.last().copied().unwrap_or(f64::NAN),
+        batch_size() as f64 * a.steps as f64 / o.seconds,
+        bubble,
+        formula
+    );
+    for (s, (base, peak, inflight)) in o.per_stage.iter().enumerate() {
+        if *peak > 0 {
+            println!("    stage {s}: peak {:.2} MB ({:.2} MB above its parameters), {inflight} microbatch-chunks in flight at most", *peak as f64 / 1e6, (peak - base) as f64 / 1e6);
+        } else {
+            println!("    stage {s}: {inflight} microbatch-chunks in flight at most");
+        }
+    }
+    if let Some(p) = &a.trace {
+        trace::write_chrome_trace(std::path::Path::new(p), &o.spans)?;
+        println!("    trace of the last step: {p} (open in chrome://tracing or ui.perfetto.dev)");
+    }
+    if let Some(p) = &a.png {
+        trace::write_png(std::path::Path::new(p), &o.spans, a.stages)?;
+        println!("    timeline of the last step: {p}");
+    }
+    Ok(())
+}
+
+fn run(a: &Args) -> Result<Outcome, Box<dyn std::error::Error>> {
+    if a.threads_form {
+        let (losses, spans, seconds, inflight) = run_threads(a)?;
+        Ok(Outcome { losses, spans, seconds, per_stage: inflight.into_iter().map(|f| (0, 0, f)).collect() })
+    } else {
+        run_processes(a)
+    }
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let a = parse()?;
+    if flag("--worker") {
+        return worker(&a);
+    }
+    if flag("--unsplit") {
+        let (tput, last) = unsplit(a.steps)?;
+        println!("unsplit: {tput:.1} samples/s, final loss {last:.4}");
+        return Ok(());
+    }
+    if flag("--all") {
+        for p in [2, 4] {
+            for (k, v) in [(Sched::GPipe, 1), (Sched::OneFOneB, 1), (Sched::Interleaved1F1B, 2)] {
+                let b = Args { stages: p, schedule: k, v, trace: None, png: None, ..parse()? };
+                report(&b, &run(&b)?)?;
+            }
+        }
+        return Ok(());
+    }
+    report(&a, &run(&a)?)
+}
