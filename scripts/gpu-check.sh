@@ -31,7 +31,10 @@ cargo test --features cuda --test cuda -- --nocapture --test-threads=1 2>&1 | te
 scripts/demo.sh --device cuda 2>&1 | tee -a "$log" || status=1
 grep -qE "model on device +4,004,352 +4,004,352" "$log" || { echo "gpu-check: forum number 4,004,352 not reproduced"; status=1; }
 grep -qE "wrapped in DDP +8,008,704 +8,008,704" "$log" || { echo "gpu-check: forum number 8,008,704 not reproduced"; status=1; }
+# The article's manual split: with one GPU both halves go to cuda:0.
+cargo run -q --features cuda --example two_gpu_split 2>&1 | tee -a "$log" || status=1
+grep -qE "placement: (one GPU: both stages on cuda:0|two GPUs)" "$log" || { echo "gpu-check: split did not use the GPU"; status=1; }
 echo "gpu-check: SUMMARY"
-grep -E "^test |ok$|bytes|skipped|4,004,352|8,008,704|equal:" "$log" || true
+grep -E "^test |ok$|bytes|skipped|4,004,352|8,008,704|equal:|placement|step 4" "$log" || true
 [ "$status" = 0 ] && echo "gpu-check: PASS" || echo "gpu-check: FAIL"
 exit $status
