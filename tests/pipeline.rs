@@ -197,3 +197,27 @@ fn bad_settings_give_clear_errors() {
     assert!(start.elapsed() < Duration::from_secs(15));
     assert!(e.contains("pipeline stage 1") && e.contains("must match the size"), "{e}");
 }
+
+#[test]
+fn trace_is_chrome_json_and_timeline_is_a_png() {
+    let l = layers();
+    let part = Partition::sizes(&[4, 4], l.len()).unwrap();
+    let mut pipe = Pipeline::new(&l, &part, &[Device::Cpu; 2], Sched::OneFOneB, 4, 1).unwrap();
+    let (x, y) = data(0);
+    let r = pipe.step(&x, &y, &pipe::loss).unwrap();
+    assert!(r.bubble_fraction > 0.0 && r.bubble_fraction < 1.0);
+    let dir = std::env::temp_dir().join(format!("tdx-trace-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (json, png) = (dir.join("t.json"), dir.join("t.png"));
+    tch_dist::pipeline::trace::write_chrome_trace(&json, &r.spans).unwrap();
+    tch_dist::pipeline::trace::write_png(&png, &r.spans, 2).unwrap();
+    // Parsed by Python's json module: 16 complete events, two rows (tids), forward and backward kinds.
+    let check = "import json,sys; t=json.load(open(sys.argv[1]))['traceEvents']; \
+                 assert len(t)==16 and {e['tid'] for e in t}=={0,1} and {e['cat'] for e in t}=={'forward','backward'} \
+                 and all(e['ph']=='X' and e['dur']>=0 for e in t), t; print('ok')";
+    let o = std::process::Command::new(common::python()).args(["-c", check]).arg(&json).output().unwrap();
+    assert!(o.status.success(), "{}", common::show(&o));
+    let bytes = std::fs::read(&png).unwrap();
+    assert_eq!(&bytes[..8], b"\x89PNG\r\n\x1a\n");
+    let _ = std::fs::remove_dir_all(&dir);
+}
