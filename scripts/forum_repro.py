@@ -55,11 +55,18 @@ def main():
     model(x).sum().backward()
     del x
     report("after one backward")
-    # Without this barrier a rank can tear its group down while the other is still in it, and PyTorch
-    # 2.13 then sometimes aborts at exit ("terminate called without an active exception").
     dist.barrier()
     dist.destroy_process_group()
 
 
+def _exit_now(code=0):
+    """Leaves without interpreter teardown: PyTorch 2.13 sometimes aborts there, after all the work is done
+    ("terminate called without an active exception", about 1 run in 20 on a loaded 2-core machine)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
     main()
+    _exit_now()

@@ -14,11 +14,13 @@ mod dtype;
 mod ffi;
 mod verify;
 
+pub mod checkpoint;
 pub mod ddp;
 pub mod error;
 pub mod group;
 pub mod hooks;
 pub mod init;
+pub mod launch;
 pub mod memory;
 pub mod pipeline;
 pub mod reference;

@@ -313,3 +313,34 @@ fn buffers_follow_rank_0_at_construction_and_every_forward() {
         assert_eq!(fwd, vec![10.0; 3]);
     }
 }
+
+#[test]
+fn an_extra_backward_on_one_rank_is_reported_not_silently_mixed() {
+    // Rank 0 also runs the bare module and backpropagates through it (a second backward for one DDP
+    // forward). Unchecked, its bucket allreduces would pair with rank 1's next collectives.
+    let res = common::run_threads(2, Duration::from_secs(20), |pg| {
+        let rank = pg.rank();
+        let vs = nn::VarStore::new(Device::Cpu);
+        let net = mlp(&vs);
+        let ddp = DistributedDataParallel::new(&vs, net, DdpOptions::default().process_group(Arc::new(pg))).unwrap();
+        let mut first_error = None;
+        for s in 0..3 {
+            let (x, y) = batch(s, rank, PER);
+            let mut r = ddp.forward(&x).and_then(|out| ddp.backward(&model::loss(&out, &y)));
+            if rank == 0 && s == 0 && r.is_ok() {
+                r = ddp.backward(&model::loss(&ddp.module().forward(&x), &y));
+            }
+            if let Err(e) = r {
+                first_error = Some(e.to_string());
+                break;
+            }
+            ddp.zero_grad().unwrap();
+        }
+        first_error
+    });
+    for e in res {
+        let e = e.expect("both ranks must see the disagreement");
+        assert!(e.contains("ranks disagree on the training loop"), "{e}");
+        assert!(e.contains("rank 0 is starting backward with 1 forwards and 1 backwards done"), "{e}");
+    }
+}

@@ -58,6 +58,9 @@ pub(crate) struct State {
     /// Every gradient is zero since the last `zero_grad` (no backward ran since): a bucket rebuild then
     /// need not preserve gradient values, so the old buckets can go before the new ones come.
     pub grads_zeroed: bool,
+    /// Synchronised forwards and backwards so far, compared across ranks after each backward.
+    forwards: i64,
+    backwards: i64,
 }
 
 pub(crate) struct Reducer {
@@ -100,6 +103,8 @@ impl Reducer {
             events: Vec::new(),
             error: None,
             grads_zeroed: false,
+            forwards: 0,
+            backwards: 0,
         };
         init_buckets(&mut st, &cfg, assignment, false)?;
         Ok(Arc::new(Reducer { pg, cfg, state: Mutex::new(st) }))
@@ -131,6 +136,12 @@ impl Reducer {
         if !st.active {
             st.active = true;
             st.events.clear();
+            if self.pg.verifies() {
+                if let Err(e) = self.check_loop_agreement(&st, "backward") {
+                    st.error = Some(e.to_string());
+                }
+            }
+            st.backwards += 1;
             let weak = Arc::downgrade(self);
             let queued = hooks::queue_backward_callback(move || match weak.upgrade() {
                 Some(r) => r.finalize().map_err(|e| e.to_string()),
@@ -256,6 +267,35 @@ impl Reducer {
         Ok(())
     }
 
+    /// Ranks that ran different numbers of forwards and backwards (an extra backward on one rank) would
+    /// pair up the wrong collectives, and Gloo aborts the process when their sizes differ. A small
+    /// fixed-size all_gather at the start of each forward and each backward catches it first.
+    fn check_loop_agreement(&self, st: &State, phase: &str) -> Result<()> {
+        let code = if phase == "forward" { 1 } else { 2 };
+        let mine = Tensor::from_slice(&[code, st.forwards, st.backwards]);
+        let mut all: Vec<Tensor> = (0..self.pg.size()).map(|_| mine.zeros_like()).collect();
+        self.pg.all_gather_unverified(&mut all, &mine)?.wait()?;
+        let rows: Vec<Vec<i64>> = all.iter().map(|t| Vec::<i64>::try_from(t).map_err(Error::from)).collect::<Result<_>>()?;
+        if rows.iter().any(|r| r != &rows[0]) {
+            let listing: Vec<String> = rows
+                .iter()
+                .enumerate()
+                .map(|(r, v)| {
+                    let at = if v[0] == 1 { "forward" } else { "backward" };
+                    format!("rank {r} is starting {at} with {} forwards and {} backwards done", v[1], v[2])
+                })
+                .collect();
+            return Err(Error::mismatch(
+                format!("DDP {phase} on rank {} of {}", self.pg.rank(), self.pg.size()),
+                format!(
+                    "ranks disagree on the training loop ({}); every rank must run the same forwards and backwards",
+                    listing.join("; ")
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     /// Before a forward: fail clearly if the last backward did not finish its reduction, and rebuild
     /// buckets once, from the order gradients arrived, with rank 0's assignment.
     pub fn prepare_for_forward(&self) -> Result<()> {
@@ -266,6 +306,12 @@ impl Reducer {
                 format!("DDP forward on rank {} of {}", self.pg.rank(), self.pg.size()),
                 "the previous iteration did not finish reducing gradients (did its backward fail?)",
             ));
+        }
+        if st.sync && self.pg.verifies() {
+            self.check_loop_agreement(&st, "forward")?;
+        }
+        if st.sync {
+            st.forwards += 1;
         }
         if st.sync && !st.rebuilt && st.iterations > 0 && st.ready_order.len() == st.params.len() {
             let order = std::mem::take(&mut st.ready_order);

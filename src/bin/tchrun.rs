@@ -1,0 +1,86 @@
+//! `tchrun`: start N copies of a program as one distributed job, as `torchrun` does.
+//!
+//!   tchrun --standalone --nproc-per-node 2 -- ./target/release/examples/train_ddp --epochs 5
+//!   tchrun --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --master-port 29500 --nproc-per-node 4 -- prog
+//!
+//! Each worker gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR,
+//! MASTER_PORT, TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS and TORCHELASTIC_RUN_ID. Works
+//! for any program, PyTorch scripts included.
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::Parser;
+use tch_dist::launch::{self, LaunchConfig};
+
+#[derive(Parser, Debug)]
+#[command(name = "tchrun", version, about = "Launch a distributed job: N workers per node, torchrun's environment")]
+struct Cli {
+    /// Workers on this node.
+    #[arg(long, default_value_t = 1)]
+    nproc_per_node: usize,
+    /// Number of nodes (machines, or launchers on one machine).
+    #[arg(long, default_value_t = 1)]
+    nnodes: usize,
+    /// This node's index, 0..nnodes.
+    #[arg(long, default_value_t = 0)]
+    node_rank: usize,
+    /// Address of rank 0's node, where the TCPStore listens.
+    #[arg(long, default_value = "127.0.0.1")]
+    master_addr: String,
+    #[arg(long, default_value_t = 29500)]
+    master_port: u16,
+    /// One node on this machine: loopback and a free port (overrides the master options).
+    #[arg(long, conflicts_with_all = ["nnodes", "node_rank", "master_addr", "master_port"])]
+    standalone: bool,
+    /// Restart the whole group this many times after a failure.
+    #[arg(long, default_value_t = 0)]
+    max_restarts: usize,
+    /// Also write each worker's output to DIR/rank<R>.restart<K>.log.
+    #[arg(long, value_name = "DIR")]
+    redirect_logs: Option<PathBuf>,
+    /// Job id given to workers as TORCHELASTIC_RUN_ID.
+    #[arg(long, default_value = "none")]
+    run_id: String,
+    /// Seconds between SIGTERM and SIGKILL when stopping workers.
+    #[arg(long, default_value_t = 5.0)]
+    grace_secs: f64,
+    /// The program and its arguments, after `--`.
+    #[arg(last = true, required = true)]
+    command: Vec<String>,
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let (master_addr, master_port) = if cli.standalone {
+        match launch::free_port() {
+            Ok(p) => ("127.0.0.1".to_string(), p),
+            Err(e) => {
+                eprintln!("tchrun: {e}");
+                std::process::exit(2);
+            }
+        }
+    } else {
+        (cli.master_addr.clone(), cli.master_port)
+    };
+    let cfg = LaunchConfig {
+        nproc_per_node: cli.nproc_per_node,
+        nnodes: if cli.standalone { 1 } else { cli.nnodes },
+        node_rank: if cli.standalone { 0 } else { cli.node_rank },
+        master_addr,
+        master_port,
+        max_restarts: cli.max_restarts,
+        redirect_logs: cli.redirect_logs,
+        run_id: cli.run_id,
+        grace: Duration::from_secs_f64(cli.grace_secs.max(0.0)),
+        tail_lines: 20,
+        program: cli.command[0].clone(),
+        args: cli.command[1..].to_vec(),
+    };
+    match launch::run(&cfg) {
+        Ok(code) => std::process::exit(code),
+        Err(e) => {
+            eprintln!("{e}"); // names the flag or program, prefixed "tchrun"
+            std::process::exit(2);
+        }
+    }
+}

@@ -1,0 +1,304 @@
+//! The launcher behind `tchrun`: starts `nproc_per_node` workers with torchrun's environment, prefixes
+//! their output with their rank, and when one fails stops the others (SIGTERM, then SIGKILL after a grace
+//! period), reports which rank failed, how, and its last lines, and restarts the group if allowed.
+use std::collections::VecDeque;
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::path::PathBuf;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::error::{Error, Result};
+
+/// Everything the launcher needs; `tchrun`'s flags map onto it one to one.
+#[derive(Clone, Debug)]
+pub struct LaunchConfig {
+    pub nproc_per_node: usize,
+    pub nnodes: usize,
+    pub node_rank: usize,
+    pub master_addr: String,
+    pub master_port: u16,
+    pub max_restarts: usize,
+    pub redirect_logs: Option<PathBuf>,
+    pub run_id: String,
+    /// Between SIGTERM and SIGKILL when stopping workers.
+    pub grace: Duration,
+    /// Lines of a failed worker's output to show.
+    pub tail_lines: usize,
+    pub program: String,
+    pub args: Vec<String>,
+}
+
+impl LaunchConfig {
+    pub fn validate(&self) -> Result<()> {
+        let bad = |m: String| Err(Error::invalid("tchrun", m));
+        if self.nproc_per_node == 0 {
+            return bad("--nproc-per-node must be at least 1".into());
+        }
+        if self.nnodes == 0 {
+            return bad("--nnodes must be at least 1".into());
+        }
+        if self.node_rank >= self.nnodes {
+            return bad(format!("--node-rank {} is not below --nnodes {}", self.node_rank, self.nnodes));
+        }
+        if self.master_addr.trim().is_empty() {
+            return bad("--master-addr is empty".into());
+        }
+        if self.program.is_empty() {
+            return bad("no program to run (tchrun [OPTIONS] -- PROGRAM [ARGS...])".into());
+        }
+        Ok(())
+    }
+
+    pub fn world_size(&self) -> usize {
+        self.nnodes * self.nproc_per_node
+    }
+}
+
+/// A port the OS says is free now (for `--standalone`).
+pub fn free_port() -> Result<u16> {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .map_err(|e| Error::invalid("tchrun --standalone", format!("no free port: {e}")))
+}
+
+/// How a worker ended.
+pub fn describe_status(s: &ExitStatus) -> String {
+    match (s.code(), s.signal()) {
+        (Some(c), _) => format!("exit code {c}"),
+        (None, Some(sig)) => format!("signal {sig} ({})", signal_name(sig)),
+        _ => "unknown status".into(),
+    }
+}
+
+fn signal_name(sig: i32) -> &'static str {
+    match sig {
+        libc::SIGKILL => "SIGKILL",
+        libc::SIGTERM => "SIGTERM",
+        libc::SIGSEGV => "SIGSEGV",
+        libc::SIGABRT => "SIGABRT",
+        libc::SIGINT => "SIGINT",
+        libc::SIGBUS => "SIGBUS",
+        libc::SIGFPE => "SIGFPE",
+        _ => "signal",
+    }
+}
+
+struct Worker {
+    rank: usize,
+    child: Child,
+    tail: Arc<Mutex<VecDeque<String>>>,
+    readers: Vec<std::thread::JoinHandle<()>>,
+    status: Option<ExitStatus>,
+}
+
+/// Set by SIGINT/SIGTERM to the launcher: stop the workers and leave.
+static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_signal(_: libc::c_int) {
+    INTERRUPTED.store(true, Ordering::SeqCst);
+}
+
+fn install_signal_handlers() {
+    // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
+    unsafe {
+        libc::signal(libc::SIGINT, on_signal as extern "C" fn(libc::c_int) as libc::sighandler_t);
+        libc::signal(libc::SIGTERM, on_signal as extern "C" fn(libc::c_int) as libc::sighandler_t);
+    }
+}
+
+fn pump(
+    stream: impl std::io::Read + Send + 'static,
+    prefix: String,
+    to_stderr: bool,
+    tail: Arc<Mutex<VecDeque<String>>>,
+    keep: usize,
+    log: Option<Arc<Mutex<std::fs::File>>>,
+) -> std::thread::JoinHandle<()> {
+    std::thread::spawn(move || {
+        for line in BufReader::new(stream).lines() {
+            let Ok(line) = line else { break };
+            if to_stderr {
+                let _ = writeln!(std::io::stderr().lock(), "{prefix}{line}");
+            } else {
+                let _ = writeln!(std::io::stdout().lock(), "{prefix}{line}");
+            }
+            if let Some(f) = &log {
+                if let Ok(mut f) = f.lock() {
+                    let _ = writeln!(f, "{line}");
+                }
+            }
+            if let Ok(mut t) = tail.lock() {
+                if t.len() == keep {
+                    t.pop_front();
+                }
+                t.push_back(line);
+            }
+        }
+    })
+}
+
+fn spawn(cfg: &LaunchConfig, restart: usize) -> Result<Vec<Worker>> {
+    let mut workers = Vec::with_capacity(cfg.nproc_per_node);
+    for local in 0..cfg.nproc_per_node {
+        let rank = cfg.node_rank * cfg.nproc_per_node + local;
+        let mut c = Command::new(&cfg.program);
+        c.args(&cfg.args)
+            .env("RANK", rank.to_string())
+            .env("LOCAL_RANK", local.to_string())
+            .env("WORLD_SIZE", cfg.world_size().to_string())
+            .env("LOCAL_WORLD_SIZE", cfg.nproc_per_node.to_string())
+            .env("GROUP_RANK", cfg.node_rank.to_string())
+            .env("ROLE_RANK", rank.to_string())
+            .env("ROLE_WORLD_SIZE", cfg.world_size().to_string())
+            .env("MASTER_ADDR", &cfg.master_addr)
+            .env("MASTER_PORT", cfg.master_port.to_string())
+            .env("TORCHELASTIC_RESTART_COUNT", restart.to_string())
+            .env("TORCHELASTIC_MAX_RESTARTS", cfg.max_restarts.to_string())
+            .env("TORCHELASTIC_RUN_ID", &cfg.run_id)
+            .env("PYTHONUNBUFFERED", "1")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            // its own process group, so stopping it reaches its children too
+            .process_group(0);
+        let mut child = match c.spawn() {
+            Ok(ch) => ch,
+            Err(e) => {
+                // leave no orphans behind
+                stop(&mut workers, Duration::ZERO);
+                return Err(Error::invalid("tchrun", format!("cannot start {:?} for rank {rank}: {e}", cfg.program)));
+            }
+        };
+        let log = match &cfg.redirect_logs {
+            Some(dir) => {
+                std::fs::create_dir_all(dir).map_err(|e| Error::invalid("tchrun --redirect-logs", e.to_string()))?;
+                let p = dir.join(format!("rank{rank}.restart{restart}.log"));
+                Some(Arc::new(Mutex::new(
+                    std::fs::File::create(&p).map_err(|e| Error::invalid(format!("tchrun log {}", p.display()), e.to_string()))?,
+                )))
+            }
+            None => None,
+        };
+        let tail = Arc::new(Mutex::new(VecDeque::with_capacity(cfg.tail_lines)));
+        let prefix = format!("[rank{rank}]: ");
+        let mut readers = Vec::new();
+        if let Some(out) = child.stdout.take() {
+            readers.push(pump(out, prefix.clone(), false, tail.clone(), cfg.tail_lines, log.clone()));
+        }
+        if let Some(err) = child.stderr.take() {
+            readers.push(pump(err, prefix, true, tail.clone(), cfg.tail_lines, log));
+        }
+        workers.push(Worker { rank, child, tail, readers, status: None });
+    }
+    Ok(workers)
+}
+
+fn signal_group(w: &Worker, sig: i32) {
+    // SAFETY: kill(2) on the worker's process group; a stale id only yields ESRCH.
+    unsafe {
+        libc::kill(-(w.child.id() as i32), sig);
+    }
+}
+
+/// Stops every worker still running: SIGTERM, then SIGKILL after the grace period.
+fn stop(workers: &mut [Worker], grace: Duration) {
+    for w in workers.iter().filter(|w| w.status.is_none()) {
+        signal_group(w, libc::SIGTERM);
+    }
+    let deadline = Instant::now() + grace;
+    while Instant::now() < deadline && workers.iter().any(|w| w.status.is_none()) {
+        poll(workers);
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    for w in workers.iter_mut().filter(|w| w.status.is_none()) {
+        signal_group(w, libc::SIGKILL);
+        w.status = w.child.wait().ok();
+    }
+}
+
+fn poll(workers: &mut [Worker]) {
+    for w in workers.iter_mut().filter(|w| w.status.is_none()) {
+        if let Ok(Some(s)) = w.child.try_wait() {
+            w.status = Some(s);
+        }
+    }
+}
+
+/// Outcome of one attempt.
+enum Attempt {
+    Succeeded,
+    Failed { rank: usize, status: ExitStatus, tail: Vec<String> },
+    Interrupted,
+}
+
+fn attempt(cfg: &LaunchConfig, restart: usize) -> Result<Attempt> {
+    let mut workers = spawn(cfg, restart)?;
+    let outcome = loop {
+        poll(&mut workers);
+        if INTERRUPTED.load(Ordering::SeqCst) {
+            stop(&mut workers, cfg.grace);
+            break Attempt::Interrupted;
+        }
+        // The first worker to fail is the cause; the others usually fail after it.
+        if let Some(w) = workers.iter().find(|w| matches!(w.status, Some(s) if !s.success())) {
+            let (rank, status) = (w.rank, w.status.expect("checked"));
+            stop(&mut workers, cfg.grace);
+            let w = workers.iter_mut().find(|w| w.rank == rank).expect("same worker");
+            for r in w.readers.drain(..) {
+                let _ = r.join();
+            }
+            let tail = w.tail.lock().map(|t| t.iter().cloned().collect()).unwrap_or_default();
+            break Attempt::Failed { rank, status, tail };
+        }
+        if workers.iter().all(|w| w.status.is_some()) {
+            break Attempt::Succeeded;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    for w in &mut workers {
+        for r in w.readers.drain(..) {
+            let _ = r.join();
+        }
+    }
+    Ok(outcome)
+}
+
+/// Runs the workers, restarting the group up to `max_restarts` times. Returns the exit code for the
+/// launcher: 0 when every worker succeeded.
+pub fn run(cfg: &LaunchConfig) -> Result<i32> {
+    cfg.validate()?;
+    install_signal_handlers();
+    for restart in 0..=cfg.max_restarts {
+        if restart > 0 {
+            eprintln!("tchrun: restarting all {} workers (restart {restart} of {})", cfg.nproc_per_node, cfg.max_restarts);
+        }
+        match attempt(cfg, restart)? {
+            Attempt::Succeeded => return Ok(0),
+            Attempt::Interrupted => {
+                eprintln!("tchrun: interrupted; workers stopped");
+                return Ok(130);
+            }
+            Attempt::Failed { rank, status, tail } => {
+                eprintln!(
+                    "tchrun: rank {rank} (local rank {}) failed with {}; stopped the other workers",
+                    rank - cfg.node_rank * cfg.nproc_per_node,
+                    describe_status(&status)
+                );
+                if !tail.is_empty() {
+                    eprintln!("tchrun: last {} lines of rank {rank}:", tail.len());
+                    for l in &tail {
+                        eprintln!("tchrun:   {l}");
+                    }
+                }
+                if restart == cfg.max_restarts {
+                    return Ok(1);
+                }
+            }
+        }
+    }
+    Ok(1)
+}
