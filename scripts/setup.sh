@@ -23,10 +23,11 @@ fi
 # nvidia-cuda-crt / nvidia-cuda-cccl: header-only wheels torch does not pull in, needed to compile the
 # NCCL part of the shim (`--features cuda`); small, so installed always and CI can build that feature.
 # numpy, scikit-learn: data for the training example (the 8x8 digits ship inside scikit-learn).
+# safetensors: to show that PyTorch users can open our checkpoints.
 "$TCH_DIST_VENV/bin/python" -m pip install -q \
   "torch==$TCH_DIST_TORCH_VERSION" \
   "nvidia-cuda-crt==13.0.88" "nvidia-cuda-cccl==13.0.85" \
-  numpy scikit-learn
+  numpy scikit-learn safetensors
 "$TCH_DIST_VENV/bin/python" - <<'PY'
 import torch, torch.distributed as dist
 assert torch.__version__.startswith("2.13.0"), torch.__version__

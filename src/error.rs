@@ -70,7 +70,9 @@ fn last_error() -> String {
         if p.is_null() {
             return String::new();
         }
-        CStr::from_ptr(p).to_string_lossy().trim().to_string()
+        // c10d's messages can span lines; errors read best (and log best) as one line.
+        let msg = CStr::from_ptr(p).to_string_lossy();
+        msg.lines().map(str::trim).filter(|l| !l.is_empty()).collect::<Vec<_>>().join(" ")
     }
 }
 

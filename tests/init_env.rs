@@ -18,6 +18,7 @@ fn worker_init_from_env() {
 }
 
 fn run(env: &[(&str, &str)]) -> String {
+    // (the worker prints one line beginning "error:")
     let mut c = Command::new(std::env::current_exe().unwrap());
     c.args(["--ignored", "--exact", "worker_init_from_env", "--nocapture"]);
     for v in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"] {
@@ -54,4 +55,30 @@ fn bad_environment_names_the_variable() {
         let e = run(&env);
         assert!(e.contains(want), "{env:?}: {e}");
     }
+}
+
+#[test]
+fn a_port_already_in_use_names_the_address() {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = l.local_addr().unwrap().port().to_string();
+    let e = run(&[("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", &port)]);
+    assert!(e.contains(&format!("127.0.0.1:{port}")), "{e}");
+    assert!(e.to_lowercase().contains("in use"), "{e}");
+    assert_eq!(e.lines().count(), 1, "{e}");
+}
+
+#[test]
+fn an_unreachable_master_names_the_address_in_bounded_time() {
+    let port = common::free_port().to_string(); // nobody listens there
+    let start = Instant::now();
+    let e = run(&[
+        ("RANK", "1"),
+        ("WORLD_SIZE", "2"),
+        ("MASTER_ADDR", "127.0.0.1"),
+        ("MASTER_PORT", &port),
+        ("TCH_DIST_TIMEOUT_SECS", "3"),
+    ]);
+    assert!(start.elapsed() < Duration::from_secs(20));
+    assert!(e.contains(&format!("127.0.0.1:{port}")), "{e}");
+    assert_eq!(e.lines().count(), 1, "{e}");
 }
