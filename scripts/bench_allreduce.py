@@ -1,6 +1,8 @@
 """PyTorch twin of examples/bench_allreduce.rs: same sizes, same iteration rule, same output format."""
 import os
 import sys
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from pyutil import exit_now  # noqa: E402
 import time
 
 import torch
@@ -31,14 +33,7 @@ def main():
     dist.destroy_process_group()
 
 
-def _exit_now(code=0):
-    """Leaves without interpreter teardown: PyTorch 2.13 sometimes aborts there, after all the work is done
-    ("terminate called without an active exception", about 1 run in 20 on a loaded 2-core machine)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
 
 if __name__ == "__main__":
     main()
-    _exit_now()
+    exit_now()

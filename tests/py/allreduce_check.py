@@ -1,6 +1,8 @@
 """A plain PyTorch distributed script (torch.distributed, env://), to show tchrun runs any program."""
 import os
 import sys
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts"))
+from pyutil import exit_now  # noqa: E402
 
 import torch
 import torch.distributed as dist
@@ -21,4 +23,4 @@ def _exit_now(code=0):
     os._exit(code)
 
 
-_exit_now()
+exit_now()

@@ -3,6 +3,8 @@ PyTorch/tch-dist DDP test (tests/ddp_interop.rs). Writes its final parameters (f
 order) to the file named by DDP_OUT."""
 import os
 import sys
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts"))
+from pyutil import exit_now  # noqa: E402
 
 import numpy as np
 import torch
@@ -51,14 +53,7 @@ def main():
     print(f"python rank {rank} ok", flush=True)
 
 
-def _exit_now(code=0):
-    """Leaves without interpreter teardown: PyTorch 2.13 sometimes aborts there, after all the work is done
-    ("terminate called without an active exception", about 1 run in 20 on a loaded 2-core machine)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
 
 if __name__ == "__main__":
     main()
-    _exit_now()
+    exit_now()

@@ -6,6 +6,8 @@ torch.distributed.init_process_group("gloo", init_method="env://") and checks ev
 import math
 import os
 import sys
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts"))
+from pyutil import exit_now  # noqa: E402
 
 import torch
 import torch.distributed as dist
@@ -79,13 +81,6 @@ def main():
     print(f"python rank {r} ok", flush=True)
 
 
-def _exit_now(code=0):
-    """Leaves without interpreter teardown: PyTorch 2.13 sometimes aborts there, after all the work is done
-    ("terminate called without an active exception", about 1 run in 20 on a loaded 2-core machine)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
 
 if __name__ == "__main__":
     try:
@@ -93,4 +88,4 @@ if __name__ == "__main__":
     except Exception as e:  # a clear line for the Rust test's failure message
         print(f"python rank failed: {e!r}", file=sys.stderr, flush=True)
         raise
-    _exit_now()
+    exit_now()
