@@ -79,13 +79,7 @@ impl Pipeline {
         chunks: usize,
     ) -> Result<Pipeline> {
         let p = devices.len();
-        let schedule = Schedule::new(kind, p, microbatches, chunks)?;
-        if partition.stages() != p * chunks {
-            return Err(Error::invalid(
-                "Pipeline::new",
-                format!("{} parts for {p} stages x {chunks} chunks (need {})", partition.stages(), p * chunks),
-            ));
-        }
+        let schedule = plan("Pipeline::new", partition, kind, p, microbatches, chunks)?;
         let vdevices: Vec<Device> = (0..p * chunks).map(|k| devices[k % p]).collect();
         let mut built: Vec<Option<Stage>> = layers.build(partition, &vdevices)?.into_iter().map(Some).collect();
         let ranks = (0..p)
@@ -121,10 +115,7 @@ impl Pipeline {
 
     /// Zeroes every stage's gradients.
     pub fn zero_grad(&self) -> Result<()> {
-        for vs in self.var_stores() {
-            crate::hooks::zero_grads(&vs.trainable_variables())?;
-        }
-        Ok(())
+        zero_grads(&self.var_stores())
     }
 
     /// One training step on the batch (`x`, `y`), one thread per stage. Gradients accumulate in the
@@ -137,6 +128,25 @@ impl Pipeline {
         let reports = runtime::run_threads(&self.schedule, &mut self.ranks, &inputs, &targets, loss, self.recompute, self.timeout)?;
         Ok(summarise(&self.schedule, reports, start.elapsed().as_secs_f64()))
     }
+}
+
+/// The schedule for `p` stages, checking that the partition has one part per virtual stage.
+fn plan(what: &str, partition: &Partition, kind: schedule::Kind, p: usize, m: usize, v: usize) -> Result<Schedule> {
+    let schedule = Schedule::new(kind, p, m, v)?;
+    if partition.stages() != p * v {
+        return Err(Error::invalid(
+            what.to_string(),
+            format!("{} parts for {p} stages x {v} chunks (need {})", partition.stages(), p * v),
+        ));
+    }
+    Ok(schedule)
+}
+
+fn zero_grads(stores: &[&nn::VarStore]) -> Result<()> {
+    for vs in stores {
+        crate::hooks::zero_grads(&vs.trainable_variables())?;
+    }
+    Ok(())
 }
 
 fn summarise(schedule: &Schedule, reports: Vec<runtime::RankReport>, seconds: f64) -> StepReport {
@@ -168,13 +178,7 @@ impl PipelineRank {
         chunks: usize,
     ) -> Result<PipelineRank> {
         let p = pg.size();
-        let schedule = Schedule::new(kind, p, microbatches, chunks)?;
-        if partition.stages() != p * chunks {
-            return Err(Error::invalid(
-                "PipelineRank::new",
-                format!("{} parts for {p} stages x {chunks} chunks (need {})", partition.stages(), p * chunks),
-            ));
-        }
+        let schedule = plan("PipelineRank::new", partition, kind, p, microbatches, chunks)?;
         let ranges = partition.ranges();
         let chunks = (0..chunks)
             .map(|c| layers.build_stage(ranges[c * p + pg.rank()].clone(), device))
@@ -192,10 +196,7 @@ impl PipelineRank {
     }
 
     pub fn zero_grad(&self) -> Result<()> {
-        for vs in self.var_stores() {
-            crate::hooks::zero_grads(&vs.trainable_variables())?;
-        }
-        Ok(())
+        zero_grads(&self.var_stores())
     }
 
     /// One training step. Every rank passes the same full batch (only the first stage reads `x`, only the
