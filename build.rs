@@ -11,6 +11,7 @@ const SOURCES: &[&str] = &[
     "csrc/memory.cpp",
     "csrc/reference.cpp",
     "csrc/layout.cpp",
+    "csrc/tp.cpp",
 ];
 
 fn libtorch_lib() -> PathBuf {

@@ -84,6 +84,12 @@ int tdx_ref_bucket_assignment(const int64_t* numels, const int* dtypes, const in
                               const uint64_t* limits, size_t n_limits, int64_t* out_order, int64_t* out_bucket_of,
                               size_t* out_buckets);
 
+// ---- tensor parallelism: Megatron's conjugate operators as autograd ops on group pg.
+// op 0 copy_to (identity, allreduce in backward), 1 reduce_from (allreduce, identity in backward),
+// 2 gather_from (all_gather on the last dim, own slice in backward), 3 scatter_to (the reverse).
+// *out receives a new at::Tensor* owned by the caller.
+int tdx_tp_op(tdx_pg* pg, int op, tdx_tensor x, tdx_tensor* out);
+
 // ---- memory
 int tdx_cpu_counter_install(void);
 int tdx_cpu_counter_installed(void);

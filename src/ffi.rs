@@ -117,6 +117,8 @@ extern "C" {
         out_buckets: *mut size_t,
     ) -> c_int;
 
+    pub fn tdx_tp_op(pg: *mut tdx_pg, op: c_int, x: tdx_tensor, out: *mut tdx_tensor) -> c_int;
+
     pub fn tdx_cpu_counter_install() -> c_int;
     pub fn tdx_cpu_counter_installed() -> c_int;
     pub fn tdx_cpu_allocated() -> i64;

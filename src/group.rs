@@ -130,8 +130,10 @@ pub struct ProcessGroup {
     backend: Backend,
     timeout: Duration,
     verify: bool,
-    // Keeps the rendezvous store alive as long as the group, as Python's group does.
-    _store: Store,
+    hostname: Option<String>,
+    // The group's rendezvous store: kept alive with the group (as Python does), and the parent of
+    // subgroups' stores.
+    store: Store,
 }
 
 // SAFETY: c10d backends queue work under their own locks. As in PyTorch, callers must still issue
@@ -184,7 +186,7 @@ impl ProcessGroup {
         };
         check(code, opts.timeout, what)?;
         let ptr = NonNull::new(out).ok_or_else(|| Error::invalid(what(), "shim returned a null group"))?;
-        Ok(ProcessGroup { ptr, rank, size, backend: opts.backend, timeout: opts.timeout, verify: opts.verify, _store: store.clone() })
+        Ok(ProcessGroup { ptr, rank, size, backend: opts.backend, timeout: opts.timeout, verify: opts.verify, hostname: opts.hostname.clone(), store: store.clone() })
     }
 
     pub fn rank(&self) -> usize {
@@ -199,6 +201,29 @@ impl ProcessGroup {
     pub fn timeout(&self) -> Duration {
         self.timeout
     }
+    /// A group of the given ranks of this one (as `torch.distributed.new_group`). Only the members call
+    /// it (others get `None` without talking to anyone); `name` keeps different subgroups of the same
+    /// ranks apart. Member `ranks[i]` is rank `i` of the subgroup.
+    pub fn new_subgroup(&self, ranks: &[usize], name: &str) -> Result<Option<ProcessGroup>> {
+        if let Some(&r) = ranks.iter().find(|&&r| r >= self.size) {
+            return Err(Error::invalid("new_subgroup", format!("rank {r} is not in a group of size {}", self.size)));
+        }
+        let Some(me) = ranks.iter().position(|&r| r == self.rank) else { return Ok(None) };
+        let key = format!("subgroup/{name}/{}/", ranks.iter().map(|r| r.to_string()).collect::<Vec<_>>().join(","));
+        let opts = GroupOptions {
+            backend: self.backend,
+            timeout: self.timeout,
+            hostname: self.hostname.clone(),
+            threads: 0,
+            verify: self.verify,
+        };
+        ProcessGroup::new(&self.store.prefixed(&key)?, me, ranks.len(), &opts).map(Some)
+    }
+
+    pub(crate) fn as_ptr(&self) -> *mut ffi::tdx_pg {
+        self.ptr.as_ptr()
+    }
+
     /// Whether collectives check agreement across ranks first (see [`GroupOptions::verify`]).
     pub fn verifies(&self) -> bool {
         self.verify

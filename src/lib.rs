@@ -25,6 +25,7 @@ pub mod memory;
 pub mod pipeline;
 pub mod reference;
 pub mod store;
+pub mod tp;
 pub mod work;
 
 pub use error::{Error, Result};

@@ -1,0 +1,30 @@
+//! Tensor- and data-parallel groups from one world: with TP size t, ranks `[k*t, (k+1)*t)` form a
+//! tensor-parallel group, and ranks with the same position in their TP group form a data-parallel group
+//! (4 ranks, t = 2: TP {0,1} {2,3}, DP {0,2} {1,3}).
+use crate::error::{Error, Result};
+use crate::group::ProcessGroup;
+
+/// This rank's tensor-parallel and data-parallel groups.
+pub struct TpDpGroups {
+    pub tp: ProcessGroup,
+    pub dp: ProcessGroup,
+}
+
+impl TpDpGroups {
+    pub fn new(world: &ProcessGroup, tp_size: usize) -> Result<TpDpGroups> {
+        let n = world.size();
+        if tp_size == 0 || n % tp_size != 0 {
+            return Err(Error::invalid(
+                "TpDpGroups::new",
+                format!("world size {n} is not divisible by the tensor-parallel size {tp_size}"),
+            ));
+        }
+        let r = world.rank();
+        let tp_ranks: Vec<usize> = (r / tp_size * tp_size..(r / tp_size + 1) * tp_size).collect();
+        let dp_ranks: Vec<usize> = (r % tp_size..n).step_by(tp_size).collect();
+        let missing = || Error::invalid("TpDpGroups::new", "this rank is not in its own group");
+        let tp = world.new_subgroup(&tp_ranks, "tp")?.ok_or_else(missing)?;
+        let dp = world.new_subgroup(&dp_ranks, "dp")?.ok_or_else(missing)?;
+        Ok(TpDpGroups { tp, dp })
+    }
+}

@@ -1,0 +1,122 @@
+//! Column- and row-parallel linear layers and the MLP made of them. Each rank keeps only its slice of the
+//! weights, cut from the same full matrix, so the sharded layer computes exactly what the full one does.
+use std::sync::Arc;
+
+use tch::{nn, Kind, Tensor};
+
+use super::ops::{copy_to_parallel_region, gather_from_parallel_region, reduce_from_parallel_region, scatter_to_parallel_region};
+use crate::error::{Error, Result};
+use crate::group::ProcessGroup;
+
+fn shard(what: &str, t: &Tensor, dim: i64, pg: &ProcessGroup) -> Result<Tensor> {
+    let (n, parts) = (t.size()[dim as usize], pg.size() as i64);
+    if n % parts != 0 {
+        return Err(Error::invalid(
+            what.to_string(),
+            format!("dimension {dim} of {:?} ({n}) is not divisible by the tensor-parallel size {parts}", t.size()),
+        ));
+    }
+    Ok(t.f_narrow(dim, pg.rank() as i64 * (n / parts), n / parts)?.f_contiguous()?)
+}
+
+/// `Y = X Aᵀ + b` with A split by rows (output features) across the group: rank r computes output
+/// features `[r * out/t, (r+1) * out/t)`. Its input must be the full `X`.
+#[derive(Debug)]
+pub struct ColumnParallelLinear {
+    /// `[out / t, in]`
+    pub ws: Tensor,
+    /// `[out / t]`
+    pub bs: Option<Tensor>,
+    pub gather_output: bool,
+    pg: Arc<ProcessGroup>,
+}
+
+impl ColumnParallelLinear {
+    /// This rank's slice of `weight` (`[out, in]`) and `bias` (`[out]`), as variables under `path`.
+    pub fn from_full(path: &nn::Path, weight: &Tensor, bias: Option<&Tensor>, pg: Arc<ProcessGroup>, gather_output: bool) -> Result<Self> {
+        let what = "ColumnParallelLinear";
+        let ws = path.f_var_copy("weight", &shard(what, weight, 0, &pg)?)?;
+        let bs = bias.map(|b| Ok::<_, Error>(path.f_var_copy("bias", &shard(what, b, 0, &pg)?)?)).transpose()?;
+        Ok(ColumnParallelLinear { ws, bs, gather_output, pg })
+    }
+
+    /// Output features of this rank (all of them with `gather_output`).
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let x = copy_to_parallel_region(x, &self.pg)?;
+        let y = x.f_linear(&self.ws, self.bs.as_ref())?;
+        if self.gather_output {
+            gather_from_parallel_region(&y, &self.pg)
+        } else {
+            Ok(y)
+        }
+    }
+}
+
+/// `Y = X Aᵀ + b` with A split by columns (input features): rank r multiplies its slice of X's last
+/// dimension by its columns of A; the partial products are summed by an allreduce; `b` is replicated.
+#[derive(Debug)]
+pub struct RowParallelLinear {
+    /// `[out, in / t]`
+    pub ws: Tensor,
+    /// `[out]`, the same on every rank
+    pub bs: Option<Tensor>,
+    /// The input arrives already split (from a column-parallel layer); otherwise it is split on entry.
+    pub input_is_parallel: bool,
+    pg: Arc<ProcessGroup>,
+}
+
+impl RowParallelLinear {
+    pub fn from_full(path: &nn::Path, weight: &Tensor, bias: Option<&Tensor>, pg: Arc<ProcessGroup>, input_is_parallel: bool) -> Result<Self> {
+        let ws = path.f_var_copy("weight", &shard("RowParallelLinear", weight, 1, &pg)?)?;
+        let bs = bias.map(|b| path.f_var_copy("bias", b)).transpose()?;
+        Ok(RowParallelLinear { ws, bs, input_is_parallel, pg })
+    }
+
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let x = if self.input_is_parallel { x.shallow_clone() } else { scatter_to_parallel_region(x, &self.pg)? };
+        let partial = x.f_linear::<&Tensor>(&self.ws, None)?;
+        let y = reduce_from_parallel_region(&partial, &self.pg)?;
+        match &self.bs {
+            Some(b) => Ok(y.f_add(b)?),
+            None => Ok(y),
+        }
+    }
+}
+
+/// Megatron's MLP: column-parallel `d → h`, GELU, row-parallel `h → d`. One allreduce forward (after
+/// the second layer) and one backward (before the first).
+#[derive(Debug)]
+pub struct ParallelMlp {
+    pub fc1: ColumnParallelLinear,
+    pub fc2: RowParallelLinear,
+}
+
+impl ParallelMlp {
+    /// From the full layers' weights (`w1: [h, d]`, `w2: [d, h]`), sliced for this rank.
+    pub fn from_full(path: &nn::Path, w1: &Tensor, b1: &Tensor, w2: &Tensor, b2: &Tensor, pg: Arc<ProcessGroup>) -> Result<Self> {
+        Ok(ParallelMlp {
+            fc1: ColumnParallelLinear::from_full(&(path / "fc1"), w1, Some(b1), pg.clone(), false)?,
+            fc2: RowParallelLinear::from_full(&(path / "fc2"), w2, Some(b2), pg, true)?,
+        })
+    }
+
+    /// Initialised as `nn::linear` would be, from `seed`: every rank draws the same full matrices (on the
+    /// CPU) and keeps its slices. Seeds the global generator: build ranks one at a time.
+    pub fn new(path: &nn::Path, d_model: i64, hidden: i64, pg: Arc<ProcessGroup>, seed: i64) -> Result<Self> {
+        tch::manual_seed(seed);
+        let opts = (Kind::Float, tch::Device::Cpu);
+        let u = |shape: &[i64], fan_in: i64| -> Result<Tensor> {
+            let bound = 1.0 / (fan_in as f64).sqrt();
+            Ok(Tensor::f_empty(shape, opts)?.f_uniform_(-bound, bound)?)
+        };
+        let (w1, b1) = (u(&[hidden, d_model], d_model)?, u(&[hidden], d_model)?);
+        let (w2, b2) = (u(&[d_model, hidden], hidden)?, u(&[d_model], hidden)?);
+        let dev = path.device();
+        Self::from_full(path, &w1.to_device(dev), &b1.to_device(dev), &w2.to_device(dev), &b2.to_device(dev), pg)
+    }
+
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let h = self.fc1.forward(x)?.f_gelu("none")?;
+        self.fc2.forward(&h)
+    }
+}

@@ -1,0 +1,20 @@
+//! Tensor parallelism, Megatron-LM style: weight matrices split across the ranks of a tensor-parallel
+//! group, joined by conjugate operators ([`ops`]): an MLP costs one allreduce forward and one backward.
+//! [`groups`] carves tensor- and data-parallel groups from one world, so TP combines with DDP.
+//!
+//! ```no_run
+//! use std::sync::Arc;
+//! use tch::{nn, Device, Kind, Tensor};
+//! use tch_dist::tp::{ParallelMlp, groups::TpDpGroups};
+//! let world = tch_dist::ProcessGroup::from_env()?;           // e.g. 4 ranks
+//! let g = TpDpGroups::new(&world, 2)?;                         // 2-way TP x 2-way DP
+//! let vs = nn::VarStore::new(Device::Cpu);
+//! let mlp = ParallelMlp::new(&vs.root(), 1024, 4096, Arc::new(g.tp), 0)?;
+//! let y = mlp.forward(&Tensor::randn([8, 1024], (Kind::Float, Device::Cpu)))?;
+//! # Ok::<(), tch_dist::Error>(())
+//! ```
+pub mod groups;
+pub mod layers;
+pub mod ops;
+
+pub use layers::{ColumnParallelLinear, ParallelMlp, RowParallelLinear};
