@@ -5,6 +5,7 @@
 
 #include <atomic>
 #include <mutex>
+#include <unordered_map>
 
 #ifdef TDX_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -15,6 +16,8 @@
 
 namespace {
 
+// The data pointer doubles as the DataPtr's context (and raw_deleter frees by pointer), as libtorch's
+// raw_allocate() requires; the base allocator's DataPtr and the size live in a table until the free.
 class CountingAllocator final : public c10::Allocator {
  public:
   explicit CountingAllocator(c10::Allocator* base) : base_(base) {}
@@ -22,13 +25,17 @@ class CountingAllocator final : public c10::Allocator {
   c10::DataPtr allocate(size_t n) override {
     c10::DataPtr inner = base_->allocate(n);
     void* data = inner.get();
+    if (data == nullptr) return inner;  // empty tensors hold no memory
     auto device = inner.device();
-    auto* ctx = new Ctx{std::move(inner), n, this};
+    {
+      std::lock_guard<std::mutex> g(table_mu_);
+      table_.emplace(data, Entry{std::move(inner), n});
+    }
     add(static_cast<int64_t>(n));
-    return c10::DataPtr(data, ctx, &CountingAllocator::release, device);
+    return c10::DataPtr(data, data, &CountingAllocator::release, device);
   }
 
-  c10::DeleterFnPtr raw_deleter() const override { return nullptr; }
+  c10::DeleterFnPtr raw_deleter() const override { return &CountingAllocator::release; }
 
   void copy_data(void* dest, const void* src, std::size_t count) const override {
     default_copy_data(dest, src, count);
@@ -39,17 +46,12 @@ class CountingAllocator final : public c10::Allocator {
   void reset_peak() { peak_.store(allocated_.load()); }
 
  private:
-  struct Ctx {
+  struct Entry {
     c10::DataPtr inner;  // freeing it returns the block to the base allocator
     size_t n;
-    CountingAllocator* owner;
   };
 
-  static void release(void* p) {
-    auto* ctx = static_cast<Ctx*>(p);
-    ctx->owner->add(-static_cast<int64_t>(ctx->n));
-    delete ctx;
-  }
+  static void release(void* p);
 
   void add(int64_t d) {
     int64_t now = allocated_.fetch_add(d) + d;
@@ -61,10 +63,29 @@ class CountingAllocator final : public c10::Allocator {
   c10::Allocator* base_;
   std::atomic<int64_t> allocated_{0};
   std::atomic<int64_t> peak_{0};
+  std::mutex table_mu_;
+  std::unordered_map<void*, Entry> table_;
 };
 
 std::mutex install_mu;
 CountingAllocator* counter = nullptr;  // never freed: tensors may outlive any owner we could name
+
+void CountingAllocator::release(void* p) {
+  auto* self = counter;
+  if (self == nullptr || p == nullptr) return;
+  c10::DataPtr inner;
+  size_t n = 0;
+  {
+    std::lock_guard<std::mutex> g(self->table_mu_);
+    auto it = self->table_.find(p);
+    if (it == self->table_.end()) return;
+    inner = std::move(it->second.inner);
+    n = it->second.n;
+    self->table_.erase(it);
+  }
+  self->add(-static_cast<int64_t>(n));
+  // `inner` goes out of scope here, outside the lock, and frees the block
+}
 
 } // namespace
 
@@ -75,12 +96,13 @@ int tdx_cpu_counter_install(void) {
     std::lock_guard<std::mutex> g(install_mu);
     if (counter) return TDX_OK;
     auto* c = new CountingAllocator(c10::GetCPUAllocator());
+    counter = c;  // before installation: frees can arrive as soon as the first block is handed out
     c10::SetCPUAllocator(c, /*priority=*/0);
     if (c10::GetCPUAllocator() != c) {
+      counter = nullptr;
       delete c;
       return TDX_EGENERIC;  // a higher-priority allocator is installed; counting would be wrong
     }
-    counter = c;
     return TDX_OK;
   } catch (...) {
     return TDX_EGENERIC;

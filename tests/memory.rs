@@ -25,6 +25,16 @@ fn cpu_counter_counts_tensors_and_peak() {
 }
 
 #[test]
+fn kernels_that_use_raw_allocate_work_under_the_counter() {
+    // gelu's CPU kernel takes scratch memory through Allocator::raw_allocate, which requires the
+    // DataPtr's context to be its data pointer (a first version of the counter failed this).
+    memory::install_cpu_counter().unwrap();
+    let x = Tensor::randn([64, 8192], (Kind::Float, Device::Cpu));
+    let y = x.f_gelu("none").unwrap();
+    assert_eq!(y.size(), vec![64, 8192]);
+}
+
+#[test]
 #[ignore = "process spawned by rust_and_pytorch_agree_on_linear_1000"]
 fn worker_linear_memory() {
     memory::install_cpu_counter().unwrap();
