@@ -22,6 +22,7 @@ pub mod hooks;
 pub mod init;
 pub mod launch;
 pub mod memory;
+pub mod optim;
 pub mod pipeline;
 pub mod reference;
 pub mod store;

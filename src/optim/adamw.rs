@@ -1,0 +1,100 @@
+//! AdamW (`torch.optim.AdamW`): decoupled weight decay, bias correction.
+use tch::Tensor;
+
+use super::{find, Optimizer};
+use crate::error::Result;
+
+pub struct AdamW {
+    params: Vec<Tensor>,
+    pub lr: f64,
+    pub betas: (f64, f64),
+    pub eps: f64,
+    pub weight_decay: f64,
+    step: Vec<i64>,
+    exp_avg: Vec<Option<Tensor>>,
+    exp_avg_sq: Vec<Option<Tensor>>,
+}
+
+impl AdamW {
+    /// PyTorch's defaults: betas (0.9, 0.999), eps 1e-8, weight decay 0.01.
+    pub fn new(params: Vec<Tensor>, lr: f64) -> AdamW {
+        let n = params.len();
+        AdamW { params, lr, betas: (0.9, 0.999), eps: 1e-8, weight_decay: 0.01, step: vec![0; n], exp_avg: (0..n).map(|_| None).collect(), exp_avg_sq: (0..n).map(|_| None).collect() }
+    }
+    pub fn betas(mut self, b1: f64, b2: f64) -> Self {
+        self.betas = (b1, b2);
+        self
+    }
+    pub fn eps(mut self, e: f64) -> Self {
+        self.eps = e;
+        self
+    }
+    pub fn weight_decay(mut self, wd: f64) -> Self {
+        self.weight_decay = wd;
+        self
+    }
+}
+
+impl Optimizer for AdamW {
+    fn step(&mut self) -> Result<()> {
+        let _g = tch::no_grad_guard();
+        let (b1, b2) = self.betas;
+        for i in 0..self.params.len() {
+            let mut p = self.params[i].shallow_clone();
+            let g = p.grad();
+            if !g.defined() {
+                continue;
+            }
+            if self.exp_avg[i].is_none() {
+                self.exp_avg[i] = Some(p.f_zeros_like()?);
+                self.exp_avg_sq[i] = Some(p.f_zeros_like()?);
+            }
+            let (Some(m), Some(v)) = (self.exp_avg[i].as_mut(), self.exp_avg_sq[i].as_mut()) else { continue };
+            self.step[i] += 1;
+            let t = self.step[i] as f64;
+            let _ = p.f_mul_scalar_(1.0 - self.lr * self.weight_decay)?;
+            let _ = m.f_lerp_(&g, 1.0 - b1)?;
+            let _ = v.f_mul_scalar_(b2)?;
+            let _ = v.f_addcmul_(&g.f_mul_scalar(1.0 - b2)?, &g)?;
+            let bias_correction1 = 1.0 - b1.powf(t);
+            let bias_correction2 = 1.0 - b2.powf(t);
+            let step_size = self.lr / bias_correction1;
+            let denom = v.f_sqrt()?.f_div_scalar(bias_correction2.sqrt())?.f_add_scalar(self.eps)?;
+            let _ = p.f_addcdiv_(&m.f_mul_scalar(-step_size)?, &denom)?;
+        }
+        Ok(())
+    }
+
+    fn zero_grad(&mut self) -> Result<()> {
+        crate::hooks::zero_grads(&self.params)
+    }
+
+    fn state_dict(&self) -> Vec<(String, Tensor)> {
+        let mut out = Vec::new();
+        for i in 0..self.params.len() {
+            if let (Some(m), Some(v)) = (&self.exp_avg[i], &self.exp_avg_sq[i]) {
+                out.push((format!("adamw.{i}.step"), Tensor::from_slice(&[self.step[i]])));
+                out.push((format!("adamw.{i}.exp_avg"), m.shallow_clone()));
+                out.push((format!("adamw.{i}.exp_avg_sq"), v.shallow_clone()));
+            }
+        }
+        out
+    }
+
+    fn load_state_dict(&mut self, state: &[(String, Tensor)]) -> Result<()> {
+        for i in 0..self.params.len() {
+            let p = &self.params[i];
+            let key = format!("adamw.{i}.step");
+            if let Some((_, s)) = state.iter().find(|(n, _)| *n == key) {
+                self.step[i] = s.f_int64_value(&[0])?;
+                self.exp_avg[i] = Some(find(state, &format!("adamw.{i}.exp_avg"), p)?.f_detach_copy()?);
+                self.exp_avg_sq[i] = Some(find(state, &format!("adamw.{i}.exp_avg_sq"), p)?.f_detach_copy()?);
+            } else {
+                self.step[i] = 0;
+                self.exp_avg[i] = None;
+                self.exp_avg_sq[i] = None;
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,90 @@
+//! SGD with momentum, dampening, Nesterov and weight decay (`torch.optim.SGD`).
+use tch::Tensor;
+
+use super::{find, Optimizer};
+use crate::error::{Error, Result};
+
+pub struct Sgd {
+    params: Vec<Tensor>,
+    pub lr: f64,
+    pub momentum: f64,
+    pub dampening: f64,
+    pub nesterov: bool,
+    pub weight_decay: f64,
+    buffers: Vec<Option<Tensor>>,
+}
+
+impl Sgd {
+    pub fn new(params: Vec<Tensor>, lr: f64) -> Sgd {
+        let n = params.len();
+        Sgd { params, lr, momentum: 0.0, dampening: 0.0, nesterov: false, weight_decay: 0.0, buffers: (0..n).map(|_| None).collect() }
+    }
+    pub fn momentum(mut self, m: f64) -> Self {
+        self.momentum = m;
+        self
+    }
+    pub fn dampening(mut self, d: f64) -> Self {
+        self.dampening = d;
+        self
+    }
+    pub fn nesterov(mut self, on: bool) -> Self {
+        self.nesterov = on;
+        self
+    }
+    pub fn weight_decay(mut self, wd: f64) -> Self {
+        self.weight_decay = wd;
+        self
+    }
+}
+
+impl Optimizer for Sgd {
+    fn step(&mut self) -> Result<()> {
+        if self.nesterov && (self.momentum <= 0.0 || self.dampening != 0.0) {
+            return Err(Error::invalid("Sgd", "Nesterov momentum needs momentum > 0 and zero dampening"));
+        }
+        let _g = tch::no_grad_guard();
+        for (p, buf) in self.params.iter().zip(self.buffers.iter_mut()) {
+            let g = p.grad();
+            if !g.defined() {
+                continue;
+            }
+            let mut d = if self.weight_decay != 0.0 { g.f_add(&p.f_mul_scalar(self.weight_decay)?)? } else { g };
+            if self.momentum != 0.0 {
+                let b = match buf {
+                    None => {
+                        *buf = Some(d.f_detach_copy()?);
+                        buf.as_ref().map(|b| b.shallow_clone()).unwrap_or_else(|| d.shallow_clone())
+                    }
+                    Some(b) => {
+                        let _ = b.f_mul_scalar_(self.momentum)?;
+                        let _ = b.f_add_(&d.f_mul_scalar(1.0 - self.dampening)?)?;
+                        b.shallow_clone()
+                    }
+                };
+                d = if self.nesterov { d.f_add(&b.f_mul_scalar(self.momentum)?)? } else { b };
+            }
+            let _ = p.shallow_clone().f_add_(&d.f_mul_scalar(-self.lr)?)?;
+        }
+        Ok(())
+    }
+
+    fn zero_grad(&mut self) -> Result<()> {
+        crate::hooks::zero_grads(&self.params)
+    }
+
+    fn state_dict(&self) -> Vec<(String, Tensor)> {
+        self.buffers
+            .iter()
+            .enumerate()
+            .filter_map(|(i, b)| b.as_ref().map(|b| (format!("sgd.{i}.momentum_buffer"), b.shallow_clone())))
+            .collect()
+    }
+
+    fn load_state_dict(&mut self, state: &[(String, Tensor)]) -> Result<()> {
+        for (i, p) in self.params.iter().enumerate() {
+            let key = format!("sgd.{i}.momentum_buffer");
+            self.buffers[i] = if state.iter().any(|(n, _)| *n == key) { Some(find(state, &key, p)?.f_detach_copy()?) } else { None };
+        }
+        Ok(())
+    }
+}
