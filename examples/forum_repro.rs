@@ -26,7 +26,20 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     if device == Device::Cpu {
         memory::install_cpu_counter()?;
     }
-    let mem = || memory::allocated(device);
+    // Gloo's worker threads drop their references to a finished collective's buffers a moment after
+    // wait() returns; read once the number stops moving (the PyTorch twin does the same).
+    let mem = || -> tch_dist::Result<i64> {
+        let mut last = memory::allocated(device)?;
+        for _ in 0..100 {
+            std::thread::sleep(std::time::Duration::from_millis(2));
+            let now = memory::allocated(device)?;
+            if now == last {
+                return Ok(now);
+            }
+            last = now;
+        }
+        Ok(last)
+    };
     let init = InitOptions::from_env()?;
     let rank = init.rank;
     let report = |stage: &str| -> tch_dist::Result<()> {

@@ -10,6 +10,7 @@ Prints lines: `rank <r> <stage> <bytes>`.
 import argparse
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from pyutil import exit_now  # noqa: E402
@@ -36,8 +37,20 @@ def main():
         device = torch.device("cpu")
         mem = memory_ruler.allocated
 
+    def settled():
+        # Gloo's worker threads drop their references to a finished collective's buffers a moment
+        # after wait() returns; read once the number stops moving (the Rust twin does the same).
+        last = mem()
+        for _ in range(100):
+            time.sleep(0.002)
+            now = mem()
+            if now == last:
+                return now
+            last = now
+        return last
+
     torch.manual_seed(0)
-    report = lambda stage: print(f"rank {rank} {stage} {mem()}", flush=True)  # noqa: E731
+    report = lambda stage: print(f"rank {rank} {stage} {settled()}", flush=True)  # noqa: E731
     report("start")
     model = torch.nn.Linear(1000, 1000)
     report("model created")
