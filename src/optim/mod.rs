@@ -13,9 +13,11 @@
 //! ```
 mod adamw;
 mod sgd;
+mod zero;
 
 pub use adamw::AdamW;
 pub use sgd::Sgd;
+pub use zero::ShardedOptimizer;
 
 use tch::Tensor;
 
