@@ -303,9 +303,11 @@ impl ProcessGroup {
 
     /// Asynchronous [`allreduce`](Self::allreduce). Gloo has no AVG: it runs SUM and divides on `wait`.
     pub fn allreduce_async(&self, t: &mut Tensor, op: ReduceOp) -> Result<Work> {
-        self.reduction("allreduce", op, t)?; // refuse bad input before talking to other ranks
+        let desc = format!("allreduce({op:?}) of {}", describe(t));
+        // refuse bad input before talking to other ranks
+        let (code, finish) = self.reduction(&desc, op, t)?;
         self.agree("allreduce", 1, t, op.code() as i64)?;
-        self.allreduce_unverified(t, op)
+        self.launch_allreduce(t, desc, code, finish)
     }
 
     /// [`allreduce_async`](Self::allreduce_async) without the agreement check, for callers that
@@ -313,6 +315,10 @@ impl ProcessGroup {
     pub(crate) fn allreduce_unverified(&self, t: &mut Tensor, op: ReduceOp) -> Result<Work> {
         let desc = format!("allreduce({op:?}) of {}", describe(t));
         let (code, finish) = self.reduction(&desc, op, t)?;
+        self.launch_allreduce(t, desc, code, finish)
+    }
+
+    fn launch_allreduce(&self, t: &mut Tensor, desc: String, code: i32, finish: Option<Finish>) -> Result<Work> {
         let tp = t.as_mut_ptr() as ffi::tdx_tensor;
         // SAFETY: the tensor pointer is valid for the call; the shim copies the at::Tensor (shared storage).
         self.launch(desc, |pg, out| unsafe { ffi::tdx_pg_allreduce(pg, tp, code, out) }, finish)

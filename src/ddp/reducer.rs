@@ -176,7 +176,7 @@ impl Reducer {
         if !grad.defined() {
             // An unused parameter contributes zeros.
             let _ = view.f_zero_()?;
-        } else if self.cfg.bucket_view && hooks::grad_data_ptr(&st.params[i])? == view.data_ptr() as u64 {
+        } else if self.cfg.bucket_view && grad.data_ptr() == view.data_ptr() {
             // Already accumulated in place in the bucket.
             let _ = view.f_mul_scalar_(scale)?;
         } else {
