@@ -1,5 +1,7 @@
-//! ZeRO-1: DDP + ShardedOptimizer ends with the parameters of DDP + the same optimizer unsharded, on 2 and
-//! 3 ranks, with a parameter count (23) that no world size here divides; state per rank is one shard.
+//! ZeRO stages 1 and 2: DDP + ShardedOptimizer ends with the parameters of DDP + the same optimizer
+//! unsharded, on 2 and 3 ranks, with a parameter count (23) that no world size here divides, in one bucket
+//! and in one bucket per parameter; each rank holds state for its shard only, and under stage 2 only its
+//! gradient shard.
 mod common;
 
 use std::sync::Arc;
@@ -7,9 +9,10 @@ use std::time::Duration;
 
 use tch::{nn, nn::Module, Device, Kind, Tensor};
 use tch_dist::ddp::{DdpOptions, DistributedDataParallel};
-use tch_dist::optim::{AdamW, Optimizer, ShardedOptimizer, Sgd};
+use tch_dist::optim::{AdamW, Optimizer, ShardedOptimizer, Sgd, ZeroStage};
 
-/// elementwise updates on the same values: observed identical; 1e-6 leaves room for nothing more.
+/// Elementwise updates of the same values, and the same sums (reduce-scatter and allreduce add two or
+/// three numbers in rank order): observed bit-identical; 1e-6 leaves room for nothing more.
 const TOL: f64 = 1e-6;
 
 fn model(vs: &nn::VarStore) -> nn::Sequential {
@@ -21,46 +24,197 @@ fn model(vs: &nn::VarStore) -> nn::Sequential {
         .add(nn::linear(&r / "c", 1, 1, nn::LinearConfig { bias: false, ..Default::default() })) // 1
 }
 
-fn train(world: usize, sharded: bool, adam: bool) -> Vec<(Vec<Tensor>, i64)> {
-    common::run_threads(world, Duration::from_secs(60), move |pg| {
+#[derive(Clone, Copy, Debug)]
+struct Setup {
+    world: usize,
+    zero: Option<ZeroStage>,
+    adam: bool,
+    /// one bucket per parameter instead of one for the whole model
+    tiny_buckets: bool,
+    views: bool,
+    /// backwards per step (all but the last under no_sync)
+    accumulate: usize,
+}
+
+struct Out {
+    params: Vec<Tensor>,
+    owned: i64,
+    grads_after_backward: usize,
+    state_bytes: i64,
+    shard_bytes: i64,
+}
+
+fn batch(step: usize, rank: usize, micro: usize) -> Tensor {
+    ((Tensor::arange(20, (Kind::Float, Device::Cpu)) * 0.3 + (step * 10 + rank * 3 + micro) as f64).sin()).view([4, 5])
+}
+
+fn train(s: Setup) -> Vec<Out> {
+    common::run_threads(s.world, Duration::from_secs(60), move |pg| {
         let pg = Arc::new(pg);
         let rank = pg.rank();
         let vs = nn::VarStore::new(Device::Cpu);
         let net = model(&vs);
         common::model::init(&vs, rank as f64); // deterministic; DDP broadcasts rank 0's
-        let ddp = DistributedDataParallel::new(&vs, net, DdpOptions::default().process_group(pg.clone())).unwrap();
+        let mut opts = DdpOptions::default().process_group(pg.clone()).gradient_as_bucket_view(s.views);
+        if s.tiny_buckets {
+            opts = opts.bucket_cap_mb(1e-6).first_bucket_bytes(1);
+        }
+        let ddp = DistributedDataParallel::new(&vs, net, opts).unwrap();
         let make = move |p: Vec<Tensor>| -> Box<dyn Optimizer + Send> {
-            if adam { Box::new(AdamW::new(p, 0.05)) } else { Box::new(Sgd::new(p, 0.1).momentum(0.9)) }
+            if s.adam { Box::new(AdamW::new(p, 0.05)) } else { Box::new(Sgd::new(p, 0.1).momentum(0.9)) }
         };
-        let (mut opt, shard): (Box<dyn Optimizer>, i64) = if sharded {
-            let z = ShardedOptimizer::new(vs.trainable_variables(), pg.clone(), make).unwrap();
-            let n = z.shard_numel();
-            (Box::new(z), n)
-        } else {
-            (make(vs.trainable_variables()), 23)
+        let mut opt: Box<dyn Optimizer> = match s.zero {
+            Some(stage) => Box::new(ShardedOptimizer::new(&ddp, stage, make).unwrap()),
+            None => make(vs.trainable_variables()),
         };
-        for s in 0..5 {
-            let x = ((Tensor::arange(20, (Kind::Float, Device::Cpu)) * 0.3 + (s * 10 + rank) as f64).sin()).view([4, 5]);
-            let loss = ddp.forward_with(|m| m.forward(&x)).unwrap().pow_tensor_scalar(2).mean(Kind::Float);
-            ddp.backward(&loss).unwrap();
+        let mut grads_after_backward = 0;
+        for step in 0..5 {
+            for micro in 0..s.accumulate {
+                let x = batch(step, rank, micro);
+                let run = |d: &DistributedDataParallel<nn::Sequential>| {
+                    let loss = d.forward_with(|m| m.forward(&x)).unwrap().pow_tensor_scalar(2).mean(Kind::Float);
+                    d.backward(&loss).unwrap();
+                };
+                if micro + 1 < s.accumulate { ddp.no_sync(run) } else { run(&ddp) }
+            }
+            grads_after_backward = vs.trainable_variables().iter().filter(|p| p.grad().defined()).count();
             opt.step().unwrap();
             opt.zero_grad().unwrap();
+            ddp.zero_grad().unwrap();
         }
-        (common::model::params(&vs), shard)
+        let m = ddp.memory_breakdown_with(opt.as_ref()).unwrap();
+        Out {
+            params: common::model::params(&vs),
+            owned: m.owned_elements,
+            grads_after_backward,
+            state_bytes: m.optimizer_state,
+            shard_bytes: m.gradient_shards,
+        }
     })
+}
+
+fn compare(s: Setup) {
+    let plain = train(Setup { zero: None, ..s });
+    let zero = train(s);
+    let world = s.world as i64;
+    let mut owned = 0;
+    for (r, (p, z)) in plain.iter().zip(&zero).enumerate() {
+        let d = common::model::max_diff(&p.params, &z.params);
+        assert!(d < TOL, "{s:?}, rank {r}: parameters differ from unsharded DDP by {d:e}");
+        owned += z.owned;
+        // one bucket of 23 is cut in shards of ceil(23/N); tiny buckets (one per tensor: tch makes
+        // a's bias (3), a's weight (15), b's bias (1) and weight (3), c's weight (1)) each
+        let shard = |n: i64| (n - r as i64 * ((n + world - 1) / world)).clamp(0, (n + world - 1) / world);
+        let expect = if s.tiny_buckets { [3, 15, 1, 3, 1].iter().map(|&n| shard(n)).sum() } else { shard(23) };
+        assert_eq!(z.owned, expect, "{s:?}: rank {r} owns its shard of each bucket");
+        // AdamW keeps two moments and a step counter per stepped tensor; SGD one momentum buffer
+        let per_elem = if s.adam { 8 } else { 4 };
+        assert!(z.state_bytes >= per_elem * z.owned && z.state_bytes <= per_elem * z.owned + 8 * 5, "{s:?}: rank {r} state {} B for {} elements", z.state_bytes, z.owned);
+        assert!(p.state_bytes >= per_elem * 23, "unsharded state covers every parameter");
+        match s.zero {
+            Some(ZeroStage::Two) => {
+                assert_eq!(z.grads_after_backward, 0, "{s:?}: under stage 2 no full gradient survives backward");
+                assert!(z.shard_bytes > 0 && z.shard_bytes <= 4 * (z.owned + 5), "{s:?}: gradient shard {} B", z.shard_bytes);
+            }
+            _ => assert_eq!(z.grads_after_backward, 5),
+        }
+    }
+    assert_eq!(owned, 23, "{s:?}: the shards cover the parameters exactly once");
 }
 
 #[test]
 fn zero1_matches_plain_ddp_with_the_same_optimizer() {
     for world in [2, 3] {
         for adam in [true, false] {
-            let plain = train(world, false, adam);
-            let zero = train(world, true, adam);
-            for ((p, _), (z, shard)) in plain.iter().zip(&zero) {
-                assert_eq!(*shard, (23 + world as i64 - 1) / world as i64, "each rank holds one shard");
-                let d = common::model::max_diff(p, z);
-                assert!(d < TOL, "world {world}, adam {adam}: {d:e}");
+            for tiny_buckets in [false, true] {
+                compare(Setup { world, zero: Some(ZeroStage::One), adam, tiny_buckets, views: true, accumulate: 1 });
             }
         }
+    }
+    compare(Setup { world: 2, zero: Some(ZeroStage::One), adam: true, tiny_buckets: true, views: false, accumulate: 1 });
+}
+
+#[test]
+fn zero2_matches_plain_ddp_with_the_same_optimizer() {
+    for world in [2, 3] {
+        for adam in [true, false] {
+            for tiny_buckets in [false, true] {
+                compare(Setup { world, zero: Some(ZeroStage::Two), adam, tiny_buckets, views: true, accumulate: 1 });
+            }
+        }
+    }
+}
+
+#[test]
+fn zero2_accumulates_under_no_sync() {
+    for world in [2, 3] {
+        compare(Setup { world, zero: Some(ZeroStage::Two), adam: true, tiny_buckets: true, views: true, accumulate: 3 });
+    }
+}
+
+#[test]
+fn zero2_with_bf16_parameters_keeps_float32_master_weights() {
+    // bf16 model; stage 1 and stage 2 reduce the same bf16 sums (two ranks: one addition) and step the
+    // same float32 masters, so they agree exactly; the master copy is 4 bytes per owned element.
+    let run = |stage: ZeroStage| {
+        common::run_threads(2, Duration::from_secs(60), move |pg| {
+            let pg = Arc::new(pg);
+            let rank = pg.rank();
+            let mut vs = nn::VarStore::new(Device::Cpu);
+            let net = model(&vs);
+            common::model::init(&vs, rank as f64);
+            vs.bfloat16();
+            let ddp = DistributedDataParallel::new(&vs, net, DdpOptions::default().process_group(pg.clone())).unwrap();
+            let mut opt = ShardedOptimizer::new(&ddp, stage, |p| Box::new(AdamW::new(p, 0.01))).unwrap();
+            for step in 0..4 {
+                let x = batch(step, rank, 0).to_kind(Kind::BFloat16);
+                let loss = ddp.forward(&x).unwrap().to_kind(Kind::Float).pow_tensor_scalar(2).mean(Kind::Float);
+                ddp.backward(&loss).unwrap();
+                opt.step().unwrap();
+                opt.zero_grad().unwrap();
+            }
+            let m = ddp.memory_breakdown_with(&opt).unwrap();
+            assert_eq!(m.master_params, 4 * m.owned_elements, "float32 master for the owned elements");
+            assert_eq!(m.parameters, 2 * 23, "bf16 parameters");
+            (common::model::params(&vs), m.owned_elements)
+        })
+    };
+    let one = run(ZeroStage::One);
+    let two = run(ZeroStage::Two);
+    for ((a, _), (b, _)) in one.iter().zip(&two) {
+        assert!(a.iter().all(|t| t.kind() == Kind::BFloat16));
+        assert_eq!(common::model::max_diff(a, b), 0.0, "stage 1 and stage 2 agree");
+    }
+    assert_eq!(common::model::max_diff(&two[0].0, &two[1].0), 0.0, "ranks agree");
+    // and the float32 masters moved the bf16 parameters away from their start
+    let vs = nn::VarStore::new(Device::Cpu);
+    let _ = model(&vs);
+    common::model::init(&vs, 0.0);
+    let start: Vec<Tensor> = common::model::params(&vs).iter().map(|t| t.to_kind(Kind::BFloat16)).collect();
+    assert!(common::model::max_diff(&start, &two[0].0) > 1e-3);
+}
+
+#[test]
+fn parameters_become_views_of_the_flat_buffer_and_training_reads_them() {
+    // after sharding, an in-place change to a parameter is what the next forward sees (no stale copy)
+    let out = common::run_threads(2, Duration::from_secs(60), |pg| {
+        let pg = Arc::new(pg);
+        let vs = nn::VarStore::new(Device::Cpu);
+        let net = model(&vs);
+        let ddp = DistributedDataParallel::new(&vs, net, DdpOptions::default().process_group(pg)).unwrap();
+        let _opt = ShardedOptimizer::new(&ddp, ZeroStage::Two, |p| Box::new(Sgd::new(p, 0.1))).unwrap();
+        let x = Tensor::ones([1, 5], (Kind::Float, Device::Cpu));
+        let before = ddp.forward(&x).unwrap().double_value(&[0, 0]);
+        tch::no_grad(|| {
+            for mut p in vs.trainable_variables() {
+                let _ = p.fill_(0.0);
+            }
+        });
+        let after = ddp.forward(&x).unwrap().double_value(&[0, 0]);
+        (before, after)
+    });
+    for (before, after) in out {
+        assert!(before != 0.0);
+        assert_eq!(after, 0.0);
     }
 }

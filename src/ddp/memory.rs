@@ -1,10 +1,12 @@
-//! Where DDP's memory goes: parameters, gradients, buckets.
+//! Where DDP's memory goes: parameters, gradients, buckets, and (given the optimizer) its state, master
+//! weights and gradient shards.
 use std::collections::HashSet;
 
 use tch::Tensor;
 
 use super::DistributedDataParallel;
 use crate::error::Result;
+use crate::optim::Optimizer;
 
 /// Bytes held by a DDP model on its device, and the allocator's view.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -13,6 +15,14 @@ pub struct DdpMemory {
     /// Gradients stored outside the buckets (0 with `gradient_as_bucket_view` once grads are views).
     pub gradients: i64,
     pub buckets: i64,
+    /// Optimizer state (all of it, or this rank's shard under ZeRO); 0 from [`DistributedDataParallel::memory_breakdown`].
+    pub optimizer_state: i64,
+    /// Float32 master copies of 16-bit parameters held by the optimizer.
+    pub master_params: i64,
+    /// ZeRO-2's gradient shards.
+    pub gradient_shards: i64,
+    /// Parameter elements whose update this rank computes (all of them unless sharded).
+    pub owned_elements: i64,
     /// [`crate::memory::allocated`] on the parameters' device.
     pub allocated: i64,
     pub peak: i64,
@@ -49,8 +59,30 @@ impl<M> DistributedDataParallel<M> {
                 }
             }
         }
+        m.owned_elements = st.params.iter().map(|p| p.numel() as i64).sum();
         m.allocated = crate::memory::allocated(device)?;
         m.peak = crate::memory::peak(device)?;
+        Ok(m)
+    }
+}
+
+impl<M> DistributedDataParallel<M> {
+    /// [`memory_breakdown`](Self::memory_breakdown) with the optimizer's share: its state, master weights
+    /// and gradient shards, and how many parameter elements this rank updates.
+    ///
+    /// ```no_run
+    /// # fn f<M>(ddp: &tch_dist::ddp::DistributedDataParallel<M>, opt: &tch_dist::optim::ShardedOptimizer) -> tch_dist::Result<()> {
+    /// let m = ddp.memory_breakdown_with(opt)?;
+    /// println!("params {} grads {} state {} (shard of {} elements)", m.parameters, m.buckets + m.gradient_shards, m.optimizer_state, m.owned_elements);
+    /// # Ok(()) }
+    /// ```
+    pub fn memory_breakdown_with(&self, opt: &dyn Optimizer) -> Result<DdpMemory> {
+        let mut m = self.memory_breakdown()?;
+        let o = opt.memory();
+        m.optimizer_state = o.state;
+        m.master_params = o.master;
+        m.gradient_shards = o.gradient_shards;
+        m.owned_elements = o.owned_elements;
         Ok(m)
     }
 }

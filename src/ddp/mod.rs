@@ -27,6 +27,7 @@ pub mod bucket;
 pub mod comm_hook;
 mod memory;
 mod reducer;
+mod shard;
 pub mod sync;
 
 use std::sync::Arc;
@@ -263,6 +264,24 @@ impl<M> DistributedDataParallel<M> {
     /// What the reducer did during the last synchronised backward, in order.
     pub fn last_events(&self) -> Vec<ReducerEvent> {
         self.reducer.state.lock().map(|s| s.events.clone()).unwrap_or_default()
+    }
+
+    /// Fixes the bucket layout (see [`crate::optim::ShardedOptimizer`]); returns parameter indices per bucket.
+    pub(crate) fn freeze_layout(&self) -> Result<Vec<Vec<usize>>> {
+        self.reducer.freeze_layout()
+    }
+
+    /// ZeRO-2: reduce-scatter instead of allreduce; returns this rank's gradient shard per bucket.
+    pub(crate) fn shard_gradients(&self) -> Result<Vec<Tensor>> {
+        if self.reducer.cfg.comm_hook != CommHook::Allreduce {
+            return Err(Error::invalid("ZeRO-2", "sharded gradients are reduced in their own dtype; remove the compression comm hook"));
+        }
+        self.reducer.shard_gradients()
+    }
+
+    /// Each bucket's flat gradient buffer (the averaged gradients after a synchronised backward).
+    pub(crate) fn bucket_grads(&self) -> Vec<Tensor> {
+        self.reducer.state.lock().map(|s| s.buckets.iter().map(|b| b.flat.shallow_clone()).collect()).unwrap_or_default()
     }
 
     /// Whether buckets were rebuilt from the observed gradient order.

@@ -6,6 +6,7 @@ use tch::Tensor;
 
 use super::bucket::{self, TensorSpec};
 use super::comm_hook::{CommHook, InFlight};
+use super::shard::GradShards;
 use super::sync;
 use crate::error::{Error, Result};
 use crate::group::{ProcessGroup, ReduceOp};
@@ -30,9 +31,13 @@ pub(crate) struct Config {
 }
 
 pub(crate) struct Bucket {
+    /// The bucket's gradients (empty once gradients are sharded: ZeRO-2).
     pub flat: Tensor,
     pub params: Vec<usize>,
     pub views: Vec<Tensor>,
+    /// Where each parameter starts in the flat layout, and the layout's length.
+    pub offsets: Vec<i64>,
+    pub numel: i64,
 }
 
 pub(crate) struct State {
@@ -61,6 +66,10 @@ pub(crate) struct State {
     /// Synchronised forwards and backwards so far, compared across ranks after each backward.
     forwards: i64,
     backwards: i64,
+    /// The layout no longer changes (ZeRO keeps parameters and state in it).
+    pub frozen: bool,
+    /// ZeRO-2: buckets are reduce-scattered into per-rank shards instead of allreduced.
+    pub shards: Option<GradShards>,
 }
 
 pub(crate) struct Reducer {
@@ -105,6 +114,8 @@ impl Reducer {
             grads_zeroed: false,
             forwards: 0,
             backwards: 0,
+            frozen: false,
+            shards: None,
         };
         init_buckets(&mut st, &cfg, assignment, false)?;
         Ok(Arc::new(Reducer { pg, cfg, state: Mutex::new(st) }))
@@ -170,16 +181,23 @@ impl Reducer {
     fn mark_ready(&self, st: &mut State, i: usize) -> Result<()> {
         let _g = tch::no_grad_guard();
         let (b, k) = st.loc[i];
-        let mut view = st.buckets[b].views[k].shallow_clone();
         let grad = st.params[i].grad();
         let scale = 1.0 / self.cfg.world as f64;
-        if !grad.defined() {
+        if let Some(sh) = st.shards.as_mut() {
+            sh.accept(b, st.buckets[b].offsets[k], &grad)?;
+            if grad.defined() {
+                // the bucket buffer has it now; only the shard survives this backward
+                hooks::set_grad(&st.params[i], None)?;
+            }
+        } else if !grad.defined() {
+            let mut view = st.buckets[b].views[k].shallow_clone();
             // An unused parameter contributes zeros.
             let _ = view.f_zero_()?;
-        } else if self.cfg.bucket_view && grad.data_ptr() == view.data_ptr() {
+        } else if self.cfg.bucket_view && grad.data_ptr() == st.buckets[b].views[k].data_ptr() {
             // Already accumulated in place in the bucket.
-            let _ = view.f_mul_scalar_(scale)?;
+            let _ = st.buckets[b].views[k].shallow_clone().f_mul_scalar_(scale)?;
         } else {
+            let mut view = st.buckets[b].views[k].shallow_clone();
             view.f_copy_(&grad)?;
             let _ = view.f_mul_scalar_(scale)?;
             if self.cfg.bucket_view {
@@ -195,8 +213,12 @@ impl Reducer {
         st.pending[b] -= 1;
         while st.next_launch < st.buckets.len() && st.pending[st.next_launch] == 0 {
             let nb = st.next_launch;
-            let f = self.cfg.comm_hook.launch(&self.pg, nb, &st.buckets[nb].flat)?;
-            st.in_flight.push(f);
+            if let Some(sh) = st.shards.as_mut() {
+                sh.launch(&self.pg, nb)?;
+            } else {
+                let f = self.cfg.comm_hook.launch(&self.pg, nb, &st.buckets[nb].flat)?;
+                st.in_flight.push(f);
+            }
             st.events.push(ReducerEvent::BucketLaunched { bucket: nb });
             st.next_launch += 1;
         }
@@ -237,6 +259,9 @@ impl Reducer {
             }
         }
         let _g = tch::no_grad_guard();
+        if let Some(sh) = st.shards.as_mut() {
+            return sh.finish();
+        }
         for f in std::mem::take(&mut st.in_flight) {
             let b = f.bucket;
             let mut flat = st.buckets[b].flat.shallow_clone();
@@ -313,7 +338,7 @@ impl Reducer {
         if st.sync {
             st.forwards += 1;
         }
-        if st.sync && !st.rebuilt && st.iterations > 0 && st.ready_order.len() == st.params.len() {
+        if st.sync && !st.rebuilt && !st.frozen && st.iterations > 0 && st.ready_order.len() == st.params.len() {
             let order = std::mem::take(&mut st.ready_order);
             let limits = [self.cfg.first_bucket_bytes, self.cfg.bucket_bytes];
             let local = bucket::assign(&st.specs, &limits, Some(&order));
@@ -336,6 +361,47 @@ impl Reducer {
         Ok(())
     }
 
+    /// Fixes the bucket layout for good (ZeRO lays parameters and optimizer state out by bucket). Before
+    /// the first rebuild, buckets are cut to the configured caps in reverse parameter order, the order
+    /// PyTorch starts from; gradients present are kept. Returns the parameters per bucket.
+    pub fn freeze_layout(&self) -> Result<Vec<Vec<usize>>> {
+        let mut st = lock(&self.state);
+        if st.active {
+            return Err(Error::invalid("ZeRO setup", "a backward is in progress"));
+        }
+        if !st.rebuilt && !st.frozen {
+            let limits = [self.cfg.first_bucket_bytes, self.cfg.bucket_bytes];
+            let mut assignment = bucket::assign(&st.specs, &limits, None);
+            assignment.reverse();
+            init_buckets(&mut st, &self.cfg, assignment, false)?;
+        }
+        st.frozen = true;
+        Ok(st.buckets.iter().map(|b| b.params.clone()).collect())
+    }
+
+    /// Switches to reduce-scatter (ZeRO-2) and returns this rank's gradient shard per bucket. The buckets'
+    /// full-size buffers and any gradients present are dropped; from now on parameters have no `.grad`
+    /// after a synchronised backward, only the shards hold the averaged gradient.
+    pub fn shard_gradients(&self) -> Result<Vec<Tensor>> {
+        self.freeze_layout()?;
+        let mut st = lock(&self.state);
+        if st.shards.is_none() {
+            for p in &st.params {
+                hooks::set_grad(p, None)?;
+            }
+            let like: Vec<(i64, Tensor)> =
+                st.buckets.iter().map(|b| (b.numel, st.params[b.params[0]].shallow_clone())).collect();
+            let refs: Vec<(i64, &Tensor)> = like.iter().map(|(n, t)| (*n, t)).collect();
+            let shards = GradShards::new(&refs, self.cfg.world)?;
+            for b in st.buckets.iter_mut() {
+                b.views.clear();
+                b.flat = Tensor::f_empty([0], (b.flat.kind(), b.flat.device()))?;
+            }
+            st.shards = Some(shards);
+        }
+        Ok(st.shards.as_ref().map(|s| s.shards.iter().map(|t| t.shallow_clone()).collect()).unwrap_or_default())
+    }
+
     pub fn set_sync(&self, on: bool) {
         lock(&self.state).sync = on;
     }
@@ -344,6 +410,9 @@ impl Reducer {
 fn reset_iteration(st: &mut State) {
     st.active = false;
     st.in_flight.clear();
+    if let Some(sh) = st.shards.as_mut() {
+        sh.abandon();
+    }
     st.next_launch = 0;
     st.ready.iter_mut().for_each(|r| *r = false);
     st.has_grad.iter_mut().for_each(|r| *r = false);
@@ -364,9 +433,11 @@ fn init_buckets(st: &mut State, cfg: &Config, assignment: Vec<Vec<usize>>, zero_
         let total: i64 = params.iter().map(|&i| st.specs[i].numel as i64).sum();
         let flat = Tensor::f_zeros([total], (first.kind(), first.device()))?;
         let mut views = Vec::with_capacity(params.len());
+        let mut offsets = Vec::with_capacity(params.len());
         let mut off = 0i64;
         for (k, &i) in params.iter().enumerate() {
             let n = st.specs[i].numel as i64;
+            offsets.push(off);
             let view = flat.f_narrow(0, off, n)?.f_view(st.params[i].size().as_slice())?;
             off += n;
             st.loc[i] = (b, k);
@@ -381,7 +452,7 @@ fn init_buckets(st: &mut State, cfg: &Config, assignment: Vec<Vec<usize>>, zero_
             }
             views.push(view);
         }
-        buckets.push(Bucket { flat, params, views });
+        buckets.push(Bucket { flat, params, views, offsets, numel: total });
     }
     st.buckets = buckets;
     st.pending = st.buckets.iter().map(|b| b.params.len()).collect();

@@ -81,6 +81,14 @@ impl Optimizer for AdamW {
         out
     }
 
+    fn gradients(&mut self) -> Result<Vec<Tensor>> {
+        Ok(super::grads_of(&self.params))
+    }
+
+    fn memory(&self) -> super::OptimizerMemory {
+        super::memory_of(&self.state_dict(), &self.params)
+    }
+
     fn load_state_dict(&mut self, state: &[(String, Tensor)]) -> Result<()> {
         for i in 0..self.params.len() {
             let p = &self.params[i];

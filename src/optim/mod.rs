@@ -17,7 +17,7 @@ mod zero;
 
 pub use adamw::AdamW;
 pub use sgd::Sgd;
-pub use zero::ShardedOptimizer;
+pub use zero::{ShardedOptimizer, ZeroStage, GATHER_CHUNK};
 
 use tch::Tensor;
 
@@ -33,6 +33,42 @@ pub trait Optimizer {
     fn state_dict(&self) -> Vec<(String, Tensor)>;
     /// Restores state saved by [`state_dict`](Self::state_dict); errors name a missing or mis-shaped entry.
     fn load_state_dict(&mut self, state: &[(String, Tensor)]) -> Result<()>;
+    /// The gradient tensors the next [`step`](Self::step) reads, to be modified in place (unscaling by
+    /// [`crate::amp::GradScaler`], clipping).
+    fn gradients(&mut self) -> Result<Vec<Tensor>>;
+    /// What the optimizer holds, in bytes.
+    fn memory(&self) -> OptimizerMemory;
+}
+
+/// Bytes an optimizer holds beyond the model's parameters and DDP's gradients.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct OptimizerMemory {
+    /// Optimizer state (momentum, Adam's moments, step counters).
+    pub state: i64,
+    /// Float32 master copies of 16-bit parameters.
+    pub master: i64,
+    /// ZeRO-2's gradient shards.
+    pub gradient_shards: i64,
+    /// Elements of parameters this rank updates (its shards; all of them when unsharded).
+    pub owned_elements: i64,
+}
+
+pub(crate) fn bytes(t: &Tensor) -> i64 {
+    (t.numel() * t.kind().elt_size_in_bytes()) as i64
+}
+
+/// The defined gradients of `params`.
+pub(crate) fn grads_of(params: &[Tensor]) -> Vec<Tensor> {
+    params.iter().map(|p| p.grad()).filter(|g| g.defined()).collect()
+}
+
+/// State bytes from a state dict, and the parameters' elements.
+pub(crate) fn memory_of(state: &[(String, Tensor)], params: &[Tensor]) -> OptimizerMemory {
+    OptimizerMemory {
+        state: state.iter().map(|(_, t)| bytes(t)).sum(),
+        owned_elements: params.iter().map(|p| p.numel() as i64).sum(),
+        ..Default::default()
+    }
 }
 
 pub(crate) fn find<'a>(state: &'a [(String, Tensor)], key: &str, like: &Tensor) -> Result<&'a Tensor> {

@@ -80,6 +80,14 @@ impl Optimizer for Sgd {
             .collect()
     }
 
+    fn gradients(&mut self) -> Result<Vec<Tensor>> {
+        Ok(super::grads_of(&self.params))
+    }
+
+    fn memory(&self) -> super::OptimizerMemory {
+        super::memory_of(&self.state_dict(), &self.params)
+    }
+
     fn load_state_dict(&mut self, state: &[(String, Tensor)]) -> Result<()> {
         for (i, p) in self.params.iter().enumerate() {
             let key = format!("sgd.{i}.momentum_buffer");

@@ -1,0 +1,97 @@
+//! ZeRO-2's reduction: a bucket is reduce-scattered as soon as its last gradient arrives, so each rank keeps
+//! only its shard (1/N) of the reduced gradient. Full-size gradients live only in flight: a bucket's buffer
+//! exists from its first gradient until its reduction finishes, and at most [`MAX_IN_FLIGHT`] reductions
+//! run at once, so the transient memory is a few buckets, not the model.
+use std::collections::VecDeque;
+
+use tch::Tensor;
+
+use crate::error::Result;
+use crate::group::{ProcessGroup, ReduceOp};
+use crate::work::Work;
+
+/// Reductions running while backward goes on. One lets bucket b's reduction overlap bucket b+1's
+/// gradients while bounding the buffers alive to two.
+pub const MAX_IN_FLIGHT: usize = 1;
+
+pub(crate) struct GradShards {
+    world: i64,
+    /// Per bucket: elements of one shard; the bucket's buffer holds `world * len` (zero padded).
+    pub lens: Vec<i64>,
+    /// Per bucket: this rank's shard of the averaged gradient, written by each synchronised backward.
+    pub shards: Vec<Tensor>,
+    filling: Vec<Option<Tensor>>,
+    in_flight: VecDeque<(Work, Tensor)>,
+}
+
+impl GradShards {
+    /// `buckets`: (elements, a parameter of the bucket for dtype and device) per bucket.
+    pub fn new(buckets: &[(i64, &Tensor)], world: usize) -> Result<GradShards> {
+        let world = world as i64;
+        let mut lens = Vec::with_capacity(buckets.len());
+        let mut shards = Vec::with_capacity(buckets.len());
+        for &(numel, like) in buckets {
+            let len = (numel + world - 1) / world;
+            shards.push(Tensor::f_zeros([len], (like.kind(), like.device()))?);
+            lens.push(len);
+        }
+        let filling = (0..buckets.len()).map(|_| None).collect();
+        Ok(GradShards { world, lens, shards, filling, in_flight: VecDeque::new() })
+    }
+
+    /// Copies one parameter's gradient into bucket `b`'s buffer at `offset` (an undefined gradient, from an
+    /// unused parameter, leaves zeros). The caller then drops the parameter's own gradient.
+    pub fn accept(&mut self, b: usize, offset: i64, grad: &Tensor) -> Result<()> {
+        let buf = match &self.filling[b] {
+            Some(t) => t.shallow_clone(),
+            None => {
+                let t = self.buffer(b)?;
+                self.filling[b] = Some(t.shallow_clone());
+                t
+            }
+        };
+        if grad.defined() {
+            buf.f_narrow(0, offset, grad.numel() as i64)?.f_copy_(&grad.f_reshape([-1])?)?;
+        }
+        Ok(())
+    }
+
+    /// Averages bucket `b` and starts reduce-scattering it into its shard.
+    pub fn launch(&mut self, pg: &ProcessGroup, b: usize) -> Result<()> {
+        while self.in_flight.len() >= MAX_IN_FLIGHT {
+            if let Some((work, _buffer)) = self.in_flight.pop_front() {
+                work.wait()?;
+            }
+        }
+        let mut buf = match self.filling[b].take() {
+            Some(t) => t,
+            None => self.buffer(b)?,
+        };
+        let _ = buf.f_mul_scalar_(1.0 / self.world as f64)?;
+        let len = self.lens[b];
+        let inputs: Vec<Tensor> = (0..self.world).map(|r| buf.f_narrow(0, r * len, len)).collect::<std::result::Result<_, _>>()?;
+        let mut out = self.shards[b].shallow_clone();
+        let work = pg.reduce_scatter_unverified(&mut out, &inputs, ReduceOp::Sum)?;
+        self.in_flight.push_back((work, buf));
+        Ok(())
+    }
+
+    fn buffer(&self, b: usize) -> Result<Tensor> {
+        let s = &self.shards[b];
+        Ok(Tensor::f_zeros([self.world * self.lens[b]], (s.kind(), s.device()))?)
+    }
+
+    /// Waits for every reduction of this backward and frees the buffers.
+    pub fn finish(&mut self) -> Result<()> {
+        while let Some((work, _buffer)) = self.in_flight.pop_front() {
+            work.wait()?;
+        }
+        Ok(())
+    }
+
+    /// Forgets a failed backward's buffers.
+    pub fn abandon(&mut self) {
+        self.in_flight.clear();
+        self.filling.iter_mut().for_each(|f| *f = None);
+    }
+}

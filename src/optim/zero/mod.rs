@@ -1,0 +1,206 @@
+//! ZeRO (Rajbhandari et al.) over DDP's buckets: each bucket's parameters move into one flat buffer, and
+//! rank r owns the r-th contiguous 1/N of every bucket.
+//! - **Stage 1**: gradients are allreduced as in plain DDP; each rank keeps optimizer state for its
+//!   shards only, steps them, and the updated shards are all-gathered into every rank's parameters.
+//! - **Stage 2**: in addition, each bucket is reduce-scattered as it becomes ready during backward, so a
+//!   rank keeps only its shard of the averaged gradient (parameters have no `.grad` after backward).
+//! - **Master weights**: with bfloat16 or float16 parameters, each rank keeps a float32 copy of its
+//!   shards; the inner optimizer steps that copy, which is cast back into the parameters.
+//!
+//! Per-rank bytes for Ψ parameters and N ranks, Adam: 16Ψ unsharded (float32), 8Ψ + 8Ψ/N stage 1,
+//! 4Ψ + 12Ψ/N stage 2; with 16-bit parameters and float32 master weights, the paper's 4Ψ + 12Ψ/N and
+//! 2Ψ + 14Ψ/N. `scripts/bench-memory.sh` measures them.
+//!
+//! ```no_run
+//! use std::sync::Arc;
+//! use tch_dist::ddp::{DdpOptions, DistributedDataParallel};
+//! use tch_dist::optim::{AdamW, Optimizer, ShardedOptimizer, ZeroStage};
+//! # let pg = Arc::new(tch_dist::ProcessGroup::from_env()?);
+//! # let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+//! # let net = tch::nn::linear(vs.root(), 4, 4, Default::default());
+//! let ddp = DistributedDataParallel::new(&vs, net, DdpOptions::default().process_group(pg))?;
+//! let mut opt = ShardedOptimizer::new(&ddp, ZeroStage::Two, |shards| Box::new(AdamW::new(shards, 1e-3)))?;
+//! // loop: ddp.backward(&loss)?; opt.step()?; opt.zero_grad()?;
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+mod flat;
+
+use std::sync::Arc;
+
+use tch::{Kind, Tensor};
+
+use super::{Optimizer, OptimizerMemory};
+use crate::ddp::DistributedDataParallel;
+use crate::error::Result;
+use crate::group::ProcessGroup;
+use crate::hooks;
+use flat::FlatBucket;
+
+pub use flat::GATHER_CHUNK;
+
+/// Which ZeRO stage [`ShardedOptimizer`] runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ZeroStage {
+    /// Optimizer state sharded.
+    One,
+    /// Optimizer state and gradients sharded.
+    Two,
+}
+
+struct Shard {
+    params: FlatBucket,
+    /// The averaged gradient of this rank's shard (a view into DDP's bucket, or ZeRO-2's shard).
+    grad: Tensor,
+    /// What the inner optimizer steps: the parameter shard itself, or its float32 master copy.
+    stepped: Tensor,
+    master: bool,
+}
+
+/// An optimizer sharded across the ranks of a DDP model (ZeRO stage 1 or 2, see the module docs).
+pub struct ShardedOptimizer {
+    pg: Arc<ProcessGroup>,
+    stage: ZeroStage,
+    shards: Vec<Shard>,
+    inner: Box<dyn Optimizer + Send>,
+    /// The model's parameters, and the full gradient buffers to zero: DDP's buckets (stage 1) or the
+    /// gradient shards (stage 2).
+    params: Vec<Tensor>,
+    full_grads: Vec<Tensor>,
+    /// Gradients of `stepped` set (and, with master weights, cast) for the coming step.
+    prepared: bool,
+}
+
+impl ShardedOptimizer {
+    /// Shards `ddp`'s parameters: fixes its bucket layout, moves each bucket's parameters into a flat
+    /// buffer, and builds the inner optimizer with `make` over this rank's shards (one tensor per bucket
+    /// with a non-empty shard), e.g. `|p| Box::new(AdamW::new(p, 1e-3))`. Call before training: with
+    /// `ZeroStage::Two`, gradients present are dropped.
+    pub fn new<M>(
+        ddp: &DistributedDataParallel<M>,
+        stage: ZeroStage,
+        make: impl FnOnce(Vec<Tensor>) -> Box<dyn Optimizer + Send>,
+    ) -> Result<ShardedOptimizer> {
+        let pg = ddp.process_group().clone();
+        let layout = ddp.freeze_layout()?;
+        let params = ddp.parameters();
+        let grads = match stage {
+            ZeroStage::One => ddp.bucket_grads(),
+            ZeroStage::Two => ddp.shard_gradients()?,
+        };
+        let (rank, world) = (pg.rank(), pg.size());
+        let mut shards = Vec::with_capacity(layout.len());
+        for (b, idx) in layout.iter().enumerate() {
+            let members: Vec<Tensor> = idx.iter().map(|&i| params[i].shallow_clone()).collect();
+            let flat = FlatBucket::new(&members, rank, world)?;
+            let grad = match stage {
+                // DDP's bucket is unpadded: a rank whose shard is all padding gets an empty slice at the end
+                ZeroStage::One => grads[b].f_narrow(0, (rank as i64 * flat.len).min(grads[b].numel() as i64), flat.own)?,
+                ZeroStage::Two => grads[b].f_narrow(0, 0, flat.own)?,
+            };
+            let view = flat.shard()?;
+            let master = matches!(view.kind(), Kind::Half | Kind::BFloat16);
+            let stepped = if master { view.f_to_kind(Kind::Float)? } else { view.f_detach()? };
+            shards.push(Shard { params: flat, grad, stepped: stepped.set_requires_grad(true), master });
+        }
+        let inner = make(shards.iter().filter(|s| s.params.own > 0).map(|s| s.stepped.shallow_clone()).collect());
+        Ok(ShardedOptimizer { pg, stage, shards, inner, params, full_grads: grads, prepared: false })
+    }
+
+    pub fn stage(&self) -> ZeroStage {
+        self.stage
+    }
+
+    /// Elements of parameters this rank updates (the sum of its shards).
+    pub fn shard_numel(&self) -> i64 {
+        self.shards.iter().map(|s| s.params.own).sum()
+    }
+
+    /// The inner optimizer (e.g. to change its learning rate through a downcast-free handle of your own).
+    pub fn inner_mut(&mut self) -> &mut (dyn Optimizer + Send) {
+        self.inner.as_mut()
+    }
+
+    fn prepare(&mut self) -> Result<()> {
+        if self.prepared {
+            return Ok(());
+        }
+        for s in self.shards.iter().filter(|s| s.params.own > 0) {
+            let g = if s.master { s.grad.f_to_kind(Kind::Float)? } else { s.grad.shallow_clone() };
+            hooks::set_grad(&s.stepped, Some(&g))?;
+        }
+        self.prepared = true;
+        Ok(())
+    }
+}
+
+impl Optimizer for ShardedOptimizer {
+    fn step(&mut self) -> Result<()> {
+        let _g = tch::no_grad_guard();
+        self.prepare()?;
+        self.inner.step()?;
+        for s in &self.shards {
+            if s.master && s.params.own > 0 {
+                s.params.shard()?.f_copy_(&s.stepped)?;
+                hooks::set_grad(&s.stepped, None)?; // the float32 copy of the gradient is scratch
+            }
+            s.params.all_gather(&self.pg)?;
+        }
+        self.prepared = false;
+        Ok(())
+    }
+
+    /// Zeroes the gradients the next step reads: DDP's buckets and any `.grad` (stage 1), or the shards
+    /// (stage 2; a step without a backward then changes parameters by weight decay only, as unsharded).
+    fn zero_grad(&mut self) -> Result<()> {
+        let _g = tch::no_grad_guard();
+        hooks::zero_grads(&self.params)?;
+        for g in &self.full_grads {
+            let _ = g.shallow_clone().f_zero_()?;
+        }
+        for s in &self.shards {
+            if s.master {
+                hooks::set_grad(&s.stepped, None)?;
+            }
+        }
+        self.prepared = false;
+        Ok(())
+    }
+
+    fn gradients(&mut self) -> Result<Vec<Tensor>> {
+        self.prepare()?;
+        Ok(self.shards.iter().filter(|s| s.params.own > 0).map(|s| s.stepped.grad()).collect())
+    }
+
+    fn state_dict(&self) -> Vec<(String, Tensor)> {
+        let mut s = self.inner.state_dict();
+        for (b, sh) in self.shards.iter().enumerate().filter(|(_, s)| s.master) {
+            s.push((format!("zero.master.{b}"), sh.stepped.detach()));
+        }
+        s
+    }
+
+    fn load_state_dict(&mut self, state: &[(String, Tensor)]) -> Result<()> {
+        for (b, sh) in self.shards.iter().enumerate().filter(|(_, s)| s.master) {
+            let saved = super::find(state, &format!("zero.master.{b}"), &sh.stepped)?;
+            sh.stepped.detach().f_copy_(saved)?;
+        }
+        self.inner.load_state_dict(state)
+    }
+
+    fn memory(&self) -> OptimizerMemory {
+        let mut m = self.inner.memory();
+        m.master = self.shards.iter().filter(|s| s.master).map(|s| super::bytes(&s.stepped)).sum();
+        if self.stage == ZeroStage::Two {
+            m.gradient_shards = self.shards.iter().map(|s| super::bytes(&s.grad)).sum();
+        }
+        m.owned_elements = self.shard_numel();
+        m
+    }
+}
+
+impl std::fmt::Debug for ShardedOptimizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "ShardedOptimizer({:?}, {} buckets, {} elements owned)", self.stage, self.shards.len(), self.shard_numel())
+    }
+}
+
