@@ -12,6 +12,7 @@ const SOURCES: &[&str] = &[
     "csrc/reference.cpp",
     "csrc/layout.cpp",
     "csrc/tp.cpp",
+    "csrc/amp.cpp",
 ];
 
 fn libtorch_lib() -> PathBuf {

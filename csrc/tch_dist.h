@@ -77,6 +77,10 @@ int tdx_queue_backward_callback(tdx_callback_fn fn, void* ctx);
 int tdx_tensor_set_grad(tdx_tensor var, tdx_tensor grad);  // grad NULL: undefine .grad
 int tdx_tensor_grad_data_ptr(tdx_tensor var, uint64_t* out);  // 0 when undefined
 
+// amp.cpp: autocast regions. device 0 CPU, 1 CUDA; dtype a c10::ScalarType code.
+int tdx_autocast_enter(int device, int enabled, int dtype, int* prev_enabled, int* prev_dtype);
+int tdx_autocast_exit(int device, int prev_enabled, int prev_dtype);
+
 // ---- DDP reference (libtorch's own c10d::compute_bucket_assignment_by_size)
 // sizes: numel per tensor; dtypes: c10::ScalarType codes; limits in bytes. out_bucket_of[i] receives the
 // bucket index of tensor i, in libtorch's bucket order; *out_buckets the number of buckets.

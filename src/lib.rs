@@ -14,6 +14,7 @@ mod dtype;
 mod ffi;
 mod verify;
 
+pub mod amp;
 pub mod checkpoint;
 pub mod ddp;
 pub mod error;

@@ -1,0 +1,29 @@
+// Autocast state (thread-local in libtorch): enter saves the previous state for exit to restore.
+#include <ATen/autocast_mode.h>
+
+#include "common.h"
+
+static at::DeviceType device_type(int device) { return device == 1 ? at::kCUDA : at::kCPU; }
+
+int tdx_autocast_enter(int device, int enabled, int dtype, int* prev_enabled, int* prev_dtype) {
+  TDX_TRY({
+    auto dt = device_type(device);
+    *prev_enabled = at::autocast::is_autocast_enabled(dt) ? 1 : 0;
+    *prev_dtype = static_cast<int>(at::autocast::get_autocast_dtype(dt));
+    at::autocast::set_autocast_dtype(dt, static_cast<at::ScalarType>(dtype));
+    at::autocast::set_autocast_enabled(dt, enabled != 0);
+    at::autocast::increment_nesting();
+    return TDX_OK;
+  })
+}
+
+int tdx_autocast_exit(int device, int prev_enabled, int prev_dtype) {
+  TDX_TRY({
+    auto dt = device_type(device);
+    // leaving the outermost region frees the casts cached for it
+    if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+    at::autocast::set_autocast_enabled(dt, prev_enabled != 0);
+    at::autocast::set_autocast_dtype(dt, static_cast<at::ScalarType>(prev_dtype));
+    return TDX_OK;
+  })
+}
