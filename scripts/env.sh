@@ -1,7 +1,7 @@
 # Sourced by every script: where the torch venv lives and what the build and the binaries need.
 # Override TCH_DIST_CACHE to move the venv (default: ~/.cache/tch-dist, or $XDG_CACHE_HOME/tch-dist).
 TCH_DIST_TORCH_VERSION=2.13.0
-TCH_DIST_SETUP_VERSION=2
+TCH_DIST_SETUP_VERSION=3
 export TCH_DIST_CACHE=${TCH_DIST_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/tch-dist}
 export TCH_DIST_VENV=${TCH_DIST_VENV:-$TCH_DIST_CACHE/venv-torch-$TCH_DIST_TORCH_VERSION}
 export TCH_DIST_PYTHON_BIN="$TCH_DIST_VENV/bin/python"

@@ -24,10 +24,11 @@ fi
 # NCCL part of the shim (`--features cuda`); small, so installed always and CI can build that feature.
 # numpy, scikit-learn: data for the training example (the 8x8 digits ship inside scikit-learn).
 # safetensors: to show that PyTorch users can open our checkpoints.
+# matplotlib: the benchmark charts (scripts/bench-memory.sh).
 "$TCH_DIST_VENV/bin/python" -m pip install -q \
   "torch==$TCH_DIST_TORCH_VERSION" \
   "nvidia-cuda-crt==13.0.88" "nvidia-cuda-cccl==13.0.85" \
-  numpy scikit-learn safetensors
+  numpy scikit-learn safetensors matplotlib
 "$TCH_DIST_VENV/bin/python" - <<'PY'
 import torch, torch.distributed as dist
 assert torch.__version__.startswith("2.13.0"), torch.__version__

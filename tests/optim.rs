@@ -125,3 +125,24 @@ fn our_optimizers_keep_ddp_bucket_views() {
         assert_eq!(ptrs[1], ptrs[2], "zero_grad and step must not move gradients after the rebuild");
     }
 }
+
+#[test]
+fn adamw_in_chunks_equals_adamw_in_one_piece() {
+    // 700,000 elements: a contiguous tensor is updated in chunks; the same values seen through a
+    // transposed (non-contiguous) view are updated in one piece. Elementwise: they must agree exactly.
+    let base = formula(700_000, 0.3).view([700, 1000]);
+    let a = base.copy().set_requires_grad(true);
+    let b_storage = base.tr().contiguous(); // [1000, 700], holding base transposed
+    let b = b_storage.tr().set_requires_grad(true); // [700, 1000] again, non-contiguous
+    assert!(!b.is_contiguous());
+    let mut oa = AdamW::new(vec![a.shallow_clone()], 0.01);
+    let mut ob = AdamW::new(vec![b.shallow_clone()], 0.01);
+    for step in 0..3 {
+        let g = formula(700_000, step as f64).view([700, 1000]);
+        hooks::set_grad(&a, Some(&g)).unwrap();
+        hooks::set_grad(&b, Some(&g.tr().contiguous().tr())).unwrap();
+        oa.step().unwrap();
+        ob.step().unwrap();
+    }
+    assert_eq!(common::model::max_diff(&[a.detach()], &[b.detach().contiguous()]), 0.0);
+}

@@ -346,7 +346,8 @@ impl Reducer {
             // Old and new buckets side by side would cost a third copy of the parameters at the peak.
             // The old ones can go first when nothing in them is needed: without bucket views they are
             // scratch space; with views they hold the gradients, which after zero_grad are all zero.
-            let lean = !self.cfg.bucket_view || st.grads_zeroed;
+            // (zeroed by our zero_grad, or found all zero: an optimizer's own zero_grad zeroes in place)
+            let lean = !self.cfg.bucket_view || st.grads_zeroed || all_zero(&st.buckets)?;
             if lean {
                 if self.cfg.bucket_view {
                     for p in &st.params {
@@ -405,6 +406,23 @@ impl Reducer {
     pub fn set_sync(&self, on: bool) {
         lock(&self.state).sync = on;
     }
+}
+
+/// Whether every bucket holds only zeros; in pieces, since `any` makes a boolean copy of its input.
+fn all_zero(buckets: &[Bucket]) -> Result<bool> {
+    const PIECE: i64 = 1 << 16;
+    for b in buckets {
+        let n = b.flat.numel() as i64;
+        let mut start = 0;
+        while start < n {
+            let k = PIECE.min(n - start);
+            if b.flat.f_narrow(0, start, k)?.f_any()?.f_int64_value(&[])? != 0 {
+                return Ok(false);
+            }
+            start += k;
+        }
+    }
+    Ok(true)
 }
 
 fn reset_iteration(st: &mut State) {

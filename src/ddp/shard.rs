@@ -51,23 +51,24 @@ impl GradShards {
             }
         };
         if grad.defined() {
-            buf.f_narrow(0, offset, grad.numel() as i64)?.f_copy_(&grad.f_reshape([-1])?)?;
+            // copy and average in one pass
+            let slot = buf.f_narrow(0, offset, grad.numel() as i64)?;
+            let _ = grad.f_reshape([-1])?.f_mul_scalar_out(&slot, 1.0 / self.world as f64)?;
         }
         Ok(())
     }
 
-    /// Averages bucket `b` and starts reduce-scattering it into its shard.
+    /// Starts reduce-scattering bucket `b` (already averaged) into its shard.
     pub fn launch(&mut self, pg: &ProcessGroup, b: usize) -> Result<()> {
         while self.in_flight.len() >= MAX_IN_FLIGHT {
             if let Some((work, _buffer)) = self.in_flight.pop_front() {
                 work.wait()?;
             }
         }
-        let mut buf = match self.filling[b].take() {
+        let buf = match self.filling[b].take() {
             Some(t) => t,
             None => self.buffer(b)?,
         };
-        let _ = buf.f_mul_scalar_(1.0 / self.world as f64)?;
         let len = self.lens[b];
         let inputs: Vec<Tensor> = (0..self.world).map(|r| buf.f_narrow(0, r * len, len)).collect::<std::result::Result<_, _>>()?;
         let mut out = self.shards[b].shallow_clone();

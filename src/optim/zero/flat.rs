@@ -3,10 +3,15 @@
 use tch::Tensor;
 
 use crate::error::Result;
+use std::collections::VecDeque;
+
 use crate::group::ProcessGroup;
+use crate::work::Work;
 
 /// Elements gathered per collective: bounds the transient buffer Gloo allocates (world × this).
-pub const GATHER_CHUNK: i64 = 1 << 20;
+pub const GATHER_CHUNK: i64 = 1 << 19;
+/// Gathers in flight while the next bucket steps.
+pub const GATHERS_IN_FLIGHT: usize = 2;
 
 pub(crate) struct FlatBucket {
     /// `world * len` elements; the parameters are views into it.
@@ -45,15 +50,22 @@ impl FlatBucket {
         Ok(self.flat.f_narrow(0, self.rank * self.len, self.own)?)
     }
 
-    /// Every rank's shard into every rank's buffer, in chunks of at most [`GATHER_CHUNK`] elements.
-    pub fn all_gather(&self, pg: &ProcessGroup) -> Result<()> {
+    /// Every rank's shard into every rank's buffer, in pieces of at most [`GATHER_CHUNK`] elements,
+    /// started asynchronously; `pending` bounds the pieces in flight to `max_in_flight` (oldest waited
+    /// first), so the gather overlaps whatever the caller does next.
+    pub fn all_gather(&self, pg: &ProcessGroup, pending: &mut VecDeque<Work>, max_in_flight: usize) -> Result<()> {
         let mut start = 0i64;
         while start < self.len {
             let n = GATHER_CHUNK.min(self.len - start);
+            while pending.len() >= max_in_flight.max(1) {
+                if let Some(w) = pending.pop_front() {
+                    w.wait()?;
+                }
+            }
             let mut outs: Vec<Tensor> =
                 (0..self.world).map(|r| self.flat.f_narrow(0, r * self.len + start, n)).collect::<std::result::Result<_, _>>()?;
             let input = self.flat.f_narrow(0, self.rank * self.len + start, n)?;
-            pg.all_gather_unverified(&mut outs, &input)?.wait()?;
+            pending.push_back(pg.all_gather_unverified(&mut outs, &input)?);
             start += n;
         }
         Ok(())

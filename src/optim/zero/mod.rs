@@ -25,6 +25,7 @@
 //! ```
 mod flat;
 
+use std::collections::VecDeque;
 use std::sync::Arc;
 
 use tch::{Kind, Tensor};
@@ -54,6 +55,9 @@ struct Shard {
     /// What the inner optimizer steps: the parameter shard itself, or its float32 master copy.
     stepped: Tensor,
     master: bool,
+    /// One optimizer per shard, so that a step's temporaries (float32 gradient copies included) are one
+    /// bucket's at a time; `None` where this rank's shard is all padding.
+    opt: Option<Box<dyn Optimizer + Send>>,
 }
 
 /// An optimizer sharded across the ranks of a DDP model (ZeRO stage 1 or 2, see the module docs).
@@ -61,7 +65,6 @@ pub struct ShardedOptimizer {
     pg: Arc<ProcessGroup>,
     stage: ZeroStage,
     shards: Vec<Shard>,
-    inner: Box<dyn Optimizer + Send>,
     /// The model's parameters, and the full gradient buffers to zero: DDP's buckets (stage 1) or the
     /// gradient shards (stage 2).
     params: Vec<Tensor>,
@@ -72,13 +75,13 @@ pub struct ShardedOptimizer {
 
 impl ShardedOptimizer {
     /// Shards `ddp`'s parameters: fixes its bucket layout, moves each bucket's parameters into a flat
-    /// buffer, and builds the inner optimizer with `make` over this rank's shards (one tensor per bucket
-    /// with a non-empty shard), e.g. `|p| Box::new(AdamW::new(p, 1e-3))`. Call before training: with
+    /// buffer, and builds an inner optimizer with `make` for each of this rank's non-empty shards (one
+    /// tensor each), e.g. `|p| Box::new(AdamW::new(p, 1e-3))`. Call before training: with
     /// `ZeroStage::Two`, gradients present are dropped.
     pub fn new<M>(
         ddp: &DistributedDataParallel<M>,
         stage: ZeroStage,
-        make: impl FnOnce(Vec<Tensor>) -> Box<dyn Optimizer + Send>,
+        make: impl Fn(Vec<Tensor>) -> Box<dyn Optimizer + Send>,
     ) -> Result<ShardedOptimizer> {
         let pg = ddp.process_group().clone();
         let layout = ddp.freeze_layout()?;
@@ -99,11 +102,11 @@ impl ShardedOptimizer {
             };
             let view = flat.shard()?;
             let master = matches!(view.kind(), Kind::Half | Kind::BFloat16);
-            let stepped = if master { view.f_to_kind(Kind::Float)? } else { view.f_detach()? };
-            shards.push(Shard { params: flat, grad, stepped: stepped.set_requires_grad(true), master });
+            let stepped = if master { view.f_to_kind(Kind::Float)? } else { view.f_detach()? }.set_requires_grad(true);
+            let opt = if flat.own > 0 { Some(make(vec![stepped.shallow_clone()])) } else { None };
+            shards.push(Shard { params: flat, grad, stepped, master, opt });
         }
-        let inner = make(shards.iter().filter(|s| s.params.own > 0).map(|s| s.stepped.shallow_clone()).collect());
-        Ok(ShardedOptimizer { pg, stage, shards, inner, params, full_grads: grads, prepared: false })
+        Ok(ShardedOptimizer { pg, stage, shards, params, full_grads: grads, prepared: false })
     }
 
     pub fn stage(&self) -> ZeroStage {
@@ -115,20 +118,30 @@ impl ShardedOptimizer {
         self.shards.iter().map(|s| s.params.own).sum()
     }
 
-    /// The inner optimizer (e.g. to change its learning rate through a downcast-free handle of your own).
-    pub fn inner_mut(&mut self) -> &mut (dyn Optimizer + Send) {
-        self.inner.as_mut()
+    /// The inner optimizers, one per non-empty shard.
+    pub fn inner_mut(&mut self) -> impl Iterator<Item = &mut (dyn Optimizer + Send + 'static)> {
+        self.shards.iter_mut().filter_map(|s| s.opt.as_deref_mut())
     }
 
+    /// Points the inner optimizers at all gradients at once (for [`Optimizer::gradients`]).
     fn prepare(&mut self) -> Result<()> {
-        if self.prepared {
-            return Ok(());
+        if !self.prepared {
+            for s in &self.shards {
+                s.prepare()?;
+            }
+            self.prepared = true;
         }
-        for s in self.shards.iter().filter(|s| s.params.own > 0) {
-            let g = if s.master { s.grad.f_to_kind(Kind::Float)? } else { s.grad.shallow_clone() };
-            hooks::set_grad(&s.stepped, Some(&g))?;
+        Ok(())
+    }
+}
+
+impl Shard {
+    /// Gives the stepped tensor its gradient: the shard's own, or a float32 copy for master weights.
+    fn prepare(&self) -> Result<()> {
+        if self.opt.is_some() {
+            let g = if self.master { self.grad.f_to_kind(Kind::Float)? } else { self.grad.shallow_clone() };
+            hooks::set_grad(&self.stepped, Some(&g))?;
         }
-        self.prepared = true;
         Ok(())
     }
 }
@@ -136,14 +149,25 @@ impl ShardedOptimizer {
 impl Optimizer for ShardedOptimizer {
     fn step(&mut self) -> Result<()> {
         let _g = tch::no_grad_guard();
-        self.prepare()?;
-        self.inner.step()?;
-        for s in &self.shards {
-            if s.master && s.params.own > 0 {
-                s.params.shard()?.f_copy_(&s.stepped)?;
-                hooks::set_grad(&s.stepped, None)?; // the float32 copy of the gradient is scratch
+        // bucket b's gather runs while bucket b+1 steps
+        let mut pending = VecDeque::new();
+        for s in self.shards.iter_mut() {
+            if let Some(opt) = s.opt.as_mut() {
+                if !self.prepared {
+                    // one bucket at a time (a float32 gradient copy lives for this bucket's step only)
+                    let g = if s.master { s.grad.f_to_kind(Kind::Float)? } else { s.grad.shallow_clone() };
+                    hooks::set_grad(&s.stepped, Some(&g))?;
+                }
+                opt.step()?;
+                if s.master {
+                    s.params.shard()?.f_copy_(&s.stepped)?;
+                    hooks::set_grad(&s.stepped, None)?; // the float32 copy of the gradient is scratch
+                }
             }
-            s.params.all_gather(&self.pg)?;
+            s.params.all_gather(&self.pg, &mut pending, flat::GATHERS_IN_FLIGHT)?;
+        }
+        for w in pending {
+            w.wait()?;
         }
         self.prepared = false;
         Ok(())
@@ -168,27 +192,46 @@ impl Optimizer for ShardedOptimizer {
 
     fn gradients(&mut self) -> Result<Vec<Tensor>> {
         self.prepare()?;
-        Ok(self.shards.iter().filter(|s| s.params.own > 0).map(|s| s.stepped.grad()).collect())
+        Ok(self.shards.iter().filter(|s| s.opt.is_some()).map(|s| s.stepped.grad()).collect())
     }
 
+    /// Each shard's inner state under `zero.{bucket}.`, and master weights as `zero.{bucket}.master`.
     fn state_dict(&self) -> Vec<(String, Tensor)> {
-        let mut s = self.inner.state_dict();
-        for (b, sh) in self.shards.iter().enumerate().filter(|(_, s)| s.master) {
-            s.push((format!("zero.master.{b}"), sh.stepped.detach()));
+        let mut out = Vec::new();
+        for (b, sh) in self.shards.iter().enumerate() {
+            if let Some(opt) = &sh.opt {
+                out.extend(opt.state_dict().into_iter().map(|(k, t)| (format!("zero.{b}.{k}"), t)));
+                if sh.master {
+                    out.push((format!("zero.{b}.master"), sh.stepped.detach()));
+                }
+            }
         }
-        s
+        out
     }
 
     fn load_state_dict(&mut self, state: &[(String, Tensor)]) -> Result<()> {
-        for (b, sh) in self.shards.iter().enumerate().filter(|(_, s)| s.master) {
-            let saved = super::find(state, &format!("zero.master.{b}"), &sh.stepped)?;
-            sh.stepped.detach().f_copy_(saved)?;
+        for (b, sh) in self.shards.iter_mut().enumerate() {
+            let prefix = format!("zero.{b}.");
+            if sh.master && sh.opt.is_some() {
+                let saved = super::find(state, &format!("{prefix}master"), &sh.stepped)?;
+                sh.stepped.detach().f_copy_(saved)?;
+            }
+            if let Some(opt) = sh.opt.as_mut() {
+                let mine: Vec<(String, Tensor)> = state
+                    .iter()
+                    .filter_map(|(k, t)| k.strip_prefix(&prefix).map(|rest| (rest.to_string(), t.shallow_clone())))
+                    .collect();
+                opt.load_state_dict(&mine)?;
+            }
         }
-        self.inner.load_state_dict(state)
+        Ok(())
     }
 
     fn memory(&self) -> OptimizerMemory {
-        let mut m = self.inner.memory();
+        let mut m = OptimizerMemory::default();
+        for opt in self.shards.iter().filter_map(|s| s.opt.as_ref()) {
+            m.state += opt.memory().state;
+        }
         m.master = self.shards.iter().filter(|s| s.master).map(|s| super::bytes(&s.stepped)).sum();
         if self.stage == ZeroStage::Two {
             m.gradient_shards = self.shards.iter().map(|s| super::bytes(&s.grad)).sum();

@@ -1,0 +1,99 @@
+//! One rank of the memory benchmark (scripts/bench-memory.sh runs it and the PyTorch twin
+//! scripts/bench_memory.py on 2 ranks). 24 Linear(1024, 1024) layers with ReLU between them (25.2M
+//! parameters), batch 16 per rank, MSE loss, AdamW.
+//!   --mode ddp|zero1|zero2   plain DDP + AdamW, or ShardedOptimizer stage 1 / 2
+//!   --bf16                   bfloat16 parameters with float32 master weights (ZeRO modes)
+//!   --bucket-mb X            DDP bucket cap (25 by default)
+//! Rank 0 prints `median_step_s peak_rank0 peak_rank1 params grads state master grad_shards` (bytes).
+use std::sync::Arc;
+use std::time::Instant;
+
+use tch::{nn, Device, Kind, Tensor};
+use tch_dist::ddp::{DdpOptions, DistributedDataParallel};
+use tch_dist::optim::{AdamW, Optimizer, ShardedOptimizer, ZeroStage};
+use tch_dist::{memory, ProcessGroup};
+
+const WIDTH: i64 = 1024;
+const LAYERS: usize = 24;
+const BATCH: i64 = 16;
+const WARMUP: usize = 2;
+const STEPS: usize = 5;
+
+fn arg(args: &[String], name: &str) -> Option<String> {
+    args.windows(2).find(|w| w[0] == name).map(|w| w[1].clone())
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let args: Vec<String> = std::env::args().collect();
+    let mode = arg(&args, "--mode").unwrap_or_else(|| "ddp".into());
+    let bf16 = args.iter().any(|a| a == "--bf16");
+    let bucket_mb: f64 = arg(&args, "--bucket-mb").map_or(Ok(25.0), |s| s.parse())?;
+    tch::set_num_threads(1); // two ranks share two cores
+    memory::install_cpu_counter()?;
+    let pg = Arc::new(ProcessGroup::from_env()?);
+    tch::manual_seed(0);
+    let mut vs = nn::VarStore::new(Device::Cpu);
+    let mut net = nn::seq();
+    for i in 0..LAYERS {
+        net = net.add(nn::linear(vs.root() / format!("l{i}"), WIDTH, WIDTH, Default::default()));
+        if i + 1 < LAYERS {
+            net = net.add_fn(|x| x.relu());
+        }
+    }
+    let kind = if bf16 { Kind::BFloat16 } else { Kind::Float };
+    if bf16 {
+        vs.bfloat16();
+    }
+    let opts = DdpOptions::default().process_group(pg.clone()).bucket_cap_mb(bucket_mb);
+    let ddp = DistributedDataParallel::new(&vs, net, opts)?;
+    if std::env::var_os("BENCH_TRACE").is_some() && pg.rank() == 0 {
+        eprintln!("built: allocated {} peak {}", memory::allocated(Device::Cpu)?, memory::peak(Device::Cpu)?);
+    }
+    let adamw = |p: Vec<Tensor>| -> Box<dyn Optimizer + Send> { Box::new(AdamW::new(p, 1e-3)) };
+    let mut opt: Box<dyn Optimizer> = match mode.as_str() {
+        "ddp" if !bf16 => adamw(vs.trainable_variables()),
+        "zero1" => Box::new(ShardedOptimizer::new(&ddp, ZeroStage::One, adamw)?),
+        "zero2" => Box::new(ShardedOptimizer::new(&ddp, ZeroStage::Two, adamw)?),
+        other => return Err(format!("--mode {other}{}: expected ddp, zero1 or zero2 (--bf16 needs a ZeRO mode)", if bf16 { " --bf16" } else { "" }).into()),
+    };
+    let rank = pg.rank() as i64;
+    let mut times = Vec::new();
+    for step in 0..WARMUP + STEPS {
+        tch::manual_seed(1000 + step as i64 * 10 + rank);
+        let x = Tensor::randn([BATCH, WIDTH], (Kind::Float, Device::Cpu)).to_kind(kind);
+        let y = Tensor::randn([BATCH, WIDTH], (Kind::Float, Device::Cpu));
+        pg.barrier()?;
+        let start = Instant::now();
+        let loss = ddp.forward(&x)?.to_kind(Kind::Float).mse_loss(&y, tch::Reduction::Mean);
+        ddp.backward(&loss)?;
+        let backward_done = start.elapsed().as_secs_f64();
+        opt.step()?;
+        opt.zero_grad()?;
+        if std::env::var_os("BENCH_TRACE").is_some() && pg.rank() == 0 {
+            let t = start.elapsed().as_secs_f64();
+            eprintln!("step {step}: allocated {} peak {} forward+backward {backward_done:.3}s step {:.3}s", memory::allocated(Device::Cpu)?, memory::peak(Device::Cpu)?, t - backward_done);
+        }
+        if step >= WARMUP {
+            times.push(start.elapsed().as_secs_f64());
+        }
+    }
+    times.sort_by(|a, b| a.total_cmp(b));
+    let peak = memory::peak(Device::Cpu)?;
+    let m = ddp.memory_breakdown_with(opt.as_ref())?;
+    let mut peaks: Vec<Tensor> = (0..pg.size()).map(|_| Tensor::zeros([1], (Kind::Int64, Device::Cpu))).collect();
+    pg.all_gather(&mut peaks, &Tensor::from_slice(&[peak]))?;
+    if pg.rank() == 0 {
+        let peaks: Vec<String> = peaks.iter().map(|t| t.int64_value(&[0]).to_string()).collect();
+        println!(
+            "{:.6} {} {} {} {} {} {}",
+            times[times.len() / 2],
+            peaks.join(" "),
+            m.parameters,
+            m.buckets + m.gradients,
+            m.optimizer_state,
+            m.master_params,
+            m.gradient_shards
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,67 @@
+"""PyTorch twin of examples/bench_memory.rs: same model, batch, steps and output, measured with tch-dist's
+counting allocator (scripts/memory_ruler.py).
+Usage: bench_memory.py --mode default|views|zero|zero_views
+  default     DDP as constructed by default, AdamW, opt.zero_grad()
+  views       DDP(gradient_as_bucket_view=True)
+  zero        DDP + ZeroRedundancyOptimizer(AdamW)
+  zero_views  both
+Rank 0 prints `median_step_s peak_rank0 peak_rank1`."""
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from pyutil import exit_now  # noqa: E402
+import memory_ruler  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.distributed.optim import ZeroRedundancyOptimizer  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+
+WIDTH, LAYERS, BATCH, WARMUP, STEPS = 1024, 24, 16, 2, 5
+
+
+def main():
+    mode = sys.argv[sys.argv.index("--mode") + 1]
+    assert mode in ("default", "views", "zero", "zero_views"), mode
+    torch.set_num_threads(1)
+    memory_ruler.install()
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    layers = []
+    for i in range(LAYERS):
+        layers.append(torch.nn.Linear(WIDTH, WIDTH))
+        if i + 1 < LAYERS:
+            layers.append(torch.nn.ReLU())
+    net = torch.nn.Sequential(*layers)
+    model = DDP(net, gradient_as_bucket_view=mode.endswith("views"))
+    if mode.startswith("zero"):
+        opt = ZeroRedundancyOptimizer(net.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3)
+    else:
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    times = []
+    for step in range(WARMUP + STEPS):
+        torch.manual_seed(1000 + step * 10 + rank)
+        x = torch.randn(BATCH, WIDTH)
+        y = torch.randn(BATCH, WIDTH)
+        dist.barrier()
+        start = time.perf_counter()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        if step >= WARMUP:
+            times.append(time.perf_counter() - start)
+    times.sort()
+    peak = memory_ruler.peak()
+    peaks = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
+    dist.all_gather(peaks, torch.tensor([peak]))
+    if rank == 0:
+        print(f"{times[len(times) // 2]:.6f} " + " ".join(str(int(p.item())) for p in peaks), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
+    exit_now()
