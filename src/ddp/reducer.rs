@@ -184,7 +184,7 @@ impl Reducer {
         let grad = st.params[i].grad();
         let scale = 1.0 / self.cfg.world as f64;
         if let Some(sh) = st.shards.as_mut() {
-            sh.accept(b, st.buckets[b].offsets[k], &grad)?;
+            sh.accept(b, st.buckets[b].offsets[k], st.specs[i].numel as i64, &grad)?;
             if grad.defined() {
                 // the bucket buffer has it now; only the shard survives this backward
                 hooks::set_grad(&st.params[i], None)?;
@@ -429,7 +429,7 @@ fn reset_iteration(st: &mut State) {
     st.active = false;
     st.in_flight.clear();
     if let Some(sh) = st.shards.as_mut() {
-        sh.abandon();
+        sh.reset();
     }
     st.next_launch = 0;
     st.ready.iter_mut().for_each(|r| *r = false);

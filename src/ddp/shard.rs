@@ -18,8 +18,11 @@ pub(crate) struct GradShards {
     world: i64,
     /// Per bucket: elements of one shard; the bucket's buffer holds `world * len` (zero padded).
     pub lens: Vec<i64>,
+    /// Per bucket: real elements (the rest of its buffer is padding).
+    numels: Vec<i64>,
     /// Per bucket: this rank's shard of the averaged gradient, written by each synchronised backward.
     pub shards: Vec<Tensor>,
+    /// Per bucket being filled: its buffer.
     filling: Vec<Option<Tensor>>,
     in_flight: VecDeque<(Work, Tensor)>,
 }
@@ -35,25 +38,34 @@ impl GradShards {
             shards.push(Tensor::f_zeros([len], (like.kind(), like.device()))?);
             lens.push(len);
         }
+        let numels = buckets.iter().map(|b| b.0).collect();
         let filling = (0..buckets.len()).map(|_| None).collect();
-        Ok(GradShards { world, lens, shards, filling, in_flight: VecDeque::new() })
+        Ok(GradShards { world, lens, numels, shards, filling, in_flight: VecDeque::new() })
     }
 
-    /// Copies one parameter's gradient into bucket `b`'s buffer at `offset` (an undefined gradient, from an
-    /// unused parameter, leaves zeros). The caller then drops the parameter's own gradient.
-    pub fn accept(&mut self, b: usize, offset: i64, grad: &Tensor) -> Result<()> {
+    /// Copies one parameter's gradient, averaged, into bucket `b`'s buffer at `offset` (an undefined
+    /// gradient, from an unused parameter, writes zeros). The caller then drops the parameter's gradient.
+    pub fn accept(&mut self, b: usize, offset: i64, numel: i64, grad: &Tensor) -> Result<()> {
         let buf = match &self.filling[b] {
             Some(t) => t.shallow_clone(),
             None => {
-                let t = self.buffer(b)?;
+                let like = &self.shards[b];
+                let t = Tensor::f_empty([self.world * self.lens[b]], (like.kind(), like.device()))?;
+                // every slot is written once per backward; only the padding needs zeros
+                let pad = self.world * self.lens[b] - self.numels[b];
+                if pad > 0 {
+                    let _ = t.f_narrow(0, self.numels[b], pad)?.f_zero_()?;
+                }
                 self.filling[b] = Some(t.shallow_clone());
                 t
             }
         };
+        let mut slot = buf.f_narrow(0, offset, numel)?;
         if grad.defined() {
             // copy and average in one pass
-            let slot = buf.f_narrow(0, offset, grad.numel() as i64)?;
             let _ = grad.f_reshape([-1])?.f_mul_scalar_out(&slot, 1.0 / self.world as f64)?;
+        } else {
+            let _ = slot.f_zero_()?;
         }
         Ok(())
     }
@@ -61,13 +73,11 @@ impl GradShards {
     /// Starts reduce-scattering bucket `b` (already averaged) into its shard.
     pub fn launch(&mut self, pg: &ProcessGroup, b: usize) -> Result<()> {
         while self.in_flight.len() >= MAX_IN_FLIGHT {
-            if let Some((work, _buffer)) = self.in_flight.pop_front() {
-                work.wait()?;
-            }
+            self.complete_oldest()?;
         }
         let buf = match self.filling[b].take() {
-            Some(t) => t,
-            None => self.buffer(b)?,
+            Some(f) => f,
+            None => return Err(crate::Error::invalid("ZeRO-2 reduction", format!("bucket {b} launched before any of its gradients"))),
         };
         let len = self.lens[b];
         let inputs: Vec<Tensor> = (0..self.world).map(|r| buf.f_narrow(0, r * len, len)).collect::<std::result::Result<_, _>>()?;
@@ -77,21 +87,23 @@ impl GradShards {
         Ok(())
     }
 
-    fn buffer(&self, b: usize) -> Result<Tensor> {
-        let s = &self.shards[b];
-        Ok(Tensor::f_zeros([self.world * self.lens[b]], (s.kind(), s.device()))?)
-    }
-
-    /// Waits for every reduction of this backward and frees the buffers.
-    pub fn finish(&mut self) -> Result<()> {
-        while let Some((work, _buffer)) = self.in_flight.pop_front() {
+    fn complete_oldest(&mut self) -> Result<()> {
+        if let Some((work, _buffer)) = self.in_flight.pop_front() {
             work.wait()?;
         }
         Ok(())
     }
 
-    /// Forgets a failed backward's buffers.
-    pub fn abandon(&mut self) {
+    /// Waits for every reduction of this backward.
+    pub fn finish(&mut self) -> Result<()> {
+        while !self.in_flight.is_empty() {
+            self.complete_oldest()?;
+        }
+        Ok(())
+    }
+
+    /// Ends an iteration (after a failed backward, forgets its buffers).
+    pub fn reset(&mut self) {
         self.in_flight.clear();
         self.filling.iter_mut().for_each(|f| *f = None);
     }

@@ -8,7 +8,7 @@ use std::collections::VecDeque;
 use crate::group::ProcessGroup;
 use crate::work::Work;
 
-/// Elements gathered per collective: bounds the transient buffer Gloo allocates (world × this).
+/// Most elements gathered per collective: bounds the transient buffer Gloo allocates (world × this).
 pub const GATHER_CHUNK: i64 = 1 << 19;
 /// Gathers in flight while the next bucket steps.
 pub const GATHERS_IN_FLIGHT: usize = 2;
@@ -54,9 +54,12 @@ impl FlatBucket {
     /// started asynchronously; `pending` bounds the pieces in flight to `max_in_flight` (oldest waited
     /// first), so the gather overlaps whatever the caller does next.
     pub fn all_gather(&self, pg: &ProcessGroup, pending: &mut VecDeque<Work>, max_in_flight: usize) -> Result<()> {
+        // equal pieces, so a shard just over the limit does not leave a tiny last collective
+        let pieces = (self.len + GATHER_CHUNK - 1) / GATHER_CHUNK;
+        let piece = (self.len + pieces.max(1) - 1) / pieces.max(1);
         let mut start = 0i64;
         while start < self.len {
-            let n = GATHER_CHUNK.min(self.len - start);
+            let n = piece.min(self.len - start);
             while pending.len() >= max_in_flight.max(1) {
                 if let Some(w) = pending.pop_front() {
                     w.wait()?;

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Memory benchmark: ZeRO and mixed precision against PyTorch, same run, same ruler. 24 Linear(1024, 1024)
+# layers with ReLU (25.2M parameters), AdamW, batch 16 per rank, 2 ranks over Gloo, one intra-op thread per
+# rank. Peak = the CPU ruler's peak (tch-dist's counting allocator, loaded by PyTorch through ctypes) from
+# start to end of each process, the larger of the two ranks; step time = median of 5 steps after 2 warm-up
+# steps, median over rounds. Prints a Markdown table; writes docs/bench-memory.png (PNG=... to change).
+#   scripts/bench-memory.sh        # ROUNDS=3 by default
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh
+source scripts/env.sh
+cargo build -q --release --example bench_memory
+export TCH_DIST_MEMORY_LIB=$PWD/target/release/libtch_dist_memory.so
+ROUNDS=${ROUNDS:-3}
+PNG=${PNG:-docs/bench-memory.png}
+out=$(mktemp -d)
+trap 'rm -rf "$out"' EXIT
+port() { python3 -c 'import socket;s=socket.socket();s.bind(("127.0.0.1",0));print(s.getsockname()[1])'; }
+run() { # run NAME CMD...
+  local name=$1; shift
+  local p; p=$(port)
+  MASTER_ADDR=127.0.0.1 MASTER_PORT=$p WORLD_SIZE=2 RANK=1 "$@" >/dev/null &
+  MASTER_ADDR=127.0.0.1 MASTER_PORT=$p WORLD_SIZE=2 RANK=0 "$@" >>"$out/$name"
+  wait
+}
+rust=target/release/examples/bench_memory
+py="$TCH_DIST_PYTHON_BIN scripts/bench_memory.py"
+for r in $(seq "$ROUNDS"); do
+  echo "round $r/$ROUNDS" >&2
+  run torch_default $py --mode default
+  run torch_views $py --mode views
+  run torch_zero $py --mode zero
+  run torch_zero_views $py --mode zero_views
+  run ours_ddp $rust --mode ddp
+  run ours_zero1 $rust --mode zero1
+  run ours_zero2_25 $rust --mode zero2
+  run ours_zero2 $rust --mode zero2 --bucket-mb 4
+  run ours_zero2_bf16 $rust --mode zero2 --bf16 --bucket-mb 4
+done
+"$TCH_DIST_PYTHON_BIN" scripts/bench_memory_report.py "$out" "$PNG"

@@ -1,0 +1,72 @@
+"""Summarises scripts/bench-memory.sh's runs: a Markdown table on stdout and a bar chart.
+Usage: bench_memory_report.py RESULTS_DIR PNG"""
+import os
+import statistics
+import sys
+
+out, png = sys.argv[1], sys.argv[2]
+PSI = 24 * (1024 * 1024 + 1024)  # parameters
+N = 2
+MB = 1e6
+
+# name: (label, model-state bytes the configuration holds per rank, what the formula counts)
+RUNS = {
+    "torch_default": ("PyTorch DDP (default)", 20 * PSI, "4Ψ params + 4Ψ grads + 4Ψ buckets + 8Ψ Adam"),
+    "torch_views": ("PyTorch DDP, gradient_as_bucket_view", 16 * PSI, "16Ψ"),
+    "torch_zero": ("PyTorch DDP + ZeroRedundancyOptimizer", 12 * PSI + 8 * PSI / N, "12Ψ + 8Ψ/N"),
+    "torch_zero_views": ("PyTorch DDP (views) + ZeroRedundancyOptimizer", 8 * PSI + 8 * PSI / N, "8Ψ + 8Ψ/N"),
+    "ours_ddp": ("tch-dist DDP + AdamW", 16 * PSI, "16Ψ"),
+    "ours_zero1": ("tch-dist ZeRO-1", 8 * PSI + 8 * PSI / N, "8Ψ + 8Ψ/N"),
+    "ours_zero2_25": ("tch-dist ZeRO-2, 25 MB buckets", 4 * PSI + 12 * PSI / N, "4Ψ + 12Ψ/N"),
+    "ours_zero2": ("tch-dist ZeRO-2, 4 MB buckets", 4 * PSI + 12 * PSI / N, "4Ψ + 12Ψ/N"),
+    "ours_zero2_bf16": ("tch-dist ZeRO-2, bf16 params + fp32 master, 4 MB buckets", 2 * PSI + 14 * PSI / N, "2Ψ + 14Ψ/N (paper)"),
+}
+
+
+def load(name):
+    rows = [line.split() for line in open(os.path.join(out, name)) if line.strip()]
+    step = statistics.median(float(r[0]) for r in rows)
+    peaks = [max(int(r[1]), int(r[2])) for r in rows]
+    return step, max(peaks), min(peaks)
+
+
+R = {n: load(n) for n in RUNS}
+base_t, base_m, _ = R["torch_default"]
+zero_t = R["torch_zero"][0]
+print(f"24 x Linear(1024, 1024): Ψ = {PSI:,} parameters ({4 * PSI / MB:.1f} MB in float32), AdamW, "
+      f"2 ranks (Gloo), batch 16/rank; {len(open(os.path.join(out, 'ours_ddp')).readlines())} rounds\n")
+print("| run | step (s) | step / PyTorch ZeRO | peak per rank (MB) | peak / PyTorch default | formula | formula (MB) | peak / formula |")
+print("|---|---:|---:|---:|---:|---|---:|---:|")
+for n, (label, f, ftext) in RUNS.items():
+    t, m, lo = R[n]
+    spread = f" ({lo / MB:.1f}–{m / MB:.1f})" if m - lo > 0.5 * MB else ""
+    print(f"| {label} | {t:.3f} | {t / zero_t:.2f} | {m / MB:.1f}{spread} | {m / base_m:.2f} | {ftext} | {f / MB:.1f} | {m / f:.3f} |")
+torch_best = min(R[n][1] for n in RUNS if n.startswith("torch"))
+print()
+print(f"ours ZeRO-2 (fp32) vs PyTorch's best configuration: {R['ours_zero2'][1] / torch_best:.3f} (goal <= 1)")
+for n in ("ours_zero1", "ours_zero2", "ours_zero2_bf16"):
+    print(f"{RUNS[n][0]}: peak / formula {R[n][1] / RUNS[n][1]:.3f} (goal <= 1.10); "
+          f"step / PyTorch ZeRO {R[n][0] / zero_t:.2f}, / PyTorch ZeRO with views {R[n][0] / R['torch_zero_views'][0]:.2f} (goal <= 1)")
+
+import matplotlib  # noqa: E402
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+fig, ax = plt.subplots(figsize=(11, 5.5))
+names = list(RUNS)
+ys = range(len(names))
+ax.barh(list(ys), [R[n][1] / MB for n in names], color=["#d9822b" if n.startswith("torch") else "#2b6cd9" for n in names])
+for y, n in zip(ys, names):
+    f = RUNS[n][1] / MB
+    ax.plot([f, f], [y - 0.4, y + 0.4], color="black", linewidth=2)
+    ax.text(R[n][1] / MB + 4, y, f"{R[n][1] / MB:.0f} MB  ({R[n][1] / RUNS[n][1]:.2f}× formula)", va="center", fontsize=9)
+ax.set_yticks(list(ys))
+ax.set_yticklabels([RUNS[n][0] for n in names], fontsize=9)
+ax.invert_yaxis()
+ax.set_xlabel("peak bytes per rank (MB); black tick: the ZeRO formula for what the run holds")
+ax.set_xlim(0, max(R[n][1] for n in names) / MB * 1.35)
+ax.set_title(f"Peak memory per rank, 25.2M-parameter MLP, AdamW, 2 ranks (orange: PyTorch, blue: tch-dist)", fontsize=10)
+fig.tight_layout()
+fig.savefig(png, dpi=100)
+print(f"\nchart: {png}")
