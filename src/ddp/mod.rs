@@ -27,6 +27,7 @@ pub mod bucket;
 pub mod comm_hook;
 mod memory;
 mod reducer;
+mod ring;
 mod shard;
 pub mod sync;
 

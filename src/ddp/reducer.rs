@@ -260,7 +260,7 @@ impl Reducer {
         }
         let _g = tch::no_grad_guard();
         if let Some(sh) = st.shards.as_mut() {
-            return sh.finish();
+            return sh.finish(&self.pg);
         }
         for f in std::mem::take(&mut st.in_flight) {
             let b = f.bucket;

@@ -1,4 +1,4 @@
-//! ZeRO-2's reduction: a bucket is reduce-scattered as soon as its last gradient arrives, so each rank keeps
+//! ZeRO-2's reduction: a bucket is reduce-scattered (see `ring`) as soon as its last gradient arrives, so each rank keeps
 //! only its shard (1/N) of the reduced gradient. Full-size gradients live only in flight: a bucket's buffer
 //! exists from its first gradient until its reduction finishes, and at most [`MAX_IN_FLIGHT`] reductions
 //! run at once, so the transient memory is a few buckets, not the model.
@@ -6,13 +6,13 @@ use std::collections::VecDeque;
 
 use tch::Tensor;
 
+use super::ring::RingReduce;
 use crate::error::Result;
-use crate::group::{ProcessGroup, ReduceOp};
-use crate::work::Work;
+use crate::group::ProcessGroup;
 
-/// Reductions running while backward goes on. One lets bucket b's reduction overlap bucket b+1's
-/// gradients while bounding the buffers alive to two.
-pub const MAX_IN_FLIGHT: usize = 1;
+/// Reductions running while backward goes on: buckets b-1 and b reduce while bucket b+1 fills, so the
+/// backward rarely waits, and at most three bucket buffers are alive.
+pub const MAX_IN_FLIGHT: usize = 2;
 
 pub(crate) struct GradShards {
     world: i64,
@@ -24,7 +24,7 @@ pub(crate) struct GradShards {
     pub shards: Vec<Tensor>,
     /// Per bucket being filled: its buffer.
     filling: Vec<Option<Tensor>>,
-    in_flight: VecDeque<(Work, Tensor)>,
+    in_flight: VecDeque<RingReduce>,
 }
 
 impl GradShards {
@@ -73,31 +73,27 @@ impl GradShards {
     /// Starts reduce-scattering bucket `b` (already averaged) into its shard.
     pub fn launch(&mut self, pg: &ProcessGroup, b: usize) -> Result<()> {
         while self.in_flight.len() >= MAX_IN_FLIGHT {
-            self.complete_oldest()?;
+            self.complete_oldest(pg)?;
         }
         let buf = match self.filling[b].take() {
             Some(f) => f,
             None => return Err(crate::Error::invalid("ZeRO-2 reduction", format!("bucket {b} launched before any of its gradients"))),
         };
-        let len = self.lens[b];
-        let inputs: Vec<Tensor> = (0..self.world).map(|r| buf.f_narrow(0, r * len, len)).collect::<std::result::Result<_, _>>()?;
-        let mut out = self.shards[b].shallow_clone();
-        let work = pg.reduce_scatter_unverified(&mut out, &inputs, ReduceOp::Sum)?;
-        self.in_flight.push_back((work, buf));
+        self.in_flight.push_back(RingReduce::start(pg, buf, self.shards[b].shallow_clone(), b)?);
         Ok(())
     }
 
-    fn complete_oldest(&mut self) -> Result<()> {
-        if let Some((work, _buffer)) = self.in_flight.pop_front() {
-            work.wait()?;
+    fn complete_oldest(&mut self, pg: &ProcessGroup) -> Result<()> {
+        if let Some(ring) = self.in_flight.pop_front() {
+            ring.finish(pg)?;
         }
         Ok(())
     }
 
     /// Waits for every reduction of this backward.
-    pub fn finish(&mut self) -> Result<()> {
+    pub fn finish(&mut self, pg: &ProcessGroup) -> Result<()> {
         while !self.in_flight.is_empty() {
-            self.complete_oldest()?;
+            self.complete_oldest(pg)?;
         }
         Ok(())
     }
