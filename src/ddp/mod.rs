@@ -27,7 +27,7 @@ pub mod bucket;
 pub mod comm_hook;
 mod memory;
 mod reducer;
-mod ring;
+pub(crate) mod ring;
 mod shard;
 pub mod sync;
 

@@ -89,3 +89,46 @@ impl RingReduce {
         Ok(())
     }
 }
+
+/// Tags of the parameter gathers: bucket b uses `GATHER_TAG_BASE + b`.
+pub const GATHER_TAG_BASE: i32 = TAG_BASE + (1 << 24);
+
+/// All-gathers `flat` (`world` chunks of `len`, chunk r this rank's) in place, as a ring: at step s rank r
+/// sends chunk (r-s) mod N to rank r+1 and receives chunk (r-s-1) mod N from rank r-1 straight into its
+/// place, so nothing is copied or allocated. With two ranks the one step is left running in `pending`
+/// (oldest first, at most `max_in_flight` steps); with more, each step but the last is waited for,
+/// since the next one forwards what it received.
+pub(crate) fn all_gather_in_place(
+    pg: &ProcessGroup,
+    flat: &Tensor,
+    len: i64,
+    bucket: usize,
+    pending: &mut std::collections::VecDeque<Vec<Work>>,
+    max_in_flight: usize,
+) -> Result<()> {
+    let (world, rank) = (pg.size() as i64, pg.rank() as i64);
+    let right = ((rank + 1) % world) as usize;
+    let left = ((rank + world - 1) % world) as usize;
+    let tag = GATHER_TAG_BASE + bucket as i32;
+    for step in 0..world - 1 {
+        while pending.len() >= max_in_flight.max(1) {
+            if let Some(works) = pending.pop_front() {
+                for w in works {
+                    w.wait()?;
+                }
+            }
+        }
+        let send = (rank - step).rem_euclid(world);
+        let recv = (rank - step - 1).rem_euclid(world);
+        let mut into = flat.f_narrow(0, recv * len, len)?;
+        let works = vec![pg.recv_raw(&mut into, left, tag)?, pg.send_raw(&flat.f_narrow(0, send * len, len)?, right, tag)?];
+        if step + 1 < world - 1 {
+            for w in works {
+                w.wait()?;
+            }
+        } else {
+            pending.push_back(works);
+        }
+    }
+    Ok(())
+}

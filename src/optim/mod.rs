@@ -17,7 +17,7 @@ mod zero;
 
 pub use adamw::AdamW;
 pub use sgd::Sgd;
-pub use zero::{ShardedOptimizer, ZeroStage, GATHER_CHUNK};
+pub use zero::{ShardedOptimizer, ZeroStage};
 
 use tch::Tensor;
 

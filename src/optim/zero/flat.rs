@@ -1,15 +1,13 @@
 //! One bucket's parameters moved into one flat buffer, padded to a multiple of the world size, so that
 //! rank r's shard is the contiguous slice `[r*len, (r+1)*len)` and the updated shards gather back in place.
+use std::collections::VecDeque;
+
 use tch::Tensor;
 
 use crate::error::Result;
-use std::collections::VecDeque;
-
 use crate::group::ProcessGroup;
 use crate::work::Work;
 
-/// Most elements gathered per collective: bounds the transient buffer Gloo allocates (world × this).
-pub const GATHER_CHUNK: i64 = 1 << 19;
 /// Gathers in flight while the next bucket steps.
 pub const GATHERS_IN_FLIGHT: usize = 2;
 
@@ -50,26 +48,11 @@ impl FlatBucket {
         Ok(self.flat.f_narrow(0, self.rank * self.len, self.own)?)
     }
 
-    /// Every rank's shard into every rank's buffer, in pieces of at most [`GATHER_CHUNK`] elements,
-    /// started asynchronously; `pending` bounds the pieces in flight to `max_in_flight` (oldest waited
-    /// first), so the gather overlaps whatever the caller does next.
-    pub fn all_gather(&self, pg: &ProcessGroup, pending: &mut VecDeque<Work>, max_in_flight: usize) -> Result<()> {
-        // equal pieces, so a shard just over the limit does not leave a tiny last collective
-        let pieces = (self.len + GATHER_CHUNK - 1) / GATHER_CHUNK;
-        let piece = (self.len + pieces.max(1) - 1) / pieces.max(1);
-        let mut start = 0i64;
-        while start < self.len {
-            let n = piece.min(self.len - start);
-            while pending.len() >= max_in_flight.max(1) {
-                if let Some(w) = pending.pop_front() {
-                    w.wait()?;
-                }
-            }
-            let mut outs: Vec<Tensor> =
-                (0..self.world).map(|r| self.flat.f_narrow(0, r * self.len + start, n)).collect::<std::result::Result<_, _>>()?;
-            let input = self.flat.f_narrow(0, self.rank * self.len + start, n)?;
-            pending.push_back(pg.all_gather_unverified(&mut outs, &input)?);
-            start += n;
+    /// Every rank's shard into every rank's buffer, in place (a ring of sends, see `ddp::ring`); the last
+    /// step is left running in `pending` so the gather overlaps whatever the caller does next.
+    pub fn all_gather(&self, pg: &ProcessGroup, bucket: usize, pending: &mut VecDeque<Vec<Work>>, max_in_flight: usize) -> Result<()> {
+        if self.world > 1 {
+            crate::ddp::ring::all_gather_in_place(pg, &self.flat, self.len, bucket, pending, max_in_flight)?;
         }
         Ok(())
     }

@@ -37,7 +37,6 @@ use crate::group::ProcessGroup;
 use crate::hooks;
 use flat::FlatBucket;
 
-pub use flat::GATHER_CHUNK;
 
 /// Which ZeRO stage [`ShardedOptimizer`] runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -151,7 +150,7 @@ impl Optimizer for ShardedOptimizer {
         let _g = tch::no_grad_guard();
         // bucket b's gather runs while bucket b+1 steps
         let mut pending = VecDeque::new();
-        for s in self.shards.iter_mut() {
+        for (b, s) in self.shards.iter_mut().enumerate() {
             if let Some(opt) = s.opt.as_mut() {
                 if !self.prepared {
                     // one bucket at a time (a float32 gradient copy lives for this bucket's step only)
@@ -164,9 +163,9 @@ impl Optimizer for ShardedOptimizer {
                     hooks::set_grad(&s.stepped, None)?; // the float32 copy of the gradient is scratch
                 }
             }
-            s.params.all_gather(&self.pg, &mut pending, flat::GATHERS_IN_FLIGHT)?;
+            s.params.all_gather(&self.pg, b, &mut pending, flat::GATHERS_IN_FLIGHT)?;
         }
-        for w in pending {
+        for w in pending.into_iter().flatten() {
             w.wait()?;
         }
         self.prepared = false;
