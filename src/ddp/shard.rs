@@ -10,9 +10,10 @@ use super::ring::RingReduce;
 use crate::error::Result;
 use crate::group::ProcessGroup;
 
-/// Reductions running while backward goes on: buckets b-1 and b reduce while bucket b+1 fills, so the
-/// backward rarely waits, and at most three bucket buffers are alive.
-pub const MAX_IN_FLIGHT: usize = 2;
+/// Reductions running while backward goes on. One: bucket b reduces while bucket b+1 fills, so at most
+/// two bucket buffers are alive (measured on 2 processes sharing 2 cores, a second one bought no speed
+/// and cost a bucket of memory).
+pub const MAX_IN_FLIGHT: usize = 1;
 
 pub(crate) struct GradShards {
     world: i64,
