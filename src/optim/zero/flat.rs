@@ -8,8 +8,9 @@ use crate::error::Result;
 use crate::group::ProcessGroup;
 use crate::work::Work;
 
-/// Gathers in flight while the next bucket steps.
-pub const GATHERS_IN_FLIGHT: usize = 2;
+/// Gather steps left running while later buckets step. They allocate nothing (the ring receives in
+/// place), so this only caps outstanding requests.
+pub const GATHERS_IN_FLIGHT: usize = 64;
 
 pub(crate) struct FlatBucket {
     /// `world * len` elements; the parameters are views into it.
