@@ -218,3 +218,43 @@ fn parameters_become_views_of_the_flat_buffer_and_training_reads_them() {
         assert_eq!(after, 0.0);
     }
 }
+
+#[test]
+fn zero2_reduces_unused_parameters_as_zeros() {
+    // A layer outside the loss: with find_unused_parameters its slots are reduced as zeros. Flat shards
+    // cannot skip elements, so a ZeRO step sees a zero gradient where unsharded DDP leaves `.grad` unset;
+    // plain SGD makes the two the same (momentum or weight decay would move such a parameter under ZeRO,
+    // as under FSDP).
+    let run = |zero: Option<ZeroStage>| {
+        common::run_threads(2, Duration::from_secs(60), move |pg| {
+            let pg = Arc::new(pg);
+            let rank = pg.rank();
+            let vs = nn::VarStore::new(Device::Cpu);
+            let net = model(&vs);
+            let _unused = nn::linear(vs.root() / "unused", 2, 2, Default::default());
+            common::model::init(&vs, rank as f64);
+            let opts = DdpOptions::default().process_group(pg.clone()).find_unused_parameters(true).bucket_cap_mb(1e-4);
+            let ddp = DistributedDataParallel::new(&vs, net, opts).unwrap();
+            let make = |p: Vec<Tensor>| -> Box<dyn Optimizer + Send> { Box::new(Sgd::new(p, 0.1)) };
+            let mut opt: Box<dyn Optimizer> = match zero {
+                Some(stage) => Box::new(ShardedOptimizer::new(&ddp, stage, make).unwrap()),
+                None => make(vs.trainable_variables()),
+            };
+            for step in 0..3 {
+                let x = batch(step, rank, 0);
+                ddp.backward(&ddp.forward(&x).unwrap().pow_tensor_scalar(2).mean(Kind::Float)).unwrap();
+                opt.step().unwrap();
+                opt.zero_grad().unwrap();
+            }
+            common::model::params(&vs)
+        })
+    };
+    let plain = run(None);
+    for stage in [ZeroStage::One, ZeroStage::Two] {
+        let z = run(Some(stage));
+        for (p, q) in plain.iter().zip(&z) {
+            let d = common::model::max_diff(p, q);
+            assert!(d < TOL, "{stage:?} with an unused layer: {d:e}");
+        }
+    }
+}

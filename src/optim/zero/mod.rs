@@ -7,6 +7,10 @@
 //! - **Master weights**: with bfloat16 or float16 parameters, each rank keeps a float32 copy of its
 //!   shards; the inner optimizer steps that copy, which is cast back into the parameters.
 //!
+//! A parameter that got no gradient (DDP's `find_unused_parameters`) is stepped with a zero gradient:
+//! a flat shard cannot skip elements (FSDP behaves the same). Plain SGD then leaves it as it is;
+//! momentum or weight decay move it, where unsharded DDP would leave its `.grad` unset and skip it.
+//!
 //! Per-rank bytes for Ψ parameters and N ranks, Adam: 16Ψ unsharded (float32), 8Ψ + 8Ψ/N stage 1,
 //! 4Ψ + 12Ψ/N stage 2; with 16-bit parameters and float32 master weights, the paper's 4Ψ + 12Ψ/N and
 //! 2Ψ + 14Ψ/N. `scripts/bench-memory.sh` measures them.
