@@ -34,6 +34,8 @@ struct Setup {
     views: bool,
     /// backwards per step (all but the last under no_sync)
     accumulate: usize,
+    /// forward under bf16 autocast (float32 parameters)
+    autocast: bool,
 }
 
 struct Out {
@@ -72,7 +74,12 @@ fn train(s: Setup) -> Vec<Out> {
             for micro in 0..s.accumulate {
                 let x = batch(step, rank, micro);
                 let run = |d: &DistributedDataParallel<nn::Sequential>| {
-                    let loss = d.forward_with(|m| m.forward(&x)).unwrap().pow_tensor_scalar(2).mean(Kind::Float);
+                    let out = if s.autocast {
+                        d.forward_with(|m| tch_dist::amp::autocast(Device::Cpu, Kind::BFloat16, || m.forward(&x)).unwrap()).unwrap()
+                    } else {
+                        d.forward_with(|m| m.forward(&x)).unwrap()
+                    };
+                    let loss = out.to_kind(Kind::Float).pow_tensor_scalar(2).mean(Kind::Float);
                     d.backward(&loss).unwrap();
                 };
                 if micro + 1 < s.accumulate { ddp.no_sync(run) } else { run(&ddp) }
@@ -127,11 +134,11 @@ fn zero1_matches_plain_ddp_with_the_same_optimizer() {
     for world in [2, 3] {
         for adam in [true, false] {
             for tiny_buckets in [false, true] {
-                compare(Setup { world, zero: Some(ZeroStage::One), adam, tiny_buckets, views: true, accumulate: 1 });
+                compare(Setup { world, zero: Some(ZeroStage::One), adam, tiny_buckets, views: true, accumulate: 1, autocast: false });
             }
         }
     }
-    compare(Setup { world: 2, zero: Some(ZeroStage::One), adam: true, tiny_buckets: true, views: false, accumulate: 1 });
+    compare(Setup { world: 2, zero: Some(ZeroStage::One), adam: true, tiny_buckets: true, views: false, accumulate: 1, autocast: false });
 }
 
 #[test]
@@ -139,16 +146,23 @@ fn zero2_matches_plain_ddp_with_the_same_optimizer() {
     for world in [2, 3] {
         for adam in [true, false] {
             for tiny_buckets in [false, true] {
-                compare(Setup { world, zero: Some(ZeroStage::Two), adam, tiny_buckets, views: true, accumulate: 1 });
+                compare(Setup { world, zero: Some(ZeroStage::Two), adam, tiny_buckets, views: true, accumulate: 1, autocast: false });
             }
         }
     }
 }
 
 #[test]
+fn zero_under_bf16_autocast_matches_plain_ddp_under_autocast() {
+    for stage in [ZeroStage::One, ZeroStage::Two] {
+        compare(Setup { world: 2, zero: Some(stage), adam: true, tiny_buckets: true, views: true, accumulate: 1, autocast: true });
+    }
+}
+
+#[test]
 fn zero2_accumulates_under_no_sync() {
     for world in [2, 3] {
-        compare(Setup { world, zero: Some(ZeroStage::Two), adam: true, tiny_buckets: true, views: true, accumulate: 3 });
+        compare(Setup { world, zero: Some(ZeroStage::Two), adam: true, tiny_buckets: true, views: true, accumulate: 3, autocast: false });
     }
 }
 
