@@ -189,6 +189,13 @@ fn zero2_with_bf16_parameters_keeps_float32_master_weights() {
             }
             let m = ddp.memory_breakdown_with(&opt).unwrap();
             assert_eq!(m.master_params, 4 * m.owned_elements, "float32 master for the owned elements");
+            // consolidated: one float32 master per parameter, which the bf16 parameter is the rounding of
+            let c = opt.consolidated_state_dict().unwrap();
+            for (i, p) in ddp.parameters().iter().enumerate() {
+                let master = &c.iter().find(|(n, _)| *n == format!("zero.master.{i}")).unwrap().1;
+                assert_eq!((master.kind(), master.size()), (Kind::Float, p.size()));
+                assert_eq!(common::model::max_diff(&[master.to_kind(Kind::BFloat16)], &[p.detach()]), 0.0);
+            }
             assert_eq!(m.parameters, 2 * 23, "bf16 parameters");
             (common::model::params(&vs), m.owned_elements)
         })
@@ -328,4 +335,92 @@ fn zero2_resumes_from_per_rank_checkpoints_exactly() {
     for (a, b) in straight.iter().zip(&resumed) {
         assert_eq!(common::model::max_diff(a, b), 0.0, "resumed run ends where the uninterrupted one does");
     }
+}
+
+type Named = Vec<(String, Tensor)>;
+
+/// Trains `steps` on `world` ranks from `start` (parameters and optimizer state, consolidated form, or
+/// none); returns rank 0's parameters and consolidated optimizer state.
+fn resume(world: usize, zero: Option<ZeroStage>, steps: std::ops::Range<usize>, start: Option<(Vec<Tensor>, Named)>) -> (Vec<Tensor>, Named) {
+    let start = start.map(|(p, s)| (p, s.into_iter().map(|(n, t)| (n, t.copy())).collect::<Named>()));
+    let start = Arc::new(std::sync::Mutex::new(start));
+    let out = common::run_threads(world, Duration::from_secs(60), move |pg| {
+        let pg = Arc::new(pg);
+        let rank = pg.rank();
+        let vs = nn::VarStore::new(Device::Cpu);
+        let net = model(&vs);
+        common::model::init(&vs, rank as f64);
+        let start: Option<(Vec<Tensor>, Named)> =
+            start.lock().unwrap().as_ref().map(|(p, s)| (p.iter().map(|t| t.copy()).collect(), s.iter().map(|(n, t)| (n.clone(), t.copy())).collect()));
+        if let Some((params, _)) = &start {
+            tch::no_grad(|| {
+                for ((_, mut v), p) in common::model::pytorch_order(&vs).into_iter().zip(params) {
+                    v.copy_(p);
+                }
+            });
+        }
+        let ddp = DistributedDataParallel::new(&vs, net, DdpOptions::default().process_group(pg.clone()).bucket_cap_mb(4e-5)).unwrap();
+        let make = |p: Vec<Tensor>| -> Box<dyn Optimizer + Send> { Box::new(AdamW::new(p, 0.05)) };
+        let mut zopt = zero.map(|stage| ShardedOptimizer::new(&ddp, stage, make).unwrap());
+        let mut plain = make(vs.trainable_variables());
+        if let Some((_, state)) = &start {
+            match zopt.as_mut() {
+                Some(z) => z.load_consolidated_state_dict(state).unwrap(),
+                None => plain.load_state_dict(state).unwrap(),
+            }
+        }
+        for step in steps.clone() {
+            let x = batch(step, rank % 2, 0); // the same data on 2 and on 3 ranks' first two
+            ddp.backward(&ddp.forward(&x).unwrap().pow_tensor_scalar(2).mean(Kind::Float)).unwrap();
+            match zopt.as_mut() {
+                Some(z) => {
+                    z.step().unwrap();
+                    z.zero_grad().unwrap();
+                }
+                None => {
+                    plain.step().unwrap();
+                    plain.zero_grad().unwrap();
+                }
+            }
+        }
+        let state = match &zopt {
+            Some(z) => z.consolidated_state_dict().unwrap(),
+            None => plain.state_dict(),
+        };
+        (common::model::params(&vs), state.into_iter().map(|(n, t)| (n, t.copy())).collect::<Named>())
+    });
+    out.into_iter().next().unwrap()
+}
+
+fn same_state(a: &Named, b: &Named, what: &str) {
+    let mut ka: Vec<&String> = a.iter().map(|(n, _)| n).collect();
+    let mut kb: Vec<&String> = b.iter().map(|(n, _)| n).collect();
+    ka.sort();
+    kb.sort();
+    assert_eq!(ka, kb, "{what}: the same entries");
+    for (n, t) in a {
+        let u = &b.iter().find(|(m, _)| m == n).unwrap().1;
+        assert_eq!(t.size(), u.size(), "{what}: {n}");
+        let d = (t.to_kind(Kind::Double) - u.to_kind(Kind::Double)).abs().max().double_value(&[]);
+        assert!(d < TOL, "{what}: {n} differs by {d:e}");
+    }
+}
+
+#[test]
+fn consolidated_state_is_the_unsharded_optimizers_and_reshards() {
+    // ZeRO-2 on 2 ranks, consolidated, equals plain AdamW's state after the same steps
+    let (plain_p, plain_s) = resume(2, None, 0..3, None);
+    let (z_p, z_s) = resume(2, Some(ZeroStage::Two), 0..3, None);
+    assert!(common::model::max_diff(&plain_p, &z_p) < TOL);
+    same_state(&plain_s, &z_s, "ZeRO-2 consolidated vs AdamW");
+    // resumed on 3 ranks: as ZeRO-1 from the consolidated state, and as plain AdamW from it, alike
+    let copy = |p: &[Tensor], s: &Named| -> (Vec<Tensor>, Named) {
+        (p.iter().map(|t| t.copy()).collect(), s.iter().map(|(n, t)| (n.clone(), t.copy())).collect())
+    };
+    let (a_p, a_s) = resume(3, Some(ZeroStage::One), 3..5, Some(copy(&z_p, &z_s)));
+    let (b_p, b_s) = resume(3, None, 3..5, Some((z_p, z_s)));
+    let d = common::model::max_diff(&a_p, &b_p);
+    assert!(d < TOL, "resharded 2 -> 3 ranks: {d:e}");
+    same_state(&a_s, &b_s, "after resharding");
+    assert!(a_s.iter().any(|(n, t)| n.ends_with(".step") && t.int64_value(&[0]) == 5), "steps continue from the saved count");
 }

@@ -7,6 +7,10 @@
 //! - **Master weights**: with bfloat16 or float16 parameters, each rank keeps a float32 copy of its
 //!   shards; the inner optimizer steps that copy, which is cast back into the parameters.
 //!
+//! Checkpoints: [`Optimizer::state_dict`] is this rank's shards (one file per rank);
+//! [`ShardedOptimizer::consolidated_state_dict`] is the whole state in the unsharded optimizer's form,
+//! loadable on any world size.
+//!
 //! A parameter that got no gradient (DDP's `find_unused_parameters`) is stepped with a zero gradient:
 //! a flat shard cannot skip elements (FSDP behaves the same). Plain SGD then leaves it as it is;
 //! momentum or weight decay move it, where unsharded DDP would leave its `.grad` unset and skip it.
@@ -27,6 +31,7 @@
 //! // loop: ddp.backward(&loss)?; opt.step()?; opt.zero_grad()?;
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
+mod consolidate;
 mod flat;
 
 use std::collections::VecDeque;
@@ -59,8 +64,11 @@ struct Shard {
     stepped: Tensor,
     master: bool,
     /// One optimizer per shard, so that a step's temporaries (float32 gradient copies included) are one
-    /// bucket's at a time; `None` where this rank's shard is all padding.
-    opt: Option<Box<dyn Optimizer + Send>>,
+    /// bucket's at a time. Where this rank's shard is all padding it steps an empty tensor, so every rank
+    /// holds the same state entries (consolidation gathers them).
+    opt: Box<dyn Optimizer + Send>,
+    /// The bucket's parameters: (index in DDP's order, offset in the flat buffer, shape).
+    members: Vec<(usize, i64, Vec<i64>)>,
 }
 
 /// An optimizer sharded across the ranks of a DDP model (ZeRO stage 1 or 2, see the module docs).
@@ -106,8 +114,17 @@ impl ShardedOptimizer {
             let view = flat.shard()?;
             let master = matches!(view.kind(), Kind::Half | Kind::BFloat16);
             let stepped = if master { view.f_to_kind(Kind::Float)? } else { view.f_detach()? }.set_requires_grad(true);
-            let opt = if flat.own > 0 { Some(make(vec![stepped.shallow_clone()])) } else { None };
-            shards.push(Shard { params: flat, grad, stepped, master, opt });
+            let opt = make(vec![stepped.shallow_clone()]);
+            let mut off = 0;
+            let members = idx
+                .iter()
+                .map(|&i| {
+                    let m = (i, off, params[i].size());
+                    off += params[i].numel() as i64;
+                    m
+                })
+                .collect();
+            shards.push(Shard { params: flat, grad, stepped, master, opt, members });
         }
         Ok(ShardedOptimizer { pg, stage, shards, params, full_grads: grads, prepared: false })
     }
@@ -123,7 +140,7 @@ impl ShardedOptimizer {
 
     /// The inner optimizers, one per non-empty shard.
     pub fn inner_mut(&mut self) -> impl Iterator<Item = &mut (dyn Optimizer + Send + 'static)> {
-        self.shards.iter_mut().filter_map(|s| s.opt.as_deref_mut())
+        self.shards.iter_mut().map(|s| s.opt.as_mut() as &mut (dyn Optimizer + Send + 'static))
     }
 
     /// Points the inner optimizers at all gradients at once (for [`Optimizer::gradients`]).
@@ -141,10 +158,8 @@ impl ShardedOptimizer {
 impl Shard {
     /// Gives the stepped tensor its gradient: the shard's own, or a float32 copy for master weights.
     fn prepare(&self) -> Result<()> {
-        if self.opt.is_some() {
-            let g = if self.master { self.grad.f_to_kind(Kind::Float)? } else { self.grad.shallow_clone() };
-            hooks::set_grad(&self.stepped, Some(&g))?;
-        }
+        let g = if self.master { self.grad.f_to_kind(Kind::Float)? } else { self.grad.shallow_clone() };
+        hooks::set_grad(&self.stepped, Some(&g))?;
         Ok(())
     }
 }
@@ -155,17 +170,14 @@ impl Optimizer for ShardedOptimizer {
         // bucket b's gather runs while bucket b+1 steps
         let mut pending = VecDeque::new();
         for (b, s) in self.shards.iter_mut().enumerate() {
-            if let Some(opt) = s.opt.as_mut() {
-                if !self.prepared {
-                    // one bucket at a time (a float32 gradient copy lives for this bucket's step only)
-                    let g = if s.master { s.grad.f_to_kind(Kind::Float)? } else { s.grad.shallow_clone() };
-                    hooks::set_grad(&s.stepped, Some(&g))?;
-                }
-                opt.step()?;
-                if s.master {
-                    s.params.shard()?.f_copy_(&s.stepped)?;
-                    hooks::set_grad(&s.stepped, None)?; // the float32 copy of the gradient is scratch
-                }
+            if !self.prepared {
+                // one bucket at a time (a float32 gradient copy lives for this bucket's step only)
+                s.prepare()?;
+            }
+            s.opt.step()?;
+            if s.master {
+                s.params.shard()?.f_copy_(&s.stepped)?;
+                hooks::set_grad(&s.stepped, None)?; // the float32 copy of the gradient is scratch
             }
             s.params.all_gather(&self.pg, b, &mut pending, flat::GATHERS_IN_FLIGHT)?;
         }
@@ -195,18 +207,16 @@ impl Optimizer for ShardedOptimizer {
 
     fn gradients(&mut self) -> Result<Vec<Tensor>> {
         self.prepare()?;
-        Ok(self.shards.iter().filter(|s| s.opt.is_some()).map(|s| s.stepped.grad()).collect())
+        Ok(self.shards.iter().filter(|s| s.params.own > 0).map(|s| s.stepped.grad()).collect())
     }
 
     /// Each shard's inner state under `zero.{bucket}.`, and master weights as `zero.{bucket}.master`.
     fn state_dict(&self) -> Vec<(String, Tensor)> {
         let mut out = Vec::new();
         for (b, sh) in self.shards.iter().enumerate() {
-            if let Some(opt) = &sh.opt {
-                out.extend(opt.state_dict().into_iter().map(|(k, t)| (format!("zero.{b}.{k}"), t)));
-                if sh.master {
-                    out.push((format!("zero.{b}.master"), sh.stepped.detach()));
-                }
+            out.extend(sh.opt.state_dict().into_iter().map(|(k, t)| (format!("zero.{b}.{k}"), t)));
+            if sh.master {
+                out.push((format!("zero.{b}.master"), sh.stepped.detach()));
             }
         }
         out
@@ -215,25 +225,23 @@ impl Optimizer for ShardedOptimizer {
     fn load_state_dict(&mut self, state: &[(String, Tensor)]) -> Result<()> {
         for (b, sh) in self.shards.iter_mut().enumerate() {
             let prefix = format!("zero.{b}.");
-            if sh.master && sh.opt.is_some() {
+            if sh.master {
                 let saved = super::find(state, &format!("{prefix}master"), &sh.stepped)?;
                 sh.stepped.detach().f_copy_(saved)?;
             }
-            if let Some(opt) = sh.opt.as_mut() {
-                let mine: Vec<(String, Tensor)> = state
-                    .iter()
-                    .filter_map(|(k, t)| k.strip_prefix(&prefix).map(|rest| (rest.to_string(), t.shallow_clone())))
-                    .collect();
-                opt.load_state_dict(&mine)?;
-            }
+            let mine: Vec<(String, Tensor)> = state
+                .iter()
+                .filter_map(|(k, t)| k.strip_prefix(&prefix).map(|rest| (rest.to_string(), t.shallow_clone())))
+                .collect();
+            sh.opt.load_state_dict(&mine)?;
         }
         Ok(())
     }
 
     fn memory(&self) -> OptimizerMemory {
         let mut m = OptimizerMemory::default();
-        for opt in self.shards.iter().filter_map(|s| s.opt.as_ref()) {
-            m.state += opt.memory().state;
+        for s in &self.shards {
+            m.state += s.opt.memory().state;
         }
         m.master = self.shards.iter().filter(|s| s.master).map(|s| super::bytes(&s.stepped)).sum();
         if self.stage == ZeroStage::Two {
