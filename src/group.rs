@@ -376,20 +376,8 @@ impl ProcessGroup {
             return Err(Error::invalid(desc, format!("{} input tensors for {} ranks", inputs.len(), self.size)));
         }
         check_like(&desc, inputs, output)?;
-        self.reduction(&desc, op, output)?;
-        self.agree("reduce_scatter", 4, output, op.code() as i64)?;
-        self.reduce_scatter_unverified(output, inputs, op)
-    }
-
-    /// [`reduce_scatter_async`](Self::reduce_scatter_async) without the agreement check, for callers that
-    /// established agreement once (ZeRO-2 buckets).
-    pub(crate) fn reduce_scatter_unverified(&self, output: &mut Tensor, inputs: &[Tensor], op: ReduceOp) -> Result<Work> {
-        let desc = format!("reduce_scatter({op:?}) into {}", describe(output));
-        if inputs.len() != self.size {
-            return Err(Error::invalid(desc, format!("{} input tensors for {} ranks", inputs.len(), self.size)));
-        }
-        check_like(&desc, inputs, output)?;
         let (code, finish) = self.reduction(&desc, op, output)?;
+        self.agree("reduce_scatter", 4, output, op.code() as i64)?;
         let mut ins: Vec<ffi::tdx_tensor> = inputs.iter().map(|t| t.as_ptr() as ffi::tdx_tensor).collect();
         let op_ = output.as_mut_ptr() as ffi::tdx_tensor;
         let n = ins.len();

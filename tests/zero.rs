@@ -15,6 +15,15 @@ use tch_dist::optim::{AdamW, Optimizer, ShardedOptimizer, Sgd, ZeroStage};
 /// three numbers in rank order): observed bit-identical; 1e-6 leaves room for nothing more.
 const TOL: f64 = 1e-6;
 
+/// The model in bfloat16, initialised for `rank` (DDP broadcasts rank 0's).
+fn bf16_model(rank: usize) -> (nn::VarStore, nn::Sequential) {
+    let mut vs = nn::VarStore::new(Device::Cpu);
+    let net = model(&vs);
+    common::model::init(&vs, rank as f64);
+    vs.bfloat16();
+    (vs, net)
+}
+
 fn model(vs: &nn::VarStore) -> nn::Sequential {
     let r = vs.root();
     nn::seq()
@@ -174,10 +183,7 @@ fn zero2_with_bf16_parameters_keeps_float32_master_weights() {
         common::run_threads(2, Duration::from_secs(60), move |pg| {
             let pg = Arc::new(pg);
             let rank = pg.rank();
-            let mut vs = nn::VarStore::new(Device::Cpu);
-            let net = model(&vs);
-            common::model::init(&vs, rank as f64);
-            vs.bfloat16();
+            let (vs, net) = bf16_model(rank);
             let ddp = DistributedDataParallel::new(&vs, net, DdpOptions::default().process_group(pg.clone())).unwrap();
             let mut opt = ShardedOptimizer::new(&ddp, stage, |p| Box::new(AdamW::new(p, 0.01))).unwrap();
             for step in 0..4 {
@@ -291,10 +297,7 @@ fn zero2_resumes_from_per_rank_checkpoints_exactly() {
         common::run_threads(2, Duration::from_secs(60), move |pg| {
             let pg = Arc::new(pg);
             let rank = pg.rank();
-            let mut vs = nn::VarStore::new(Device::Cpu);
-            let net = model(&vs);
-            common::model::init(&vs, rank as f64);
-            vs.bfloat16();
+            let (vs, net) = bf16_model(rank);
             let file = dir.join(format!("rank{rank}.safetensors"));
             let saved = if resume { Some(tch_dist::checkpoint::read(&file).unwrap().1) } else { None };
             if let Some(state) = &saved {

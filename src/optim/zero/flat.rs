@@ -19,6 +19,8 @@ pub(crate) struct FlatBucket {
     pub len: i64,
     /// Real (unpadded) elements of this rank's shard, `0..=len`.
     pub own: i64,
+    /// Where each parameter starts in `flat`, in the order given.
+    pub offsets: Vec<i64>,
     rank: i64,
     world: i64,
 }
@@ -33,15 +35,17 @@ impl FlatBucket {
         let len = (numel + world - 1) / world;
         let flat = Tensor::f_zeros([world * len], (params[0].kind(), params[0].device()))?;
         let mut off = 0i64;
+        let mut offsets = Vec::with_capacity(params.len());
         for p in params {
             let n = p.numel() as i64;
+            offsets.push(off);
             let view = flat.f_narrow(0, off, n)?.f_view(p.size().as_slice())?;
             view.shallow_clone().f_copy_(p)?;
             p.shallow_clone().f_set_data(&view)?;
             off += n;
         }
         let own = (numel - rank * len).clamp(0, len);
-        Ok(FlatBucket { flat, len, own, rank, world })
+        Ok(FlatBucket { flat, len, own, offsets, rank, world })
     }
 
     /// This rank's shard of the parameters (a view: updating it updates the model).

@@ -115,15 +115,7 @@ impl ShardedOptimizer {
             let master = matches!(view.kind(), Kind::Half | Kind::BFloat16);
             let stepped = if master { view.f_to_kind(Kind::Float)? } else { view.f_detach()? }.set_requires_grad(true);
             let opt = make(vec![stepped.shallow_clone()]);
-            let mut off = 0;
-            let members = idx
-                .iter()
-                .map(|&i| {
-                    let m = (i, off, params[i].size());
-                    off += params[i].numel() as i64;
-                    m
-                })
-                .collect();
+            let members = idx.iter().zip(&flat.offsets).map(|(&i, &off)| (i, off, params[i].size())).collect();
             shards.push(Shard { params: flat, grad, stepped, master, opt, members });
         }
         Ok(ShardedOptimizer { pg, stage, shards, params, full_grads: grads, prepared: false })
