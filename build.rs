@@ -57,6 +57,7 @@ fn main() {
     }
     println!("cargo:rerun-if-changed=csrc/tch_dist.h");
     println!("cargo:rerun-if-changed=csrc/common.h");
+    println!("cargo:rerun-if-changed=csrc/node_ptr.h");
     println!("cargo:rerun-if-changed=csrc/gloo_decl");
 
     let mut b = base_build(&torch);

@@ -49,18 +49,20 @@ int tdx_pg_gloo(const tdx_store* s, int rank, int size, int64_t timeout_ms, cons
   })
 }
 
-int tdx_pg_nccl(const tdx_store* s, int rank, int size, int64_t timeout_ms, tdx_pg** out) {
+int tdx_pg_nccl(const tdx_store* s, int rank, int size, int64_t timeout_ms, int device, tdx_pg** out) {
 #ifdef TDX_CUDA
   TDX_TRY({
     auto opts = c10d::ProcessGroupNCCL::Options::create();
     opts->timeout = ms(timeout_ms);
     auto pg = c10::make_intrusive<c10d::ProcessGroupNCCL>(s->store, rank, size, opts);
+    // The barrier's device, and the one NCCL's communicator is created for (PyTorch's device_id).
+    if (device >= 0) pg->setBoundDeviceId(at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(device)));
     pg->setSequenceNumberForGroup();
     *out = new tdx_pg{pg};
     return TDX_OK;
   })
 #else
-  (void)s; (void)rank; (void)size; (void)timeout_ms; (void)out;
+  (void)s; (void)rank; (void)size; (void)timeout_ms; (void)device; (void)out;
   return tdx::set_error(TDX_EUNAVAILABLE, "NCCL is not built: enable the `cuda` feature of tch-dist");
 #endif
 }

@@ -1,5 +1,6 @@
 // AccumulateGrad post-hooks (what DDP's reducer uses) and direct access to a leaf's .grad slot.
 #include "common.h"
+#include "node_ptr.h"
 
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/engine.h>
@@ -9,7 +10,7 @@
 struct tdx_hook {
   // The variable only holds a weak reference to its accumulator: without this strong one the node can be
   // recreated and the hook is silently lost.
-  c10::intrusive_ptr<torch::autograd::Node> acc;
+  tdx::NodePtr acc;
   uintptr_t key;
 };
 

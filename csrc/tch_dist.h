@@ -47,7 +47,8 @@ void tdx_buf_free(uint8_t* p);
 // hostname may be NULL: then the device binds like Python's default (hostname, else loopback).
 int tdx_pg_gloo(const tdx_store* s, int rank, int size, int64_t timeout_ms, const char* hostname, int threads,
                 tdx_pg** out);
-int tdx_pg_nccl(const tdx_store* s, int rank, int size, int64_t timeout_ms, tdx_pg** out);
+// device: the CUDA device index the NCCL backend binds to (PyTorch's device_id), or -1 to leave it unbound.
+int tdx_pg_nccl(const tdx_store* s, int rank, int size, int64_t timeout_ms, int device, tdx_pg** out);
 void tdx_pg_free(tdx_pg* pg);
 int tdx_pg_set_timeout(tdx_pg* pg, int64_t timeout_ms);
 int tdx_pg_backend_name(const tdx_pg* pg, char* buf, size_t len);

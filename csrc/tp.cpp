@@ -1,6 +1,7 @@
 // Megatron-LM's conjugate operators for tensor parallelism, as autograd nodes: libtorch's backward runs
 // the collective. The node holds the group (an intrusive_ptr), so the graph can outlive the Rust handle.
 #include "common.h"
+#include "node_ptr.h"
 
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
@@ -24,11 +25,11 @@ struct TpBackward : public torch::autograd::Node {
 at::Tensor with_backward(const at::Tensor& x, at::Tensor out, const char* label,
                          std::function<at::Tensor(const at::Tensor&)> bwd) {
   if (!(at::GradMode::is_enabled() && x.requires_grad())) return out;
-  auto node = c10::make_intrusive<TpBackward>();
+  auto node = tdx::make_node<TpBackward>();
   node->fn = std::move(bwd);
   node->label = label;
   node->set_next_edges(torch::autograd::collect_next_edges(x));
-  torch::autograd::set_history(out, c10::intrusive_ptr<torch::autograd::Node>(node));
+  torch::autograd::set_history(out, tdx::NodePtr(node));
   return out;
 }
 

@@ -55,7 +55,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // set_device replaces the variables, so the layer is taken again from the store.
     let model = nn::Linear { ws: vs.root().get("weight").ok_or("no weight")?, bs: vs.root().get("bias") };
     report("model on device")?;
-    let pg = Arc::new(ProcessGroup::init(&InitOptions { backend: Some(Backend::Gloo), ..init })?);
+    let pg = Arc::new(ProcessGroup::init(&InitOptions { backend: Some(Backend::Gloo.into()), ..init })?);
     let ddp = DistributedDataParallel::new(
         &vs,
         model,

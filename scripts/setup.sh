@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Creates (once) the Python venv that provides libtorch 2.13.0 for tch and the reference PyTorch for the
+# Creates (once) the Python venv that provides libtorch (2.13.0, or $TCH_DIST_TORCH_VERSION) for tch and the reference PyTorch for the
 # parity tests. It lives outside the repo so every clone (CI's fresh one included) reuses the 4.7 GB install.
 # Idempotent: a stamp file records a finished install; a second run returns in well under a second.
 set -euo pipefail
@@ -31,7 +31,9 @@ fi
   numpy scikit-learn safetensors matplotlib
 "$TCH_DIST_VENV/bin/python" - <<'PY'
 import torch, torch.distributed as dist
-assert torch.__version__.startswith("2.13.0"), torch.__version__
+import os
+want = os.environ["TCH_DIST_TORCH_VERSION"]
+assert torch.__version__.split("+")[0] == want, (torch.__version__, want)
 assert dist.is_gloo_available()
 PY
 touch "$stamp"

@@ -76,13 +76,14 @@ pub fn load(pg: &ProcessGroup, path: &Path, targets: &[(String, Tensor)]) -> Res
     let what = format!("checkpoint {}", path.display());
     let loaded = if pg.rank() == 0 && path.exists() { Some(read(path)?) } else { None };
     // 1. whether there is one, and its step
-    let mut head = Tensor::from_slice(&[loaded.is_some() as i64, loaded.as_ref().map_or(0, |l| l.0 as i64)]);
-    pg.broadcast(&mut head, 0)?;
-    let head = Vec::<i64>::try_from(&head)?;
+    let meta = pg.meta();
+    let head = meta.broadcast("checkpoint load", &[loaded.is_some() as i64, loaded.as_ref().map_or(0, |l| l.0 as i64)], 0)?;
     if head[0] == 0 {
         return Ok(None);
     }
-    // 2. every tensor, in the targets' order
+    // 2. every tensor, in the targets' order, through the device the group's metadata uses (the CPU
+    // when it has a CPU backend; an NCCL-only group's GPU otherwise)
+    let wire = meta.device();
     let _g = tch::no_grad_guard();
     for (name, target) in targets {
         let mut buf = match &loaded {
@@ -96,9 +97,9 @@ pub fn load(pg: &ProcessGroup, path: &Path, targets: &[(String, Tensor)]) -> Res
                         format!("{name}: saved {:?}, model has {:?}", src.size(), target.size()),
                     ));
                 }
-                src.f_to_kind(target.kind())?
+                src.f_to_kind(target.kind())?.f_to_device(wire)?
             }
-            None => Tensor::f_zeros(target.size().as_slice(), (target.kind(), Device::Cpu))?,
+            None => Tensor::f_zeros(target.size().as_slice(), (target.kind(), wire))?,
         };
         pg.broadcast(&mut buf, 0)?;
         target.shallow_clone().f_copy_(&buf)?;

@@ -65,7 +65,14 @@ extern "C" {
         threads: c_int,
         out: *mut *mut tdx_pg,
     ) -> c_int;
-    pub fn tdx_pg_nccl(s: *const tdx_store, rank: c_int, size: c_int, timeout_ms: i64, out: *mut *mut tdx_pg) -> c_int;
+    pub fn tdx_pg_nccl(
+        s: *const tdx_store,
+        rank: c_int,
+        size: c_int,
+        timeout_ms: i64,
+        device: c_int,
+        out: *mut *mut tdx_pg,
+    ) -> c_int;
     pub fn tdx_pg_free(pg: *mut tdx_pg);
     pub fn tdx_pg_set_timeout(pg: *mut tdx_pg, timeout_ms: i64) -> c_int;
     pub fn tdx_pg_allreduce(pg: *mut tdx_pg, t: tdx_tensor, op: c_int, out: *mut *mut tdx_work) -> c_int;

@@ -4,7 +4,7 @@ use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use crate::error::{Error, Result};
-use crate::group::{Backend, GroupOptions, ProcessGroup, DEFAULT_TIMEOUT};
+use crate::group::{BackendConfig, GroupOptions, ProcessGroup, DEFAULT_TIMEOUT};
 use crate::store::{Store, TcpStoreOptions};
 
 /// Everything `init_process_group` needs.
@@ -15,8 +15,10 @@ pub struct InitOptions {
     pub master_addr: String,
     pub master_port: u16,
     pub timeout: Duration,
-    /// `None`: chosen from `device` (Gloo for CPU, NCCL for CUDA).
-    pub backend: Option<Backend>,
+    /// `None`: chosen from `device`: Gloo for CPU; for CUDA, Gloo for CPU tensors and NCCL for CUDA
+    /// tensors in one group (PyTorch's "cpu:gloo,cuda:nccl").
+    pub backend: Option<BackendConfig>,
+    /// This rank's device; a CUDA device is the one its NCCL engine binds to (PyTorch's `device_id`).
     pub device: tch::Device,
     /// Gloo: the address to bind; `None` binds like PyTorch.
     pub hostname: Option<String>,
@@ -40,8 +42,9 @@ impl InitOptions {
         self.timeout = t;
         self
     }
-    pub fn backend(mut self, b: Backend) -> Self {
-        self.backend = Some(b);
+    /// `Backend::Gloo`, `Backend::Nccl`, or a [`BackendConfig`] such as `"cpu:gloo,cuda:nccl".parse()?`.
+    pub fn backend(mut self, b: impl Into<BackendConfig>) -> Self {
+        self.backend = Some(b.into());
         self
     }
     pub fn device(mut self, d: tch::Device) -> Self {
@@ -75,12 +78,15 @@ impl InitOptions {
         }
         if let Ok(v) = std::env::var("TCH_DIST_TIMEOUT_SECS") {
             let secs: f64 = parse_num("TCH_DIST_TIMEOUT_SECS", &v)?;
-            o.timeout = Duration::from_secs_f64(secs);
+            o.timeout = Duration::try_from_secs_f64(secs).ok().filter(|_| secs > 0.0).ok_or_else(|| Error::Env {
+                var: "TCH_DIST_TIMEOUT_SECS".into(),
+                msg: format!("{v:?} is not a positive number of seconds"),
+            })?;
         }
         if let Ok(v) = std::env::var("TCH_DIST_BACKEND") {
             o.backend = Some(v.parse().map_err(|_| Error::Env {
                 var: "TCH_DIST_BACKEND".into(),
-                msg: format!("{v:?} is not gloo or nccl"),
+                msg: format!("{v:?} is not gloo, nccl or device:backend pairs such as cpu:gloo,cuda:nccl"),
             })?);
         }
         Ok(o)
@@ -121,29 +127,25 @@ impl ProcessGroup {
                 format!("rank {} is not in a world of size {}", o.rank, o.world_size),
             ));
         }
-        let backend = o.backend.unwrap_or_else(|| Backend::for_device(o.device));
+        let backend = o.backend.unwrap_or_else(|| BackendConfig::for_device(o.device));
         let base = if o.rank == 0 {
             TcpStoreOptions::server(&o.master_addr, o.master_port, o.world_size)
         } else {
             TcpStoreOptions::client(&o.master_addr, o.master_port, o.world_size)
         };
         let store = Store::tcp(&base.timeout(o.timeout))?;
-        ProcessGroup::on_default_store(&store, o.rank, o.world_size, backend, o.timeout, o.hostname.clone())
+        let cuda_device = match o.device {
+            tch::Device::Cuda(i) => Some(i),
+            _ => None,
+        };
+        let opts = GroupOptions { backend, timeout: o.timeout, hostname: o.hostname.clone(), cuda_device, ..GroupOptions::default() };
+        ProcessGroup::on_default_store(&store, o.rank, o.world_size, &opts)
     }
 
-    /// Builds the default group on an existing store with PyTorch's key layout
-    /// (`default_pg` / group name `0/` / device `cpu/` or `cuda/`).
-    pub fn on_default_store(
-        store: &Store,
-        rank: usize,
-        world_size: usize,
-        backend: Backend,
-        timeout: Duration,
-        hostname: Option<String>,
-    ) -> Result<ProcessGroup> {
-        let s = store.prefixed("default_pg")?.prefixed("0/")?.prefixed(backend.store_prefix())?;
-        let opts = GroupOptions { backend, timeout, hostname, ..GroupOptions::default() };
-        ProcessGroup::new(&s, rank, world_size, &opts)
+    /// Builds the default group on an existing store with PyTorch's key layout (`default_pg` / group name
+    /// `0/` / then, per engine, `cpu/` or `cuda/`).
+    pub fn on_default_store(store: &Store, rank: usize, world_size: usize, opts: &GroupOptions) -> Result<ProcessGroup> {
+        ProcessGroup::new(&store.prefixed("default_pg")?.prefixed("0/")?, rank, world_size, opts)
     }
 }
 

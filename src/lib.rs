@@ -12,7 +12,6 @@
 //! ```
 mod dtype;
 mod ffi;
-mod verify;
 
 pub mod amp;
 pub mod checkpoint;
@@ -31,7 +30,7 @@ pub mod tp;
 pub mod work;
 
 pub use error::{Error, Result};
-pub use group::{Backend, GroupOptions, ProcessGroup, ReduceOp};
+pub use group::{Backend, BackendConfig, GroupOptions, ProcessGroup, ReduceOp};
 pub use init::{default_group, destroy_process_group, init_process_group, InitOptions};
 pub use store::{Store, TcpStoreOptions};
 pub use work::Work;

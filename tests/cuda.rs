@@ -22,7 +22,7 @@ fn gpu() -> Option<usize> {
 #[test]
 fn cuda_nccl_world_size_1_allreduce() {
     let store = Store::hash().unwrap();
-    let opts = GroupOptions { backend: Backend::Nccl, timeout: Duration::from_secs(60), ..GroupOptions::default() };
+    let opts = GroupOptions { backend: Backend::Nccl.into(), timeout: Duration::from_secs(60), ..GroupOptions::default() };
     if gpu().is_none() {
         let e = ProcessGroup::new(&store, 0, 1, &opts).unwrap_err();
         assert!(matches!(e, Error::Unavailable { .. }), "{e:?}");
@@ -60,7 +60,7 @@ fn cuda_memory_stats_match_the_caching_allocator() {
 #[ignore = "rank process spawned by cuda_gloo_two_processes_share_one_gpu"]
 fn worker_cuda_gloo() {
     let mut o = tch_dist::InitOptions::from_env().unwrap();
-    o.backend = Some(Backend::Gloo);
+    o.backend = Some(Backend::Gloo.into());
     let pg = ProcessGroup::init(&o).unwrap();
     let mut t = Tensor::full([1 << 20], (pg.rank() + 1) as f64, (Kind::Float, Device::Cuda(0)));
     pg.allreduce(&mut t, ReduceOp::Sum).unwrap();

@@ -98,11 +98,7 @@ impl GradScaler {
             }
         }
         let found = match &self.pg {
-            Some(pg) => {
-                let mut flag = Tensor::from_slice(&[local as i32]);
-                pg.allreduce(&mut flag, ReduceOp::Max)?;
-                flag.f_int64_value(&[0])? != 0
-            }
+            Some(pg) => pg.meta().allreduce("GradScaler overflow flag", &[local as i32], ReduceOp::Max)?[0] != 0,
             None => local,
         };
         self.found_inf = Some(found);

@@ -27,7 +27,6 @@ pub mod bucket;
 pub mod comm_hook;
 mod memory;
 mod reducer;
-pub(crate) mod ring;
 mod shard;
 pub mod sync;
 

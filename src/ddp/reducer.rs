@@ -268,10 +268,10 @@ impl Reducer {
             f.finish(&mut flat)?;
         }
         let globally_used = if self.cfg.find_unused {
+            // PyTorch's local_used_map: int32, summed on the parameters' device
             let flags: Vec<i32> = st.has_grad.iter().map(|&u| u as i32).collect();
-            let mut t = Tensor::from_slice(&flags);
-            self.pg.allreduce_unverified(&mut t, ReduceOp::Sum)?.wait()?;
-            Vec::<i32>::try_from(&t)?.into_iter().map(|c| c > 0).collect()
+            let meta = self.pg.meta_as_pytorch(st.specs[0].device);
+            meta.allreduce("DDP unused-parameter map", &flags, ReduceOp::Sum)?.into_iter().map(|c| c > 0).collect()
         } else {
             vec![true; st.params.len()]
         };
@@ -294,14 +294,10 @@ impl Reducer {
 
     /// Ranks that ran different numbers of forwards and backwards (an extra backward on one rank) would
     /// pair up the wrong collectives, and Gloo aborts the process when their sizes differ. A small
-    /// fixed-size all_gather at the start of each forward and each backward catches it first.
+    /// fixed-size check at the start of each forward and each backward catches it first.
     fn check_loop_agreement(&self, st: &State, phase: &str) -> Result<()> {
         let code = if phase == "forward" { 1 } else { 2 };
-        let mine = Tensor::from_slice(&[code, st.forwards, st.backwards]);
-        let mut all: Vec<Tensor> = (0..self.pg.size()).map(|_| mine.zeros_like()).collect();
-        self.pg.all_gather_unverified(&mut all, &mine)?.wait()?;
-        let rows: Vec<Vec<i64>> = all.iter().map(|t| Vec::<i64>::try_from(t).map_err(Error::from)).collect::<Result<_>>()?;
-        if rows.iter().any(|r| r != &rows[0]) {
+        self.pg.meta().agree(&format!("DDP {phase}"), &[code, st.forwards, st.backwards], |rows| {
             let listing: Vec<String> = rows
                 .iter()
                 .enumerate()
@@ -310,14 +306,9 @@ impl Reducer {
                     format!("rank {r} is starting {at} with {} forwards and {} backwards done", v[1], v[2])
                 })
                 .collect();
-            return Err(Error::mismatch(
-                format!("DDP {phase} on rank {} of {}", self.pg.rank(), self.pg.size()),
-                format!(
-                    "ranks disagree on the training loop ({}); every rank must run the same forwards and backwards",
-                    listing.join("; ")
-                ),
-            ));
-        }
+            let listing = listing.join("; ");
+            format!("ranks disagree on the training loop ({listing}); every rank must run the same forwards and backwards")
+        })?;
         Ok(())
     }
 
@@ -342,7 +333,7 @@ impl Reducer {
             let order = std::mem::take(&mut st.ready_order);
             let limits = [self.cfg.first_bucket_bytes, self.cfg.bucket_bytes];
             let local = bucket::assign(&st.specs, &limits, Some(&order));
-            let agreed = sync::sync_bucket_indices(&self.pg, &local, st.params.len())?;
+            let agreed = sync::sync_bucket_indices(&self.pg, &local, st.params.len(), st.specs[0].device)?;
             // Old and new buckets side by side would cost a third copy of the parameters at the peak.
             // The old ones can go first when nothing in them is needed: without bucket views they are
             // scratch space; with views they hold the gradients, which after zero_grad are all zero.

@@ -6,7 +6,7 @@ use std::collections::VecDeque;
 
 use tch::Tensor;
 
-use super::ring::RingReduce;
+use crate::group::ring::RingReduce;
 use crate::error::Result;
 use crate::group::ProcessGroup;
 

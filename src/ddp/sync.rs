@@ -4,87 +4,62 @@
 use tch::{Device, Kind, Tensor};
 
 use crate::error::{Error, Result};
-use crate::group::ProcessGroup;
+use crate::group::{meta, tensor_meta, ProcessGroup};
 
 /// PyTorch DDP's `broadcast_bucket_size`.
 pub const BROADCAST_BUCKET_BYTES: usize = 250 * 1024 * 1024;
-
-fn i64s(t: &Tensor) -> Result<Vec<i64>> {
-    Ok(Vec::<i64>::try_from(t.to_device(Device::Cpu).to_kind(Kind::Int64))?)
-}
 
 /// Checks that all ranks hold the same parameters (count, then dtype and shape of each), before anything
 /// is broadcast. Errors name the first mismatching parameter and the ranks involved.
 ///
 /// With the group's agreement checks on, every rank gathers every rank's description (robust: no
 /// collective ever sees mismatched sizes). With them off, this is PyTorch's own protocol
-/// (`_verify_param_shape_across_processes`: all_gather of the count, broadcast of sizes and strides), so
-/// a PyTorch DDP rank can join.
+/// (`_verify_param_shape_across_processes`: all_gather of the count, broadcast of sizes and strides, on
+/// the parameters' device), so a PyTorch DDP rank can join.
 pub fn verify_params(pg: &ProcessGroup, params: &[Tensor], names: &[String]) -> Result<()> {
-    let op = || format!("DDP parameter check on rank {} of {}", pg.rank(), pg.size());
-    let dev = params.first().map_or(Device::Cpu, |p| p.device());
-    let meta_dev = if pg.backend() == crate::Backend::Nccl { dev } else { Device::Cpu };
+    const WHAT: &str = "DDP parameter check";
+    let meta = pg.meta_as_pytorch(params.first().map_or(Device::Cpu, |p| p.device()));
     // 1. parameter counts (both protocols)
-    let counts = gather_i64_on(pg, params.len() as i64, meta_dev)?;
-    if let Some(r) = counts.iter().position(|&c| c != counts[0]) {
+    let counts = meta.gather(WHAT, &[params.len() as i64])?;
+    if let Some(r) = counts.iter().position(|c| c != &counts[0]) {
         return Err(Error::mismatch(
-            op(),
-            format!("rank 0 has {} parameters but rank {r} has {}", counts[0], counts[r]),
+            op(pg, WHAT),
+            format!("rank 0 has {} parameters but rank {r} has {}", counts[0][0], counts[r][0]),
         ));
     }
     if pg.verifies() {
-        // 2a. every rank's (dtype, ndim, dims) per parameter, gathered everywhere
-        const K: usize = 8;
-        let mut mine = vec![0i64; params.len() * K];
-        for (i, p) in params.iter().enumerate() {
-            let f = crate::verify::fingerprint(0, p, 0);
-            mine[i * K] = f[1];
-            mine[i * K + 1] = f[2];
-            mine[i * K + 2..i * K + K].copy_from_slice(&f[4..10]);
-        }
-        let t = Tensor::from_slice(&mine).to_device(meta_dev);
-        let mut all: Vec<Tensor> = (0..pg.size()).map(|_| t.zeros_like()).collect();
-        pg.all_gather_unverified(&mut all, &t)?.wait()?;
-        let all: Vec<Vec<i64>> = all.iter().map(i64s).collect::<Result<_>>()?;
+        // 2a. every rank's dtype and shape per parameter, gathered everywhere
+        const K: usize = tensor_meta::LEN;
+        let mine: Vec<i64> = params.iter().flat_map(tensor_meta::encode).collect();
+        let all = meta.gather(WHAT, &mine)?;
         for i in 0..params.len() {
             let row = |r: usize| &all[r][i * K..i * K + K];
             if let Some(r) = (1..pg.size()).find(|&r| row(r) != row(0)) {
-                let show = |v: &[i64]| {
-                    let mut f = [0i64; crate::verify::LEN];
-                    f[1] = v[0];
-                    f[2] = v[1];
-                    f[4..10].copy_from_slice(&v[2..8]);
-                    crate::verify::render(&f)
-                };
                 return Err(Error::mismatch(
-                    op(),
+                    op(pg, WHAT),
                     format!(
                         "parameter {i} ({}) is {} on rank 0 but {} on rank {r}",
                         names[i],
-                        show(row(0)),
-                        show(row(r))
+                        tensor_meta::render(row(0)),
+                        tensor_meta::render(row(r))
                     ),
                 ));
             }
         }
     } else {
         // 2b. PyTorch's protocol: rank 0's sizes and strides, broadcast, compared locally.
-        let mut meta = Vec::new();
+        let mut local = Vec::new();
         for p in params {
-            meta.extend(p.size());
-            meta.extend(p.stride());
+            local.extend(p.size());
+            local.extend(p.stride());
         }
-        let mut t = Tensor::from_slice(&meta).to_device(meta_dev);
-        pg.broadcast_unverified(&mut t, 0)?.wait()?;
-        let control = i64s(&t)?;
+        let control = meta.broadcast(WHAT, &local, 0)?;
         let mut k = 0;
         for (i, p) in params.iter().enumerate() {
             let n = 2 * p.dim();
-            let mut local = p.size();
-            local.extend(p.stride());
-            if control.get(k..k + n) != Some(&local[..]) {
+            if control.get(k..k + n) != local.get(k..k + n) {
                 return Err(Error::mismatch(
-                    op(),
+                    op(pg, WHAT),
                     format!("parameter {i} ({}) with sizes {:?} does not match rank 0's", names[i], p.size()),
                 ));
             }
@@ -92,6 +67,10 @@ pub fn verify_params(pg: &ProcessGroup, params: &[Tensor], names: &[String]) -> 
         }
     }
     Ok(())
+}
+
+fn op(pg: &ProcessGroup, what: &str) -> String {
+    format!("{what} on rank {} of {}", pg.rank(), pg.size())
 }
 
 /// Broadcasts `tensors` from `root` in place, flattened into chunks of at most `limit` bytes per dtype
@@ -141,34 +120,31 @@ fn take_tensors(tensors: &[Tensor], limit: usize) -> Vec<Vec<usize>> {
 }
 
 /// Makes every rank use rank 0's bucket assignment (PyTorch's `sync_bucket_indices`: a broadcast of the
-/// flattened indices plus the bucket count, then of the bucket sizes).
-pub fn sync_bucket_indices(pg: &ProcessGroup, buckets: &[Vec<usize>], n_params: usize) -> Result<Vec<Vec<usize>>> {
-    let op = || format!("DDP bucket rebuild on rank {} of {}", pg.rank(), pg.size());
+/// flattened indices plus the bucket count, then of the bucket sizes, as int32 on the parameters' device).
+pub fn sync_bucket_indices(
+    pg: &ProcessGroup,
+    buckets: &[Vec<usize>],
+    n_params: usize,
+    params_device: Device,
+) -> Result<Vec<Vec<usize>>> {
+    const WHAT: &str = "DDP bucket rebuild";
     if pg.verifies() {
         // PyTorch's second broadcast is sized by the local bucket count; make sure all agree first.
-        let counts = gather_i64(pg, buckets.len() as i64)?;
-        if let Some(r) = counts.iter().position(|&c| c != counts[0]) {
-            return Err(Error::mismatch(
-                op(),
-                format!("rank 0 built {} buckets but rank {r} built {}", counts[0], counts[r]),
-            ));
-        }
+        pg.meta().agree(WHAT, &[buckets.len() as i64], |rows| {
+            format!("ranks built different numbers of buckets ({})", meta::by_rank(rows, |v| v[0].to_string(), ", "))
+        })?;
     }
-    let dev = Device::Cpu;
+    let meta = pg.meta_as_pytorch(params_device);
     let mut flat: Vec<i32> = buckets.iter().flatten().map(|&i| i as i32).collect();
     if flat.len() != n_params {
-        return Err(Error::invalid(op(), format!("{} indices for {n_params} parameters", flat.len())));
+        return Err(Error::invalid(op(pg, WHAT), format!("{} indices for {n_params} parameters", flat.len())));
     }
     flat.push(buckets.len() as i32);
-    let mut t = Tensor::from_slice(&flat).to_device(dev);
-    pg.broadcast_unverified(&mut t, 0)?.wait()?;
-    let indices = Vec::<i32>::try_from(&t)?;
+    let indices = meta.broadcast(WHAT, &flat, 0)?;
     let nb = indices[n_params] as usize;
-    let mut sizes = Tensor::from_slice(&buckets.iter().map(|b| b.len() as i32).collect::<Vec<_>>());
-    pg.broadcast_unverified(&mut sizes, 0)?.wait()?;
-    let sizes = Vec::<i32>::try_from(&sizes)?;
+    let sizes = meta.broadcast(WHAT, &buckets.iter().map(|b| b.len() as i32).collect::<Vec<_>>(), 0)?;
     if sizes.len() != nb {
-        return Err(Error::mismatch(op(), format!("rank 0 has {nb} buckets, this rank {}", sizes.len())));
+        return Err(Error::mismatch(op(pg, WHAT), format!("rank 0 has {nb} buckets, this rank {}", sizes.len())));
     }
     let mut out = Vec::with_capacity(nb);
     let mut k = 0;
@@ -177,16 +153,4 @@ pub fn sync_bucket_indices(pg: &ProcessGroup, buckets: &[Vec<usize>], n_params: 
         k += s as usize;
     }
     Ok(out)
-}
-
-fn gather_i64(pg: &ProcessGroup, v: i64) -> Result<Vec<i64>> {
-    gather_i64_on(pg, v, Device::Cpu)
-}
-
-/// Every rank's `v`, in rank order (one all_gather of a Long[1]).
-fn gather_i64_on(pg: &ProcessGroup, v: i64, dev: Device) -> Result<Vec<i64>> {
-    let t = Tensor::from_slice(&[v]).to_device(dev);
-    let mut all: Vec<Tensor> = (0..pg.size()).map(|_| t.zeros_like()).collect();
-    pg.all_gather_unverified(&mut all, &t)?.wait()?;
-    all.iter().map(|c| i64s(c).map(|x| x[0])).collect()
 }

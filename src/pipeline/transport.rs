@@ -10,7 +10,7 @@ use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use tch::{Device, Kind, Tensor};
 
 use crate::error::{Error, Result};
-use crate::group::ProcessGroup;
+use crate::group::{tensor_meta, ProcessGroup};
 use crate::work::Work;
 
 /// What travels.
@@ -99,13 +99,14 @@ impl Transport for ChannelTransport {
 }
 
 /// Send/recv over a process group (one process per stage). Each tensor is preceded by a small header
-/// with its dtype and shape, so receivers need not know shapes in advance. Tensors travel through the
-/// CPU for Gloo.
+/// with its dtype and shape, so receivers need not know shapes in advance. Headers travel where the
+/// group's metadata does; tensors go to the engine for their device (through the CPU for Gloo).
 pub struct GroupTransport {
-    pub pg: Arc<ProcessGroup>,
-    pub microbatches: usize,
-    pub virtual_stages: usize,
-    pub device: Device,
+    pub(crate) pg: Arc<ProcessGroup>,
+    pub(crate) microbatches: usize,
+    pub(crate) virtual_stages: usize,
+    /// Where received tensors are put.
+    pub(crate) device: Device,
     // The engine keeps the sent tensors alive until their work completes.
     pending: Vec<Work>,
 }
@@ -123,29 +124,19 @@ impl GroupTransport {
         // two tags per message: header (even) and payload (odd)
         (((kind * self.microbatches + key.1) * self.virtual_stages + key.2) * 2) as i32
     }
-
-    fn wire_device(&self) -> Device {
-        match self.pg.backend() {
-            crate::Backend::Gloo => Device::Cpu,
-            crate::Backend::Nccl => self.device,
-        }
-    }
 }
-
-const HEADER: usize = 8;
 
 impl Transport for GroupTransport {
     fn send(&mut self, to_rank: usize, key: Key, t: &Tensor) -> Result<()> {
-        let size = t.size();
-        if size.len() > HEADER - 2 {
-            return Err(Error::invalid("pipeline send", format!("{} dims; at most {}", size.len(), HEADER - 2)));
+        let m = tensor_meta::encode(t);
+        if tensor_meta::decode(&m).is_none() {
+            return Err(Error::invalid(
+                "pipeline send",
+                format!("{}: at most {} dims of a known dtype", tensor_meta::render(&m), tensor_meta::MAX_DIMS),
+            ));
         }
-        let mut h = vec![0i64; HEADER];
-        h[0] = crate::dtype::code(t.kind()).map_or(-1, i64::from);
-        h[1] = size.len() as i64;
-        h[2..2 + size.len()].copy_from_slice(&size);
-        let header = Tensor::from_slice(&h).to_device(self.wire_device());
-        let body = t.f_to_device(self.wire_device())?.f_contiguous()?;
+        let header = Tensor::from_slice(&m).f_to_device(self.pg.meta_device())?;
+        let body = t.f_contiguous()?;
         let tag = self.tag(key);
         // Our header already tells the receiver what comes, so the group's own checks are skipped.
         self.pending.push(self.pg.send_raw(&header, to_rank, tag)?);
@@ -155,15 +146,14 @@ impl Transport for GroupTransport {
 
     fn recv(&mut self, from_rank: usize, key: Key) -> Result<Tensor> {
         let tag = self.tag(key);
-        let mut h = Tensor::zeros([HEADER as i64], (Kind::Int64, self.wire_device()));
+        let mut h = Tensor::f_zeros([tensor_meta::LEN as i64], (Kind::Int64, self.pg.meta_device()))?;
         self.pg.recv_raw(&mut h, from_rank, tag)?.wait()?;
-        let h = Vec::<i64>::try_from(h.to_device(Device::Cpu))?;
-        let kind = crate::dtype::from_code(h[0])
-            .ok_or_else(|| Error::invalid("pipeline recv", format!("unknown dtype code {}", h[0])))?;
-        let nd = (h[1].max(0) as usize).min(HEADER - 2);
-        let mut t = Tensor::f_empty(&h[2..2 + nd], (kind, self.wire_device()))?;
+        let h = Vec::<i64>::try_from(h.f_to_device(Device::Cpu)?)?;
+        let mut t = tensor_meta::empty(&h, self.device).ok_or_else(|| {
+            Error::invalid("pipeline recv", format!("stage {from_rank} announced {}", tensor_meta::render(&h)))
+        })?;
         self.pg.recv_raw(&mut t, from_rank, tag + 1)?.wait()?;
-        Ok(t.f_to_device(self.device)?)
+        Ok(t)
     }
 
     fn flush(&mut self) -> Result<()> {

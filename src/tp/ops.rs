@@ -7,10 +7,13 @@ use crate::ffi;
 use crate::group::ProcessGroup;
 
 fn op(code: i32, name: &str, x: &Tensor, pg: &ProcessGroup) -> Result<Tensor> {
+    let desc = || format!("{name} of {} on {pg:?}", crate::group::describe(x));
+    let engine = pg.engine_ptr(x.device(), &desc)?;
     let mut out: ffi::tdx_tensor = std::ptr::null_mut();
-    // SAFETY: x and the group are live for the call; on success `out` is a new at::Tensor* we own.
-    let rc = unsafe { ffi::tdx_tp_op(pg.as_ptr(), code, x.as_ptr() as ffi::tdx_tensor, &mut out) };
-    check(rc, pg.timeout(), || format!("{name} of {:?}{:?} on {pg:?}", x.kind(), x.size()))?;
+    // SAFETY: x and the engine are live for the call (the autograd node keeps its own reference to the
+    // engine); on success `out` is a new at::Tensor* we own.
+    let rc = unsafe { ffi::tdx_tp_op(engine, code, x.as_ptr() as ffi::tdx_tensor, &mut out) };
+    check(rc, pg.timeout(), desc)?;
     if out.is_null() {
         return Err(Error::invalid(name, "shim returned no tensor"));
     }

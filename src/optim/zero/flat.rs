@@ -57,7 +57,7 @@ impl FlatBucket {
     /// step is left running in `pending` so the gather overlaps whatever the caller does next.
     pub fn all_gather(&self, pg: &ProcessGroup, bucket: usize, pending: &mut VecDeque<Vec<Work>>, max_in_flight: usize) -> Result<()> {
         if self.world > 1 {
-            crate::ddp::ring::all_gather_in_place(pg, &self.flat, self.len, bucket, pending, max_in_flight)?;
+            crate::group::ring::all_gather_in_place(pg, &self.flat, self.len, bucket, pending, max_in_flight)?;
         }
         Ok(())
     }

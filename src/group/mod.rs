@@ -1,61 +1,27 @@
-//! Process groups over c10d's own backends: Gloo (CPU, and CUDA tensors) and NCCL (`cuda` feature).
-use std::ffi::CString;
-use std::ptr::NonNull;
+//! Process groups over c10d's own backends: Gloo (CPU tensors, and CUDA tensors) and NCCL (CUDA tensors,
+//! `cuda` feature). One group may hold both, a backend per device type (see [`BackendConfig`]); each
+//! collective runs on the one for its tensors' device.
+mod backend;
+mod engine;
+pub(crate) mod meta;
+pub(crate) mod ring;
+pub(crate) mod tensor_meta;
+
+use std::sync::Arc;
 use std::time::Duration;
 
-use tch::Tensor;
+use tch::{Device, Tensor};
+
+pub use backend::{Backend, BackendConfig};
+use engine::Engine;
 
 use crate::error::{check, Error, Result};
 use crate::ffi;
-use crate::store::{millis, Store};
-use crate::verify;
+use crate::store::Store;
 use crate::work::{Finish, Work};
 
 /// PyTorch's default collective timeout for Gloo is 30 minutes; a stuck job should fail sooner by default.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(600);
-
-/// The communication backend of a group.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Backend {
-    Gloo,
-    Nccl,
-}
-
-impl Backend {
-    /// Gloo for CPU tensors, NCCL for CUDA ones (as `torch.distributed` picks).
-    pub fn for_device(device: tch::Device) -> Backend {
-        match device {
-            tch::Device::Cuda(_) => Backend::Nccl,
-            _ => Backend::Gloo,
-        }
-    }
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Backend::Gloo => "gloo",
-            Backend::Nccl => "nccl",
-        }
-    }
-
-    /// The device-type prefix PyTorch gives this backend's store keys.
-    pub(crate) fn store_prefix(self) -> &'static str {
-        match self {
-            Backend::Gloo => "cpu/",
-            Backend::Nccl => "cuda/",
-        }
-    }
-}
-
-impl std::str::FromStr for Backend {
-    type Err = Error;
-    fn from_str(s: &str) -> Result<Backend> {
-        match s.to_ascii_lowercase().as_str() {
-            "gloo" => Ok(Backend::Gloo),
-            "nccl" => Ok(Backend::Nccl),
-            other => Err(Error::invalid("backend", format!("unknown backend {other:?} (gloo or nccl)"))),
-        }
-    }
-}
 
 /// Reduction operators, as `torch.distributed.ReduceOp`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -83,7 +49,9 @@ impl ReduceOp {
 /// Options for building a group on an existing store.
 #[derive(Clone, Debug)]
 pub struct GroupOptions {
-    pub backend: Backend,
+    /// The engine per device type: `Backend::Gloo.into()`, `BackendConfig::NCCL`, or
+    /// `BackendConfig::CPU_GLOO_CUDA_NCCL`.
+    pub backend: BackendConfig,
     pub timeout: Duration,
     /// Gloo: the address to bind (e.g. "127.0.0.1"); `None` binds like PyTorch (hostname, else loopback).
     pub hostname: Option<String>,
@@ -95,16 +63,19 @@ pub struct GroupOptions {
     /// trip once a program is known to be consistent. DDP's bucket collectives never pay it: their shapes
     /// are checked once, at construction.
     pub verify: bool,
+    /// The GPU this rank's NCCL engine uses (PyTorch's `device_id`); `None`: rank modulo the GPU count.
+    pub cuda_device: Option<usize>,
 }
 
 impl Default for GroupOptions {
     fn default() -> Self {
         GroupOptions {
-            backend: Backend::Gloo,
+            backend: BackendConfig::GLOO,
             timeout: DEFAULT_TIMEOUT,
             hostname: None,
             threads: 0,
             verify: verify_default(),
+            cuda_device: None,
         }
     }
 }
@@ -124,10 +95,14 @@ pub fn verify_default() -> bool {
 /// # Ok::<(), tch_dist::Error>(())
 /// ```
 pub struct ProcessGroup {
-    ptr: NonNull<ffi::tdx_pg>,
+    /// The engine for CPU tensors, and the one for CUDA tensors (the same one for a Gloo-only group).
+    cpu: Option<Arc<Engine>>,
+    cuda: Option<Arc<Engine>>,
+    config: BackendConfig,
+    /// The GPU of the NCCL engine, where metadata goes when the group has no CPU engine.
+    cuda_device: Option<usize>,
     rank: usize,
     size: usize,
-    backend: Backend,
     timeout: Duration,
     verify: bool,
     hostname: Option<String>,
@@ -136,17 +111,13 @@ pub struct ProcessGroup {
     store: Store,
 }
 
-// SAFETY: c10d backends queue work under their own locks. As in PyTorch, callers must still issue
-// collectives in the same order on every rank.
-unsafe impl Send for ProcessGroup {}
-unsafe impl Sync for ProcessGroup {}
-
-fn describe(t: &Tensor) -> String {
+pub(crate) fn describe(t: &Tensor) -> String {
     format!("{:?}{:?} on {:?}", t.kind(), t.size(), t.device())
 }
 
 impl ProcessGroup {
-    /// Builds a group on `store`. Blocks until all `size` ranks joined, at most `opts.timeout`.
+    /// Builds a group on `store`, one engine per backend of `opts.backend`, each under the store prefix
+    /// PyTorch gives it (`cpu/`, `cuda/`). Blocks until all `size` ranks joined, at most `opts.timeout`.
     pub fn new(store: &Store, rank: usize, size: usize, opts: &GroupOptions) -> Result<ProcessGroup> {
         if size == 0 || rank >= size {
             return Err(Error::invalid(
@@ -154,39 +125,46 @@ impl ProcessGroup {
                 format!("rank {rank} is not in a group of size {size} (need 0 <= rank < size)"),
             ));
         }
-        let mut out = std::ptr::null_mut();
-        let what = || format!("{} process group (rank {rank} of {size})", opts.backend.name());
-        let code = match opts.backend {
-            Backend::Gloo => {
-                let host = match &opts.hostname {
-                    Some(h) => Some(
-                        CString::new(h.as_str())
-                            .map_err(|_| Error::invalid("hostname", format!("{h:?} contains a NUL byte")))?,
-                    ),
-                    None => None,
-                };
-                let host_ptr = host.as_ref().map_or(std::ptr::null(), |h| h.as_ptr());
-                // SAFETY: the store handle and strings are valid for the call.
-                unsafe {
-                    ffi::tdx_pg_gloo(
-                        store.as_ptr(),
-                        rank as i32,
-                        size as i32,
-                        millis(opts.timeout),
-                        host_ptr,
-                        opts.threads as i32,
-                        &mut out,
-                    )
-                }
+        opts.backend.validate()?;
+        let cuda_device = if opts.backend.has_nccl() {
+            let n = crate::memory::cuda_device_count();
+            let d = match opts.cuda_device {
+                Some(d) => d,
+                None if n > 0 => rank % n,
+                None => 0,
+            };
+            if n > 0 && d >= n {
+                return Err(Error::invalid(
+                    format!("nccl process group (rank {rank} of {size})"),
+                    format!("cuda_device {d} does not exist: this machine has {n} GPU(s)"),
+                ));
             }
-            // SAFETY: the store handle is valid for the call.
-            Backend::Nccl => unsafe {
-                ffi::tdx_pg_nccl(store.as_ptr(), rank as i32, size as i32, millis(opts.timeout), &mut out)
-            },
+            Some(d)
+        } else {
+            None
         };
-        check(code, opts.timeout, what)?;
-        let ptr = NonNull::new(out).ok_or_else(|| Error::invalid(what(), "shim returned a null group"))?;
-        Ok(ProcessGroup { ptr, rank, size, backend: opts.backend, timeout: opts.timeout, verify: opts.verify, hostname: opts.hostname.clone(), store: store.clone() })
+        let (mut cpu, mut cuda) = (None, None);
+        for (prefix, backend, serves_cpu, serves_cuda) in opts.backend.engines() {
+            let e = Arc::new(Engine::new(&store.prefixed(prefix)?, backend, rank, size, opts, cuda_device)?);
+            if serves_cpu {
+                cpu = Some(e.clone());
+            }
+            if serves_cuda {
+                cuda = Some(e);
+            }
+        }
+        Ok(ProcessGroup {
+            cpu,
+            cuda,
+            config: opts.backend,
+            cuda_device,
+            rank,
+            size,
+            timeout: opts.timeout,
+            verify: opts.verify,
+            hostname: opts.hostname.clone(),
+            store: store.clone(),
+        })
     }
 
     pub fn rank(&self) -> usize {
@@ -195,15 +173,32 @@ impl ProcessGroup {
     pub fn size(&self) -> usize {
         self.size
     }
+    /// PyTorch's "default backend" of the group: NCCL when it has it, else Gloo.
     pub fn backend(&self) -> Backend {
-        self.backend
+        if self.config.has_nccl() {
+            Backend::Nccl
+        } else {
+            Backend::Gloo
+        }
+    }
+    /// The engine per device type.
+    pub fn backend_config(&self) -> BackendConfig {
+        self.config
+    }
+    /// The engine that takes tensors on `device`, if any.
+    pub fn backend_for(&self, device: Device) -> Option<Backend> {
+        self.slot(device).map(|e| e.backend)
+    }
+    /// The GPU of the group's NCCL engine.
+    pub fn cuda_device(&self) -> Option<usize> {
+        self.cuda_device
     }
     pub fn timeout(&self) -> Duration {
         self.timeout
     }
-    /// A group of the given ranks of this one (as `torch.distributed.new_group`). Only the members call
-    /// it (others get `None` without talking to anyone); `name` keeps different subgroups of the same
-    /// ranks apart. Member `ranks[i]` is rank `i` of the subgroup.
+    /// A group of the given ranks of this one (as `torch.distributed.new_group`), with the same backends.
+    /// Only the members call it (others get `None` without talking to anyone); `name` keeps different
+    /// subgroups of the same ranks apart. Member `ranks[i]` is rank `i` of the subgroup.
     pub fn new_subgroup(&self, ranks: &[usize], name: &str) -> Result<Option<ProcessGroup>> {
         if let Some(&r) = ranks.iter().find(|&&r| r >= self.size) {
             return Err(Error::invalid("new_subgroup", format!("rank {r} is not in a group of size {}", self.size)));
@@ -211,17 +206,14 @@ impl ProcessGroup {
         let Some(me) = ranks.iter().position(|&r| r == self.rank) else { return Ok(None) };
         let key = format!("subgroup/{name}/{}/", ranks.iter().map(|r| r.to_string()).collect::<Vec<_>>().join(","));
         let opts = GroupOptions {
-            backend: self.backend,
+            backend: self.config,
             timeout: self.timeout,
             hostname: self.hostname.clone(),
             threads: 0,
             verify: self.verify,
+            cuda_device: self.cuda_device,
         };
         ProcessGroup::new(&self.store.prefixed(&key)?, me, ranks.len(), &opts).map(Some)
-    }
-
-    pub(crate) fn as_ptr(&self) -> *mut ffi::tdx_pg {
-        self.ptr.as_ptr()
     }
 
     /// Whether collectives check agreement across ranks first (see [`GroupOptions::verify`]).
@@ -232,34 +224,57 @@ impl ProcessGroup {
         self.verify = on;
     }
 
-    fn meta_device(&self, t: &Tensor) -> tch::Device {
-        match self.backend {
-            Backend::Gloo => tch::Device::Cpu,
-            Backend::Nccl => t.device(),
+    /// Where the group's own metadata travels (see [`meta`]): CPU when an engine takes CPU tensors, else
+    /// the NCCL engine's GPU.
+    pub(crate) fn meta_device(&self) -> Device {
+        match (&self.cpu, self.cuda_device) {
+            (None, Some(d)) => Device::Cuda(d),
+            _ => Device::Cpu,
         }
     }
 
-    fn agree(&self, what: &str, op: i64, t: &Tensor, extra: i64) -> Result<()> {
-        if self.verify {
-            verify::agree(self, what, verify::fingerprint(op, t, extra), self.meta_device(t))?;
+    fn slot(&self, device: Device) -> Option<&Engine> {
+        match device {
+            Device::Cpu => self.cpu.as_deref(),
+            Device::Cuda(_) => self.cuda.as_deref(),
+            _ => None,
         }
-        Ok(())
+    }
+
+    /// The engine for tensors on `device`, or an error naming the device and the group's backends,
+    /// raised before any engine sees the tensor (NCCL given a CPU tensor would fail deep inside).
+    pub(crate) fn engine(&self, device: Device, desc: &dyn Fn() -> String) -> Result<&Engine> {
+        self.slot(device).ok_or_else(|| {
+            let hint = match device {
+                Device::Cpu => format!(
+                    "; NCCL takes CUDA tensors only: move it to cuda:{}, or build the group with a CPU \
+                     backend too (BackendConfig::CPU_GLOO_CUDA_NCCL, PyTorch's \"cpu:gloo,cuda:nccl\")",
+                    self.cuda_device.unwrap_or(0)
+                ),
+                Device::Cuda(_) => "; build the group with a CUDA backend (nccl, or gloo)".to_string(),
+                _ => "; only CPU and CUDA tensors are supported".to_string(),
+            };
+            Error::invalid(
+                desc(),
+                format!("the tensor is on {device:?}, and this group ({}) has no backend for it{hint}", self.config),
+            )
+        })
     }
 
     fn ctx(&self) -> String {
-        format!("rank {} of {} ({})", self.rank, self.size, self.backend.name())
+        format!("rank {} of {} ({})", self.rank, self.size, self.config)
     }
 
-    /// The engine's op code for `op` on tensor `t`, and what to do after the wait. Gloo has no AVG: it
-    /// runs SUM and the finish step divides by the group size.
-    fn reduction(&self, desc: &str, op: ReduceOp, t: &Tensor) -> Result<(i32, Option<Finish>)> {
+    /// The engine's op code for `op`, and what to do after the wait. Gloo has no AVG: it runs SUM and
+    /// the finish step divides by the group size.
+    fn reduction(&self, e: &Engine, desc: &str, op: ReduceOp, t: &Tensor) -> Result<(i32, Option<Finish>)> {
         if op != ReduceOp::Avg {
             return Ok((op.code(), None));
         }
         if !t.is_floating_point() {
             return Err(Error::invalid(desc.to_string(), "ReduceOp::Avg needs a floating-point tensor"));
         }
-        if self.backend != Backend::Gloo {
+        if e.backend != Backend::Gloo {
             return Ok((op.code(), None));
         }
         let mut target = t.shallow_clone();
@@ -271,16 +286,17 @@ impl ProcessGroup {
         Ok((ReduceOp::Sum.code(), Some(finish)))
     }
 
-    /// Starts an operation through `start` and wraps the handle it returns.
+    /// Starts an operation on engine `e` through `start` and wraps the handle it returns.
     fn launch(
         &self,
+        e: &Engine,
         op: String,
         start: impl FnOnce(*mut ffi::tdx_pg, *mut *mut ffi::tdx_work) -> libc::c_int,
         finish: Option<Finish>,
     ) -> Result<Work> {
         let mut out = std::ptr::null_mut();
-        let code = start(self.ptr.as_ptr(), &mut out);
-        let ctx = self.ctx();
+        let code = start(e.as_ptr(), &mut out);
+        let ctx = format!("rank {} of {} ({})", self.rank, self.size, e.backend);
         let desc = move || format!("{op} on {ctx}");
         check(code, self.timeout, &desc)?;
         Ok(Work::new(out, self.timeout, Box::new(desc), finish))
@@ -303,25 +319,27 @@ impl ProcessGroup {
 
     /// Asynchronous [`allreduce`](Self::allreduce). Gloo has no AVG: it runs SUM and divides on `wait`.
     pub fn allreduce_async(&self, t: &mut Tensor, op: ReduceOp) -> Result<Work> {
-        let desc = format!("allreduce({op:?}) of {}", describe(t));
+        let desc = || format!("allreduce({op:?}) of {}", describe(t));
         // refuse bad input before talking to other ranks
-        let (code, finish) = self.reduction(&desc, op, t)?;
-        self.agree("allreduce", 1, t, op.code() as i64)?;
-        self.launch_allreduce(t, desc, code, finish)
+        let e = self.engine(t.device(), &desc)?;
+        let (code, finish) = self.reduction(e, &desc(), op, t)?;
+        meta::agree_on_op(self, "allreduce", 1, t, op.code() as i64)?;
+        self.launch_allreduce(e, t, desc(), code, finish)
     }
 
     /// [`allreduce_async`](Self::allreduce_async) without the agreement check, for callers that
     /// established agreement once (DDP buckets).
     pub(crate) fn allreduce_unverified(&self, t: &mut Tensor, op: ReduceOp) -> Result<Work> {
-        let desc = format!("allreduce({op:?}) of {}", describe(t));
-        let (code, finish) = self.reduction(&desc, op, t)?;
-        self.launch_allreduce(t, desc, code, finish)
+        let desc = || format!("allreduce({op:?}) of {}", describe(t));
+        let e = self.engine(t.device(), &desc)?;
+        let (code, finish) = self.reduction(e, &desc(), op, t)?;
+        self.launch_allreduce(e, t, desc(), code, finish)
     }
 
-    fn launch_allreduce(&self, t: &mut Tensor, desc: String, code: i32, finish: Option<Finish>) -> Result<Work> {
+    fn launch_allreduce(&self, e: &Engine, t: &mut Tensor, desc: String, code: i32, finish: Option<Finish>) -> Result<Work> {
         let tp = t.as_mut_ptr() as ffi::tdx_tensor;
         // SAFETY: the tensor pointer is valid for the call; the shim copies the at::Tensor (shared storage).
-        self.launch(desc, |pg, out| unsafe { ffi::tdx_pg_allreduce(pg, tp, code, out) }, finish)
+        self.launch(e, desc, |pg, out| unsafe { ffi::tdx_pg_allreduce(pg, tp, code, out) }, finish)
     }
 
     /// Copies `t` from rank `root` to every rank, in place.
@@ -331,15 +349,17 @@ impl ProcessGroup {
 
     pub fn broadcast_async(&self, t: &mut Tensor, root: usize) -> Result<Work> {
         self.check_peer("broadcast root", root)?;
-        self.agree("broadcast", 2, t, root as i64)?;
+        self.engine(t.device(), &|| format!("broadcast from rank {root} of {}", describe(t)))?;
+        meta::agree_on_op(self, "broadcast", 2, t, root as i64)?;
         self.broadcast_unverified(t, root)
     }
 
     pub(crate) fn broadcast_unverified(&self, t: &mut Tensor, root: usize) -> Result<Work> {
         let desc = format!("broadcast from rank {root} of {}", describe(t));
+        let e = self.engine(t.device(), &|| desc.clone())?;
         let tp = t.as_mut_ptr() as ffi::tdx_tensor;
-        // SAFETY: as in allreduce_async.
-        self.launch(desc, |pg, out| unsafe { ffi::tdx_pg_broadcast(pg, tp, root as i32, out) }, None)
+        // SAFETY: as in launch_allreduce.
+        self.launch(e, desc, |pg, out| unsafe { ffi::tdx_pg_broadcast(pg, tp, root as i32, out) }, None)
     }
 
     /// Gathers every rank's `input` into `outputs[r]` (one tensor per rank, same shape as `input`).
@@ -348,21 +368,23 @@ impl ProcessGroup {
     }
 
     pub fn all_gather_async(&self, outputs: &mut [Tensor], input: &Tensor) -> Result<Work> {
-        self.agree("all_gather", 3, input, 0)?;
+        self.engine(input.device(), &|| format!("all_gather of {}", describe(input)))?;
+        meta::agree_on_op(self, "all_gather", 3, input, 0)?;
         self.all_gather_unverified(outputs, input)
     }
 
     pub(crate) fn all_gather_unverified(&self, outputs: &mut [Tensor], input: &Tensor) -> Result<Work> {
-        let desc = format!("all_gather of {}", describe(input));
+        let desc = || format!("all_gather of {}", describe(input));
+        let e = self.engine(input.device(), &desc)?;
         if outputs.len() != self.size {
-            return Err(Error::invalid(desc, format!("{} output tensors for {} ranks", outputs.len(), self.size)));
+            return Err(Error::invalid(desc(), format!("{} output tensors for {} ranks", outputs.len(), self.size)));
         }
-        check_like(&desc, outputs, input)?;
+        check_like(&desc(), outputs, input)?;
         let mut outs: Vec<ffi::tdx_tensor> = outputs.iter_mut().map(|t| t.as_mut_ptr() as ffi::tdx_tensor).collect();
         let ip = input.as_ptr() as ffi::tdx_tensor;
         let n = outs.len();
         // SAFETY: the pointer array and tensors are valid for the call.
-        self.launch(desc, |pg, out| unsafe { ffi::tdx_pg_allgather(pg, outs.as_mut_ptr(), n, ip, out) }, None)
+        self.launch(e, desc(), |pg, out| unsafe { ffi::tdx_pg_allgather(pg, outs.as_mut_ptr(), n, ip, out) }, None)
     }
 
     /// Reduces `inputs[r]` across ranks and leaves rank r's result in `output` (one input per rank).
@@ -372,17 +394,19 @@ impl ProcessGroup {
 
     pub fn reduce_scatter_async(&self, output: &mut Tensor, inputs: &[Tensor], op: ReduceOp) -> Result<Work> {
         let desc = format!("reduce_scatter({op:?}) into {}", describe(output));
+        let e = self.engine(output.device(), &|| desc.clone())?;
         if inputs.len() != self.size {
             return Err(Error::invalid(desc, format!("{} input tensors for {} ranks", inputs.len(), self.size)));
         }
         check_like(&desc, inputs, output)?;
-        let (code, finish) = self.reduction(&desc, op, output)?;
-        self.agree("reduce_scatter", 4, output, op.code() as i64)?;
+        let (code, finish) = self.reduction(e, &desc, op, output)?;
+        meta::agree_on_op(self, "reduce_scatter", 4, output, op.code() as i64)?;
         let mut ins: Vec<ffi::tdx_tensor> = inputs.iter().map(|t| t.as_ptr() as ffi::tdx_tensor).collect();
         let op_ = output.as_mut_ptr() as ffi::tdx_tensor;
         let n = ins.len();
         // SAFETY: the pointer array and tensors are valid for the call.
         self.launch(
+            e,
             desc,
             |pg, out| unsafe { ffi::tdx_pg_reduce_scatter(pg, op_, ins.as_mut_ptr(), n, code, out) },
             finish,
@@ -401,8 +425,9 @@ impl ProcessGroup {
         if dst == self.rank {
             return Err(Error::invalid("send", format!("rank {dst} cannot send to itself")));
         }
+        self.engine(t.device(), &|| format!("send of {} to rank {dst}", describe(t)))?;
         let header = if self.verify {
-            let mut h = Tensor::from_slice(&verify::fingerprint(5, t, 0)).to_device(self.meta_device(t));
+            let mut h = Tensor::from_slice(&meta::fingerprint(5, t, 0)).f_to_device(self.meta_device())?;
             Some(self.send_raw(&mut h, dst, header_tag(tag))?)
         } else {
             None
@@ -414,11 +439,24 @@ impl ProcessGroup {
         Ok(work)
     }
 
+    /// Gloo's send and recv take the tensor's memory as host memory: CUDA tensors go through a CPU copy.
+    fn staged(&self, e: &Engine, t: &Tensor) -> bool {
+        e.backend == Backend::Gloo && t.device() != Device::Cpu
+    }
+
     pub(crate) fn send_raw(&self, t: &Tensor, dst: usize, tag: i32) -> Result<Work> {
-        let desc = format!("send of {} to rank {dst} (tag {tag})", describe(t));
+        let desc = || format!("send of {} to rank {dst} (tag {tag})", describe(t));
+        let e = self.engine(t.device(), &desc)?;
+        let host;
+        let t = if self.staged(e, t) {
+            host = t.f_to_device(Device::Cpu)?;
+            &host
+        } else {
+            t
+        };
         let tp = t.as_ptr() as ffi::tdx_tensor;
-        // SAFETY: as in allreduce_async.
-        self.launch(desc, |pg, out| unsafe { ffi::tdx_pg_send(pg, tp, dst as i32, tag, out) }, None)
+        // SAFETY: as in launch_allreduce; c10d's send work keeps its own reference to the tensor.
+        self.launch(e, desc(), |pg, out| unsafe { ffi::tdx_pg_send(pg, tp, dst as i32, tag, out) }, None)
     }
 
     /// Receives into `t` (which must have the sender's shape and dtype) from rank `src`.
@@ -433,19 +471,20 @@ impl ProcessGroup {
         if src == self.rank {
             return Err(Error::invalid("recv", format!("rank {src} cannot receive from itself")));
         }
+        self.engine(t.device(), &|| format!("recv of {} from rank {src}", describe(t)))?;
         if self.verify {
-            let mine = verify::fingerprint(5, t, 0);
-            let mut h = Tensor::zeros([verify::LEN as i64], (tch::Kind::Int64, self.meta_device(t)));
+            let mine = meta::fingerprint(5, t, 0);
+            let mut h = Tensor::f_zeros([mine.len() as i64], (tch::Kind::Int64, self.meta_device()))?;
             self.recv_raw(&mut h, src, header_tag(tag))?.wait()?;
-            let theirs = Vec::<i64>::try_from(h.to_device(tch::Device::Cpu))?;
+            let theirs = Vec::<i64>::try_from(h.f_to_device(Device::Cpu)?)?;
             if theirs[..] != mine[..] {
                 let msg = format!(
                     "rank {src} sent {} but rank {} posted {}",
-                    verify::render(&theirs),
+                    tensor_meta::render(&theirs[2..]),
                     self.rank,
-                    verify::render(&mine)
+                    tensor_meta::render(&mine[2..])
                 );
-                if let Some(mut scratch) = verify::tensor_for(&theirs, t.device()) {
+                if let Some(mut scratch) = tensor_meta::empty(&theirs[2..], t.device()) {
                     self.recv_raw(&mut scratch, src, tag)?.wait()?;
                 }
                 return Err(Error::mismatch(format!("recv from rank {src} (tag {tag})"), msg));
@@ -455,10 +494,22 @@ impl ProcessGroup {
     }
 
     pub(crate) fn recv_raw(&self, t: &mut Tensor, src: usize, tag: i32) -> Result<Work> {
-        let desc = format!("recv of {} from rank {src} (tag {tag})", describe(t));
-        let tp = t.as_mut_ptr() as ffi::tdx_tensor;
-        // SAFETY: as in allreduce_async.
-        self.launch(desc, |pg, out| unsafe { ffi::tdx_pg_recv(pg, tp, src as i32, tag, out) }, None)
+        let desc = || format!("recv of {} from rank {src} (tag {tag})", describe(t));
+        let e = self.engine(t.device(), &desc)?;
+        let (mut into, finish) = if self.staged(e, t) {
+            let host = t.f_empty_like()?.f_to_device(Device::Cpu)?;
+            let (mut dst, src_host) = (t.shallow_clone(), host.shallow_clone());
+            let finish: Finish = Box::new(move || {
+                dst.f_copy_(&src_host)?;
+                Ok(())
+            });
+            (host, Some(finish))
+        } else {
+            (t.shallow_clone(), None)
+        };
+        let tp = into.as_mut_ptr() as ffi::tdx_tensor;
+        // SAFETY: as in launch_allreduce; c10d's recv work keeps its own reference to the tensor.
+        self.launch(e, desc(), |pg, out| unsafe { ffi::tdx_pg_recv(pg, tp, src as i32, tag, out) }, finish)
     }
 
     /// Blocks until every rank reached the barrier.
@@ -466,18 +517,25 @@ impl ProcessGroup {
         self.barrier_async()?.wait()
     }
 
+    /// On the CPU engine when there is one, as PyTorch's `barrier()` picks for a multi-backend group.
     pub fn barrier_async(&self) -> Result<Work> {
+        let e = self.engine(self.meta_device(), &|| "barrier".to_string())?;
         // SAFETY: the group handle is valid.
-        self.launch("barrier".to_string(), |pg, out| unsafe { ffi::tdx_pg_barrier(pg, out) }, None)
+        self.launch(e, "barrier".to_string(), |pg, out| unsafe { ffi::tdx_pg_barrier(pg, out) }, None)
     }
 
     /// Sets the timeout of later collectives.
     pub fn set_timeout(&mut self, timeout: Duration) -> Result<()> {
-        // SAFETY: the group handle is valid.
-        let code = unsafe { ffi::tdx_pg_set_timeout(self.ptr.as_ptr(), millis(timeout)) };
-        check(code, timeout, || format!("set_timeout on {}", self.ctx()))?;
+        for e in [&self.cpu, &self.cuda].into_iter().flatten() {
+            e.set_timeout(timeout).map_err(|err| err.in_op(format!("set_timeout on {}", self.ctx())))?;
+        }
         self.timeout = timeout;
         Ok(())
+    }
+
+    /// The engine's handle for tensors on `device` (the tensor-parallel operators run inside autograd).
+    pub(crate) fn engine_ptr(&self, device: Device, desc: &dyn Fn() -> String) -> Result<*mut ffi::tdx_pg> {
+        Ok(self.engine(device, desc)?.as_ptr())
     }
 }
 
@@ -498,15 +556,43 @@ fn check_like(desc: &str, ts: &[Tensor], like: &Tensor) -> Result<()> {
     Ok(())
 }
 
-impl Drop for ProcessGroup {
-    fn drop(&mut self) {
-        // SAFETY: we own the handle.
-        unsafe { ffi::tdx_pg_free(self.ptr.as_ptr()) }
-    }
-}
-
 impl std::fmt::Debug for ProcessGroup {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "ProcessGroup({})", self.ctx())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A one-rank Gloo group whose routing table says "NCCL only" (no GPU here to build a real one):
+    /// the routing check runs before any engine sees the tensor, so this is the path a real NCCL-only
+    /// group takes with a CPU tensor.
+    fn nccl_only_routing() -> ProcessGroup {
+        let store = Store::hash().unwrap();
+        let mut pg = ProcessGroup::new(&store, 0, 1, &GroupOptions::default()).unwrap();
+        pg.cuda = pg.cpu.take();
+        pg.config = BackendConfig::NCCL;
+        pg.cuda_device = Some(0);
+        pg
+    }
+
+    #[test]
+    fn nccl_only_group_refuses_cpu_tensors_by_name() {
+        let pg = nccl_only_routing();
+        let mut t = Tensor::ones([4], (tch::Kind::Float, Device::Cpu));
+        for e in [
+            pg.allreduce(&mut t, ReduceOp::Sum).unwrap_err(),
+            pg.broadcast(&mut t, 0).unwrap_err(),
+            pg.all_gather(&mut [t.zeros_like()], &t).unwrap_err(),
+        ] {
+            let s = e.to_string();
+            assert!(matches!(e, Error::Invalid { .. }), "{e:?}");
+            assert!(s.contains("on Cpu") && s.contains("(nccl) has no backend for it"), "{s}");
+            assert!(s.contains("NCCL takes CUDA tensors only"), "{s}");
+        }
+        // metadata would travel on the GPU
+        assert_eq!(pg.meta_device(), Device::Cuda(0));
     }
 }

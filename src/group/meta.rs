@@ -1,0 +1,133 @@
+//! The group's own bookkeeping collectives: a few integers gathered, broadcast or reduced (agreement
+//! checks, DDP's loop check and bucket sync, the unused-parameter map, overflow flags, checkpoint status).
+//!
+//! They all go through [`Meta`], which decides once where such integers travel: on the group's CPU
+//! backend when it has one (Gloo), else on the CUDA device of its NCCL backend, which takes CUDA tensors
+//! only. Metadata then never waits behind GPU work on a `cpu:gloo,cuda:nccl` group.
+//!
+//! The first check of all is [`agree`](Meta::agree): gather a few integers from every rank and fail, on
+//! every rank alike, when they differ. Gloo aborts the whole process (an uncaught exception on its
+//! transport thread) when ranks pass tensors of different sizes; checking first turns that into an
+//! error that names each rank's view.
+use tch::kind::Element;
+use tch::{Device, Tensor};
+
+use super::{tensor_meta, ProcessGroup, ReduceOp};
+use crate::error::{Error, Result};
+
+/// Metadata collectives of one group, on one device (see the module docs).
+pub(crate) struct Meta<'a> {
+    pg: &'a ProcessGroup,
+    device: Device,
+}
+
+impl ProcessGroup {
+    /// Where the group's metadata travels: CPU when it has a CPU backend, else its CUDA device.
+    pub(crate) fn meta(&self) -> Meta<'_> {
+        Meta { pg: self, device: self.meta_device() }
+    }
+
+    /// PyTorch's DDP runs its own bookkeeping (parameter check, bucket sync, unused map) on the
+    /// parameters' device. A group that mixes in PyTorch ranks has agreement checks off, and then these
+    /// collectives follow PyTorch to stay on its wire; otherwise they go where [`meta`](Self::meta) says.
+    pub(crate) fn meta_as_pytorch(&self, params_device: Device) -> Meta<'_> {
+        if self.verifies() {
+            self.meta()
+        } else {
+            Meta { pg: self, device: params_device }
+        }
+    }
+}
+
+fn to_vec<T: Element + Copy>(t: &Tensor) -> Result<Vec<T>> {
+    Ok(Vec::<T>::try_from(t.f_to_device(Device::Cpu)?)?)
+}
+
+impl Meta<'_> {
+    pub(crate) fn device(&self) -> Device {
+        self.device
+    }
+
+    fn op(&self, what: &str) -> String {
+        format!("{what} on rank {} of {}", self.pg.rank(), self.pg.size())
+    }
+
+    fn tensor<T: Element + Copy>(&self, v: &[T]) -> Result<Tensor> {
+        Ok(Tensor::from_slice(v).f_to_device(self.device)?)
+    }
+
+    /// Every rank's `v`, in rank order. All ranks must pass the same length (callers use fixed layouts).
+    pub(crate) fn gather<T: Element + Copy>(&self, what: &str, v: &[T]) -> Result<Vec<Vec<T>>> {
+        if self.pg.size() == 1 {
+            return Ok(vec![v.to_vec()]);
+        }
+        let mine = self.tensor(v)?;
+        let mut all: Vec<Tensor> = (0..self.pg.size()).map(|_| mine.zeros_like()).collect();
+        self.pg.all_gather_unverified(&mut all, &mine).and_then(|w| w.wait()).map_err(|e| e.in_op(self.op(what)))?;
+        all.iter().map(to_vec).collect()
+    }
+
+    /// Rank `root`'s `v` (every rank passes a slice of the same length).
+    pub(crate) fn broadcast<T: Element + Copy>(&self, what: &str, v: &[T], root: usize) -> Result<Vec<T>> {
+        if self.pg.size() == 1 {
+            return Ok(v.to_vec());
+        }
+        let mut t = self.tensor(v)?;
+        self.pg.broadcast_unverified(&mut t, root).and_then(|w| w.wait()).map_err(|e| e.in_op(self.op(what)))?;
+        to_vec(&t)
+    }
+
+    /// `v` reduced elementwise across ranks.
+    pub(crate) fn allreduce<T: Element + Copy>(&self, what: &str, v: &[T], op: ReduceOp) -> Result<Vec<T>> {
+        if self.pg.size() == 1 {
+            return Ok(v.to_vec());
+        }
+        let mut t = self.tensor(v)?;
+        self.pg.allreduce_unverified(&mut t, op).and_then(|w| w.wait()).map_err(|e| e.in_op(self.op(what)))?;
+        to_vec(&t)
+    }
+
+    /// Gathers `v` from every rank and fails on every rank alike when any differ; `explain` turns the
+    /// rows (rank order) into the error's message. Returns the rows.
+    pub(crate) fn agree(
+        &self,
+        what: &str,
+        v: &[i64],
+        explain: impl FnOnce(&[Vec<i64>]) -> String,
+    ) -> Result<Vec<Vec<i64>>> {
+        let rows = self.gather(what, v)?;
+        if rows.iter().all(|r| r == &rows[0]) {
+            return Ok(rows);
+        }
+        Err(Error::mismatch(self.op(what), explain(&rows)))
+    }
+}
+
+/// `rank 0: .., rank 1: ..` for error messages.
+pub(crate) fn by_rank(rows: &[Vec<i64>], show: impl Fn(&[i64]) -> String, sep: &str) -> String {
+    rows.iter().enumerate().map(|(r, v)| format!("rank {r}: {}", show(v))).collect::<Vec<_>>().join(sep)
+}
+
+/// What must agree across ranks for one collective: `[op, extra (root or reduce op), dtype/shape...]`.
+pub(crate) fn fingerprint(op: i64, t: &Tensor, extra: i64) -> Vec<i64> {
+    let mut f = vec![op, extra];
+    f.extend_from_slice(&tensor_meta::encode(t));
+    f
+}
+
+/// The check before a public collective: all ranks pass the same operation, arguments, dtype and shape.
+pub(crate) fn agree_on_op(pg: &ProcessGroup, what: &str, op: i64, t: &Tensor, extra: i64) -> Result<()> {
+    if !pg.verifies() || pg.size() == 1 {
+        return Ok(());
+    }
+    let what = format!("{what} (agreement check before it)");
+    pg.meta().agree(&what, &fingerprint(op, t, extra), |rows| {
+        let listing = by_rank(rows, |f| tensor_meta::render(&f[2..]), ", ");
+        if rows.iter().any(|r| r[..2] != rows[0][..2]) {
+            format!("ranks issued different operations or arguments at this point ({listing})")
+        } else {
+            format!("ranks disagree on dtype/shape: {listing}")
+        }
+    })?;
+    Ok(())
+}
