@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Sets up (first run: the torch venv, ~3 min) and runs every test: unit, integration (threads, processes,
-# Python interop, parity with PyTorch), doc tests; then builds the `cuda` feature and runs the GPU tests,
-# which print "skipped: no CUDA device" on a machine without one.
+# Sets up (first run: the torch venvs, ~3 min each) and runs every test: unit, integration (threads,
+# processes, Python interop, parity with PyTorch), doc tests; then builds the `cuda` feature and runs the
+# GPU tests, which print "skipped: no CUDA device" on a machine without one; builds everything against
+# libtorch 2.11 too; and builds the GPU kit and rehearses it (scripts/gpu-kit.sh --rehearse).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
@@ -16,5 +17,8 @@ echo "== cuda feature: build and link every target, run the GPU tests"
 cargo build --features cuda --all-targets
 cargo test --features cuda --test cuda -- --nocapture
 
-echo "== scripts/gpu-check.sh (reports whether a GPU is present)"
-scripts/gpu-check.sh
+echo "== libtorch 2.11 (tch 0.24): build the crate, every target, with the cuda feature"
+scripts/build-torch.sh 2.11.0 build --features cuda --all-targets
+
+echo "== GPU kit: built for the lent GPU machine's torch (2.11.0), rehearsed here without cargo"
+scripts/gpu-kit.sh --rehearse

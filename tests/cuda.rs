@@ -1,6 +1,7 @@
 //! GPU tests. Without a CUDA device (or without the `cuda` feature) each one checks the error path and
 //! prints "skipped: no CUDA device" — scripts/test.sh runs this file with --nocapture so the skips show.
-//! scripts/gpu-check.sh runs it with `--features cuda` on a GPU machine.
+//! On a GPU machine with a Rust toolchain: `cargo test --features cuda --test cuda`; the lent GPU machine has
+//! none, so scripts/gpu-kit.sh carries the same checks there as prebuilt binaries.
 mod common;
 
 use std::time::Duration;
@@ -76,4 +77,25 @@ fn cuda_gloo_two_processes_share_one_gpu() {
     }
     common::run_ranks_ok("worker_cuda_gloo", 2, &[], Duration::from_secs(120));
     println!("gloo with CUDA tensors, 2 processes on cuda:0: ok");
+}
+
+#[test]
+fn cuda_nccl_only_group_refuses_cpu_tensors_and_the_default_group_routes_by_device() {
+    if gpu().is_none() {
+        return;
+    }
+    let opts = GroupOptions { backend: tch_dist::BackendConfig::NCCL, timeout: Duration::from_secs(60), ..GroupOptions::default() };
+    let pg = ProcessGroup::new(&Store::hash().unwrap(), 0, 1, &opts).unwrap();
+    let mut cpu = Tensor::ones([4], (Kind::Float, Device::Cpu));
+    let e = pg.allreduce(&mut cpu, ReduceOp::Sum).unwrap_err().to_string();
+    assert!(e.contains("on Cpu") && e.contains("NCCL takes CUDA tensors only"), "{e}");
+    let opts = GroupOptions { backend: tch_dist::BackendConfig::CPU_GLOO_CUDA_NCCL, ..opts };
+    let pg = ProcessGroup::new(&Store::hash().unwrap(), 0, 1, &opts).unwrap();
+    assert_eq!(pg.backend_for(Device::Cpu), Some(Backend::Gloo));
+    assert_eq!(pg.backend_for(Device::Cuda(0)), Some(Backend::Nccl));
+    pg.allreduce(&mut cpu, ReduceOp::Sum).unwrap();
+    let mut gpu = Tensor::ones([4], (Kind::Float, Device::Cuda(0)));
+    pg.allreduce(&mut gpu, ReduceOp::Sum).unwrap();
+    pg.barrier().unwrap();
+    println!("nccl-only refuses CPU tensors; cpu:gloo,cuda:nccl routes by device");
 }

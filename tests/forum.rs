@@ -7,13 +7,6 @@ use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-fn example(name: &str) -> PathBuf {
-    // cargo test builds the examples next to the test binaries: target/<profile>/examples/
-    let exe = std::env::current_exe().unwrap();
-    let p = exe.parent().unwrap().parent().unwrap().join("examples").join(name);
-    assert!(p.exists(), "{} not built (cargo test builds examples)", p.display());
-    p
-}
 
 /// Runs 2 ranks of `cmd args`, returns (rank, stage) -> bytes.
 fn run(cmd: &PathBuf, args: &[&str]) -> BTreeMap<(usize, String), i64> {
@@ -49,7 +42,7 @@ fn run(cmd: &PathBuf, args: &[&str]) -> BTreeMap<(usize, String), i64> {
 
 #[test]
 fn forum_repro_memory_equals_pytorch_ddp() {
-    let rust = example("forum_repro");
+    let rust = common::example("forum_repro");
     let python = PathBuf::from(common::python());
     let script = common::repo_path("scripts/forum_repro.py");
     for view in ["off", "on"] {

@@ -14,10 +14,7 @@ fn tchrun() -> Command {
 }
 
 fn example(name: &str) -> String {
-    let exe = std::env::current_exe().unwrap();
-    let p = exe.parent().unwrap().parent().unwrap().join("examples").join(name);
-    assert!(p.exists(), "{} not built (scripts/test.sh builds the examples first)", p.display());
-    p.to_string_lossy().to_string()
+    common::example(name).to_string_lossy().to_string()
 }
 
 fn run(mut c: Command, limit: Duration) -> (Output, Duration) {

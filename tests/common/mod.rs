@@ -15,6 +15,14 @@ pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("free port")
 }
 
+/// An example built beside the test binaries (target/<profile>/examples/; scripts/test.sh builds them).
+pub fn example(name: &str) -> std::path::PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let p = exe.parent().unwrap().parent().unwrap().join("examples").join(name);
+    assert!(p.exists(), "{} not built (scripts/test.sh builds the examples first)", p.display());
+    p
+}
+
 pub fn gloo_opts(timeout: Duration) -> GroupOptions {
     GroupOptions { backend: Backend::Gloo.into(), timeout, hostname: Some("127.0.0.1".into()), ..GroupOptions::default() }
 }

@@ -1,0 +1,619 @@
+//! The GPU kit's checks. `scripts/gpu-kit.sh` builds this (with the `cuda` feature, for the lent
+//! machine's libtorch) and `gpu-kit/run.sh` runs it there, one check per process, so a crash costs one
+//! check, not the run.
+//!
+//!   gpu_kit list                          the single-process checks, one per line
+//!   gpu_kit check NAME [--device cuda]    one check: prints `PASS NAME: ...`, `FAIL NAME: ...`, or
+//!                                         `SKIP NAME: no CUDA device`
+//!   gpu_kit selfcheck                     libtorch loads and a Gloo collective runs (the kit's own health)
+//!   gpu_kit ddp-rank [--device cuda]      one rank of the two-process Gloo check (started by tchrun)
+//!   gpu_kit bench-ddp | bench-allreduce   the Rust side of the benchmarks (the PyTorch side is torch_gpu.py)
+//!
+//! Every check compares the GPU against the same computation on the CPU. `--device cpu` runs the "GPU"
+//! side on the CPU too: CI runs every check that way (tests/gpu_kit.rs), so the comparisons themselves are
+//! tested where there is no GPU.
+use std::collections::BTreeMap;
+use std::error::Error;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use clap::{Parser, Subcommand};
+use tch::{nn, nn::Module, nn::OptimizerConfig, Device, Kind, Tensor};
+use tch_dist::amp::{autocast, GradScaler};
+use tch_dist::ddp::{DdpOptions, DistributedDataParallel};
+use tch_dist::optim::{AdamW, Optimizer, ShardedOptimizer, Sgd, ZeroStage};
+use tch_dist::pipeline::schedule::Kind as Sched;
+use tch_dist::pipeline::split::SplitModel;
+use tch_dist::pipeline::{LayerList, Partition, Pipeline};
+use tch_dist::tp::ParallelMlp;
+use tch_dist::{checkpoint, memory, Backend, BackendConfig, GroupOptions, InitOptions, ProcessGroup, ReduceOp, Store};
+
+type Res<T> = Result<T, Box<dyn Error>>;
+
+#[derive(Parser)]
+#[command(name = "gpu_kit", about = "The GPU kit's checks and benchmarks")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// The single-process checks, one per line.
+    List,
+    /// Runs one check.
+    Check {
+        name: String,
+        #[arg(long, default_value = "cuda")]
+        device: String,
+    },
+    /// Loads libtorch and runs a one-rank Gloo allreduce on the CPU.
+    Selfcheck,
+    /// One rank of the two-process check: DDP over Gloo with both ranks on one GPU.
+    DdpRank {
+        #[arg(long, default_value = "cuda")]
+        device: String,
+    },
+    /// DDP step time and peak memory on one GPU (NCCL, one rank).
+    BenchDdp {
+        #[arg(long, default_value_t = 20)]
+        steps: usize,
+    },
+    /// NCCL allreduce bandwidth, 1 MiB to 1 GiB (one rank).
+    BenchAllreduce {
+        #[arg(long, default_value_t = 20)]
+        iters: usize,
+    },
+}
+
+/// A check passed (with what it measured) or did not apply.
+enum Outcome {
+    Pass(String),
+    Skip(String),
+}
+use Outcome::{Pass, Skip};
+
+type Check = fn(Device) -> Res<Outcome>;
+
+const CHECKS: &[(&str, Check)] = &[
+    ("nccl-refuses-cpu-tensors", nccl_refuses_cpu_tensors),
+    ("group-cpu-gloo-cuda-nccl", group_cpu_gloo_cuda_nccl),
+    ("ddp-views-on", |d| ddp_step(d, true, false)),
+    ("ddp-views-off", |d| ddp_step(d, false, false)),
+    ("ddp-default-group-unused", |d| ddp_step(d, true, true)),
+    ("zero1", |d| zero_step(d, ZeroStage::One)),
+    ("zero2", |d| zero_step(d, ZeroStage::Two)),
+    ("tp-mlp", tp_mlp),
+    ("amp-bf16", amp_bf16),
+    ("amp-fp16-scaler", amp_fp16_scaler),
+    ("checkpoint", checkpoint_round_trip),
+    ("split-one-gpu", split),
+    ("pipeline-1f1b", pipeline_1f1b),
+];
+
+fn main() {
+    let cli = Cli::parse();
+    let code = match cli.cmd {
+        Cmd::List => {
+            CHECKS.iter().for_each(|(n, _)| println!("{n}"));
+            0
+        }
+        Cmd::Check { name, device } => run_check(&name, &device),
+        Cmd::Selfcheck => report("selfcheck", selfcheck()),
+        Cmd::DdpRank { device } => match device_of(&device) {
+            Ok(None) => report("gloo-2proc-ddp", Ok(Skip("no CUDA device".into()))),
+            Ok(Some(d)) => report("gloo-2proc-ddp", ddp_rank(d)),
+            Err(e) => report("gloo-2proc-ddp", Err(e)),
+        },
+        Cmd::BenchDdp { steps } => report("bench-ddp", bench_ddp(steps)),
+        Cmd::BenchAllreduce { iters } => report("bench-allreduce", bench_allreduce(iters)),
+    };
+    std::process::exit(code);
+}
+
+/// `None` when CUDA was asked for and there is none.
+fn device_of(name: &str) -> Res<Option<Device>> {
+    match name {
+        "cpu" => Ok(Some(Device::Cpu)),
+        "cuda" if tch::Cuda::is_available() && memory::cuda_device_count() > 0 => Ok(Some(Device::Cuda(0))),
+        "cuda" => Ok(None),
+        other => Err(format!("--device must be cuda or cpu, not {other:?}").into()),
+    }
+}
+
+fn run_check(name: &str, device: &str) -> i32 {
+    let Some((_, f)) = CHECKS.iter().find(|(n, _)| *n == name) else {
+        return report(name, Err(format!("no check {name:?} (see `gpu_kit list`)").into()));
+    };
+    let outcome = match device_of(device) {
+        Ok(None) => Ok(Skip("no CUDA device".into())),
+        Ok(Some(d)) => f(d),
+        Err(e) => Err(e),
+    };
+    report(name, outcome)
+}
+
+/// Prints the check's line; the exit code is 1 on failure.
+fn report(name: &str, r: Res<Outcome>) -> i32 {
+    match r {
+        Ok(Pass(detail)) => println!("PASS {name}: {detail}"),
+        Ok(Skip(why)) => println!("SKIP {name}: {why}"),
+        Err(e) => {
+            // one line, whatever the error's own formatting
+            let msg = e.to_string().lines().map(str::trim).collect::<Vec<_>>().join(" ");
+            println!("FAIL {name}: {msg}");
+            return 1;
+        }
+    }
+    0
+}
+
+fn ensure(cond: bool, msg: impl FnOnce() -> String) -> Res<()> {
+    if cond {
+        Ok(())
+    } else {
+        Err(msg().into())
+    }
+}
+
+// ---- shared pieces
+
+/// A one-rank group on an in-process store: `cuda` is the engine for CUDA tensors (NCCL alone, or with
+/// Gloo for the CPU); on the CPU every check uses Gloo.
+fn group(device: Device, config: BackendConfig) -> Res<Arc<ProcessGroup>> {
+    let backend = if device == Device::Cpu { BackendConfig::GLOO } else { config };
+    let opts = GroupOptions {
+        backend,
+        timeout: Duration::from_secs(120),
+        hostname: Some("127.0.0.1".into()),
+        cuda_device: Some(0),
+        ..GroupOptions::default()
+    };
+    Ok(Arc::new(ProcessGroup::new(&Store::hash()?, 0, 1, &opts)?))
+}
+
+const D_IN: i64 = 32;
+const HIDDEN: i64 = 64;
+const D_OUT: i64 = 8;
+const STEPS: usize = 3;
+
+/// The checks' MLP. `unused` adds a layer that never takes part in the loss.
+fn mlp(p: &nn::Path, unused: bool) -> nn::Sequential {
+    if unused {
+        let _ = nn::linear(p / "unused", 4, 4, Default::default());
+    }
+    nn::seq()
+        .add(nn::linear(p / "l1", D_IN, HIDDEN, Default::default()))
+        .add_fn(|x| x.relu())
+        .add(nn::linear(p / "l2", HIDDEN, HIDDEN, Default::default()))
+        .add_fn(|x| x.tanh())
+        .add(nn::linear(p / "l3", HIDDEN, D_OUT, Default::default()))
+}
+
+/// The model on `device` and its CPU twin with the same initial values (drawn on the CPU).
+fn twins(device: Device, unused: bool) -> Res<((nn::VarStore, nn::Sequential), (nn::VarStore, nn::Sequential))> {
+    tch::manual_seed(1);
+    let cpu_vs = nn::VarStore::new(Device::Cpu);
+    let cpu = mlp(&cpu_vs.root(), unused);
+    let dev_vs = nn::VarStore::new(device);
+    let dev = mlp(&dev_vs.root(), unused);
+    copy_vars(&dev_vs, &cpu_vs)?;
+    Ok(((dev_vs, dev), (cpu_vs, cpu)))
+}
+
+/// Copies `src`'s values into the variables of `dst` with the same names.
+fn copy_vars(dst: &nn::VarStore, src: &nn::VarStore) -> Res<()> {
+    let src = src.variables();
+    let _g = tch::no_grad_guard();
+    for (name, mut t) in dst.variables() {
+        let s = src.get(&name).ok_or_else(|| format!("no variable {name} to copy from"))?;
+        t.f_copy_(s)?;
+    }
+    Ok(())
+}
+
+fn batch(step: usize, rows: i64) -> (Tensor, Tensor) {
+    let g = Tensor::arange(rows * D_IN, (Kind::Float, Device::Cpu)).reshape([rows, D_IN]);
+    let x = ((&g + step as f64 * 7.0) * 0.37).sin();
+    let y = ((Tensor::arange(rows * D_OUT, (Kind::Float, Device::Cpu)).reshape([rows, D_OUT]) + step as f64) * 0.11).cos();
+    (x, y)
+}
+
+fn loss(out: &Tensor, y: &Tensor) -> Tensor {
+    out.mse_loss(y, tch::Reduction::Mean)
+}
+
+fn by_name(vs: &nn::VarStore) -> BTreeMap<String, Tensor> {
+    vs.variables().into_iter().map(|(n, t)| (n, t.detach().to_device(Device::Cpu).to_kind(Kind::Float))).collect()
+}
+
+/// The largest absolute difference between same-named variables; an error if the names differ.
+fn max_diff(a: &BTreeMap<String, Tensor>, b: &BTreeMap<String, Tensor>) -> Res<f64> {
+    ensure(a.keys().eq(b.keys()), || format!("variables differ: {:?} vs {:?}", a.keys(), b.keys()))?;
+    Ok(a.iter().map(|(k, t)| (t - &b[k]).abs().max().double_value(&[])).fold(0.0, f64::max))
+}
+
+/// Plain training on the CPU: the reference every data-parallel check is held to.
+fn reference(unused: bool, make: impl Fn(Vec<Tensor>) -> Box<dyn Optimizer>) -> Res<BTreeMap<String, Tensor>> {
+    let (_, (vs, net)) = twins(Device::Cpu, unused)?;
+    let mut opt = make(vs.trainable_variables());
+    for s in 0..STEPS {
+        let (x, y) = batch(s, 16);
+        loss(&net.forward(&x), &y).f_backward()?;
+        opt.step()?;
+        opt.zero_grad()?;
+    }
+    Ok(by_name(&vs))
+}
+
+fn sgd(p: Vec<Tensor>) -> Box<dyn Optimizer> {
+    Box::new(Sgd::new(p, 0.05).momentum(0.9))
+}
+
+// ---- the checks
+
+fn nccl_refuses_cpu_tensors(device: Device) -> Res<Outcome> {
+    if device == Device::Cpu {
+        return Ok(Skip("needs a real NCCL group".into()));
+    }
+    let pg = group(device, BackendConfig::NCCL)?;
+    let mut cpu = Tensor::ones([4], (Kind::Float, Device::Cpu));
+    let e = match pg.allreduce(&mut cpu, ReduceOp::Sum) {
+        Ok(()) => return Err("an NCCL-only group took a CPU tensor".into()),
+        Err(e) => e.to_string(),
+    };
+    ensure(e.contains("on Cpu") && e.contains("NCCL takes CUDA tensors only"), || format!("unclear error: {e}"))?;
+    let mut gpu = Tensor::ones([4], (Kind::Float, device));
+    pg.allreduce(&mut gpu, ReduceOp::Avg)?;
+    pg.barrier()?;
+    Ok(Pass(format!("error: {e}")))
+}
+
+fn group_cpu_gloo_cuda_nccl(device: Device) -> Res<Outcome> {
+    if device == Device::Cpu {
+        return Ok(Skip("needs NCCL".into()));
+    }
+    let pg = group(device, BackendConfig::CPU_GLOO_CUDA_NCCL)?;
+    ensure(pg.backend_for(Device::Cpu) == Some(Backend::Gloo), || "CPU tensors do not go to gloo".into())?;
+    ensure(pg.backend_for(device) == Some(Backend::Nccl), || "CUDA tensors do not go to nccl".into())?;
+    let mut a = Tensor::arange(6, (Kind::Float, Device::Cpu));
+    let mut b = Tensor::arange(6, (Kind::Float, device));
+    pg.allreduce(&mut a, ReduceOp::Sum)?;
+    pg.allreduce(&mut b, ReduceOp::Avg)?;
+    let mut outs = vec![b.zeros_like()];
+    pg.all_gather(&mut outs, &b)?;
+    pg.barrier()?;
+    ensure(a.equal(&b.to_device(Device::Cpu)) && outs[0].equal(&b), || "results differ".into())?;
+    Ok(Pass(format!("{}: CPU tensors on gloo, CUDA tensors on nccl, barrier on gloo", pg.backend_config())))
+}
+
+fn ddp_step(device: Device, views: bool, unused: bool) -> Res<Outcome> {
+    // NCCL alone: every metadata collective must find its way to the GPU; the default group (Gloo for
+    // the CPU, NCCL for CUDA) with unused parameters: the unused map and loop checks on Gloo.
+    let config = if unused { BackendConfig::CPU_GLOO_CUDA_NCCL } else { BackendConfig::NCCL };
+    let pg = group(device, config)?;
+    let ((vs, net), _) = twins(device, unused)?;
+    let opts = DdpOptions::default().gradient_as_bucket_view(views).find_unused_parameters(unused).process_group(pg.clone());
+    let ddp = DistributedDataParallel::new(&vs, net, opts)?;
+    let mut opt = sgd(vs.trainable_variables());
+    for s in 0..STEPS {
+        let (x, y) = batch(s, 16);
+        ddp.backward(&loss(&ddp.forward(&x.to_device(device))?, &y.to_device(device)))?;
+        opt.step()?;
+        ddp.zero_grad()?;
+    }
+    let diff = max_diff(&by_name(&vs), &reference(unused, sgd)?)?;
+    ensure(diff < 1e-5, || format!("parameters differ from plain CPU training by {diff:e}"))?;
+    Ok(Pass(format!("{} steps over {}, max |diff| vs CPU {diff:.1e}", STEPS, pg.backend_config())))
+}
+
+fn zero_step(device: Device, stage: ZeroStage) -> Res<Outcome> {
+    let pg = group(device, BackendConfig::NCCL)?;
+    let ((vs, net), _) = twins(device, false)?;
+    let ddp = DistributedDataParallel::new(&vs, net, DdpOptions::default().process_group(pg.clone()))?;
+    let mut opt = ShardedOptimizer::new(&ddp, stage, |p| Box::new(AdamW::new(p, 1e-2)))?;
+    for s in 0..STEPS {
+        let (x, y) = batch(s, 16);
+        ddp.backward(&loss(&ddp.forward(&x.to_device(device))?, &y.to_device(device)))?;
+        opt.step()?;
+        opt.zero_grad()?;
+    }
+    let diff = max_diff(&by_name(&vs), &reference(false, |p| Box::new(AdamW::new(p, 1e-2)))?)?;
+    ensure(diff < 1e-5, || format!("parameters differ from plain AdamW on the CPU by {diff:e}"))?;
+    Ok(Pass(format!("{stage:?}, {STEPS} AdamW steps over {}, max |diff| vs CPU {diff:.1e}", pg.backend_config())))
+}
+
+fn tp_mlp(device: Device) -> Res<Outcome> {
+    let pg = group(device, BackendConfig::NCCL)?;
+    tch::manual_seed(3);
+    let (w1, b1) = (Tensor::randn([HIDDEN, D_IN], (Kind::Float, Device::Cpu)) * 0.2, Tensor::randn([HIDDEN], (Kind::Float, Device::Cpu)));
+    let (w2, b2) = (Tensor::randn([D_IN, HIDDEN], (Kind::Float, Device::Cpu)) * 0.2, Tensor::randn([D_IN], (Kind::Float, Device::Cpu)));
+    let x = Tensor::randn([8, D_IN], (Kind::Float, Device::Cpu));
+    // the full MLP on the CPU
+    let xc = x.detach().set_requires_grad(true);
+    let full = xc.linear(&w1, Some(&b1)).gelu("none").linear(&w2, Some(&b2));
+    full.sum(Kind::Float).backward();
+    // the tensor-parallel one on the device
+    let vs = nn::VarStore::new(device);
+    let d = |t: &Tensor| t.to_device(device);
+    let mlp = ParallelMlp::from_full(&vs.root(), &d(&w1), &d(&b1), &d(&w2), &d(&b2), pg.clone())?;
+    let xd = d(&x).set_requires_grad(true);
+    let out = mlp.forward(&xd)?;
+    out.sum(Kind::Float).f_backward()?;
+    let diffs = [
+        (&out.to_device(Device::Cpu) - &full).abs().max().double_value(&[]),
+        (&xd.grad().to_device(Device::Cpu) - xc.grad()).abs().max().double_value(&[]),
+    ];
+    let worst = diffs.iter().cloned().fold(0.0, f64::max);
+    ensure(worst < 1e-4, || format!("output / input gradient differ from the CPU MLP: {diffs:?}"))?;
+    Ok(Pass(format!("ParallelMlp over {}, output and input gradient vs CPU max |diff| {worst:.1e}", pg.backend_config())))
+}
+
+fn amp_bf16(device: Device) -> Res<Outcome> {
+    let pg = group(device, BackendConfig::NCCL)?;
+    let ((vs, net), _) = twins(device, false)?;
+    let ddp = DistributedDataParallel::new(&vs, net, DdpOptions::default().process_group(pg))?;
+    let mut opt = sgd(vs.trainable_variables());
+    let mut kinds = Vec::new();
+    for s in 0..STEPS {
+        let (x, y) = batch(s, 16);
+        let out = ddp.forward_with(|m| autocast(device, Kind::BFloat16, || m.forward(&x.to_device(device))))??;
+        kinds.push(out.kind());
+        ddp.backward(&loss(&out.to_kind(Kind::Float), &y.to_device(device)))?;
+        opt.step()?;
+        ddp.zero_grad()?;
+    }
+    ensure(kinds.iter().all(|&k| k == Kind::BFloat16), || format!("autocast did not compute in bf16: {kinds:?}"))?;
+    let diff = max_diff(&by_name(&vs), &reference(false, sgd)?)?;
+    // bf16 keeps 8 bits of mantissa: the steps follow float32 training to about 1e-2
+    ensure(diff < 2e-2, || format!("bf16 training drifted from float32 CPU training by {diff:e}"))?;
+    Ok(Pass(format!("{STEPS} bf16 autocast steps, max |diff| vs float32 on the CPU {diff:.1e}")))
+}
+
+fn amp_fp16_scaler(device: Device) -> Res<Outcome> {
+    let pg = group(device, BackendConfig::NCCL)?;
+    // float16 autocast on the GPU; the CPU run of this check uses bf16 (what CPU autocast is for)
+    let half = if device == Device::Cpu { Kind::BFloat16 } else { Kind::Half };
+    let ((vs, net), _) = twins(device, false)?;
+    let ddp = DistributedDataParallel::new(&vs, net, DdpOptions::default().process_group(pg.clone()))?;
+    let mut opt = Sgd::new(vs.trainable_variables(), 0.05).momentum(0.9);
+    let mut scaler = GradScaler::new().process_group(pg);
+    let mut stepped = Vec::new();
+    let mut scales = Vec::new();
+    // step 1 overflows on purpose (the loss times infinity): skipped, and the scale backs off
+    for (k, s) in [0, 0, 1, 2].into_iter().enumerate() {
+        let (x, y) = batch(s, 16);
+        let out = ddp.forward_with(|m| autocast(device, half, || m.forward(&x.to_device(device))))??;
+        let mut l = loss(&out.to_kind(Kind::Float), &y.to_device(device));
+        if k == 1 {
+            l = l * f64::INFINITY;
+        }
+        ddp.backward(&scaler.scale(&l)?)?;
+        stepped.push(scaler.step(&mut opt)?);
+        scaler.update()?;
+        scales.push(scaler.get_scale());
+        ddp.zero_grad()?;
+    }
+    ensure(stepped == [true, false, true, true], || format!("steps taken {stepped:?}, expected the second skipped"))?;
+    ensure(scales == [65536.0, 32768.0, 32768.0, 32768.0], || format!("scales {scales:?}"))?;
+    // the reference: float32 on the CPU, steps 0, 0, 1, 2 with the second one skipped
+    let (_, (rvs, rnet)) = twins(Device::Cpu, false)?;
+    let mut ropt = Sgd::new(rvs.trainable_variables(), 0.05).momentum(0.9);
+    for s in [0, 1, 2] {
+        let (x, y) = batch(s, 16);
+        loss(&rnet.forward(&x), &y).f_backward()?;
+        ropt.step()?;
+        ropt.zero_grad()?;
+    }
+    let diff = max_diff(&by_name(&vs), &by_name(&rvs))?;
+    ensure(diff < 2e-2, || format!("{half:?} training drifted from float32 CPU training by {diff:e}"))?;
+    Ok(Pass(format!("{half:?} autocast + GradScaler: overflow step skipped, scale 65536 -> 32768, max |diff| vs float32 CPU {diff:.1e}")))
+}
+
+fn checkpoint_round_trip(device: Device) -> Res<Outcome> {
+    let dir = std::env::temp_dir().join(format!("gpu-kit-ckpt-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let path = dir.join("model.safetensors");
+    let mut lines = Vec::new();
+    for config in [BackendConfig::NCCL, BackendConfig::CPU_GLOO_CUDA_NCCL] {
+        let pg = group(device, config)?;
+        let ((vs, _), _) = twins(device, false)?;
+        checkpoint::save_var_store(&pg, &path, 7, &vs)?;
+        tch::manual_seed(99);
+        let other = nn::VarStore::new(device);
+        let _ = mlp(&other.root(), false);
+        let step = checkpoint::load_var_store(&pg, &path, &other)?;
+        ensure(step == Some(7), || format!("loaded step {step:?}, saved 7"))?;
+        let diff = max_diff(&by_name(&vs), &by_name(&other))?;
+        ensure(diff == 0.0, || format!("loaded values differ by {diff:e}"))?;
+        ensure(other.variables().values().all(|t| t.device() == device), || "loaded onto the wrong device".into())?;
+        lines.push(pg.backend_config().to_string());
+        if device == Device::Cpu {
+            break;
+        }
+    }
+    std::fs::remove_dir_all(&dir)?;
+    Ok(Pass(format!("save/load bit-exact, step kept, over {}", lines.join(" and "))))
+}
+
+fn split_layers() -> LayerList {
+    LayerList::new()
+        .seed(5)
+        .add("submodule1", |p| nn::linear(p, 64, 128, Default::default()))
+        .add_fn("relu", |x| x.relu())
+        .add("submodule2", |p| nn::linear(p, 128, 64, Default::default()))
+}
+
+/// The unsplit model trained on the CPU: (final variables, losses).
+fn unsplit(layers: &LayerList, steps: usize, data: &dyn Fn(usize) -> (Tensor, Tensor)) -> Res<(BTreeMap<String, Tensor>, Vec<f64>)> {
+    let stage = layers.build_stage(0..layers.len(), Device::Cpu)?;
+    let mut opt = nn::Sgd::default().build(&stage.vs, 0.05)?;
+    let mut losses = Vec::new();
+    for s in 0..steps {
+        let (x, y) = data(s);
+        opt.zero_grad();
+        let l = loss(&stage.forward(&x), &y);
+        losses.push(l.double_value(&[]));
+        l.backward();
+        opt.step();
+    }
+    Ok((by_name(&stage.vs), losses))
+}
+
+fn split_data(s: usize) -> (Tensor, Tensor) {
+    let x = ((Tensor::arange(16 * 64, (Kind::Float, Device::Cpu)).reshape([16, 64]) + s as f64) * 0.13).sin();
+    let y = ((Tensor::arange(16 * 64, (Kind::Float, Device::Cpu)).reshape([16, 64]) - s as f64) * 0.05).cos();
+    (x, y)
+}
+
+fn split(device: Device) -> Res<Outcome> {
+    let layers = split_layers();
+    let cpu_ref = layers.build_stage(0..layers.len(), Device::Cpu)?;
+    let model = SplitModel::new(&layers, &Partition::sizes(&[2, 1], 3)?, &[device, device])?;
+    for vs in model.var_stores() {
+        copy_vars(vs, &cpu_ref.vs)?; // CUDA draws its own random numbers; start from the CPU's
+    }
+    let mut opts = model.var_stores().iter().map(|vs| nn::Sgd::default().build(vs, 0.05)).collect::<Result<Vec<_>, _>>()?;
+    for s in 0..STEPS {
+        let (x, y) = split_data(s);
+        opts.iter_mut().for_each(|o| o.zero_grad());
+        let out = model.forward(&x.to_device(device));
+        ensure(out.device() == device, || format!("output on {:?}", out.device()))?;
+        loss(&out, &y.to_device(device)).backward();
+        opts.iter_mut().for_each(|o| o.step());
+    }
+    let got: BTreeMap<String, Tensor> = model.var_stores().iter().flat_map(|vs| by_name(vs)).collect();
+    let diff = max_diff(&got, &unsplit(&layers, STEPS, &split_data)?.0)?;
+    ensure(diff < 1e-5, || format!("the split model differs from the unsplit CPU model by {diff:e}"))?;
+    Ok(Pass(format!("2 stages on {device:?}, {STEPS} steps, max |diff| vs unsplit CPU {diff:.1e}")))
+}
+
+fn pipeline_1f1b(device: Device) -> Res<Outcome> {
+    let layers = split_layers();
+    let cpu_ref = layers.build_stage(0..layers.len(), Device::Cpu)?;
+    let mut pipe = Pipeline::new(&layers, &Partition::sizes(&[2, 1], 3)?, &[device, device], Sched::OneFOneB, 4, 1)?;
+    for vs in pipe.var_stores() {
+        copy_vars(vs, &cpu_ref.vs)?;
+    }
+    let mut opts = pipe.var_stores().iter().map(|vs| nn::Sgd::default().build(vs, 0.05)).collect::<Result<Vec<_>, _>>()?;
+    let mut losses = Vec::new();
+    for s in 0..STEPS {
+        let (x, y) = split_data(s);
+        let r = pipe.step(&x, &y, &loss)?;
+        losses.push(r.loss);
+        opts.iter_mut().for_each(|o| o.step());
+        pipe.zero_grad()?;
+    }
+    let got: BTreeMap<String, Tensor> = pipe.var_stores().iter().flat_map(|vs| by_name(vs)).collect();
+    let (want, want_losses) = unsplit(&layers, STEPS, &split_data)?;
+    let diff = max_diff(&got, &want)?;
+    let loss_diff = losses.iter().zip(&want_losses).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
+    ensure(diff < 1e-5 && loss_diff < 1e-5, || format!("1F1B differs from the unsplit CPU model: parameters {diff:e}, losses {loss_diff:e}"))?;
+    Ok(Pass(format!("2 stages on {device:?}, 4 microbatches, {STEPS} steps, max |diff| vs unsplit CPU {diff:.1e}")))
+}
+
+fn selfcheck() -> Res<Outcome> {
+    let pg = group(Device::Cpu, BackendConfig::GLOO)?;
+    let mut t = Tensor::arange(4, (Kind::Float, Device::Cpu));
+    pg.allreduce(&mut t, ReduceOp::Sum)?;
+    ensure(Vec::<f32>::try_from(&t)? == [0.0, 1.0, 2.0, 3.0], || "allreduce result wrong".into())?;
+    let cuda = if tch::Cuda::is_available() { format!("{} CUDA device(s)", memory::cuda_device_count()) } else { "no CUDA device".into() };
+    let nccl = if cfg!(feature = "cuda") { "NCCL built in" } else { "built without the cuda feature" };
+    Ok(Pass(format!("libtorch loaded, gloo allreduce ok, {cuda}, {nccl}")))
+}
+
+/// A rank of the two-process check: both ranks on one GPU over Gloo, each with its own half of the
+/// batch; rank 0 compares with plain CPU training on the whole batch.
+fn ddp_rank(device: Device) -> Res<Outcome> {
+    let mut init = InitOptions::from_env()?;
+    init.backend = Some(Backend::Gloo.into());
+    let pg = Arc::new(ProcessGroup::init(&init)?);
+    let (rank, world) = (pg.rank() as i64, pg.size() as i64);
+    let ((vs, net), _) = twins(device, false)?;
+    let ddp = DistributedDataParallel::new(&vs, net, DdpOptions::default().process_group(pg.clone()))?;
+    let mut opt = sgd(vs.trainable_variables());
+    let per = 16 / world;
+    for s in 0..STEPS {
+        let (x, y) = batch(s, 16);
+        let (x, y) = (x.narrow(0, rank * per, per), y.narrow(0, rank * per, per));
+        ddp.backward(&loss(&ddp.forward(&x.to_device(device))?, &y.to_device(device)))?;
+        opt.step()?;
+        ddp.zero_grad()?;
+    }
+    let diff = max_diff(&by_name(&vs), &reference(false, sgd)?)?;
+    // every rank checks; the launcher reports any failure
+    ensure(diff < 1e-5, || format!("rank {rank}: parameters differ from plain CPU training by {diff:e}"))?;
+    // Gloo's send/recv read host memory: CUDA tensors go through the CPU on the way
+    let sent = Tensor::arange(1000, (Kind::Float, device)) * (rank + 1);
+    let mut got = Tensor::zeros([1000], (Kind::Float, device));
+    let peer = (1 - rank) as usize;
+    let works = [pg.send_async(&sent, peer, 3)?, pg.recv_async(&mut got, peer, 3)?];
+    for w in works {
+        w.wait()?;
+    }
+    ensure(got.device() == device && got.equal(&(Tensor::arange(1000, (Kind::Float, device)) * (peer as i64 + 1))), || "send/recv of a CUDA tensor over gloo went wrong".into())?;
+    Ok(Pass(format!("rank {rank} of {world}, gloo on {device:?}, {STEPS} DDP steps, max |diff| vs CPU {diff:.1e}; send/recv of CUDA tensors ok")))
+}
+
+// ---- benchmarks (the PyTorch side: torch_gpu.py, same model, same sizes)
+
+const BENCH_WIDTH: i64 = 4096;
+const BENCH_DEPTH: usize = 8;
+const BENCH_BATCH: i64 = 64;
+
+fn bench_ddp(steps: usize) -> Res<Outcome> {
+    let Some(device) = device_of("cuda")? else { return Ok(Skip("no CUDA device".into())) };
+    let pg = group(device, BackendConfig::NCCL)?;
+    let vs = nn::VarStore::new(device);
+    let mut net = nn::seq();
+    for i in 0..BENCH_DEPTH {
+        net = net.add(nn::linear(vs.root() / format!("l{i}"), BENCH_WIDTH, BENCH_WIDTH, Default::default())).add_fn(|x| x.relu());
+    }
+    let ddp = DistributedDataParallel::new(&vs, net, DdpOptions::default().process_group(pg))?;
+    let mut opt = Sgd::new(vs.trainable_variables(), 1e-3);
+    let x = Tensor::randn([BENCH_BATCH, BENCH_WIDTH], (Kind::Float, device));
+    let mut step = || -> Res<()> {
+        let l = ddp.forward(&x)?.square().mean(Kind::Float);
+        ddp.backward(&l)?;
+        opt.step()?;
+        ddp.zero_grad()?;
+        Ok(())
+    };
+    for _ in 0..5 {
+        step()?;
+    }
+    tch::Cuda::synchronize(0);
+    memory::reset_peak(device)?;
+    let start = Instant::now();
+    for _ in 0..steps {
+        step()?;
+    }
+    tch::Cuda::synchronize(0);
+    let ms = start.elapsed().as_secs_f64() * 1e3 / steps as f64;
+    let peak = memory::peak(device)?;
+    println!("BENCH ddp step_ms {ms:.3} peak_bytes {peak}");
+    Ok(Pass(format!("{BENCH_DEPTH} x Linear({BENCH_WIDTH}, {BENCH_WIDTH}), batch {BENCH_BATCH}: {ms:.2} ms/step, peak {peak} B")))
+}
+
+fn bench_allreduce(iters: usize) -> Res<Outcome> {
+    let Some(device) = device_of("cuda")? else { return Ok(Skip("no CUDA device".into())) };
+    let pg = group(device, BackendConfig::NCCL)?;
+    let mut shown = Vec::new();
+    for mib in [1i64, 4, 16, 64, 256, 1024] {
+        let mut t = Tensor::ones([mib * 1024 * 1024 / 4], (Kind::Float, device));
+        for _ in 0..3 {
+            pg.allreduce(&mut t, ReduceOp::Sum)?;
+        }
+        tch::Cuda::synchronize(0);
+        let start = Instant::now();
+        for _ in 0..iters {
+            pg.allreduce_async(&mut t, ReduceOp::Sum)?.wait()?;
+        }
+        tch::Cuda::synchronize(0);
+        let s = start.elapsed().as_secs_f64() / iters as f64;
+        let gbs = (mib * 1024 * 1024) as f64 / s / 1e9;
+        println!("BENCH allreduce mib {mib} us {:.1} gb_per_s {gbs:.2}", s * 1e6);
+        shown.push(format!("{mib} MiB {gbs:.1} GB/s"));
+    }
+    Ok(Pass(shown.join(", ")))
+}
