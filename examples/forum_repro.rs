@@ -2,12 +2,12 @@
 //!
 //! One rank per process, started with torchrun's environment (scripts/demo.sh starts both ranks, and the
 //! PyTorch twin scripts/forum_repro.py, and prints them side by side). Prints `rank <r> <stage> <bytes>`
-//! at the same points as the forum's program: start, model created, model on device, wrapped in DDP, and
-//! after one backward.
+//! at the same points as the forum's program: start, model created, model on device, wrapped in DDP,
+//! after one backward, and after an optimizer step and zero_grad (tch's `nn::Sgd`; PyTorch's SGD).
 //!   forum_repro [--view on|off] [--device cpu|cuda]
 use std::sync::Arc;
 
-use tch::{nn, Device, Kind, Tensor};
+use tch::{nn, nn::OptimizerConfig, Device, Kind, Tensor};
 use tch_dist::ddp::{DdpOptions, DistributedDataParallel};
 use tch_dist::{memory, Backend, InitOptions, ProcessGroup};
 
@@ -68,6 +68,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         ddp.backward(&loss)?;
     }
     report("after one backward")?;
+    // tch's own optimizer, as a tch user writes it: its zero_grad sets the gradients to none (PyTorch's
+    // set_to_none), and works although they live in DDP's buckets
+    let mut opt = nn::Sgd::default().build(&vs, 0.01)?;
+    opt.step();
+    opt.zero_grad();
+    report("after step and zero_grad")?;
     let m = ddp.memory_breakdown()?;
     println!(
         "breakdown rank {rank}: parameters {} B, gradients outside buckets {} B, buckets {} B",

@@ -51,11 +51,11 @@ ok = True
 for view in ("off", "on"):
     t, r = load(f"torch-{view}"), load(f"rust-{view}")
     print(f"gradient_as_bucket_view={view}")
-    print(f"  {'rank':<5}{'stage':<22}{'PyTorch DDP':>14}{'tch-dist DDP':>14}  equal")
+    print(f"  {'rank':<5}{'stage':<26}{'PyTorch DDP':>14}{'tch-dist DDP':>14}  equal")
     for key in sorted(t, key=lambda k: (k[0], list(t).index(k))):
         eq = t[key] == r.get(key)
         ok &= eq
-        print(f"  {key[0]:<5}{key[1]:<22}{t[key]:>14,}{r.get(key, -1):>14,}  {'yes' if eq else 'NO'}")
+        print(f"  {key[0]:<5}{key[1]:<26}{t[key]:>14,}{r.get(key, -1):>14,}  {'yes' if eq else 'NO'}")
     for line in open(os.path.join(out, f"rust-{view}.0")):
         if line.startswith("breakdown"):
             print("  tch-dist", line.strip())

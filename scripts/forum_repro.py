@@ -69,6 +69,10 @@ def main():
     model(x).sum().backward()
     del x
     report("after one backward")
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    opt.step()
+    opt.zero_grad()
+    report("after step and zero_grad")
     dist.barrier()
     dist.destroy_process_group()
 

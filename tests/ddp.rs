@@ -48,6 +48,50 @@ fn check_parity(world: usize, opts: DdpOptions) {
     }
 }
 
+/// tch's own optimizers drive DDP with bucket views on (the default): their `zero_grad()` (which calls
+/// `detach_()` and sets gradients to none) and `Tensor::zero_grad()` (which zeroes in place) both work,
+/// the gradients keep living in the buckets, and training equals the single-process run.
+#[test]
+fn tch_optimizers_and_their_zero_grad_drive_ddp() {
+    fn make(adam: bool, vs: &nn::VarStore) -> nn::Optimizer {
+        if adam {
+            nn::Adam::default().build(vs, 1e-2).unwrap()
+        } else {
+            nn::Sgd { momentum: 0.9, ..Default::default() }.build(vs, LR).unwrap()
+        }
+    }
+    for adam in [false, true] {
+        let reference = model::reference_with(STEPS, 2, PER, |vs| make(adam, vs));
+        let ranks = common::run_threads(2, T, move |pg| {
+            let rank = pg.rank();
+            let vs = nn::VarStore::new(Device::Cpu);
+            let net = mlp(&vs);
+            init(&vs, rank as f64);
+            let ddp = DistributedDataParallel::new(&vs, net, DdpOptions::default().process_group(Arc::new(pg))).unwrap();
+            let mut opt = make(adam, &vs);
+            for s in 0..STEPS {
+                let (x, y) = batch(s, rank, PER);
+                ddp.backward(&model::loss(&ddp.forward(&x).unwrap(), &y)).unwrap();
+                let m = ddp.memory_breakdown().unwrap();
+                assert_eq!(m.gradients, 0, "step {s}: gradients outside the buckets");
+                opt.step();
+                if s % 2 == 0 {
+                    opt.zero_grad(); // gradients become none
+                } else {
+                    for mut p in vs.trainable_variables() {
+                        p.zero_grad(); // zeroed where they are, in the buckets
+                    }
+                }
+            }
+            model::params(&vs)
+        });
+        for (r, params) in ranks.iter().enumerate() {
+            let d = model::max_diff(params, &reference);
+            assert!(d < TOL, "rank {r}, {}: max |ddp - reference| = {d:e}", if adam { "Adam" } else { "SGD" });
+        }
+    }
+}
+
 fn caps() -> Vec<(&'static str, DdpOptions)> {
     vec![
         ("one bucket", DdpOptions::default()),

@@ -1,5 +1,8 @@
 //! Wire compatibility: a PyTorch rank (`init_process_group("gloo", init_method="env://")`) and Rust ranks
-//! form one group and compute correct collectives, whichever is rank 0.
+//! form one group and compute correct collectives, whichever is rank 0; also with the device:backend form
+//! of the backend string, whose store layout (a prefix per device type) is the one PyTorch's
+//! "cpu:gloo,cuda:nccl" group uses. PyTorch refuses NCCL without a GPU, so here only the Gloo half
+//! ("cpu:gloo") is tested; the NCCL half runs in the GPU kit.
 mod common;
 
 use std::process::{Command, Stdio};
@@ -12,12 +15,18 @@ use tch_dist::ProcessGroup;
 fn worker_interop_rust_rank() {
     let pg = ProcessGroup::from_env().expect("init from env");
     assert!(!pg.verifies(), "interop runs with TCH_DIST_VERIFY=0: Python ranks do not send our checks");
+    assert_eq!(Ok(pg.backend_config().to_string()), std::env::var("TCH_DIST_BACKEND"));
     common::scenario::scenario(&pg);
     println!("rust rank {} ok", pg.rank());
 }
 
-/// Starts `world` ranks; those in `python_ranks` run PyTorch, the others this crate.
+/// Starts `world` ranks; those in `python_ranks` run PyTorch, the others this crate; all ask for
+/// `backend` (PyTorch's backend string, which tch-dist reads from TCH_DIST_BACKEND).
 fn mixed_group(world: usize, python_ranks: &[usize]) {
+    mixed_group_on(world, python_ranks, "gloo");
+}
+
+fn mixed_group_on(world: usize, python_ranks: &[usize], backend: &str) {
     let port = common::free_port();
     let exe = std::env::current_exe().unwrap();
     let script = common::repo_path("tests/py/interop_rank.py");
@@ -37,6 +46,7 @@ fn mixed_group(world: usize, python_ranks: &[usize]) {
                 .env("MASTER_ADDR", "127.0.0.1")
                 .env("MASTER_PORT", port.to_string())
                 .env("TCH_DIST_VERIFY", "0")
+                .env("TCH_DIST_BACKEND", backend)
                 .env("TCH_DIST_TIMEOUT_SECS", "60")
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped());
@@ -65,4 +75,9 @@ fn rust_rank0_python_rank1() {
 #[test]
 fn three_ranks_python_in_the_middle() {
     mixed_group(3, &[1]);
+}
+
+#[test]
+fn device_backend_pairs_share_pytorchs_store_layout_gloo_half() {
+    mixed_group_on(2, &[0], "cpu:gloo");
 }

@@ -12,7 +12,28 @@
 //! // 4 KB limit: the first two tensors close a bucket each; the last is left over.
 //! assert_eq!(assign(&specs, &[4000], None), vec![vec![0], vec![1], vec![2]]);
 //! ```
-use tch::{Device, Kind};
+use tch::{Device, Kind, Tensor};
+
+use crate::error::{Error, Result};
+
+/// A `shape`-shaped tensor over `flat`'s memory from element `offset` on. It shares the bucket's memory
+/// but is no autograd view of it, so tch's `Optimizer::zero_grad` and `Tensor::zero_grad` (both call
+/// `detach_()`, which libtorch refuses on views) work on gradients that live in a bucket. `flat` is a
+/// freshly allocated contiguous buffer (storage offset 0).
+pub(crate) fn slot(flat: &Tensor, offset: i64, shape: &[i64]) -> Result<Tensor> {
+    let n: i64 = shape.iter().product();
+    if !flat.is_contiguous() || offset < 0 || offset + n > flat.numel() as i64 {
+        return Err(Error::invalid("bucket slot", format!("{n} elements at {offset} do not fit a bucket of {}", flat.numel())));
+    }
+    let mut strides = vec![1i64; shape.len()];
+    for i in (0..shape.len().saturating_sub(1)).rev() {
+        strides[i] = strides[i + 1] * shape[i + 1].max(1);
+    }
+    let _g = tch::no_grad_guard();
+    let mut t = Tensor::f_empty([0], (flat.kind(), flat.device()))?;
+    let _ = t.f_set_source_tensor_storage_offset_(flat, offset, shape, &strides)?;
+    Ok(t)
+}
 
 /// What the assignment needs to know of a tensor.
 #[derive(Clone, Copy, Debug, PartialEq)]

@@ -338,7 +338,11 @@ impl Reducer {
             // The old ones can go first when nothing in them is needed: without bucket views they are
             // scratch space; with views they hold the gradients, which after zero_grad are all zero.
             // (zeroed by our zero_grad, or found all zero: an optimizer's own zero_grad zeroes in place)
-            let lean = !self.cfg.bucket_view || st.grads_zeroed || all_zero(&st.buckets)?;
+            // (tch's optimizers set gradients to none: then nothing in the buckets is needed either)
+            let lean = !self.cfg.bucket_view
+                || st.grads_zeroed
+                || st.params.iter().all(|p| !p.grad().defined())
+                || all_zero(&st.buckets)?;
             if lean {
                 if self.cfg.bucket_view {
                     for p in &st.params {
@@ -447,7 +451,7 @@ fn init_buckets(st: &mut State, cfg: &Config, assignment: Vec<Vec<usize>>, zero_
         for (k, &i) in params.iter().enumerate() {
             let n = st.specs[i].numel as i64;
             offsets.push(off);
-            let view = flat.f_narrow(0, off, n)?.f_view(st.params[i].size().as_slice())?;
+            let view = bucket::slot(&flat, off, &st.params[i].size())?;
             off += n;
             st.loc[i] = (b, k);
             if zero_views {

@@ -68,10 +68,15 @@ pub fn loss(out: &Tensor, y: &Tensor) -> Tensor {
 
 /// Trains the unsplit model on the full batch; returns the parameters after `steps` SGD steps.
 pub fn reference(steps: usize, world: usize, per: i64, lr: f64) -> Vec<Tensor> {
+    reference_with(steps, world, per, |vs| nn::Sgd::default().build(vs, lr).unwrap())
+}
+
+/// [`reference`] with the optimizer `make` builds.
+pub fn reference_with(steps: usize, world: usize, per: i64, make: impl Fn(&nn::VarStore) -> nn::Optimizer) -> Vec<Tensor> {
     let vs = nn::VarStore::new(Device::Cpu);
     let net = mlp(&vs);
     init(&vs, 0.0);
-    let mut opt = nn::Sgd::default().build(&vs, lr).unwrap();
+    let mut opt = make(&vs);
     for s in 0..steps {
         let (x, y) = global_batch(s, world, per);
         opt.zero_grad();

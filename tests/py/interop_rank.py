@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 
 def main():
-    dist.init_process_group("gloo", init_method="env://")
+    dist.init_process_group(os.environ.get("TCH_DIST_BACKEND", "gloo"), init_method="env://")
     r, w = dist.get_rank(), dist.get_world_size()
     sum_r1 = sum(range(1, w + 1))
 
