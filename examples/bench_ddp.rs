@@ -71,7 +71,7 @@ impl Model {
                 tch_dist::hooks::zero_grads(&vs.trainable_variables())?;
             }
             Model::Ddp(ddp) => {
-                ddp.backward(&ddp.forward(x)?.mse_loss(y, tch::Reduction::Mean))?;
+                ddp.backward(&ddp.f_forward(x)?.mse_loss(y, tch::Reduction::Mean))?;
                 opt.step();
                 ddp.zero_grad()?;
             }

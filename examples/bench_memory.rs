@@ -64,7 +64,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let y = Tensor::randn([BATCH, WIDTH], (Kind::Float, Device::Cpu));
         pg.barrier()?;
         let start = Instant::now();
-        let loss = ddp.forward(&x)?.to_kind(Kind::Float).mse_loss(&y, tch::Reduction::Mean);
+        let loss = ddp.f_forward(&x)?.to_kind(Kind::Float).mse_loss(&y, tch::Reduction::Mean);
         ddp.backward(&loss)?;
         let backward_done = start.elapsed().as_secs_f64();
         opt.step()?;

@@ -62,7 +62,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             }
         }
         let (x, y) = batch(step, rank);
-        let loss = ddp.forward(&x)?.mse_loss(&y, tch::Reduction::Mean);
+        let loss = ddp.f_forward(&x)?.mse_loss(&y, tch::Reduction::Mean);
         ddp.backward(&loss)?;
         opt.step();
         ddp.zero_grad()?;

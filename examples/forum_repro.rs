@@ -64,7 +64,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     report("wrapped in DDP")?;
     {
         let x = Tensor::randn([20, 1000], (Kind::Float, Device::Cpu)).to_device(device);
-        let loss = ddp.forward(&x)?.sum(Kind::Float);
+        let loss = ddp.f_forward(&x)?.sum(Kind::Float);
         ddp.backward(&loss)?;
     }
     report("after one backward")?;

@@ -298,7 +298,7 @@ fn ddp_step(device: Device, views: bool, unused: bool) -> Res<Outcome> {
     let mut opt = sgd(vs.trainable_variables());
     for s in 0..STEPS {
         let (x, y) = batch(s, 16);
-        ddp.backward(&loss(&ddp.forward(&x.to_device(device))?, &y.to_device(device)))?;
+        ddp.backward(&loss(&ddp.f_forward(&x.to_device(device))?, &y.to_device(device)))?;
         opt.step()?;
         ddp.zero_grad()?;
     }
@@ -314,7 +314,7 @@ fn zero_step(device: Device, stage: ZeroStage) -> Res<Outcome> {
     let mut opt = ShardedOptimizer::new(&ddp, stage, |p| Box::new(AdamW::new(p, 1e-2)))?;
     for s in 0..STEPS {
         let (x, y) = batch(s, 16);
-        ddp.backward(&loss(&ddp.forward(&x.to_device(device))?, &y.to_device(device)))?;
+        ddp.backward(&loss(&ddp.f_forward(&x.to_device(device))?, &y.to_device(device)))?;
         opt.step()?;
         opt.zero_grad()?;
     }
@@ -536,7 +536,7 @@ fn ddp_rank(device: Device) -> Res<Outcome> {
     for s in 0..STEPS {
         let (x, y) = batch(s, 16);
         let (x, y) = (x.narrow(0, rank * per, per), y.narrow(0, rank * per, per));
-        ddp.backward(&loss(&ddp.forward(&x.to_device(device))?, &y.to_device(device)))?;
+        ddp.backward(&loss(&ddp.f_forward(&x.to_device(device))?, &y.to_device(device)))?;
         opt.step()?;
         ddp.zero_grad()?;
     }
@@ -573,7 +573,7 @@ fn bench_ddp(steps: usize) -> Res<Outcome> {
     let mut opt = Sgd::new(vs.trainable_variables(), 1e-3);
     let x = Tensor::randn([BENCH_BATCH, BENCH_WIDTH], (Kind::Float, device));
     let mut step = || -> Res<()> {
-        let l = ddp.forward(&x)?.square().mean(Kind::Float);
+        let l = ddp.f_forward(&x)?.square().mean(Kind::Float);
         ddp.backward(&l)?;
         opt.step()?;
         ddp.zero_grad()?;

@@ -96,7 +96,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         for s in 0..steps {
             let idx = order.narrow(0, s * GLOBAL_BATCH + rank as i64 * local_batch, local_batch);
             let (xb, yb) = (xtr.index_select(0, &idx), ytr.index_select(0, &idx));
-            let loss = ddp.forward(&xb)?.cross_entropy_for_logits(&yb);
+            let loss = ddp.f_forward(&xb)?.cross_entropy_for_logits(&yb);
             ddp.backward(&loss)?;
             opt.step();
             ddp.zero_grad()?;

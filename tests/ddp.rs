@@ -30,7 +30,7 @@ fn train(world: usize, opts: DdpOptions) -> Vec<Vec<Tensor>> {
         let mut opt = nn::Sgd::default().build(&vs, LR).unwrap();
         for s in 0..STEPS {
             let (x, y) = batch(s, rank, PER);
-            let out = ddp.forward(&x).unwrap();
+            let out = ddp.f_forward(&x).unwrap();
             ddp.backward(&model::loss(&out, &y)).unwrap();
             opt.step();
             ddp.zero_grad().unwrap();
@@ -71,7 +71,7 @@ fn tch_optimizers_and_their_zero_grad_drive_ddp() {
             let mut opt = make(adam, &vs);
             for s in 0..STEPS {
                 let (x, y) = batch(s, rank, PER);
-                ddp.backward(&model::loss(&ddp.forward(&x).unwrap(), &y)).unwrap();
+                ddp.backward(&model::loss(&ddp.f_forward(&x).unwrap(), &y)).unwrap();
                 let m = ddp.memory_breakdown().unwrap();
                 assert_eq!(m.gradients, 0, "step {s}: gradients outside the buckets");
                 opt.step();
@@ -140,7 +140,7 @@ fn buckets_are_rebuilt_from_gradient_order_and_overlap_backward() {
         let first_layout = ddp.bucket_layout();
         for s in 0..2 {
             let (x, y) = batch(s, 0, PER);
-            ddp.backward(&model::loss(&ddp.forward(&x).unwrap(), &y)).unwrap();
+            ddp.backward(&model::loss(&ddp.f_forward(&x).unwrap(), &y)).unwrap();
             ddp.zero_grad().unwrap();
         }
         (first_layout, ddp.bucket_layout(), ddp.buckets_rebuilt(), ddp.last_events())
@@ -195,11 +195,11 @@ fn no_sync_accumulates_then_one_synced_step_matches_reference() {
             ddp.no_sync(|d| {
                 for s in 0..2 {
                     let (x, y) = batch(s, rank, PER);
-                    d.backward(&model::loss(&d.forward(&x).unwrap(), &y)).unwrap();
+                    d.backward(&model::loss(&d.f_forward(&x).unwrap(), &y)).unwrap();
                 }
             });
             let (x, y) = batch(2, rank, PER);
-            ddp.backward(&model::loss(&ddp.forward(&x).unwrap(), &y)).unwrap();
+            ddp.backward(&model::loss(&ddp.f_forward(&x).unwrap(), &y)).unwrap();
             opt.step();
             model::params(&vs)
         });
@@ -243,7 +243,7 @@ fn unused_parameters_are_reduced_as_zeros_without_hanging() {
         let opts = DdpOptions::default().find_unused_parameters(true).process_group(Arc::new(pg));
         let ddp = DistributedDataParallel::new(&vs, net, opts).unwrap();
         let x = Tensor::ones([1, 3], (Kind::Float, Device::Cpu));
-        ddp.backward(&ddp.forward(&x).unwrap().sum(Kind::Float)).unwrap();
+        ddp.backward(&ddp.f_forward(&x).unwrap().sum(Kind::Float)).unwrap();
         let extra_w = ddp.module().extra.ws.grad();
         let never = vs.variables()["never_used"].grad();
         (Vec::<f32>::try_from(extra_w.flatten(0, -1)).unwrap(), never.defined())
@@ -265,7 +265,7 @@ fn unused_parameters_without_find_unused_is_a_clear_error() {
         let opts = DdpOptions::default().process_group(Arc::new(pg));
         let ddp = DistributedDataParallel::new(&vs, net, opts).unwrap();
         let x = Tensor::ones([1, 3], (Kind::Float, Device::Cpu));
-        ddp.backward(&ddp.forward(&x).unwrap().sum(Kind::Float)).unwrap_err().to_string()
+        ddp.backward(&ddp.f_forward(&x).unwrap().sum(Kind::Float)).unwrap_err().to_string()
     });
     for e in res {
         assert!(e.contains("extra.weight") && e.contains("find_unused_parameters"), "{e}");
@@ -326,7 +326,7 @@ fn memory_breakdown_shows_where_ddp_memory_goes() {
             let opts = DdpOptions::default().gradient_as_bucket_view(view).process_group(pg.clone());
             let ddp = DistributedDataParallel::new(&vs, net, opts).unwrap();
             let x = Tensor::ones([2, 100], (Kind::Float, Device::Cpu));
-            ddp.backward(&ddp.forward(&x).unwrap().sum(Kind::Float)).unwrap();
+            ddp.backward(&ddp.f_forward(&x).unwrap().sum(Kind::Float)).unwrap();
             out.push(ddp.memory_breakdown().unwrap());
         }
         out
@@ -349,7 +349,7 @@ fn buffers_follow_rank_0_at_construction_and_every_forward() {
         let after_construction = Vec::<f32>::try_from(&stat).unwrap();
         // each rank's forward updates its statistics differently, as BatchNorm would
         let _ = stat.fill_(10.0 * (rank + 1.0));
-        let _ = ddp.forward(&Tensor::ones([1, 2], (Kind::Float, Device::Cpu))).unwrap();
+        let _ = ddp.f_forward(&Tensor::ones([1, 2], (Kind::Float, Device::Cpu))).unwrap();
         (after_construction, Vec::<f32>::try_from(&stat).unwrap())
     });
     for (built, fwd) in res {
@@ -370,7 +370,7 @@ fn an_extra_backward_on_one_rank_is_reported_not_silently_mixed() {
         let mut first_error = None;
         for s in 0..3 {
             let (x, y) = batch(s, rank, PER);
-            let mut r = ddp.forward(&x).and_then(|out| ddp.backward(&model::loss(&out, &y)));
+            let mut r = ddp.f_forward(&x).and_then(|out| ddp.backward(&model::loss(&out, &y)));
             if rank == 0 && s == 0 && r.is_ok() {
                 r = ddp.backward(&model::loss(&ddp.module().forward(&x), &y));
             }
@@ -386,5 +386,31 @@ fn an_extra_backward_on_one_rank_is_reported_not_silently_mixed() {
         let e = e.expect("both ranks must see the disagreement");
         assert!(e.contains("ranks disagree on the training loop"), "{e}");
         assert!(e.contains("rank 0 is starting backward with 1 forwards and 1 backwards done"), "{e}");
+    }
+}
+
+/// DDP over a Module is a Module (and a ModuleT): it goes where tch expects one, and prints.
+#[test]
+fn ddp_is_a_tch_module() {
+    let res = common::run_threads(2, T, |pg| {
+        let rank = pg.rank();
+        let vs = nn::VarStore::new(Device::Cpu);
+        let net = mlp(&vs);
+        let ddp = DistributedDataParallel::new(&vs, net, DdpOptions::default().process_group(Arc::new(pg))).unwrap();
+        fn through_tch(m: &dyn nn::ModuleT, x: &Tensor) -> Tensor {
+            m.forward_t(x, true)
+        }
+        let (x, y) = batch(0, rank, PER);
+        let out = through_tch(&ddp, &x);
+        ddp.backward(&model::loss(&out, &y)).unwrap();
+        let m: &dyn nn::Module = &ddp;
+        let again = m.forward(&x);
+        ddp.backward(&model::loss(&again, &y)).unwrap();
+        let third = ddp.f_forward_t(&x, false).unwrap();
+        ddp.backward(&model::loss(&third, &y)).unwrap();
+        format!("{ddp:?}")
+    });
+    for dbg in res {
+        assert!(dbg.starts_with("DistributedDataParallel {") && dbg.contains("parameters: 6"), "{dbg}");
     }
 }

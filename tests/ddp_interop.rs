@@ -24,6 +24,12 @@ fn worker_rust_ddp_rank() {
     let vs = nn::VarStore::new(Device::Cpu);
     let net = mlp(&vs);
     init(&vs, rank as f64);
+    let frozen = std::env::var("DDP_FROZEN").unwrap_or_default();
+    for (name, t) in vs.variables() {
+        if !frozen.is_empty() && name.starts_with(&format!("{frozen}.")) {
+            let _ = t.set_requires_grad(false);
+        }
+    }
     let cap: f64 = std::env::var("DDP_CAP_MB").unwrap().parse().unwrap();
     let opts = DdpOptions::default().bucket_cap_mb(cap).process_group(pg);
     // PyTorch's parameter order, so that both sides lay out buckets alike
@@ -31,7 +37,7 @@ fn worker_rust_ddp_rank() {
     let mut opt = nn::Sgd::default().build(&vs, LR).unwrap();
     for s in 0..STEPS {
         let (x, y) = batch(s, rank, PER);
-        ddp.backward(&model::loss(&ddp.forward(&x).unwrap(), &y)).unwrap();
+        ddp.backward(&model::loss(&ddp.f_forward(&x).unwrap(), &y)).unwrap();
         opt.step();
         ddp.zero_grad().unwrap();
     }
@@ -48,6 +54,11 @@ fn read_f32(path: &std::path::Path) -> Vec<f32> {
 }
 
 fn mixed(python_rank: usize, cap_mb: &str) {
+    mixed_frozen(python_rank, cap_mb, "");
+}
+
+/// `frozen`: a layer ("l2") whose parameters do not require grad on either side.
+fn mixed_frozen(python_rank: usize, cap_mb: &str, frozen: &str) {
     let port = common::free_port();
     let dir = std::env::temp_dir().join(format!("tdx-ddp-interop-{}-{python_rank}-{cap_mb}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
@@ -69,6 +80,7 @@ fn mixed(python_rank: usize, cap_mb: &str) {
                 .env("TCH_DIST_VERIFY", "0") // speak PyTorch's exact protocol
                 .env("TCH_DIST_TIMEOUT_SECS", "60")
                 .env("DDP_CAP_MB", cap_mb)
+                .env("DDP_FROZEN", frozen)
                 .env("DDP_OUT", dir.join(format!("rank{rank}.f32")))
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped());
@@ -83,10 +95,26 @@ fn mixed(python_rank: usize, cap_mb: &str) {
     let b = read_f32(&dir.join("rank1.f32"));
     assert_eq!(a.len(), b.len());
     assert!(a == b, "PyTorch's and our parameters differ");
-    let reference = model::reference(STEPS, 2, PER, LR);
-    let flat = Tensor::cat(&reference.iter().map(|t| t.reshape([-1])).collect::<Vec<_>>(), 0);
-    let d = (Tensor::from_slice(&a) - flat).abs().max().double_value(&[]);
-    assert!(d < 1e-5, "differs from the single-process run by {d:e}");
+    if frozen.is_empty() {
+        let reference = model::reference(STEPS, 2, PER, LR);
+        let flat = Tensor::cat(&reference.iter().map(|t| t.reshape([-1])).collect::<Vec<_>>(), 0);
+        let d = (Tensor::from_slice(&a) - flat).abs().max().double_value(&[]);
+        assert!(d < 1e-5, "differs from the single-process run by {d:e}");
+    } else {
+        // the frozen layer holds rank 0's initial values on both ranks (DDP copied them, nothing changed them)
+        let vs = nn::VarStore::new(Device::Cpu);
+        let _ = mlp(&vs);
+        init(&vs, 0.0);
+        let mut off = 0;
+        for (name, t) in model::pytorch_order(&vs) {
+            let n = t.numel();
+            if name.starts_with(&format!("{frozen}.")) {
+                let want = Vec::<f32>::try_from(t.reshape([-1])).unwrap();
+                assert_eq!(&a[off..off + n], &want[..], "{name}");
+            }
+            off += n;
+        }
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -99,4 +127,10 @@ fn pytorch_ddp_rank0_ours_rank1() {
 fn ours_rank0_pytorch_ddp_rank1_many_buckets() {
     // 2 KB buckets: several buckets, rebuilt after the first step from rank 0's order
     mixed(1, "0.001953125");
+}
+
+#[test]
+fn frozen_layer_pytorch_ddp_rank0_ours_rank1() {
+    // l2 frozen on both sides: copied from rank 0 at construction, never bucketed nor reduced
+    mixed_frozen(0, "0.001953125", "l2");
 }

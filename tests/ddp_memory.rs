@@ -20,7 +20,7 @@ fn worker_rebuild_peak() {
     let net = nn::linear(vs.root(), 1000, 1000, Default::default());
     let ddp = DistributedDataParallel::new(&vs, net, DdpOptions::default().process_group(Arc::new(pg))).unwrap();
     let x = Tensor::ones([4, 1000], (Kind::Float, Device::Cpu));
-    ddp.backward(&ddp.forward(&x).unwrap().sum(Kind::Float)).unwrap();
+    ddp.backward(&ddp.f_forward(&x).unwrap().sum(Kind::Float)).unwrap();
     match zero.as_str() {
         "ddp" => ddp.zero_grad().unwrap(),
         // an optimizer's zero_grad zeroes the same views in place, without telling DDP
@@ -35,7 +35,7 @@ fn worker_rebuild_peak() {
     std::thread::sleep(std::time::Duration::from_millis(100));
     let before = memory::allocated(Device::Cpu).unwrap();
     memory::reset_peak(Device::Cpu).unwrap();
-    let out = ddp.forward(&x).unwrap(); // rebuilds the buckets first
+    let out = ddp.f_forward(&x).unwrap(); // rebuilds the buckets first
     assert!(ddp.buckets_rebuilt());
     drop(out);
     let rise = memory::peak(Device::Cpu).unwrap() - before;

@@ -112,7 +112,7 @@ fn our_optimizers_keep_ddp_bucket_views() {
         let mut ptrs = Vec::new();
         for s in 0..3 {
             let x = formula(8, s as f64).view([2, 4]);
-            ddp.backward(&ddp.forward(&x).unwrap().sum(Kind::Float)).unwrap();
+            ddp.backward(&ddp.f_forward(&x).unwrap().sum(Kind::Float)).unwrap();
             opt.step().unwrap();
             opt.zero_grad().unwrap();
             ptrs.push(vs.trainable_variables().iter().map(|p| hooks::grad_data_ptr(p).unwrap()).collect::<Vec<_>>());

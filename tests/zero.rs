@@ -188,7 +188,7 @@ fn zero2_with_bf16_parameters_keeps_float32_master_weights() {
             let mut opt = ShardedOptimizer::new(&ddp, stage, |p| Box::new(AdamW::new(p, 0.01))).unwrap();
             for step in 0..4 {
                 let x = batch(step, rank, 0).to_kind(Kind::BFloat16);
-                let loss = ddp.forward(&x).unwrap().to_kind(Kind::Float).pow_tensor_scalar(2).mean(Kind::Float);
+                let loss = ddp.f_forward(&x).unwrap().to_kind(Kind::Float).pow_tensor_scalar(2).mean(Kind::Float);
                 ddp.backward(&loss).unwrap();
                 opt.step().unwrap();
                 opt.zero_grad().unwrap();
@@ -231,13 +231,13 @@ fn parameters_become_views_of_the_flat_buffer_and_training_reads_them() {
         let ddp = DistributedDataParallel::new(&vs, net, DdpOptions::default().process_group(pg)).unwrap();
         let _opt = ShardedOptimizer::new(&ddp, ZeroStage::Two, |p| Box::new(Sgd::new(p, 0.1))).unwrap();
         let x = Tensor::ones([1, 5], (Kind::Float, Device::Cpu));
-        let before = ddp.forward(&x).unwrap().double_value(&[0, 0]);
+        let before = ddp.f_forward(&x).unwrap().double_value(&[0, 0]);
         tch::no_grad(|| {
             for mut p in vs.trainable_variables() {
                 let _ = p.fill_(0.0);
             }
         });
-        let after = ddp.forward(&x).unwrap().double_value(&[0, 0]);
+        let after = ddp.f_forward(&x).unwrap().double_value(&[0, 0]);
         (before, after)
     });
     for (before, after) in out {
@@ -269,7 +269,7 @@ fn zero2_reduces_unused_parameters_as_zeros() {
             };
             for step in 0..3 {
                 let x = batch(step, rank, 0);
-                ddp.backward(&ddp.forward(&x).unwrap().pow_tensor_scalar(2).mean(Kind::Float)).unwrap();
+                ddp.backward(&ddp.f_forward(&x).unwrap().pow_tensor_scalar(2).mean(Kind::Float)).unwrap();
                 opt.step().unwrap();
                 opt.zero_grad().unwrap();
             }
@@ -317,7 +317,7 @@ fn zero2_resumes_from_per_rank_checkpoints_exactly() {
             }
             for step in steps.clone() {
                 let x = batch(step, rank, 0).to_kind(Kind::BFloat16);
-                ddp.backward(&ddp.forward(&x).unwrap().to_kind(Kind::Float).pow_tensor_scalar(2).mean(Kind::Float)).unwrap();
+                ddp.backward(&ddp.f_forward(&x).unwrap().to_kind(Kind::Float).pow_tensor_scalar(2).mean(Kind::Float)).unwrap();
                 opt.step().unwrap();
                 opt.zero_grad().unwrap();
             }
@@ -374,7 +374,7 @@ fn resume(world: usize, zero: Option<ZeroStage>, steps: std::ops::Range<usize>, 
         }
         for step in steps.clone() {
             let x = batch(step, rank % 2, 0); // the same data on 2 and on 3 ranks' first two
-            ddp.backward(&ddp.forward(&x).unwrap().pow_tensor_scalar(2).mean(Kind::Float)).unwrap();
+            ddp.backward(&ddp.f_forward(&x).unwrap().pow_tensor_scalar(2).mean(Kind::Float)).unwrap();
             match zopt.as_mut() {
                 Some(z) => {
                     z.step().unwrap();

@@ -13,10 +13,10 @@
 //! let ddp = DistributedDataParallel::new(&vs, net, DdpOptions::default().process_group(pg))?;
 //! let mut opt = nn::Sgd::default().build(&vs, 0.1)?;
 //! let (x, y) = (Tensor::randn([8, 10], (Kind::Float, Device::Cpu)), Tensor::zeros([8, 1], (Kind::Float, Device::Cpu)));
-//! let loss = ddp.forward(&x)?.mse_loss(&y, tch::Reduction::Mean);
+//! let loss = ddp.forward(&x).mse_loss(&y, tch::Reduction::Mean); // DDP is an nn::Module
 //! ddp.backward(&loss)?;   // or loss.backward(): the reduction finishes inside it either way
 //! opt.step();
-//! ddp.zero_grad()?;       // not opt.zero_grad(): it cannot zero bucket views
+//! opt.zero_grad();        // gradients live in DDP's buckets; tch's zero_grad works on them
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 //!
@@ -161,6 +161,8 @@ impl<M> DistributedDataParallel<M> {
     /// As [`new`](Self::new), with the parameters given explicitly, in the order DDP indexes them. The
     /// order decides bucket layouts: to share a group with PyTorch DDP ranks, pass them in the order of
     /// PyTorch's `model.parameters()` (tch creates a Linear's bias before its weight; PyTorch the other way).
+    /// Frozen parameters (`requires_grad` false) are copied from rank 0 and otherwise left alone, as
+    /// PyTorch's DDP does.
     pub fn from_parameters(named: Vec<(String, Tensor)>, buffers: Vec<Tensor>, module: M, opts: DdpOptions) -> Result<Self> {
         let pg = match opts.process_group.clone().or_else(crate::init::default_group) {
             Some(pg) => pg,
@@ -174,15 +176,17 @@ impl<M> DistributedDataParallel<M> {
         if !(opts.bucket_cap_mb > 0.0) {
             return Err(Error::invalid("DdpOptions::bucket_cap_mb", format!("{} is not positive", opts.bucket_cap_mb)));
         }
-        let (names, params): (Vec<String>, Vec<Tensor>) = named.into_iter().unzip();
-        if let Some(i) = params.iter().position(|p| !p.requires_grad()) {
-            return Err(Error::invalid("DistributedDataParallel::new", format!("parameter {} does not require grad", names[i])));
-        }
+        // As PyTorch: every parameter starts from rank 0's value, but only those that require grad (not
+        // frozen) are checked, bucketed and reduced.
+        let mut states: Vec<Tensor> = named.iter().map(|(_, p)| p.shallow_clone()).collect();
+        let (names, params): (Vec<String>, Vec<Tensor>) = named.into_iter().filter(|(_, p)| p.requires_grad()).unzip();
         if params.is_empty() {
-            return Err(Error::invalid("DistributedDataParallel::new", "the VarStore has no trainable variables"));
+            return Err(Error::invalid(
+                "DistributedDataParallel::new",
+                "no parameter requires grad: DDP has nothing to synchronise (every parameter is frozen, or the VarStore is empty)",
+            ));
         }
         sync::verify_params(&pg, &params, &names)?;
-        let mut states: Vec<Tensor> = params.iter().map(|p| p.shallow_clone()).collect();
         if opts.broadcast_buffers {
             states.extend(buffers.iter().map(|b| b.shallow_clone()));
         }
@@ -222,7 +226,8 @@ impl<M> DistributedDataParallel<M> {
         Ok(())
     }
 
-    /// Zeroes gradients in place, keeping them as bucket views. Use instead of tch's `zero_grad`.
+    /// Zeroes gradients in place, keeping them in the buckets (tch's `Optimizer::zero_grad` works too: it
+    /// sets them to none, and the next backward puts them back into the buckets).
     pub fn zero_grad(&self) -> Result<()> {
         hooks::zero_grads(&self.parameters())?;
         if let Ok(mut st) = self.reducer.state.lock() {
@@ -295,15 +300,47 @@ fn lock_sync(r: &Reducer) -> bool {
 }
 
 impl<M: nn::Module> DistributedDataParallel<M> {
-    /// The wrapped module's forward.
-    pub fn forward(&self, xs: &Tensor) -> Result<Tensor> {
+    /// The wrapped module's forward, with DDP's bookkeeping first; errors are returned (tch's `f_`
+    /// convention). [`nn::Module::forward`] is the same, panicking on error.
+    pub fn f_forward(&self, xs: &Tensor) -> Result<Tensor> {
         self.forward_with(|m| m.forward(xs))
     }
 }
 
 impl<M: nn::ModuleT> DistributedDataParallel<M> {
-    /// The wrapped module's forward with a train flag.
-    pub fn forward_t(&self, xs: &Tensor, train: bool) -> Result<Tensor> {
+    /// The wrapped module's forward with a train flag, errors returned. Works for every model, also
+    /// those that are only `ModuleT` (dropout, batch norm); [`forward_t`](Self::forward_t) panics instead.
+    pub fn f_forward_t(&self, xs: &Tensor, train: bool) -> Result<Tensor> {
         self.forward_with(|m| m.forward_t(xs, train))
+    }
+
+    /// [`f_forward_t`](Self::f_forward_t), panicking on error as tch's infallible methods do. (For a
+    /// model that is a `Module`, the DDP wrapper is a `Module`, and so a `ModuleT`; Rust's coherence rules
+    /// forbid implementing `ModuleT` for the `ModuleT`-only models as well, hence this method.)
+    pub fn forward_t(&self, xs: &Tensor, train: bool) -> Tensor {
+        self.f_forward_t(xs, train).unwrap_or_else(|e| panic!("{e}"))
+    }
+}
+
+/// DDP over a `Module` is a `Module` (and, through tch's blanket impl, a `ModuleT`): it goes wherever tch
+/// expects one. `forward` panics on error, as tch's infallible methods do; use
+/// [`f_forward`](DistributedDataParallel::f_forward) to get the error instead.
+impl<M: nn::Module> nn::Module for DistributedDataParallel<M> {
+    fn forward(&self, xs: &Tensor) -> Tensor {
+        self.f_forward(xs).unwrap_or_else(|e| panic!("{e}"))
+    }
+}
+
+impl<M: std::fmt::Debug> std::fmt::Debug for DistributedDataParallel<M> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (params, buckets) = self.reducer.state.lock().map(|s| (s.params.len(), s.buckets.len())).unwrap_or((0, 0));
+        f.debug_struct("DistributedDataParallel")
+            .field("group", &self.reducer.pg)
+            .field("parameters", &params)
+            .field("buckets", &buckets)
+            .field("gradient_as_bucket_view", &self.reducer.cfg.bucket_view)
+            .field("find_unused_parameters", &self.reducer.cfg.find_unused)
+            .field("module", &self.module)
+            .finish()
     }
 }

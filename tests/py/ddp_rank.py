@@ -39,6 +39,9 @@ def main():
         torch.nn.Linear(IN, 24), torch.nn.Tanh(), torch.nn.Linear(24, 40), torch.nn.ReLU(), torch.nn.Linear(40, OUT)
     )
     init(model, float(rank))
+    frozen = os.environ.get("DDP_FROZEN", "")
+    if frozen:
+        model[{"l1": 0, "l2": 2, "l3": 4}[frozen]].requires_grad_(False)
     ddp = DDP(model, bucket_cap_mb=float(os.environ.get("DDP_CAP_MB", "25")))
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     for s in range(STEPS):
