@@ -13,6 +13,7 @@ const SOURCES: &[&str] = &[
     "csrc/layout.cpp",
     "csrc/tp.cpp",
     "csrc/amp.cpp",
+    "csrc/random.cpp",
 ];
 
 fn libtorch_lib() -> PathBuf {

@@ -95,6 +95,9 @@ int tdx_ref_bucket_assignment(const int64_t* numels, const int* dtypes, const in
 // *out receives a new at::Tensor* owned by the caller.
 int tdx_tp_op(tdx_pg* pg, int op, tdx_tensor x, tdx_tensor* out);
 
+// ---- random.cpp: a permutation of 0..n from a CPU generator seeded with `seed` (the global one untouched).
+int tdx_randperm(int64_t n, uint64_t seed, tdx_tensor* out);
+
 // ---- memory
 int tdx_cpu_counter_install(void);
 int tdx_cpu_counter_installed(void);

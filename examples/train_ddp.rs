@@ -1,6 +1,7 @@
 //! A real training run with DDP: the 8x8 handwritten digits that scikit-learn ships (1,797 images),
-//! an MLP, SGD with momentum; each rank trains on its shard of every epoch (as PyTorch's
-//! DistributedSampler), DDP averages gradients. Rank 0 prints loss and test accuracy per epoch.
+//! an MLP, tch's SGD with momentum; each rank trains on its share of every epoch
+//! (`data::DistributedSampler`, PyTorch's indices), DDP averages gradients. Rank 0 prints loss and test
+//! accuracy per epoch.
 //!
 //! Started with torchrun's environment (scripts/train-ddp.sh runs it on 1 and on 2 ranks and compares);
 //! with WORLD_SIZE=1 it is the single-process baseline with the same global batch.
@@ -10,14 +11,21 @@ use std::sync::Arc;
 
 use indicatif::{ProgressBar, ProgressStyle};
 use tch::{nn, nn::Module, nn::OptimizerConfig, Device, Kind, Tensor};
+use clap::Parser;
+use tch_dist::data::{Batches, DistributedSampler, SamplerOptions};
 use tch_dist::ddp::{DdpOptions, DistributedDataParallel};
 use tch_dist::ProcessGroup;
 
 const GLOBAL_BATCH: i64 = 64;
 
-fn arg(name: &str) -> Option<String> {
-    let args: Vec<String> = std::env::args().collect();
-    args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).cloned()
+#[derive(Parser)]
+#[command(about = "DDP training on scikit-learn's digits, one rank per process (torchrun's environment)")]
+struct Args {
+    #[arg(long, default_value_t = 30)]
+    epochs: usize,
+    /// digits.csv.gz; default: the copy inside the venv's scikit-learn
+    #[arg(long)]
+    data: Option<std::path::PathBuf>,
 }
 
 /// scikit-learn's copy of the UCI digits, found in the torch venv that scripts/setup.sh made.
@@ -51,9 +59,10 @@ fn load(path: &std::path::Path) -> Result<(Tensor, Tensor), Box<dyn std::error::
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let epochs: usize = arg("--epochs").map_or(Ok(30), |s| s.parse())?;
-    let data = match arg("--data") {
-        Some(p) => p.into(),
+    let args = Args::parse();
+    let epochs = args.epochs;
+    let data = match args.data {
+        Some(p) => p,
         None => default_data()?,
     };
     let pg = Arc::new(ProcessGroup::from_env()?);
@@ -78,10 +87,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let ddp = DistributedDataParallel::new(&vs, net, DdpOptions::default().process_group(pg.clone()))?;
     let mut opt = nn::Sgd { momentum: 0.9, ..Default::default() }.build(&vs, 0.05)?;
 
-    let local_batch = GLOBAL_BATCH / world;
-    let steps = 1500 / GLOBAL_BATCH; // drop the last partial batch, as drop_last=True
+    let local_batch = (GLOBAL_BATCH / world) as usize;
+    // each rank's share of the 1,500 training images, reshuffled every epoch (the same shuffle on every
+    // rank); the global batch is the union of the ranks' local batches, whatever the world size
+    let mut sampler = DistributedSampler::for_group(1500, &pg, SamplerOptions::default().seed(100))?;
+    let steps = sampler.len() / local_batch; // drop the last partial batch, as drop_last=True
     let bar = if rank == 0 {
-        let b = ProgressBar::new((epochs as i64 * steps) as u64);
+        let b = ProgressBar::new((epochs * steps) as u64);
         b.set_style(ProgressStyle::with_template("{bar:30} {pos}/{len} steps {msg}")?);
         b
     } else {
@@ -89,17 +101,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     };
     let mut last_acc = 0.0;
     for epoch in 0..epochs {
-        // DistributedSampler: one shuffle per epoch, shared; rank r takes every world-th batch slice.
-        tch::manual_seed(100 + epoch as i64);
-        let order = Tensor::randperm(1500, (Kind::Int64, Device::Cpu));
+        sampler.set_epoch(epoch as u64);
         let mut loss_sum = 0.0;
-        for s in 0..steps {
-            let idx = order.narrow(0, s * GLOBAL_BATCH + rank as i64 * local_batch, local_batch);
-            let (xb, yb) = (xtr.index_select(0, &idx), ytr.index_select(0, &idx));
-            let loss = ddp.f_forward(&xb)?.cross_entropy_for_logits(&yb);
+        for (xb, yb) in Batches::new(&xtr, &ytr, sampler.indices()?, local_batch)?.drop_last() {
+            let loss = ddp.forward(&xb).cross_entropy_for_logits(&yb);
             ddp.backward(&loss)?;
             opt.step();
-            ddp.zero_grad()?;
+            opt.zero_grad();
             // the global batch's loss, for the log
             let mut l = loss.detach().view([1]);
             pg.allreduce(&mut l, tch_dist::ReduceOp::Avg)?;

@@ -5,15 +5,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 source scripts/env.sh
-cargo build -q --release --example train_ddp
+cargo build -q --release --example train_ddp --bin tchrun
 bin=target/release/examples/train_ddp
-port() { python3 -c 'import socket;s=socket.socket();s.bind(("127.0.0.1",0));print(s.getsockname()[1])'; }
+run() { target/release/tchrun --standalone --nproc-per-node "$1" -- $bin "${@:2}"; }
 echo "== single process"
-MASTER_ADDR=127.0.0.1 MASTER_PORT=$(port) WORLD_SIZE=1 RANK=0 $bin "$@" | tee /tmp/tdx-train-1.log
+run 1 "$@" | tee /tmp/tdx-train-1.log
 echo "== 2 ranks, DDP"
-p=$(port)
-MASTER_ADDR=127.0.0.1 MASTER_PORT=$p WORLD_SIZE=2 RANK=1 $bin "$@" >/dev/null &
-MASTER_ADDR=127.0.0.1 MASTER_PORT=$p WORLD_SIZE=2 RANK=0 $bin "$@" | tee /tmp/tdx-train-2.log
-wait
+run 2 "$@" | tee /tmp/tdx-train-2.log
 echo "== summary"
-grep -h "final" /tmp/tdx-train-1.log /tmp/tdx-train-2.log
+grep -h "^\[rank0\]: final" /tmp/tdx-train-1.log /tmp/tdx-train-2.log

@@ -129,6 +129,8 @@ extern "C" {
 
     pub fn tdx_tp_op(pg: *mut tdx_pg, op: c_int, x: tdx_tensor, out: *mut tdx_tensor) -> c_int;
 
+    pub fn tdx_randperm(n: i64, seed: u64, out: *mut tdx_tensor) -> c_int;
+
     pub fn tdx_cpu_counter_install() -> c_int;
     pub fn tdx_cpu_counter_installed() -> c_int;
     pub fn tdx_cpu_allocated() -> i64;

@@ -15,6 +15,7 @@ mod ffi;
 
 pub mod amp;
 pub mod checkpoint;
+pub mod data;
 pub mod ddp;
 pub mod error;
 pub mod group;
