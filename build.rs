@@ -84,6 +84,8 @@ fn main() {
     // Binaries, tests and examples of this package find libtorch without LD_LIBRARY_PATH.
     println!("cargo:rustc-link-arg=-Wl,-rpath,{}", lib.display());
     println!("cargo:libtorch_lib={}", lib.display());
+    // tchrun hands this directory to workers that cannot find libtorch themselves.
+    println!("cargo:rustc-env=TCH_DIST_LIBTORCH_LIB={}", lib.display());
 
     build_memory_ruler(&torch, &lib);
 }

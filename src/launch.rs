@@ -29,6 +29,35 @@ pub struct LaunchConfig {
     pub tail_lines: usize,
     pub program: String,
     pub args: Vec<String>,
+    /// Appended to the workers' `LD_LIBRARY_PATH` (see [`libtorch_dir`]), so a program built without an
+    /// rpath to libtorch starts; a directory the variable already names is not added again.
+    pub libtorch_dir: Option<PathBuf>,
+}
+
+/// libtorch's lib directory: the one this crate was built against while it exists, else that of the
+/// `python3` on `PATH` that imports torch (binaries carried to another machine).
+pub fn libtorch_dir() -> Option<PathBuf> {
+    let built = PathBuf::from(env!("TCH_DIST_LIBTORCH_LIB"));
+    if built.join("libtorch_cpu.so").exists() {
+        return Some(built);
+    }
+    let out = Command::new("python3")
+        .args(["-c", "import os, torch; print(os.path.join(os.path.dirname(torch.__file__), 'lib'))"])
+        .stderr(Stdio::null())
+        .output()
+        .ok()?;
+    let dir = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+    (out.status.success() && dir.join("libtorch_cpu.so").exists()).then_some(dir)
+}
+
+/// `current` with `dir` appended, unless it already names it (the user's own entries keep priority).
+fn with_lib_dir(current: Option<std::ffi::OsString>, dir: &std::path::Path) -> std::ffi::OsString {
+    let mut parts: Vec<PathBuf> = current.as_deref().map(|c| std::env::split_paths(c).collect()).unwrap_or_default();
+    parts.retain(|p| !p.as_os_str().is_empty());
+    if !parts.iter().any(|p| p == dir) {
+        parts.push(dir.to_path_buf());
+    }
+    std::env::join_paths(parts).unwrap_or_else(|_| dir.as_os_str().to_owned())
 }
 
 impl LaunchConfig {
@@ -165,6 +194,9 @@ fn spawn(cfg: &LaunchConfig, restart: usize) -> Result<Vec<Worker>> {
             .stderr(Stdio::piped())
             // its own process group, so stopping it reaches its children too
             .process_group(0);
+        if let Some(dir) = &cfg.libtorch_dir {
+            c.env("LD_LIBRARY_PATH", with_lib_dir(std::env::var_os("LD_LIBRARY_PATH"), dir));
+        }
         let mut child = match c.spawn() {
             Ok(ch) => ch,
             Err(e) => {
@@ -301,4 +333,18 @@ pub fn run(cfg: &LaunchConfig) -> Result<i32> {
         }
     }
     Ok(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lib_dir_is_appended_once() {
+        let d = std::path::Path::new("/opt/torch/lib");
+        assert_eq!(with_lib_dir(None, d), "/opt/torch/lib");
+        assert_eq!(with_lib_dir(Some("/a:/b".into()), d), "/a:/b:/opt/torch/lib");
+        assert_eq!(with_lib_dir(Some("/opt/torch/lib:/a".into()), d), "/opt/torch/lib:/a");
+        assert_eq!(with_lib_dir(Some("".into()), d), "/opt/torch/lib");
+    }
 }

@@ -4,8 +4,9 @@
 //!   tchrun --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --master-port 29500 --nproc-per-node 4 -- prog
 //!
 //! Each worker gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR,
-//! MASTER_PORT, TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS and TORCHELASTIC_RUN_ID. Works
-//! for any program, PyTorch scripts included.
+//! MASTER_PORT, TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS and TORCHELASTIC_RUN_ID, and
+//! libtorch's lib directory at the end of LD_LIBRARY_PATH, so a program built without an rpath to
+//! libtorch (any crate that depends on tch-dist) starts. Works for any program, PyTorch scripts included.
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -75,6 +76,7 @@ fn main() {
         tail_lines: 20,
         program: cli.command[0].clone(),
         args: cli.command[1..].to_vec(),
+        libtorch_dir: launch::libtorch_dir(),
     };
     match launch::run(&cfg) {
         Ok(code) => std::process::exit(code),

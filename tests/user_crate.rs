@@ -1,0 +1,43 @@
+//! A new user's crate (tests/user_crate/: tch's model and optimizer with its zero_grad, a
+//! DistributedSampler, DDP), copied outside this repository and built as a package of its own with
+//! tch-dist as a path dependency, trains on 2 ranks under tchrun with no environment variables set.
+//! Run directly, its binary cannot find libtorch (only tch-dist's own binaries embed an rpath);
+//! tchrun hands its workers libtorch's directory.
+mod common;
+
+use std::process::Command;
+
+#[test]
+fn a_new_users_crate_trains_on_two_ranks_under_tchrun() {
+    let dir = std::env::temp_dir().join(format!("tdx-user-crate-{}", std::process::id()));
+    std::fs::create_dir_all(dir.join("src")).unwrap();
+    let template = std::fs::read_to_string(common::repo_path("tests/user_crate/Cargo.toml.in")).unwrap();
+    std::fs::write(dir.join("Cargo.toml"), template.replace("@TCH_DIST@", env!("CARGO_MANIFEST_DIR"))).unwrap();
+    std::fs::copy(common::repo_path("tests/user_crate/src/main.rs"), dir.join("src/main.rs")).unwrap();
+    // the same dependency versions as this repository, so the shared target directory is reused
+    std::fs::copy(common::repo_path("Cargo.lock"), dir.join("Cargo.lock")).unwrap();
+    // built in a target directory of its own next to this one's (cargo holds this one's lock while tests run)
+    let target = common::repo_path("target/user-crate");
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let built = Command::new(cargo).arg("build").current_dir(&dir).env("CARGO_TARGET_DIR", &target).output().unwrap();
+    assert!(built.status.success(), "{}", common::show(&built));
+    let bin = target.join("debug/my-trainer");
+
+    let bare = Command::new(&bin).env_remove("LD_LIBRARY_PATH").output().unwrap();
+    assert!(!bare.status.success());
+    assert!(String::from_utf8_lossy(&bare.stderr).contains("libtorch"), "{}", common::show(&bare));
+
+    let run = Command::new(env!("CARGO_BIN_EXE_tchrun"))
+        .args(["--standalone", "--nproc-per-node", "2", "--"])
+        .arg(&bin)
+        .env_remove("LD_LIBRARY_PATH")
+        .output()
+        .unwrap();
+    let out = String::from_utf8_lossy(&run.stdout);
+    assert!(run.status.success(), "{}", common::show(&run));
+    for r in 0..2 {
+        assert!(out.contains(&format!("[rank{r}]: rank {r} of 2: last loss")), "{out}");
+    }
+    assert_eq!(out.matches("parameters equal across ranks: true").count(), 2, "{out}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
