@@ -13,3 +13,21 @@ extern "C" int tdx_randperm(int64_t n, uint64_t seed, tdx_tensor* out) {
     return TDX_OK;
   })
 }
+
+// Standard normal tensors drawn one after another from one generator seeded with `seed`: what
+// `torch.manual_seed(seed); [torch.randn(*shape) for shape in shapes]` gives on the CPU. shapes are
+// `count` tensors of ndims[i] dimensions, their sizes concatenated in `sizes`.
+extern "C" int tdx_randn_seq(uint64_t seed, int dtype, size_t count, const int64_t* ndims, const int64_t* sizes,
+                             tdx_tensor* outs) {
+  TDX_TRY({
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+    auto opts = at::TensorOptions().dtype(static_cast<at::ScalarType>(dtype));
+    size_t k = 0;
+    for (size_t i = 0; i < count; i++) {
+      std::vector<int64_t> shape(sizes + k, sizes + k + ndims[i]);
+      k += ndims[i];
+      outs[i] = new at::Tensor(at::randn(shape, gen, opts));
+    }
+    return TDX_OK;
+  })
+}

@@ -97,6 +97,9 @@ int tdx_tp_op(tdx_pg* pg, int op, tdx_tensor x, tdx_tensor* out);
 
 // ---- random.cpp: a permutation of 0..n from a CPU generator seeded with `seed` (the global one untouched).
 int tdx_randperm(int64_t n, uint64_t seed, tdx_tensor* out);
+// Standard normal tensors drawn in turn from one CPU generator seeded with `seed` (dtype: a c10::ScalarType
+// code); tensor i has ndims[i] dimensions, the sizes of all of them concatenated in `sizes`.
+int tdx_randn_seq(uint64_t seed, int dtype, size_t count, const int64_t* ndims, const int64_t* sizes, tdx_tensor* outs);
 
 // ---- memory
 int tdx_cpu_counter_install(void);

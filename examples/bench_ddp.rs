@@ -1,13 +1,29 @@
 //! One rank of the DDP benchmark (scripts/bench-ddp.sh runs it and the PyTorch twin
-//! scripts/bench_ddp.py on 2 ranks and compares). MLP of ~25M parameters, SGD, MSE loss.
-//! Prints `median_step_seconds peak_bytes` from rank 0. `--view on|off`, `--no-ddp` for the
-//! single-process baseline (run with WORLD_SIZE=1).
+//! scripts/bench_ddp.py on 2 ranks under tchrun and compares). MLP of ~25M parameters, SGD, MSE loss.
+//! Prints `median_step_seconds peak_bytes [compression_ratio]` from rank 0.
 use std::sync::Arc;
 use std::time::Instant;
 
+use clap::Parser;
 use tch::{nn, nn::Module, nn::OptimizerConfig, Device, Kind, Tensor};
-use tch_dist::ddp::{DdpOptions, DistributedDataParallel};
+use tch_dist::ddp::{DdpOptions, DistributedDataParallel, PowerSgd, PowerSgdOptions};
 use tch_dist::{memory, ProcessGroup};
+
+#[derive(Parser)]
+struct Args {
+    /// gradient_as_bucket_view
+    #[arg(long, default_value = "on")]
+    view: String,
+    /// The single-process baseline (run with one rank).
+    #[arg(long)]
+    no_ddp: bool,
+    /// PowerSGD of this rank (start after the warm-up steps, warm start, error feedback).
+    #[arg(long)]
+    powersgd: Option<i64>,
+    /// bucket_cap_mb (PyTorch's default when absent).
+    #[arg(long)]
+    bucket_mb: Option<f64>,
+}
 
 const DIMS: [i64; 4] = [1024, 4096, 4096, 1024];
 const BATCH: i64 = 32;
@@ -15,9 +31,8 @@ const WARMUP: usize = 2;
 const STEPS: usize = 8;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let args: Vec<String> = std::env::args().collect();
-    let view = !args.windows(2).any(|w| w[0] == "--view" && w[1] == "off");
-    let no_ddp = args.iter().any(|a| a == "--no-ddp");
+    let args = Args::parse();
+    let (view, no_ddp) = (args.view != "off", args.no_ddp);
     tch::set_num_threads(1); // two ranks share two cores
     memory::install_cpu_counter()?;
     let pg = Arc::new(ProcessGroup::from_env()?);
@@ -30,10 +45,19 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             net = net.add_fn(|x| x.relu());
         }
     }
+    let mut hook = None;
     let model = if no_ddp {
         Model::Plain(net)
     } else {
-        let opts = DdpOptions::default().gradient_as_bucket_view(view).process_group(pg.clone());
+        let mut opts = DdpOptions::default().gradient_as_bucket_view(view).process_group(pg.clone());
+        if let Some(mb) = args.bucket_mb {
+            opts = opts.bucket_cap_mb(mb);
+        }
+        if let Some(r) = args.powersgd {
+            let h = Arc::new(PowerSgd::new(PowerSgdOptions::default().rank(r).start_iter(WARMUP as u64))?);
+            opts = opts.comm_hook(h.clone());
+            hook = Some(h);
+        }
         Model::Ddp(DistributedDataParallel::new(&vs, net, opts)?)
     };
     let mut opt = nn::Sgd::default().build(&vs, 0.01)?;
@@ -52,7 +76,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     times.sort_by(|a, b| a.total_cmp(b));
     if pg.rank() == 0 {
-        println!("{:.6} {}", times[times.len() / 2], memory::peak(Device::Cpu)?);
+        let ratio = hook.map_or(String::new(), |h| format!(" {:.2}", h.compression().ratio()));
+        println!("{:.6} {}{ratio}", times[times.len() / 2], memory::peak(Device::Cpu)?);
     }
     Ok(())
 }

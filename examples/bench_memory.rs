@@ -44,7 +44,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     if bf16 {
         vs.bfloat16();
     }
-    let opts = DdpOptions::default().process_group(pg.clone()).bucket_cap_mb(bucket_mb);
+    // a 1 MiB first bucket, as measured for the README (PyTorch 2.13 makes it the cap when a cap is given)
+    let opts = DdpOptions::default().process_group(pg.clone()).bucket_cap_mb(bucket_mb).first_bucket_bytes(1 << 20);
     let ddp = DistributedDataParallel::new(&vs, net, opts)?;
     if std::env::var_os("BENCH_TRACE").is_some() && pg.rank() == 0 {
         eprintln!("built: allocated {} peak {}", memory::allocated(Device::Cpu)?, memory::peak(Device::Cpu)?);

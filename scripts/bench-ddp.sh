@@ -2,26 +2,22 @@
 # DDP benchmark: tch-dist against PyTorch DDP in the same run. MLP 1024-4096-4096-1024 (25.2M parameters,
 # 100.7 MB), batch 32 per rank, SGD, 2 ranks over Gloo, one intra-op thread per rank. Step time is the
 # median of 8 steps after 2 warm-up steps; memory is the peak counted by one CPU ruler in every process
-# (tch-dist's counting allocator; PyTorch loads it through ctypes). Rounds alternate the runs.
+# (tch-dist's counting allocator; PyTorch loads it through ctypes). Rounds alternate the runs; ranks start
+# under tchrun. PowerSGD rows: rank 4, warm start, error feedback, from the third step on, one bucket
+# (PyTorch's hook over Gloo aborts with several: its callbacks order the collectives differently per rank).
 #   scripts/bench-ddp.sh           # ROUNDS=3 by default
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 source scripts/env.sh
-cargo build -q --release --example bench_ddp
+cargo build -q --release --example bench_ddp --bin tchrun
 export TCH_DIST_MEMORY_LIB=$PWD/target/release/libtch_dist_memory.so
 ROUNDS=${ROUNDS:-3}
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
-port() { python3 -c 'import socket;s=socket.socket();s.bind(("127.0.0.1",0));print(s.getsockname()[1])'; }
-run() { # run NAME WORLD CMD...
+run() { # run NAME WORLD CMD...: rank 0's line goes to $out/NAME
   local name=$1 world=$2; shift 2
-  local p; p=$(port)
-  if [ "$world" = 2 ]; then
-    MASTER_ADDR=127.0.0.1 MASTER_PORT=$p WORLD_SIZE=2 RANK=1 "$@" >/dev/null &
-  fi
-  MASTER_ADDR=127.0.0.1 MASTER_PORT=$p WORLD_SIZE=$world RANK=0 "$@" >>"$out/$name"
-  wait
+  target/release/tchrun --standalone --nproc-per-node "$world" -- "$@" | sed -n 's/^\[rank0\]: //p' >>"$out/$name"
 }
 rust=target/release/examples/bench_ddp
 py="$TCH_DIST_PYTHON_BIN scripts/bench_ddp.py"
@@ -33,6 +29,8 @@ for r in $(seq "$ROUNDS"); do
   run ours_single 1 $rust --no-ddp
   run ours_default 2 $rust
   run ours_noview 2 $rust --view off
+  run torch_powersgd 2 $py --view off --powersgd 4 --bucket-mb 128
+  run ours_powersgd 2 $rust --powersgd 4 --bucket-mb 128
 done
 "$TCH_DIST_PYTHON_BIN" - "$out" <<'PY'
 import os, statistics, sys
@@ -40,7 +38,8 @@ out = sys.argv[1]
 def load(n):
     rows = [l.split() for l in open(os.path.join(out, n))]
     return statistics.median(float(r[0]) for r in rows), max(int(r[1]) for r in rows)
-R = {n: load(n) for n in ["torch_single", "torch_default", "torch_view", "ours_single", "ours_default", "ours_noview"]}
+R = {n: load(n) for n in ["torch_single", "torch_default", "torch_view", "ours_single", "ours_default", "ours_noview", "torch_powersgd", "ours_powersgd"]}
+ratio = {n: open(os.path.join(out, n)).read().split()[2] for n in ["torch_powersgd", "ours_powersgd"]}
 params = 1024 * 4096 + 4096 + 4096 * 4096 + 4096 + 4096 * 1024 + 1024
 pbytes = params * 4
 base_t, base_m = R["torch_default"]
@@ -49,6 +48,8 @@ names = {
     "torch_view": "PyTorch DDP, gradient_as_bucket_view=True",
     "ours_default": "tch-dist DDP (default, views on)",
     "ours_noview": "tch-dist DDP, views off",
+    "torch_powersgd": "PyTorch DDP + powerSGD_hook (rank 4)",
+    "ours_powersgd": "tch-dist DDP + PowerSgd (rank 4)",
 }
 print(f"MLP 1024-4096-4096-1024: {params:,} parameters ({pbytes / 1e6:.1f} MB), 2 ranks, Gloo, batch 32/rank\n")
 print("| run | step (s) | step / PyTorch default | peak MB | peak / PyTorch default | DDP overhead over single process (MB) | overhead / param size |")
@@ -63,4 +64,6 @@ tv_m = R["torch_view"][1]
 print(f"step time ours/PyTorch default: {ours_t / base_t:.2f} (goal <= 1.0)")
 print(f"peak ours vs PyTorch views on: {ours_m / tv_m:.3f} (goal <= 1.0)")
 print(f"peak saved vs PyTorch default: {(base_m - ours_m) / pbytes:.2f} x parameter size (goal >= 1.0)")
+print(f"PowerSGD rank 4: compression {ratio['ours_powersgd']}x (PyTorch's hook: {ratio['torch_powersgd']}x), "
+      f"step time ours/PyTorch {R['ours_powersgd'][0] / R['torch_powersgd'][0]:.2f}")
 PY

@@ -1,6 +1,6 @@
 """PyTorch twin of examples/bench_ddp.rs: same model, batch, steps and output. Memory is measured with
 tch-dist's counting allocator (scripts/memory_ruler.py), the ruler the Rust side uses.
-Usage: bench_ddp.py [--view on|off] [--no-ddp]"""
+Usage: bench_ddp.py [--view on|off] [--no-ddp] [--powersgd RANK] [--bucket-mb MB]"""
 import os
 import sys
 import time
@@ -17,8 +17,13 @@ BATCH, WARMUP, STEPS = 32, 2, 8
 
 
 def main():
-    view = "--view" in sys.argv and sys.argv[sys.argv.index("--view") + 1] == "on"
+    def arg(name):
+        return sys.argv[sys.argv.index(name) + 1] if name in sys.argv else None
+
+    view = arg("--view") == "on"
     no_ddp = "--no-ddp" in sys.argv
+    powersgd = arg("--powersgd")
+    bucket_mb = arg("--bucket-mb")
     torch.set_num_threads(1)
     memory_ruler.install()
     dist.init_process_group("gloo")
@@ -30,7 +35,14 @@ def main():
         if i + 2 < len(DIMS):
             layers.append(torch.nn.ReLU())
     net = torch.nn.Sequential(*layers)
-    model = net if no_ddp else DDP(net, gradient_as_bucket_view=view)
+    kwargs = {"bucket_cap_mb": float(bucket_mb)} if bucket_mb else {}
+    model = net if no_ddp else DDP(net, gradient_as_bucket_view=view, **kwargs)
+    state = None
+    if powersgd:
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powerSGD
+
+        state = powerSGD.PowerSGDState(None, matrix_approximation_rank=int(powersgd), start_powerSGD_iter=WARMUP)
+        model.register_comm_hook(state, powerSGD.powerSGD_hook)
     opt = torch.optim.SGD(net.parameters(), lr=0.01)
     times = []
     for step in range(WARMUP + STEPS):
@@ -46,7 +58,10 @@ def main():
             times.append(time.perf_counter() - start)
     times.sort()
     if rank == 0:
-        print(f"{times[len(times) // 2]:.6f} {memory_ruler.peak()}", flush=True)
+        ratio = ""
+        if state is not None:
+            ratio = f" {state.total_numel_before_compression / state.total_numel_after_compression:.2f}"
+        print(f"{times[len(times) // 2]:.6f} {memory_ruler.peak()}{ratio}", flush=True)
     dist.barrier()
     dist.destroy_process_group()
 

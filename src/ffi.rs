@@ -130,6 +130,14 @@ extern "C" {
     pub fn tdx_tp_op(pg: *mut tdx_pg, op: c_int, x: tdx_tensor, out: *mut tdx_tensor) -> c_int;
 
     pub fn tdx_randperm(n: i64, seed: u64, out: *mut tdx_tensor) -> c_int;
+    pub fn tdx_randn_seq(
+        seed: u64,
+        dtype: c_int,
+        count: size_t,
+        ndims: *const i64,
+        sizes: *const i64,
+        outs: *mut tdx_tensor,
+    ) -> c_int;
 
     pub fn tdx_cpu_counter_install() -> c_int;
     pub fn tdx_cpu_counter_installed() -> c_int;

@@ -12,6 +12,7 @@
 //! ```
 mod dtype;
 mod ffi;
+mod random;
 
 pub mod amp;
 pub mod checkpoint;

@@ -1,8 +1,5 @@
 //! PyTorch's `DistributedSampler`, index for index.
-use tch::Tensor;
-
-use crate::error::{check, Error, Result};
-use crate::ffi;
+use crate::error::{Error, Result};
 use crate::group::ProcessGroup;
 
 /// How a [`DistributedSampler`] orders and cuts the indices (PyTorch's defaults).
@@ -93,7 +90,7 @@ impl DistributedSampler {
     /// This epoch's indices for this rank.
     pub fn indices(&self) -> Result<Vec<i64>> {
         let mut all: Vec<i64> = if self.opts.shuffle {
-            randperm(self.len as i64, self.opts.seed.wrapping_add(self.epoch))?
+            crate::random::randperm(self.len as i64, self.opts.seed.wrapping_add(self.epoch))?
         } else {
             (0..self.len as i64).collect()
         };
@@ -110,18 +107,4 @@ impl DistributedSampler {
         }
         Ok(all.into_iter().skip(self.rank).step_by(self.num_replicas).take(self.num_samples).collect())
     }
-}
-
-/// `torch.randperm(n, generator=torch.Generator().manual_seed(seed))`, leaving the global generator alone.
-fn randperm(n: i64, seed: u64) -> Result<Vec<i64>> {
-    let mut out: ffi::tdx_tensor = std::ptr::null_mut();
-    // SAFETY: `out` receives a new at::Tensor* on success, owned by the Tensor built from it.
-    let code = unsafe { ffi::tdx_randperm(n, seed, &mut out) };
-    check(code, std::time::Duration::ZERO, || format!("randperm({n}) with seed {seed}"))?;
-    if out.is_null() {
-        return Err(Error::invalid("randperm", "shim returned no tensor"));
-    }
-    // SAFETY: ownership of the new tensor passes to Rust.
-    let t = unsafe { Tensor::from_ptr(out as *mut torch_sys::C_tensor) };
-    Ok(Vec::<i64>::try_from(&t)?)
 }

@@ -25,6 +25,7 @@
 //! copy of the parameters, not two.
 pub mod bucket;
 pub mod comm_hook;
+pub mod powersgd;
 mod memory;
 mod reducer;
 mod shard;
@@ -34,7 +35,8 @@ use std::sync::Arc;
 
 use tch::{nn, Tensor};
 
-pub use comm_hook::CommHook;
+pub use comm_hook::{CommHook, GradBucket, HookFuture};
+pub use powersgd::{PowerSgd, PowerSgdOptions};
 pub use memory::DdpMemory;
 pub use reducer::ReducerEvent;
 
@@ -51,18 +53,20 @@ pub const DEFAULT_BUCKET_CAP_MB: f64 = 25.0;
 /// Options of [`DistributedDataParallel`], named as PyTorch's.
 #[derive(Clone, Debug)]
 pub struct DdpOptions {
-    /// Bucket size limit in MiB (25).
-    pub bucket_cap_mb: f64,
-    /// Limit of the first bucket after the rebuild, in bytes (1 MiB): a small first bucket starts
-    /// communication early.
-    pub first_bucket_bytes: usize,
+    /// Bucket size limit in MiB; `None` is PyTorch's default, 25.
+    pub bucket_cap_mb: Option<f64>,
+    /// Limit of the first bucket after the rebuild, in bytes: a small first bucket starts communication
+    /// early. `None` is PyTorch 2.13's rule: 1 MiB with the default bucket cap, else the cap itself.
+    pub first_bucket_bytes: Option<usize>,
     /// Gradients are views into the buckets (default **true**; PyTorch's default is false).
     pub gradient_as_bucket_view: bool,
     /// Broadcast rank 0's buffers (non-trainable variables) before each forward.
     pub broadcast_buffers: bool,
     /// Parameters that get no gradient in a backward are reduced as zeros instead of stalling.
     pub find_unused_parameters: bool,
-    pub comm_hook: CommHook,
+    /// How buckets are reduced: `None` is DDP's own allreduce; see [`comm_hook`] for the built-ins
+    /// (compression, PowerSGD) and your own.
+    pub comm_hook: Option<Arc<dyn CommHook>>,
     /// The group; `None` uses the default one ([`crate::init_process_group`]).
     pub process_group: Option<Arc<ProcessGroup>>,
 }
@@ -70,12 +74,12 @@ pub struct DdpOptions {
 impl Default for DdpOptions {
     fn default() -> Self {
         DdpOptions {
-            bucket_cap_mb: DEFAULT_BUCKET_CAP_MB,
-            first_bucket_bytes: DEFAULT_FIRST_BUCKET_BYTES,
+            bucket_cap_mb: None,
+            first_bucket_bytes: None,
             gradient_as_bucket_view: true,
             broadcast_buffers: true,
             find_unused_parameters: false,
-            comm_hook: CommHook::Allreduce,
+            comm_hook: None,
             process_group: None,
         }
     }
@@ -83,11 +87,11 @@ impl Default for DdpOptions {
 
 impl DdpOptions {
     pub fn bucket_cap_mb(mut self, mb: f64) -> Self {
-        self.bucket_cap_mb = mb;
+        self.bucket_cap_mb = Some(mb);
         self
     }
     pub fn first_bucket_bytes(mut self, b: usize) -> Self {
-        self.first_bucket_bytes = b;
+        self.first_bucket_bytes = Some(b);
         self
     }
     pub fn gradient_as_bucket_view(mut self, on: bool) -> Self {
@@ -102,8 +106,9 @@ impl DdpOptions {
         self.find_unused_parameters = on;
         self
     }
-    pub fn comm_hook(mut self, h: CommHook) -> Self {
-        self.comm_hook = h;
+    /// PyTorch's `register_comm_hook`: e.g. `comm_hook::fp16_compress()` or `Arc::new(PowerSgd::new(..))`.
+    pub fn comm_hook(mut self, h: Arc<dyn CommHook>) -> Self {
+        self.comm_hook = Some(h);
         self
     }
     pub fn process_group(mut self, pg: Arc<ProcessGroup>) -> Self {
@@ -173,9 +178,16 @@ impl<M> DistributedDataParallel<M> {
                 ))
             }
         };
-        if !(opts.bucket_cap_mb > 0.0) {
-            return Err(Error::invalid("DdpOptions::bucket_cap_mb", format!("{} is not positive", opts.bucket_cap_mb)));
+        let cap_mb = opts.bucket_cap_mb.unwrap_or(DEFAULT_BUCKET_CAP_MB);
+        if !(cap_mb > 0.0 && cap_mb.is_finite()) {
+            return Err(Error::invalid("DdpOptions::bucket_cap_mb", format!("{cap_mb} is not a positive number of MiB")));
         }
+        let bucket_bytes = ((cap_mb * 1024.0 * 1024.0) as usize).max(1);
+        let first = match (opts.first_bucket_bytes, opts.bucket_cap_mb) {
+            (Some(b), _) => b,
+            (None, None) => DEFAULT_FIRST_BUCKET_BYTES,
+            (None, Some(_)) => bucket_bytes,
+        };
         // As PyTorch: every parameter starts from rank 0's value, but only those that require grad (not
         // frozen) are checked, bucketed and reduced.
         let mut states: Vec<Tensor> = named.iter().map(|(_, p)| p.shallow_clone()).collect();
@@ -195,8 +207,8 @@ impl<M> DistributedDataParallel<M> {
             world: pg.size(),
             bucket_view: opts.gradient_as_bucket_view,
             find_unused: opts.find_unused_parameters,
-            first_bucket_bytes: opts.first_bucket_bytes.max(1),
-            bucket_bytes: ((opts.bucket_cap_mb * 1024.0 * 1024.0) as usize).max(1),
+            first_bucket_bytes: first.max(1),
+            bucket_bytes,
             comm_hook: opts.comm_hook,
         };
         let reducer = Reducer::new(pg, cfg, params, names)?;
@@ -278,8 +290,8 @@ impl<M> DistributedDataParallel<M> {
 
     /// ZeRO-2: reduce-scatter instead of allreduce; returns this rank's gradient shard per bucket.
     pub(crate) fn shard_gradients(&self) -> Result<Vec<Tensor>> {
-        if self.reducer.cfg.comm_hook != CommHook::Allreduce {
-            return Err(Error::invalid("ZeRO-2", "sharded gradients are reduced in their own dtype; remove the compression comm hook"));
+        if self.reducer.cfg.comm_hook.is_some() {
+            return Err(Error::invalid("ZeRO-2", "ZeRO-2 reduce-scatters buckets itself; remove the comm hook"));
         }
         self.reducer.shard_gradients()
     }

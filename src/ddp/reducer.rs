@@ -5,7 +5,7 @@ use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use tch::Tensor;
 
 use super::bucket::{self, TensorSpec};
-use super::comm_hook::{CommHook, InFlight};
+use super::comm_hook::{CommHook, GradBucket, HookFuture};
 use super::shard::GradShards;
 use super::sync;
 use crate::error::{Error, Result};
@@ -27,7 +27,8 @@ pub(crate) struct Config {
     pub find_unused: bool,
     pub first_bucket_bytes: usize,
     pub bucket_bytes: usize,
-    pub comm_hook: CommHook,
+    /// `None`: DDP's own allreduce, dividing by the world size while copying gradients in.
+    pub comm_hook: Option<Arc<dyn CommHook>>,
 }
 
 pub(crate) struct Bucket {
@@ -50,7 +51,8 @@ pub(crate) struct State {
     ready: Vec<bool>,
     has_grad: Vec<bool>,
     next_launch: usize,
-    in_flight: Vec<InFlight>,
+    /// Reductions running, in bucket order.
+    in_flight: Vec<HookFuture>,
     ready_order: Vec<usize>,
     pub rebuilt: bool,
     /// A hook fired in the backward in progress (so the end-of-backward callback is queued).
@@ -182,7 +184,8 @@ impl Reducer {
         let _g = tch::no_grad_guard();
         let (b, k) = st.loc[i];
         let grad = st.params[i].grad();
-        let scale = 1.0 / self.cfg.world as f64;
+        // a comm hook gets the local gradients as they are and averages them itself (PyTorch's rule)
+        let scale = if self.cfg.comm_hook.is_some() { 1.0 } else { 1.0 / self.cfg.world as f64 };
         if let Some(sh) = st.shards.as_mut() {
             sh.accept(b, st.buckets[b].offsets[k], st.specs[i].numel as i64, &grad)?;
             if grad.defined() {
@@ -195,11 +198,16 @@ impl Reducer {
             let _ = view.f_zero_()?;
         } else if self.cfg.bucket_view && grad.data_ptr() == st.buckets[b].views[k].data_ptr() {
             // Already accumulated in place in the bucket.
-            let _ = st.buckets[b].views[k].shallow_clone().f_mul_scalar_(scale)?;
+            if scale != 1.0 {
+                let _ = st.buckets[b].views[k].shallow_clone().f_mul_scalar_(scale)?;
+            }
         } else {
             let mut view = st.buckets[b].views[k].shallow_clone();
-            view.f_copy_(&grad)?;
-            let _ = view.f_mul_scalar_(scale)?;
+            if scale != 1.0 {
+                let _ = grad.f_mul_scalar_out(&view, scale)?; // copy and divide in one pass
+            } else {
+                view.f_copy_(&grad)?;
+            }
             if self.cfg.bucket_view {
                 // From now on autograd accumulates straight into the bucket; the separate grad is freed.
                 hooks::set_grad(&st.params[i], Some(&view))?;
@@ -216,7 +224,18 @@ impl Reducer {
             if let Some(sh) = st.shards.as_mut() {
                 sh.launch(&self.pg, nb)?;
             } else {
-                let f = self.cfg.comm_hook.launch(&self.pg, nb, &st.buckets[nb].flat)?;
+                let f = match &self.cfg.comm_hook {
+                    None => HookFuture::after(self.pg.allreduce_unverified(&mut st.buckets[nb].flat.shallow_clone(), ReduceOp::Sum)?),
+                    Some(hook) => {
+                        let bucket = GradBucket {
+                            index: nb,
+                            count: st.buckets.len(),
+                            buffer: st.buckets[nb].flat.shallow_clone(),
+                            gradients: st.buckets[nb].views.iter().map(|v| v.shallow_clone()).collect(),
+                        };
+                        hook.run(&self.pg, &bucket)?
+                    }
+                };
                 st.in_flight.push(f);
             }
             st.events.push(ReducerEvent::BucketLaunched { bucket: nb });
@@ -263,9 +282,7 @@ impl Reducer {
             return sh.finish(&self.pg);
         }
         for f in std::mem::take(&mut st.in_flight) {
-            let b = f.bucket;
-            let mut flat = st.buckets[b].flat.shallow_clone();
-            f.finish(&mut flat)?;
+            f.wait()?;
         }
         let globally_used = if self.cfg.find_unused {
             // PyTorch's local_used_map: int32, summed on the parameters' device

@@ -1,0 +1,41 @@
+//! Draws from a CPU generator of their own, seeded explicitly (through the shim, csrc/random.cpp): the
+//! values PyTorch gives for `torch.Generator().manual_seed(seed)`, while the global generator the user's
+//! program draws from is left alone.
+use tch::{Kind, Tensor};
+
+use crate::error::{check, Error, Result};
+use crate::ffi;
+
+/// Takes ownership of a tensor the shim created.
+fn adopt(p: ffi::tdx_tensor, what: &str) -> Result<Tensor> {
+    if p.is_null() {
+        return Err(Error::invalid(what.to_string(), "shim returned no tensor"));
+    }
+    // SAFETY: the shim hands over a new at::Tensor*; the Tensor built here owns and frees it.
+    Ok(unsafe { Tensor::from_ptr(p as *mut torch_sys::C_tensor) })
+}
+
+/// `torch.randperm(n, generator=torch.Generator().manual_seed(seed))`.
+pub(crate) fn randperm(n: i64, seed: u64) -> Result<Vec<i64>> {
+    let mut out: ffi::tdx_tensor = std::ptr::null_mut();
+    // SAFETY: `out` is valid for the call.
+    let code = unsafe { ffi::tdx_randperm(n, seed, &mut out) };
+    check(code, std::time::Duration::ZERO, || format!("randperm({n}) with seed {seed}"))?;
+    Ok(Vec::<i64>::try_from(&adopt(out, "randperm")?)?)
+}
+
+/// `torch.manual_seed(seed)` and then `torch.randn(*shape, dtype=kind)` for each shape in turn.
+pub(crate) fn randn_seq(seed: u64, kind: Kind, shapes: &[Vec<i64>]) -> Result<Vec<Tensor>> {
+    let dtype = crate::dtype::code(kind).ok_or_else(|| Error::invalid("randn", format!("dtype {kind:?}")))?;
+    let ndims: Vec<i64> = shapes.iter().map(|s| s.len() as i64).collect();
+    let sizes: Vec<i64> = shapes.iter().flatten().copied().collect();
+    let mut outs: Vec<ffi::tdx_tensor> = vec![std::ptr::null_mut(); shapes.len()];
+    // SAFETY: the arrays are valid for the call and `outs` has one slot per shape.
+    let code = unsafe {
+        ffi::tdx_randn_seq(seed, dtype, shapes.len(), ndims.as_ptr(), sizes.as_ptr(), outs.as_mut_ptr())
+    };
+    // on failure the shim created none, or some: take ownership of those either way
+    let made: Vec<Result<Tensor>> = outs.into_iter().filter(|p| !p.is_null()).map(|p| adopt(p, "randn")).collect();
+    check(code, std::time::Duration::ZERO, || format!("randn with seed {seed}"))?;
+    made.into_iter().collect()
+}
