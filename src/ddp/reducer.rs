@@ -204,7 +204,9 @@ impl Reducer {
         } else {
             let mut view = st.buckets[b].views[k].shallow_clone();
             if scale != 1.0 {
-                let _ = grad.f_mul_scalar_out(&view, scale)?; // copy and divide in one pass
+                // copy and divide in one pass (mul's Scalar overload with out= would compute into a
+                // temporary the size of the gradient first; the Tensor overload writes in place)
+                let _ = grad.f_mul_out(&view, &Tensor::from(scale))?;
             } else {
                 view.f_copy_(&grad)?;
             }

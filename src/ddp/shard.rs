@@ -64,7 +64,8 @@ impl GradShards {
         let mut slot = buf.f_narrow(0, offset, numel)?;
         if grad.defined() {
             // copy and average in one pass
-            let _ = grad.f_reshape([-1])?.f_mul_scalar_out(&slot, 1.0 / self.world as f64)?;
+            // (the Tensor overload of mul with out= writes in place; the Scalar one makes a temporary)
+            let _ = grad.f_reshape([-1])?.f_mul_out(&slot, &Tensor::from(1.0 / self.world as f64))?;
         } else {
             let _ = slot.f_zero_()?;
         }
