@@ -22,6 +22,9 @@ pub enum Error {
     /// The backend or device is not available (e.g. NCCL without the `cuda` feature, or no GPU).
     #[error("{what} is not available: {msg}")]
     Unavailable { what: String, msg: String },
+    /// Ranks ran out of inputs unevenly, and `JoinOptions::throw_on_early_termination` asked to fail.
+    #[error("{op}: uneven inputs: {msg}")]
+    UnevenInputs { op: String, msg: String },
     /// A `torchrun`-style environment variable is missing or malformed.
     #[error("environment variable {var}: {msg}")]
     Env { var: String, msg: String },

@@ -25,6 +25,7 @@
 //! copy of the parameters, not two.
 pub mod bucket;
 pub mod comm_hook;
+pub mod join;
 pub mod powersgd;
 mod memory;
 mod reducer;
@@ -36,12 +37,13 @@ use std::sync::Arc;
 use tch::{nn, Tensor};
 
 pub use comm_hook::{CommHook, GradBucket, HookFuture};
+pub use join::JoinOptions;
 pub use powersgd::{PowerSgd, PowerSgdOptions};
 pub use memory::DdpMemory;
 pub use reducer::ReducerEvent;
 
 use crate::error::{Error, Result};
-use crate::group::ProcessGroup;
+use crate::group::{ProcessGroup, ReduceOp};
 use crate::hooks::{self, GradHook};
 use reducer::{Config, Reducer};
 
@@ -119,12 +121,16 @@ impl DdpOptions {
 
 /// A model whose gradients are averaged across the ranks of a process group during backward.
 pub struct DistributedDataParallel<M> {
+    // First, so it drops first (fields drop in declaration order): the autograd hooks are removed
+    // before the reducer they point to (through a weak reference) goes.
+    _hooks: Vec<GradHook>,
     module: M,
     reducer: Arc<Reducer>,
     buffers: Vec<Tensor>,
     broadcast_buffers: bool,
-    // Dropped before the reducer's last strong reference goes.
-    _hooks: Vec<GradHook>,
+    /// Every parameter (frozen ones too) and, with `broadcast_buffers`, the buffers: what construction
+    /// copies from rank 0, and what `join` copies from the last rank to finish.
+    module_states: Vec<Tensor>,
 }
 
 /// Trainable variables in creation order with their names, and the other variables (buffers) by name.
@@ -213,7 +219,14 @@ impl<M> DistributedDataParallel<M> {
         };
         let reducer = Reducer::new(pg, cfg, params, names)?;
         let hooks = reducer.install_hooks()?;
-        Ok(DistributedDataParallel { module, reducer, buffers, broadcast_buffers: opts.broadcast_buffers, _hooks: hooks })
+        Ok(DistributedDataParallel {
+            _hooks: hooks,
+            module,
+            reducer,
+            buffers,
+            broadcast_buffers: opts.broadcast_buffers,
+            module_states: states,
+        })
     }
 
     /// Runs `f` on the wrapped module as a forward pass: first finishes the bookkeeping PyTorch does
@@ -223,12 +236,52 @@ impl<M> DistributedDataParallel<M> {
         Ok(f(&self.module))
     }
 
+    /// PyTorch's `_pre_forward`, collective for collective (so a joined rank can shadow it, and a PyTorch
+    /// rank can share the group): [join: "not joined yet"], bucket rebuild, buffer broadcast, [join:
+    /// whether this iteration synchronises].
     fn prepare_for_forward(&self) -> Result<()> {
-        self.reducer.prepare_for_forward()?;
-        if self.broadcast_buffers && !self.buffers.is_empty() && lock_sync(&self.reducer) {
-            sync::broadcast_coalesced(&self.reducer.pg, &self.buffers, sync::BROADCAST_BUCKET_BYTES, 0)?;
+        let sync = self.reducer.begin_forward()?;
+        let join = self.reducer.join_options();
+        if let Some(j) = &join {
+            let meta = self.pg().meta_as_pytorch(self.device());
+            let active = meta.allreduce("DDP join: ranks still training", &[1f32], ReduceOp::Sum)?[0];
+            if j.throw_on_early_termination {
+                let joined = meta.allreduce("DDP join: early termination", &[0f32], ReduceOp::Sum)?[0];
+                if joined > 0.0 {
+                    return Err(join::exhausted(self.pg(), "another rank ran out of inputs"));
+                }
+            }
+            let divisor = if j.divide_by_initial_world_size { self.pg().size() as f64 } else { active as f64 };
+            self.reducer.set_divisor(divisor);
         }
+        self.reducer.check_forward_loop()?;
+        self.reducer.rebuild_if_due(false)?;
+        self.sync_buffers(join.is_some(), true)?;
+        if join.is_some() {
+            let meta = self.pg().meta_as_pytorch(self.device());
+            meta.allreduce("DDP join: backward sync", &[sync as i32 as f32], ReduceOp::Sum)?;
+        }
+        self.reducer.set_forward_param_sync(sync);
         Ok(())
+    }
+
+    /// Broadcasts the buffers if the previous iteration synchronised (PyTorch's
+    /// `require_forward_param_sync`): from rank 0, or in join mode from the highest rank still training.
+    pub(crate) fn sync_buffers(&self, joining: bool, training: bool) -> Result<()> {
+        if !(self.broadcast_buffers && !self.buffers.is_empty() && self.reducer.forward_param_sync()) {
+            return Ok(());
+        }
+        let root = if joining { join::common_rank(self, training)? } else { 0 };
+        sync::broadcast_coalesced(self.pg(), &self.buffers, sync::BROADCAST_BUCKET_BYTES, root)
+    }
+
+    fn pg(&self) -> &ProcessGroup {
+        &self.reducer.pg
+    }
+
+    /// Where the parameters live (PyTorch's DDP keeps its own bookkeeping tensors there).
+    fn device(&self) -> tch::Device {
+        self.module_states.first().map_or(tch::Device::Cpu, |t| t.device())
     }
 
     /// Backward of `loss`, with the gradient reduction finished when it returns. (A plain
@@ -305,10 +358,6 @@ impl<M> DistributedDataParallel<M> {
     pub fn buckets_rebuilt(&self) -> bool {
         self.reducer.state.lock().map(|s| s.rebuilt).unwrap_or(false)
     }
-}
-
-fn lock_sync(r: &Reducer) -> bool {
-    r.state.lock().map(|s| s.sync).unwrap_or(true)
 }
 
 impl<M: nn::Module> DistributedDataParallel<M> {

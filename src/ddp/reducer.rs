@@ -72,6 +72,12 @@ pub(crate) struct State {
     pub frozen: bool,
     /// ZeRO-2: buckets are reduce-scattered into per-rank shards instead of allreduced.
     pub shards: Option<GradShards>,
+    /// Inside `join`: uneven inputs are being shadowed.
+    join: Option<super::join::JoinOptions>,
+    /// Gradients are divided by this (the world size unless joining asks otherwise).
+    divisor: f64,
+    /// PyTorch's `require_forward_param_sync`.
+    forward_param_sync: bool,
 }
 
 pub(crate) struct Reducer {
@@ -118,6 +124,9 @@ impl Reducer {
             backwards: 0,
             frozen: false,
             shards: None,
+            join: None,
+            divisor: cfg.world as f64,
+            forward_param_sync: true,
         };
         init_buckets(&mut st, &cfg, assignment, false)?;
         Ok(Arc::new(Reducer { pg, cfg, state: Mutex::new(st) }))
@@ -149,7 +158,7 @@ impl Reducer {
         if !st.active {
             st.active = true;
             st.events.clear();
-            if self.pg.verifies() {
+            if self.pg.verifies() && st.join.is_none() {
                 if let Err(e) = self.check_loop_agreement(&st, "backward") {
                     st.error = Some(e.to_string());
                 }
@@ -185,7 +194,7 @@ impl Reducer {
         let (b, k) = st.loc[i];
         let grad = st.params[i].grad();
         // a comm hook gets the local gradients as they are and averages them itself (PyTorch's rule)
-        let scale = if self.cfg.comm_hook.is_some() { 1.0 } else { 1.0 / self.cfg.world as f64 };
+        let scale = if self.cfg.comm_hook.is_some() { 1.0 } else { 1.0 / st.divisor };
         if let Some(sh) = st.shards.as_mut() {
             sh.accept(b, st.buckets[b].offsets[k], st.specs[i].numel as i64, &grad)?;
             if grad.defined() {
@@ -331,9 +340,9 @@ impl Reducer {
         Ok(())
     }
 
-    /// Before a forward: fail clearly if the last backward did not finish its reduction, and rebuild
-    /// buckets once, from the order gradients arrived, with rank 0's assignment.
-    pub fn prepare_for_forward(&self) -> Result<()> {
+    /// Start of a forward: fails clearly if the last backward did not finish its reduction. Returns
+    /// whether this iteration synchronises gradients (not inside `no_sync`).
+    pub fn begin_forward(&self) -> Result<bool> {
         let mut st = lock(&self.state);
         if st.active || st.ready.iter().any(|&r| r) {
             reset_iteration(&mut st);
@@ -342,37 +351,123 @@ impl Reducer {
                 "the previous iteration did not finish reducing gradients (did its backward fail?)",
             ));
         }
-        if st.sync && self.pg.verifies() {
-            self.check_loop_agreement(&st, "forward")?;
-        }
+        Ok(st.sync)
+    }
+
+    /// Our check that every rank is at the same forward (agreement checks on, not joining).
+    pub fn check_forward_loop(&self) -> Result<()> {
+        let mut st = lock(&self.state);
         if st.sync {
+            if self.pg.verifies() && st.join.is_none() {
+                self.check_loop_agreement(&st, "forward")?;
+            }
             st.forwards += 1;
         }
-        if st.sync && !st.rebuilt && !st.frozen && st.iterations > 0 && st.ready_order.len() == st.params.len() {
-            let order = std::mem::take(&mut st.ready_order);
-            let limits = [self.cfg.first_bucket_bytes, self.cfg.bucket_bytes];
-            let local = bucket::assign(&st.specs, &limits, Some(&order));
-            let agreed = sync::sync_bucket_indices(&self.pg, &local, st.params.len(), st.specs[0].device)?;
-            // Old and new buckets side by side would cost a third copy of the parameters at the peak.
-            // The old ones can go first when nothing in them is needed: without bucket views they are
-            // scratch space; with views they hold the gradients, which after zero_grad are all zero.
-            // (zeroed by our zero_grad, or found all zero: an optimizer's own zero_grad zeroes in place)
-            // (tch's optimizers set gradients to none: then nothing in the buckets is needed either)
-            let lean = !self.cfg.bucket_view
-                || st.grads_zeroed
-                || st.params.iter().all(|p| !p.grad().defined())
-                || all_zero(&st.buckets)?;
-            if lean {
-                if self.cfg.bucket_view {
-                    for p in &st.params {
-                        hooks::set_grad(p, None)?;
-                    }
-                }
-                st.buckets.clear();
-            }
-            init_buckets(&mut st, &self.cfg, agreed, lean && self.cfg.bucket_view)?;
-            st.rebuilt = true;
+        Ok(())
+    }
+
+    /// Rebuilds the buckets once, after the first synchronised iteration, from the order gradients
+    /// arrived, with rank 0's assignment. `shadow`: this rank has joined (see `join`) and follows the
+    /// others' rebuild, proposing its current layout if it never saw a whole backward itself.
+    pub fn rebuild_if_due(&self, shadow: bool) -> Result<()> {
+        let mut st = lock(&self.state);
+        let have_order = st.ready_order.len() == st.params.len();
+        if st.rebuilt || st.frozen || st.iterations == 0 || !(have_order || shadow) {
+            return Ok(());
         }
+        let local = if have_order {
+            let order = std::mem::take(&mut st.ready_order);
+            bucket::assign(&st.specs, &[self.cfg.first_bucket_bytes, self.cfg.bucket_bytes], Some(&order))
+        } else {
+            st.buckets.iter().map(|b| b.params.clone()).collect()
+        };
+        let agreed = sync::sync_bucket_indices(&self.pg, &local, st.params.len(), st.specs[0].device)?;
+        // Old and new buckets side by side would cost a third copy of the parameters at the peak.
+        // The old ones can go first when nothing in them is needed: without bucket views they are
+        // scratch space; with views they hold the gradients, which after zero_grad are all zero
+        // (zeroed by our zero_grad, or found all zero: an optimizer's own zero_grad zeroes in place),
+        // or none (tch's optimizers set them to none).
+        let lean = !self.cfg.bucket_view
+            || st.grads_zeroed
+            || st.params.iter().all(|p| !p.grad().defined())
+            || all_zero(&st.buckets)?;
+        if lean {
+            if self.cfg.bucket_view {
+                for p in &st.params {
+                    hooks::set_grad(p, None)?;
+                }
+            }
+            st.buckets.clear();
+        }
+        init_buckets(&mut st, &self.cfg, agreed, lean && self.cfg.bucket_view)?;
+        st.rebuilt = true;
+        Ok(())
+    }
+
+    /// Join mode (see `ddp::join`): `Some` while a rank's training loop runs inside `join`.
+    pub fn set_join(&self, join: Option<super::join::JoinOptions>) {
+        let mut st = lock(&self.state);
+        st.join = join;
+        st.divisor = self.cfg.world as f64;
+    }
+
+    pub fn join_options(&self) -> Option<super::join::JoinOptions> {
+        lock(&self.state).join
+    }
+
+    /// What gradients are divided by this iteration (the world size, or in join mode the ranks still
+    /// training, if asked).
+    pub fn set_divisor(&self, d: f64) {
+        lock(&self.state).divisor = d;
+    }
+
+    /// PyTorch's `require_forward_param_sync`: buffers are broadcast in a forward after a synchronised one.
+    pub fn forward_param_sync(&self) -> bool {
+        lock(&self.state).forward_param_sync
+    }
+
+    pub fn set_forward_param_sync(&self, on: bool) {
+        lock(&self.state).forward_param_sync = on;
+    }
+
+    /// A joined rank's share of a backward it does not run: every bucket reduced as zeros, through the
+    /// comm hook if there is one, in bucket order; then the unused-parameter map, as zeros.
+    pub fn shadow_backward(&self) -> Result<()> {
+        let (zero_buckets, n) = {
+            let st = lock(&self.state);
+            if st.shards.is_some() {
+                return Err(Error::invalid("DDP join", "ZeRO-2's sharded gradients cannot be shadowed yet; join is for DDP"));
+            }
+            let count = st.buckets.len();
+            let mut zb = Vec::with_capacity(count);
+            for (index, b) in st.buckets.iter().enumerate() {
+                let buffer = b.flat.f_zeros_like()?;
+                let gradients = b
+                    .params
+                    .iter()
+                    .zip(&b.offsets)
+                    .map(|(&i, &off)| bucket::slot(&buffer, off, &st.params[i].size()))
+                    .collect::<Result<Vec<_>>>()?;
+                zb.push(GradBucket { index, count, buffer, gradients });
+            }
+            (zb, st.params.len())
+        };
+        // no lock held while collectives run
+        let mut futures = Vec::with_capacity(zero_buckets.len());
+        for b in &zero_buckets {
+            futures.push(match &self.cfg.comm_hook {
+                None => HookFuture::after(self.pg.allreduce_unverified(&mut b.buffer.shallow_clone(), ReduceOp::Sum)?),
+                Some(hook) => hook.run(&self.pg, b)?,
+            });
+        }
+        for f in futures {
+            f.wait()?;
+        }
+        if self.cfg.find_unused {
+            let device = lock(&self.state).specs[0].device;
+            self.pg.meta_as_pytorch(device).allreduce("DDP join: unused-parameter map", &vec![0i32; n], ReduceOp::Sum)?;
+        }
+        lock(&self.state).iterations += 1;
         Ok(())
     }
 

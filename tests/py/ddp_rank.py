@@ -42,15 +42,27 @@ def main():
     frozen = os.environ.get("DDP_FROZEN", "")
     if frozen:
         model[{"l1": 0, "l2": 2, "l3": 4}[frozen]].requires_grad_(False)
-    ddp = DDP(model, bucket_cap_mb=float(os.environ.get("DDP_CAP_MB", "25")))
+    find_unused = os.environ.get("DDP_FIND_UNUSED") == "1"
+    ddp = DDP(model, bucket_cap_mb=float(os.environ.get("DDP_CAP_MB", "25")), find_unused_parameters=find_unused)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    for s in range(STEPS):
+    # uneven inputs (tests/ddp_join.rs): DDP_STEPS="5,3" gives rank 0 five batches and rank 1 three, under
+    # torch.distributed.algorithms.Join
+    steps = [int(n) for n in os.environ["DDP_STEPS"].split(",")][rank] if "DDP_STEPS" in os.environ else STEPS
+    join = None
+    if "DDP_STEPS" in os.environ:
+        from torch.distributed.algorithms import Join
+
+        join = Join([ddp], divide_by_initial_world_size=os.environ.get("DDP_DIVIDE_BY_WORLD", "1") == "1")
+        join.__enter__()
+    for s in range(steps):
         x, y = batch(s, rank, PER)
         opt.zero_grad()
         torch.nn.functional.mse_loss(ddp(x), y).backward()
         opt.step()
+    if join is not None:
+        join.__exit__(None, None, None)
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    np.asarray(flat.numpy(), dtype=np.float32).tofile(os.environ["DDP_OUT"])
+    np.asarray(flat.numpy(), dtype=np.float32).tofile(os.environ["DDP_OUT"].replace("RANK", str(rank)))
     dist.barrier()
     dist.destroy_process_group()
     print(f"python rank {rank} ok", flush=True)
