@@ -8,7 +8,8 @@ use tch_dist::{ProcessGroup, ReduceOp};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let pg = ProcessGroup::from_env()?;
-    let sizes: Vec<i64> = std::env::var("BENCH_SIZES")?.split(',').map(|s| s.trim().parse()).collect::<Result<_, _>>()?;
+    let sizes: Vec<i64> =
+        std::env::var("BENCH_SIZES")?.split(',').map(|s| s.trim().parse()).collect::<Result<_, _>>()?;
     let budget: f64 = std::env::var("BENCH_SECONDS").unwrap_or_else(|_| "0.5".into()).parse()?;
     for bytes in sizes {
         let mut t = Tensor::ones([bytes / 4], (Kind::Float, Device::Cpu));
@@ -18,7 +19,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
         let start = Instant::now();
         pg.allreduce(&mut t, ReduceOp::Sum)?;
-        let mut iters = Tensor::from_slice(&[((budget / start.elapsed().as_secs_f64().max(1e-6)) as i64).clamp(5, 2000)]);
+        let mut iters =
+            Tensor::from_slice(&[((budget / start.elapsed().as_secs_f64().max(1e-6)) as i64).clamp(5, 2000)]);
         pg.broadcast(&mut iters, 0)?;
         let n = iters.int64_value(&[0]);
         pg.barrier()?;

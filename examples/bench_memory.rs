@@ -8,6 +8,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use clap::Parser;
 use tch::{nn, Device, Kind, Tensor};
 use tch_dist::ddp::{DdpOptions, DistributedDataParallel};
 use tch_dist::optim::{AdamW, Optimizer, ShardedOptimizer, ZeroStage};
@@ -19,15 +20,22 @@ const BATCH: i64 = 16;
 const WARMUP: usize = 2;
 const STEPS: usize = 5;
 
-fn arg(args: &[String], name: &str) -> Option<String> {
-    args.windows(2).find(|w| w[0] == name).map(|w| w[1].clone())
+#[derive(Parser)]
+struct Args {
+    /// ddp, zero1 or zero2
+    #[arg(long, default_value = "ddp")]
+    mode: String,
+    /// bfloat16 parameters with float32 master weights (ZeRO modes)
+    #[arg(long)]
+    bf16: bool,
+    /// DDP bucket cap
+    #[arg(long, default_value_t = 25.0)]
+    bucket_mb: f64,
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let args: Vec<String> = std::env::args().collect();
-    let mode = arg(&args, "--mode").unwrap_or_else(|| "ddp".into());
-    let bf16 = args.iter().any(|a| a == "--bf16");
-    let bucket_mb: f64 = arg(&args, "--bucket-mb").map_or(Ok(25.0), |s| s.parse())?;
+    let args = Args::parse();
+    let (mode, bf16, bucket_mb) = (args.mode, args.bf16, args.bucket_mb);
     tch::set_num_threads(1); // two ranks share two cores
     memory::install_cpu_counter()?;
     let pg = Arc::new(ProcessGroup::from_env()?);
@@ -55,7 +63,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "ddp" if !bf16 => adamw(vs.trainable_variables()),
         "zero1" => Box::new(ShardedOptimizer::new(&ddp, ZeroStage::One, adamw)?),
         "zero2" => Box::new(ShardedOptimizer::new(&ddp, ZeroStage::Two, adamw)?),
-        other => return Err(format!("--mode {other}{}: expected ddp, zero1 or zero2 (--bf16 needs a ZeRO mode)", if bf16 { " --bf16" } else { "" }).into()),
+        other => {
+            return Err(format!(
+                "--mode {other}{}: expected ddp, zero1 or zero2 (--bf16 needs a ZeRO mode)",
+                if bf16 { " --bf16" } else { "" }
+            )
+            .into())
+        }
     };
     let rank = pg.rank() as i64;
     let mut times = Vec::new();
@@ -72,7 +86,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         opt.zero_grad()?;
         if std::env::var_os("BENCH_TRACE").is_some() && pg.rank() == 0 {
             let t = start.elapsed().as_secs_f64();
-            eprintln!("step {step}: allocated {} peak {} forward+backward {backward_done:.3}s step {:.3}s", memory::allocated(Device::Cpu)?, memory::peak(Device::Cpu)?, t - backward_done);
+            eprintln!(
+                "step {step}: allocated {} peak {} forward+backward {backward_done:.3}s step {:.3}s",
+                memory::allocated(Device::Cpu)?,
+                memory::peak(Device::Cpu)?,
+                t - backward_done
+            );
         }
         if step >= WARMUP {
             times.push(start.elapsed().as_secs_f64());

@@ -10,13 +10,24 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use clap::Parser;
 use tch::{nn, nn::OptimizerConfig, Device, Kind, Tensor};
 use tch_dist::ddp::{DdpOptions, DistributedDataParallel};
 use tch_dist::{checkpoint, ProcessGroup};
 
-fn get(name: &str) -> Option<String> {
-    let a: Vec<String> = std::env::args().collect();
-    a.iter().position(|x| x == name).and_then(|i| a.get(i + 1)).cloned()
+#[derive(Parser)]
+struct Args {
+    #[arg(long, default_value_t = 10)]
+    steps: usize,
+    /// Resume from this checkpoint if present, and save to it
+    #[arg(long)]
+    ckpt: Option<PathBuf>,
+    /// Save every this many steps (0: never)
+    #[arg(long, default_value_t = 0)]
+    every: usize,
+    /// Rank 0 writes the final parameters here (raw little-endian float32)
+    #[arg(long)]
+    out: Option<PathBuf>,
 }
 
 fn batch(step: usize, rank: usize) -> (Tensor, Tensor) {
@@ -28,9 +39,8 @@ fn batch(step: usize, rank: usize) -> (Tensor, Tensor) {
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let steps: usize = get("--steps").map_or(Ok(10), |s| s.parse())?;
-    let every: usize = get("--every").map_or(Ok(0), |s| s.parse())?;
-    let ckpt = get("--ckpt").map(PathBuf::from);
+    let args = Args::parse();
+    let (steps, every, ckpt) = (args.steps, args.every, args.ckpt.clone());
     let pg = Arc::new(ProcessGroup::from_env()?);
     let rank = pg.rank();
     tch::manual_seed(0);
@@ -53,7 +63,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     for step in start..steps {
         if fail_rank == Some(rank) && fail_step == Some(step) {
             let once = std::env::var("TDX_FAIL_ONCE").ok();
-            if once.as_ref().map_or(true, |p| !std::path::Path::new(p).exists()) {
+            if once.as_ref().is_none_or(|p| !std::path::Path::new(p).exists()) {
                 if let Some(p) = once {
                     std::fs::write(p, b"failed once")?;
                 }
@@ -73,7 +83,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             checkpoint::save_var_store(&pg, path, (step + 1) as u64, &vs)?;
         }
     }
-    if let (Some(out), 0) = (get("--out"), rank) {
+    if let (Some(out), 0) = (&args.out, rank) {
         let mut bytes = Vec::new();
         for (_, t) in checkpoint::var_store_tensors(&vs) {
             for v in Vec::<f32>::try_from(t.detach().flatten(0, -1))? {

@@ -7,18 +7,25 @@
 //!   forum_repro [--view on|off] [--device cpu|cuda]
 use std::sync::Arc;
 
+use clap::Parser;
 use tch::{nn, nn::OptimizerConfig, Device, Kind, Tensor};
 use tch_dist::ddp::{DdpOptions, DistributedDataParallel};
 use tch_dist::{memory, Backend, InitOptions, ProcessGroup};
 
-fn arg(name: &str, default: &str) -> String {
-    let args: Vec<String> = std::env::args().collect();
-    args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).cloned().unwrap_or_else(|| default.into())
+#[derive(Parser)]
+struct Args {
+    /// gradient_as_bucket_view: on or off
+    #[arg(long, default_value = "on")]
+    view: String,
+    /// cpu or cuda
+    #[arg(long, default_value = "cpu")]
+    device: String,
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let view = arg("--view", "on") == "on";
-    let device = match arg("--device", "cpu").as_str() {
+    let args = Args::parse();
+    let view = args.view == "on";
+    let device = match args.device.as_str() {
         "cuda" => Device::Cuda(0), // both ranks share one GPU, as Gloo allows
         "cpu" => Device::Cpu,
         other => return Err(format!("--device must be cpu or cuda, not {other:?}").into()),

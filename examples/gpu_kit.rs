@@ -21,7 +21,7 @@ use clap::{Parser, Subcommand};
 use tch::{nn, nn::Module, nn::OptimizerConfig, Device, Kind, Tensor};
 use tch_dist::amp::{autocast, GradScaler};
 use tch_dist::ddp::{DdpOptions, DistributedDataParallel};
-use tch_dist::optim::{AdamW, Optimizer, ShardedOptimizer, Sgd, ZeroStage};
+use tch_dist::optim::{AdamW, Optimizer, Sgd, ShardedOptimizer, ZeroStage};
 use tch_dist::pipeline::schedule::Kind as Sched;
 use tch_dist::pipeline::split::SplitModel;
 use tch_dist::pipeline::{LayerList, Partition, Pipeline};
@@ -215,7 +215,8 @@ fn copy_vars(dst: &nn::VarStore, src: &nn::VarStore) -> Res<()> {
 fn batch(step: usize, rows: i64) -> (Tensor, Tensor) {
     let g = Tensor::arange(rows * D_IN, (Kind::Float, Device::Cpu)).reshape([rows, D_IN]);
     let x = ((&g + step as f64 * 7.0) * 0.37).sin();
-    let y = ((Tensor::arange(rows * D_OUT, (Kind::Float, Device::Cpu)).reshape([rows, D_OUT]) + step as f64) * 0.11).cos();
+    let y =
+        ((Tensor::arange(rows * D_OUT, (Kind::Float, Device::Cpu)).reshape([rows, D_OUT]) + step as f64) * 0.11).cos();
     (x, y)
 }
 
@@ -293,7 +294,8 @@ fn ddp_step(device: Device, views: bool, unused: bool) -> Res<Outcome> {
     let config = if unused { BackendConfig::CPU_GLOO_CUDA_NCCL } else { BackendConfig::NCCL };
     let pg = group(device, config)?;
     let ((vs, net), _) = twins(device, unused)?;
-    let opts = DdpOptions::default().gradient_as_bucket_view(views).find_unused_parameters(unused).process_group(pg.clone());
+    let opts =
+        DdpOptions::default().gradient_as_bucket_view(views).find_unused_parameters(unused).process_group(pg.clone());
     let ddp = DistributedDataParallel::new(&vs, net, opts)?;
     let mut opt = sgd(vs.trainable_variables());
     for s in 0..STEPS {
@@ -326,8 +328,14 @@ fn zero_step(device: Device, stage: ZeroStage) -> Res<Outcome> {
 fn tp_mlp(device: Device) -> Res<Outcome> {
     let pg = group(device, BackendConfig::NCCL)?;
     tch::manual_seed(3);
-    let (w1, b1) = (Tensor::randn([HIDDEN, D_IN], (Kind::Float, Device::Cpu)) * 0.2, Tensor::randn([HIDDEN], (Kind::Float, Device::Cpu)));
-    let (w2, b2) = (Tensor::randn([D_IN, HIDDEN], (Kind::Float, Device::Cpu)) * 0.2, Tensor::randn([D_IN], (Kind::Float, Device::Cpu)));
+    let (w1, b1) = (
+        Tensor::randn([HIDDEN, D_IN], (Kind::Float, Device::Cpu)) * 0.2,
+        Tensor::randn([HIDDEN], (Kind::Float, Device::Cpu)),
+    );
+    let (w2, b2) = (
+        Tensor::randn([D_IN, HIDDEN], (Kind::Float, Device::Cpu)) * 0.2,
+        Tensor::randn([D_IN], (Kind::Float, Device::Cpu)),
+    );
     let x = Tensor::randn([8, D_IN], (Kind::Float, Device::Cpu));
     // the full MLP on the CPU
     let xc = x.detach().set_requires_grad(true);
@@ -346,7 +354,10 @@ fn tp_mlp(device: Device) -> Res<Outcome> {
     ];
     let worst = diffs.iter().cloned().fold(0.0, f64::max);
     ensure(worst < 1e-4, || format!("output / input gradient differ from the CPU MLP: {diffs:?}"))?;
-    Ok(Pass(format!("ParallelMlp over {}, output and input gradient vs CPU max |diff| {worst:.1e}", pg.backend_config())))
+    Ok(Pass(format!(
+        "ParallelMlp over {}, output and input gradient vs CPU max |diff| {worst:.1e}",
+        pg.backend_config()
+    )))
 }
 
 fn amp_bf16(device: Device) -> Res<Outcome> {
@@ -386,7 +397,7 @@ fn amp_fp16_scaler(device: Device) -> Res<Outcome> {
         let out = ddp.forward_with(|m| autocast(device, half, || m.forward(&x.to_device(device))))??;
         let mut l = loss(&out.to_kind(Kind::Float), &y.to_device(device));
         if k == 1 {
-            l = l * f64::INFINITY;
+            l *= f64::INFINITY;
         }
         ddp.backward(&scaler.scale(&l)?)?;
         stepped.push(scaler.step(&mut opt)?);
@@ -445,7 +456,11 @@ fn split_layers() -> LayerList {
 }
 
 /// The unsplit model trained on the CPU: (final variables, losses).
-fn unsplit(layers: &LayerList, steps: usize, data: &dyn Fn(usize) -> (Tensor, Tensor)) -> Res<(BTreeMap<String, Tensor>, Vec<f64>)> {
+fn unsplit(
+    layers: &LayerList,
+    steps: usize,
+    data: &dyn Fn(usize) -> (Tensor, Tensor),
+) -> Res<(BTreeMap<String, Tensor>, Vec<f64>)> {
     let stage = layers.build_stage(0..layers.len(), Device::Cpu)?;
     let mut opt = nn::Sgd::default().build(&stage.vs, 0.05)?;
     let mut losses = Vec::new();
@@ -473,7 +488,8 @@ fn split(device: Device) -> Res<Outcome> {
     for vs in model.var_stores() {
         copy_vars(vs, &cpu_ref.vs)?; // CUDA draws its own random numbers; start from the CPU's
     }
-    let mut opts = model.var_stores().iter().map(|vs| nn::Sgd::default().build(vs, 0.05)).collect::<Result<Vec<_>, _>>()?;
+    let mut opts =
+        model.var_stores().iter().map(|vs| nn::Sgd::default().build(vs, 0.05)).collect::<Result<Vec<_>, _>>()?;
     for s in 0..STEPS {
         let (x, y) = split_data(s);
         opts.iter_mut().for_each(|o| o.zero_grad());
@@ -495,7 +511,8 @@ fn pipeline_1f1b(device: Device) -> Res<Outcome> {
     for vs in pipe.var_stores() {
         copy_vars(vs, &cpu_ref.vs)?;
     }
-    let mut opts = pipe.var_stores().iter().map(|vs| nn::Sgd::default().build(vs, 0.05)).collect::<Result<Vec<_>, _>>()?;
+    let mut opts =
+        pipe.var_stores().iter().map(|vs| nn::Sgd::default().build(vs, 0.05)).collect::<Result<Vec<_>, _>>()?;
     let mut losses = Vec::new();
     for s in 0..STEPS {
         let (x, y) = split_data(s);
@@ -508,7 +525,9 @@ fn pipeline_1f1b(device: Device) -> Res<Outcome> {
     let (want, want_losses) = unsplit(&layers, STEPS, &split_data)?;
     let diff = max_diff(&got, &want)?;
     let loss_diff = losses.iter().zip(&want_losses).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
-    ensure(diff < 1e-5 && loss_diff < 1e-5, || format!("1F1B differs from the unsplit CPU model: parameters {diff:e}, losses {loss_diff:e}"))?;
+    ensure(diff < 1e-5 && loss_diff < 1e-5, || {
+        format!("1F1B differs from the unsplit CPU model: parameters {diff:e}, losses {loss_diff:e}")
+    })?;
     Ok(Pass(format!("2 stages on {device:?}, 4 microbatches, {STEPS} steps, max |diff| vs unsplit CPU {diff:.1e}")))
 }
 
@@ -517,7 +536,11 @@ fn selfcheck() -> Res<Outcome> {
     let mut t = Tensor::arange(4, (Kind::Float, Device::Cpu));
     pg.allreduce(&mut t, ReduceOp::Sum)?;
     ensure(Vec::<f32>::try_from(&t)? == [0.0, 1.0, 2.0, 3.0], || "allreduce result wrong".into())?;
-    let cuda = if tch::Cuda::is_available() { format!("{} CUDA device(s)", memory::cuda_device_count()) } else { "no CUDA device".into() };
+    let cuda = if tch::Cuda::is_available() {
+        format!("{} CUDA device(s)", memory::cuda_device_count())
+    } else {
+        "no CUDA device".into()
+    };
     let nccl = if cfg!(feature = "cuda") { "NCCL built in" } else { "built without the cuda feature" };
     Ok(Pass(format!("libtorch loaded, gloo allreduce ok, {cuda}, {nccl}")))
 }
@@ -551,7 +574,10 @@ fn ddp_rank(device: Device) -> Res<Outcome> {
     for w in works {
         w.wait()?;
     }
-    ensure(got.device() == device && got.equal(&(Tensor::arange(1000, (Kind::Float, device)) * (peer as i64 + 1))), || "send/recv of a CUDA tensor over gloo went wrong".into())?;
+    ensure(
+        got.device() == device && got.equal(&(Tensor::arange(1000, (Kind::Float, device)) * (peer as i64 + 1))),
+        || "send/recv of a CUDA tensor over gloo went wrong".into(),
+    )?;
     Ok(Pass(format!("rank {rank} of {world}, gloo on {device:?}, {STEPS} DDP steps, max |diff| vs CPU {diff:.1e}; send/recv of CUDA tensors ok")))
 }
 
@@ -567,7 +593,9 @@ fn bench_ddp(steps: usize) -> Res<Outcome> {
     let vs = nn::VarStore::new(device);
     let mut net = nn::seq();
     for i in 0..BENCH_DEPTH {
-        net = net.add(nn::linear(vs.root() / format!("l{i}"), BENCH_WIDTH, BENCH_WIDTH, Default::default())).add_fn(|x| x.relu());
+        net = net
+            .add(nn::linear(vs.root() / format!("l{i}"), BENCH_WIDTH, BENCH_WIDTH, Default::default()))
+            .add_fn(|x| x.relu());
     }
     let ddp = DistributedDataParallel::new(&vs, net, DdpOptions::default().process_group(pg))?;
     let mut opt = Sgd::new(vs.trainable_variables(), 1e-3);
@@ -592,7 +620,9 @@ fn bench_ddp(steps: usize) -> Res<Outcome> {
     let ms = start.elapsed().as_secs_f64() * 1e3 / steps as f64;
     let peak = memory::peak(device)?;
     println!("BENCH ddp step_ms {ms:.3} peak_bytes {peak}");
-    Ok(Pass(format!("{BENCH_DEPTH} x Linear({BENCH_WIDTH}, {BENCH_WIDTH}), batch {BENCH_BATCH}: {ms:.2} ms/step, peak {peak} B")))
+    Ok(Pass(format!(
+        "{BENCH_DEPTH} x Linear({BENCH_WIDTH}, {BENCH_WIDTH}), batch {BENCH_BATCH}: {ms:.2} ms/step, peak {peak} B"
+    )))
 }
 
 fn bench_allreduce(iters: usize) -> Res<Outcome> {

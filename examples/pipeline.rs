@@ -5,10 +5,12 @@
 //!   pipeline --all        # 2 and 4 stages, every schedule: a summary table
 //!   pipeline --unsplit    # the same model in one process, for comparison
 //!
-//! With `--form processes` (default) the example starts one process per stage (itself, with torchrun's
-//! environment) so each stage's peak memory is its own; stages talk through send/recv over Gloo.
+//! With `--form processes` (default) the example starts one process per stage (itself, through tchrun)
+//! so each stage's peak memory is its own; stages talk through send/recv over Gloo.
 //! Prints loss, throughput, the measured bubble fraction against the formula, and per-stage memory.
 use std::process::{Command, Stdio};
+
+use clap::Parser;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -22,60 +24,95 @@ const DEPTH: usize = 16; // linear layers, each followed by tanh
 const DEFAULT_BATCH: i64 = 256;
 const LR: f64 = 0.05;
 
+#[derive(Parser, Clone, Debug)]
+#[command(about = "Pipeline-parallel training of a 16-layer MLP on synthetic data")]
+struct Cli {
+    #[arg(long, default_value_t = 2)]
+    stages: usize,
+    /// gpipe, 1f1b or interleaved
+    #[arg(long, default_value = "1f1b")]
+    schedule: String,
+    #[arg(long, default_value_t = 8)]
+    microbatches: usize,
+    /// Model chunks per stage (interleaved: 2 by default)
+    #[arg(long)]
+    chunks: Option<usize>,
+    #[arg(long, default_value_t = 20)]
+    steps: usize,
+    #[arg(long, default_value_t = DEFAULT_BATCH)]
+    batch: i64,
+    /// Keep only stage inputs in flight, recompute forwards during backward
+    #[arg(long)]
+    recompute: bool,
+    /// processes (one per stage, started through tchrun) or threads (one process)
+    #[arg(long, default_value = "processes")]
+    form: String,
+    /// Chrome trace of the last step
+    #[arg(long)]
+    trace: Option<String>,
+    /// PNG timeline of the last step
+    #[arg(long)]
+    png: Option<String>,
+    /// 2 and 4 stages, every schedule: a summary table
+    #[arg(long)]
+    all: bool,
+    /// The same model in one process, for comparison
+    #[arg(long)]
+    unsplit: bool,
+    /// Intra-op threads of the unsplit run
+    #[arg(long, default_value_t = 1)]
+    threads: i32,
+    /// (internal) run one stage; tchrun starts these
+    #[arg(long, hide = true)]
+    worker: bool,
+}
+
 struct Args {
     stages: usize,
     schedule: Sched,
     m: usize,
     v: usize,
     steps: usize,
+    batch: i64,
     recompute: bool,
     threads_form: bool,
     trace: Option<String>,
     png: Option<String>,
 }
 
-fn get(name: &str) -> Option<String> {
-    let a: Vec<String> = std::env::args().collect();
-    a.iter().position(|x| x == name).and_then(|i| a.get(i + 1)).cloned()
-}
-fn flag(name: &str) -> bool {
-    std::env::args().any(|x| x == name)
-}
-
-fn parse() -> Result<Args, Box<dyn std::error::Error>> {
-    let schedule: Sched = get("--schedule").unwrap_or_else(|| "1f1b".into()).parse()?;
-    let v = get("--chunks").map_or(Ok(if schedule == Sched::Interleaved1F1B { 2 } else { 1 }), |s| s.parse())?;
+fn parse(c: &Cli) -> Result<Args, Box<dyn std::error::Error>> {
+    let schedule: Sched = c.schedule.parse()?;
+    let v = c.chunks.unwrap_or(if schedule == Sched::Interleaved1F1B { 2 } else { 1 });
     Ok(Args {
-        stages: get("--stages").map_or(Ok(2), |s| s.parse())?,
+        stages: c.stages,
         schedule,
-        m: get("--microbatches").map_or(Ok(8), |s| s.parse())?,
+        m: c.microbatches,
         v,
-        steps: get("--steps").map_or(Ok(20), |s| s.parse())?,
-        recompute: flag("--recompute"),
-        threads_form: get("--form").as_deref() == Some("threads"),
-        trace: get("--trace"),
-        png: get("--png"),
+        steps: c.steps,
+        batch: c.batch,
+        recompute: c.recompute,
+        threads_form: c.form == "threads",
+        trace: c.trace.clone(),
+        png: c.png.clone(),
     })
 }
 
 fn layers() -> LayerList {
     let mut l = LayerList::new().seed(7);
     for i in 0..DEPTH {
-        l = l.add(&format!("fc{i}"), |p| nn::linear(p, WIDTH, WIDTH, Default::default())).add_fn(&format!("tanh{i}"), |x| x.tanh());
+        l = l
+            .add(&format!("fc{i}"), |p| nn::linear(p, WIDTH, WIDTH, Default::default()))
+            .add_fn(&format!("tanh{i}"), |x| x.tanh());
     }
     l
 }
 
-/// Synthetic regression data: y = sin(x W) for a fixed W; each step a fresh batch.
-fn batch_size() -> i64 {
-    get("--batch").and_then(|s| s.parse().ok()).unwrap_or(DEFAULT_BATCH)
-}
-
-fn batch(step: usize) -> (Tensor, Tensor) {
+/// Synthetic regression data: y = sin(x W) for a fixed W; each step a fresh batch of `rows`.
+fn batch(step: usize, rows: i64) -> (Tensor, Tensor) {
     tch::manual_seed(10_000);
     let w = Tensor::randn([WIDTH, WIDTH], (Kind::Float, Device::Cpu)) / (WIDTH as f64).sqrt();
     tch::manual_seed(step as i64);
-    let x = Tensor::randn([batch_size(), WIDTH], (Kind::Float, Device::Cpu));
+    let x = Tensor::randn([rows, WIDTH], (Kind::Float, Device::Cpu));
     let y = x.matmul(&w).sin();
     (x, y)
 }
@@ -90,14 +127,19 @@ fn partition(a: &Args) -> Result<Partition, Box<dyn std::error::Error>> {
     Ok(Partition::balanced(&bytes, a.stages * a.v)?)
 }
 
-/// Runs the steps in one process; returns (losses, spans, seconds).
-fn run_threads(a: &Args) -> Result<(Vec<f64>, Vec<Span>, f64, Vec<usize>), Box<dyn std::error::Error>> {
-    let mut pipe = Pipeline::new(&layers(), &partition(a)?, &vec![Device::Cpu; a.stages], a.schedule, a.m, a.v)?.recompute(a.recompute);
-    let mut opts = pipe.var_stores().iter().map(|vs| nn::Sgd::default().build(vs, LR)).collect::<Result<Vec<_>, _>>()?;
+/// (losses, spans of the last step, seconds, microbatches in flight per stage)
+type ThreadsRun = (Vec<f64>, Vec<Span>, f64, Vec<usize>);
+
+/// Runs the steps in one process.
+fn run_threads(a: &Args) -> Result<ThreadsRun, Box<dyn std::error::Error>> {
+    let mut pipe = Pipeline::new(&layers(), &partition(a)?, &vec![Device::Cpu; a.stages], a.schedule, a.m, a.v)?
+        .recompute(a.recompute);
+    let mut opts =
+        pipe.var_stores().iter().map(|vs| nn::Sgd::default().build(vs, LR)).collect::<Result<Vec<_>, _>>()?;
     let (mut losses, mut spans, mut inflight) = (Vec::new(), Vec::new(), vec![0; a.stages]);
     let start = Instant::now();
     for s in 0..a.steps {
-        let (x, y) = batch(s);
+        let (x, y) = batch(s, a.batch);
         let r = pipe.step(&x, &y, &loss)?;
         opts.iter_mut().for_each(|o| o.step());
         pipe.zero_grad()?;
@@ -115,7 +157,8 @@ fn worker(a: &Args) -> Result<(), Box<dyn std::error::Error>> {
     tch::set_num_threads(1); // stages share the machine's cores
     memory::install_cpu_counter()?;
     let pg = Arc::new(ProcessGroup::from_env()?);
-    let mut st = PipelineRank::new(pg.clone(), &layers(), &partition(a)?, Device::Cpu, a.schedule, a.m, a.v)?.recompute(a.recompute);
+    let mut st = PipelineRank::new(pg.clone(), &layers(), &partition(a)?, Device::Cpu, a.schedule, a.m, a.v)?
+        .recompute(a.recompute);
     let mut opts = st.var_stores().iter().map(|vs| nn::Sgd::default().build(vs, LR)).collect::<Result<Vec<_>, _>>()?;
     let base = memory::allocated(Device::Cpu)?;
     memory::reset_peak(Device::Cpu)?;
@@ -123,7 +166,7 @@ fn worker(a: &Args) -> Result<(), Box<dyn std::error::Error>> {
     let start = Instant::now();
     let mut inflight = 0;
     for s in 0..a.steps {
-        let (x, y) = batch(s);
+        let (x, y) = batch(s, a.batch);
         let r = st.step(&x, &y, &loss)?;
         opts.iter_mut().for_each(|o| o.step());
         st.zero_grad()?;
@@ -150,48 +193,47 @@ struct Outcome {
     per_stage: Vec<(i64, i64, usize)>, // base, peak, in flight
 }
 
+/// One process per stage, started through tchrun (built beside this example); their lines come back
+/// prefixed `[rankR]: `.
 fn run_processes(a: &Args) -> Result<Outcome, Box<dyn std::error::Error>> {
     let exe = std::env::current_exe()?;
-    let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
-    let passthrough: Vec<String> = std::env::args().skip(1).filter(|x| x != "--all").collect();
-    let children = (0..a.stages)
-        .map(|r| {
-            Command::new(&exe)
-                .args(&passthrough)
-                .args(["--worker", "--stages", &a.stages.to_string(), "--schedule", sched_name(a.schedule)])
-                .args(["--microbatches", &a.m.to_string(), "--chunks", &a.v.to_string(), "--steps", &a.steps.to_string()])
-                .env("RANK", r.to_string())
-                .env("WORLD_SIZE", a.stages.to_string())
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", port.to_string())
-                .stdout(Stdio::piped())
-                .spawn()
-        })
-        .collect::<Result<Vec<_>, _>>()?;
+    let tchrun =
+        exe.parent().and_then(|d| d.parent()).map(|d| d.join("tchrun")).ok_or("no tchrun beside the example")?;
+    if !tchrun.exists() {
+        return Err(format!("{} not built (cargo build --bin tchrun)", tchrun.display()).into());
+    }
+    let o = Command::new(&tchrun)
+        .args(["--standalone", "--nproc-per-node", &a.stages.to_string(), "--"])
+        .arg(&exe)
+        .args(["--worker", "--stages", &a.stages.to_string(), "--schedule", sched_name(a.schedule)])
+        .args(["--microbatches", &a.m.to_string(), "--chunks", &a.v.to_string(), "--steps", &a.steps.to_string()])
+        .args(["--batch", &a.batch.to_string()])
+        .args(if a.recompute { &["--recompute"][..] } else { &[][..] })
+        .stderr(Stdio::inherit())
+        .output()?;
+    if !o.status.success() {
+        return Err(format!("the stage processes failed ({})", o.status).into());
+    }
     let mut out = Outcome { losses: Vec::new(), spans: Vec::new(), seconds: 0.0, per_stage: vec![(0, 0, 0); a.stages] };
-    for (r, c) in children.into_iter().enumerate() {
-        let o = c.wait_with_output()?;
-        if !o.status.success() {
-            return Err(format!("stage {r} failed ({})", o.status).into());
-        }
-        for line in String::from_utf8_lossy(&o.stdout).lines() {
-            let w: Vec<&str> = line.split_whitespace().collect();
-            match w.first() {
-                Some(&"loss") => out.losses.push(w[2].parse()?),
-                Some(&"span") => out.spans.push(Span {
-                    stage: w[1].parse()?,
-                    forward: w[2] == "1",
-                    mb: w[3].parse()?,
-                    chunk: w[4].parse()?,
-                    start: w[5].parse()?,
-                    end: w[6].parse()?,
-                }),
-                Some(&"stage") => {
-                    out.seconds = out.seconds.max(w[3].parse()?);
-                    out.per_stage[r] = (w[5].parse()?, w[7].parse()?, w[9].parse()?);
-                }
-                _ => {}
+    for line in String::from_utf8_lossy(&o.stdout).lines() {
+        let Some((r, line)) = line.strip_prefix("[rank").and_then(|l| l.split_once("]: ")) else { continue };
+        let r: usize = r.parse()?;
+        let w: Vec<&str> = line.split_whitespace().collect();
+        match w.first() {
+            Some(&"loss") => out.losses.push(w[2].parse()?),
+            Some(&"span") => out.spans.push(Span {
+                stage: w[1].parse()?,
+                forward: w[2] == "1",
+                mb: w[3].parse()?,
+                chunk: w[4].parse()?,
+                start: w[5].parse()?,
+                end: w[6].parse()?,
+            }),
+            Some(&"stage") => {
+                out.seconds = out.seconds.max(w[3].parse()?);
+                out.per_stage[r] = (w[5].parse()?, w[7].parse()?, w[9].parse()?);
             }
+            _ => {}
         }
     }
     Ok(out)
@@ -205,23 +247,22 @@ fn sched_name(k: Sched) -> &'static str {
     }
 }
 
-fn unsplit(steps: usize) -> Result<(f64, f64), Box<dyn std::error::Error>> {
-    let threads: i32 = get("--threads").map_or(Ok(1), |s| s.parse())?;
+fn unsplit(a: &Args, threads: i32) -> Result<(f64, f64), Box<dyn std::error::Error>> {
     tch::set_num_threads(threads);
     let l = layers();
     let stage = l.build_stage(0..l.len(), Device::Cpu)?;
     let mut opt = nn::Sgd::default().build(&stage.vs, LR)?;
     let mut last = 0.0;
     let start = Instant::now();
-    for s in 0..steps {
-        let (x, y) = batch(s);
+    for s in 0..a.steps {
+        let (x, y) = batch(s, a.batch);
         opt.zero_grad();
         let lo = loss(&stage.forward(&x), &y);
         last = lo.double_value(&[]);
         lo.backward();
         opt.step();
     }
-    Ok((batch_size() as f64 * steps as f64 / start.elapsed().as_secs_f64(), last))
+    Ok((a.batch as f64 * a.steps as f64 / start.elapsed().as_secs_f64(), last))
 }
 
 fn report(a: &Args, o: &Outcome) -> Result<(), Box<dyn std::error::Error>> {
@@ -236,7 +277,7 @@ fn report(a: &Args, o: &Outcome) -> Result<(), Box<dyn std::error::Error>> {
         a.recompute,
         o.losses.first().copied().unwrap_or(f64::NAN),
         o.losses.last().copied().unwrap_or(f64::NAN),
-        batch_size() as f64 * a.steps as f64 / o.seconds,
+        a.batch as f64 * a.steps as f64 / o.seconds,
         bubble,
         formula
     );
@@ -268,19 +309,20 @@ fn run(a: &Args) -> Result<Outcome, Box<dyn std::error::Error>> {
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let a = parse()?;
-    if flag("--worker") {
+    let cli = Cli::parse();
+    let a = parse(&cli)?;
+    if cli.worker {
         return worker(&a);
     }
-    if flag("--unsplit") {
-        let (tput, last) = unsplit(a.steps)?;
+    if cli.unsplit {
+        let (tput, last) = unsplit(&a, cli.threads)?;
         println!("unsplit: {tput:.1} samples/s, final loss {last:.4}");
         return Ok(());
     }
-    if flag("--all") {
+    if cli.all {
         for p in [2, 4] {
             for (k, v) in [(Sched::GPipe, 1), (Sched::OneFOneB, 1), (Sched::Interleaved1F1B, 2)] {
-                let b = Args { stages: p, schedule: k, v, trace: None, png: None, ..parse()? };
+                let b = Args { stages: p, schedule: k, v, trace: None, png: None, ..parse(&cli)? };
                 report(&b, &run(&b)?)?;
             }
         }

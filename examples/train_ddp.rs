@@ -9,9 +9,9 @@
 use std::io::{IsTerminal, Read};
 use std::sync::Arc;
 
+use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
 use tch::{nn, nn::Module, nn::OptimizerConfig, Device, Kind, Tensor};
-use clap::Parser;
 use tch_dist::data::{Batches, DistributedSampler, SamplerOptions};
 use tch_dist::ddp::{DdpOptions, DistributedDataParallel};
 use tch_dist::ProcessGroup;
@@ -30,7 +30,8 @@ struct Args {
 
 /// scikit-learn's copy of the UCI digits, found in the torch venv that scripts/setup.sh made.
 fn default_data() -> Result<std::path::PathBuf, String> {
-    let venv = std::env::var("TCH_DIST_VENV").map_err(|_| "TCH_DIST_VENV is not set: source scripts/env.sh or pass --data")?;
+    let venv =
+        std::env::var("TCH_DIST_VENV").map_err(|_| "TCH_DIST_VENV is not set: source scripts/env.sh or pass --data")?;
     let lib = std::path::Path::new(&venv).join("lib");
     for e in std::fs::read_dir(&lib).map_err(|e| format!("{}: {e}", lib.display()))?.flatten() {
         let p = e.path().join("site-packages/sklearn/datasets/data/digits.csv.gz");
@@ -46,7 +47,10 @@ fn load(path: &std::path::Path) -> Result<(Tensor, Tensor), Box<dyn std::error::
     flate2::read::GzDecoder::new(std::fs::File::open(path)?).read_to_string(&mut text)?;
     let (mut xs, mut ys) = (Vec::new(), Vec::new());
     for (n, line) in text.lines().enumerate() {
-        let v: Vec<f32> = line.split(',').map(|s| s.trim().parse()).collect::<Result<_, _>>()
+        let v: Vec<f32> = line
+            .split(',')
+            .map(|s| s.trim().parse())
+            .collect::<Result<_, _>>()
             .map_err(|e| format!("{}:{}: {e}", path.display(), n + 1))?;
         if v.len() != 65 {
             return Err(format!("{}:{}: {} columns, expected 65", path.display(), n + 1, v.len()).into());
@@ -116,7 +120,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
         let acc = tch::no_grad(|| ddp.module().forward(&xte).accuracy_for_logits(&yte)).double_value(&[]);
         last_acc = acc;
-        let msg = format!("epoch {:>2}  loss {:.4}  test accuracy {:.2}%", epoch + 1, loss_sum / steps as f64, 100.0 * acc);
+        let msg =
+            format!("epoch {:>2}  loss {:.4}  test accuracy {:.2}%", epoch + 1, loss_sum / steps as f64, 100.0 * acc);
         bar.set_message(msg.clone());
         if rank == 0 {
             if !std::io::stderr().is_terminal() {

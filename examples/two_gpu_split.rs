@@ -16,7 +16,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     for (i, s) in model.stages.iter().enumerate() {
         println!("stage {i}: {:?} on {:?}, {} parameter bytes", s.names(), s.device, s.param_bytes());
     }
-    let mut opts = model.var_stores().iter().map(|vs| nn::Sgd::default().build(vs, 0.01)).collect::<Result<Vec<_>, _>>()?;
+    let mut opts =
+        model.var_stores().iter().map(|vs| nn::Sgd::default().build(vs, 0.01)).collect::<Result<Vec<_>, _>>()?;
     tch::manual_seed(0);
     let x = Tensor::randn([32, 1024], (Kind::Float, devices[0]));
     let target = Tensor::randn([32, 1024], (Kind::Float, model.output_device()));

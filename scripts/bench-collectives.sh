@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 source scripts/env.sh
-cargo build --release --example bench_allreduce -q
+cargo build --release --example bench_allreduce --bin tchrun -q
 export BENCH_SIZES=${BENCH_SIZES:-4096,16384,65536,262144,1048576,4194304,16777216,67108864}
 export BENCH_SECONDS=${BENCH_SECONDS:-0.5}
 ROUNDS=${ROUNDS:-3}
@@ -16,11 +16,7 @@ trap 'rm -rf "$out"' EXIT
 
 run2() { # run2 NAME CMD...: two ranks, rank 0's output to $out/NAME
   local name=$1; shift
-  local port; port=$(python3 -c 'import socket;s=socket.socket();s.bind(("127.0.0.1",0));print(s.getsockname()[1])')
-  MASTER_ADDR=127.0.0.1 MASTER_PORT=$port WORLD_SIZE=2 RANK=1 "$@" >/dev/null &
-  local pid=$!
-  MASTER_ADDR=127.0.0.1 MASTER_PORT=$port WORLD_SIZE=2 RANK=0 "$@" >>"$out/$name"
-  wait $pid
+  ranks 2 "$@" >>"$out/$name"
 }
 
 for round in $(seq "$ROUNDS"); do

@@ -17,7 +17,7 @@ out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 run() { # run NAME WORLD CMD...: rank 0's line goes to $out/NAME
   local name=$1 world=$2; shift 2
-  target/release/tchrun --standalone --nproc-per-node "$world" -- "$@" | sed -n 's/^\[rank0\]: //p' >>"$out/$name"
+  ranks "$world" "$@" >>"$out/$name"
 }
 rust=target/release/examples/bench_ddp
 py="$TCH_DIST_PYTHON_BIN scripts/bench_ddp.py"

@@ -9,19 +9,15 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 source scripts/env.sh
-cargo build -q --release --example bench_memory
+cargo build -q --release --example bench_memory --bin tchrun
 export TCH_DIST_MEMORY_LIB=$PWD/target/release/libtch_dist_memory.so
 ROUNDS=${ROUNDS:-3}
 PNG=${PNG:-docs/bench-memory.png}
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
-port() { python3 -c 'import socket;s=socket.socket();s.bind(("127.0.0.1",0));print(s.getsockname()[1])'; }
-run() { # run NAME CMD...
+run() { # run NAME CMD...: two ranks, rank 0's output to $out/NAME
   local name=$1; shift
-  local p; p=$(port)
-  MASTER_ADDR=127.0.0.1 MASTER_PORT=$p WORLD_SIZE=2 RANK=1 "$@" >/dev/null &
-  MASTER_ADDR=127.0.0.1 MASTER_PORT=$p WORLD_SIZE=2 RANK=0 "$@" >>"$out/$name"
-  wait
+  ranks 2 "$@" >>"$out/$name"
 }
 rust=target/release/examples/bench_memory
 py="$TCH_DIST_PYTHON_BIN scripts/bench_memory.py"

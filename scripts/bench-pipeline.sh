@@ -8,7 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 source scripts/env.sh
-cargo build -q --release --example pipeline
+cargo build -q --release --example pipeline --bin tchrun
 bin=target/release/examples/pipeline
 STEPS=${STEPS:-8}
 u1=$($bin --unsplit --threads 1 --steps "$STEPS" | awk '{print $2}')

@@ -5,14 +5,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 source scripts/env.sh
-cargo build -q --release --example bench_tp
+cargo build -q --release --example bench_tp --bin tchrun
 bin=target/release/examples/bench_tp
-port() { python3 -c 'import socket;s=socket.socket();s.bind(("127.0.0.1",0));print(s.getsockname()[1])'; }
-p=$(port); one=$(MASTER_ADDR=127.0.0.1 MASTER_PORT=$p WORLD_SIZE=1 RANK=0 $bin)
-p=$(port)
-MASTER_ADDR=127.0.0.1 MASTER_PORT=$p WORLD_SIZE=2 RANK=1 $bin >/dev/null &
-two=$(MASTER_ADDR=127.0.0.1 MASTER_PORT=$p WORLD_SIZE=2 RANK=0 $bin)
-wait
+one=$(ranks 1 $bin)
+two=$(ranks 2 $bin)
 python3 - "$one" "$two" <<'PY'
 import sys
 rows = [l.split() for l in sys.argv[1:]]

@@ -14,20 +14,15 @@ device=cpu
 [ "${1:-}" = "--device" ] && device=${2:-cpu}
 features=""
 [ "$device" = cuda ] && features="--features cuda"
-cargo build -q $features --example forum_repro
+cargo build -q $features --example forum_repro --bin tchrun
 export TCH_DIST_MEMORY_LIB=$PWD/target/debug/libtch_dist_memory.so
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 
-free_port() { python3 -c 'import socket;s=socket.socket();s.bind(("127.0.0.1",0));print(s.getsockname()[1])'; }
-run2() { # run2 OUTFILE CMD...: ranks 0 and 1 of one group; both ranks' lines go to OUTFILE
+export TCHRUN=target/debug/tchrun
+run2() { # run2 OUTFILE CMD...: ranks 0 and 1 of one group under tchrun; both ranks' lines go to OUTFILE
   local file=$1; shift
-  local port; port=$(free_port)
-  MASTER_ADDR=127.0.0.1 MASTER_PORT=$port WORLD_SIZE=2 RANK=1 LOCAL_RANK=0 "$@" >"$file.1" 2>/dev/null &
-  local pid=$!
-  MASTER_ADDR=127.0.0.1 MASTER_PORT=$port WORLD_SIZE=2 RANK=0 LOCAL_RANK=0 "$@" >"$file.0"
-  wait $pid
-  cat "$file.0" "$file.1" >"$file"
+  ranks_all 2 "$@" >"$file"
 }
 
 for view in off on; do
@@ -56,8 +51,8 @@ for view in ("off", "on"):
         eq = t[key] == r.get(key)
         ok &= eq
         print(f"  {key[0]:<5}{key[1]:<26}{t[key]:>14,}{r.get(key, -1):>14,}  {'yes' if eq else 'NO'}")
-    for line in open(os.path.join(out, f"rust-{view}.0")):
-        if line.startswith("breakdown"):
+    for line in open(os.path.join(out, f"rust-{view}")):
+        if line.startswith("breakdown rank 0"):
             print("  tch-dist", line.strip())
     print()
 print("Why: DDP allocates a flat gradient bucket as large as the parameters at construction (2x);")

@@ -14,3 +14,16 @@ export LIBTORCH_USE_PYTORCH=1
 unset LIBTORCH LIBTORCH_LIB LIBTORCH_INCLUDE 2>/dev/null || true
 # Two cores: keep the build from starving the test processes it spawns.
 export CARGO_TERM_COLOR=${CARGO_TERM_COLOR:-never}
+
+# Starting ranks: every script goes through tchrun (build it first: cargo build [--release] --bin tchrun).
+#   ranks N CMD...      N ranks of CMD on this machine; rank 0's output, without tchrun's "[rank0]: " prefix
+#   ranks_all N CMD...  every rank's output, prefixes removed
+# TCHRUN picks the binary (default target/release/tchrun).
+ranks() {
+  local n=$1; shift
+  "${TCHRUN:-target/release/tchrun}" --standalone --nproc-per-node "$n" -- "$@" | sed -n 's/^\[rank0\]: //p'
+}
+ranks_all() {
+  local n=$1; shift
+  "${TCHRUN:-target/release/tchrun}" --standalone --nproc-per-node "$n" -- "$@" | sed -E 's/^\[rank[0-9]+\]: //'
+}

@@ -8,6 +8,12 @@ cd "$(dirname "$0")/.."
 scripts/setup.sh
 source scripts/env.sh
 
+echo "== rustfmt, clippy (default and cuda features), rustdoc: all clean"
+cargo fmt --check
+cargo clippy -q --all-targets -- -D warnings
+cargo clippy -q --all-targets --features cuda -- -D warnings
+RUSTDOCFLAGS="-D warnings" cargo doc -q --no-deps
+
 echo "== cargo test (default features)"
 # Some tests run the examples (forum repro, training); build them first, whatever cargo test filters.
 cargo build --examples

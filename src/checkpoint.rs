@@ -54,9 +54,10 @@ pub fn write_atomic(path: &Path, step: u64, tensors: &[(String, Tensor)]) -> Res
 /// Reads a checkpoint written by [`write_atomic`]: (step, tensors).
 pub fn read(path: &Path) -> Result<(u64, Vec<(String, Tensor)>)> {
     let mut all = Tensor::read_safetensors(path)?;
-    let pos = all.iter().position(|(n, _)| n == STEP_KEY).ok_or_else(|| {
-        Error::invalid(format!("checkpoint {}", path.display()), format!("no {STEP_KEY} entry"))
-    })?;
+    let pos = all
+        .iter()
+        .position(|(n, _)| n == STEP_KEY)
+        .ok_or_else(|| Error::invalid(format!("checkpoint {}", path.display()), format!("no {STEP_KEY} entry")))?;
     let (_, step) = all.remove(pos);
     Ok((step.f_int64_value(&[0])? as u64, all))
 }
@@ -77,7 +78,8 @@ pub fn load(pg: &ProcessGroup, path: &Path, targets: &[(String, Tensor)]) -> Res
     let loaded = if pg.rank() == 0 && path.exists() { Some(read(path)?) } else { None };
     // 1. whether there is one, and its step
     let meta = pg.meta();
-    let head = meta.broadcast("checkpoint load", &[loaded.is_some() as i64, loaded.as_ref().map_or(0, |l| l.0 as i64)], 0)?;
+    let head =
+        meta.broadcast("checkpoint load", &[loaded.is_some() as i64, loaded.as_ref().map_or(0, |l| l.0 as i64)], 0)?;
     if head[0] == 0 {
         return Ok(None);
     }
@@ -88,9 +90,11 @@ pub fn load(pg: &ProcessGroup, path: &Path, targets: &[(String, Tensor)]) -> Res
     for (name, target) in targets {
         let mut buf = match &loaded {
             Some((_, saved)) => {
-                let src = saved.iter().find(|(n, _)| n == name).map(|(_, t)| t).ok_or_else(|| {
-                    Error::invalid(what.clone(), format!("has no tensor {name:?}"))
-                })?;
+                let src = saved
+                    .iter()
+                    .find(|(n, _)| n == name)
+                    .map(|(_, t)| t)
+                    .ok_or_else(|| Error::invalid(what.clone(), format!("has no tensor {name:?}")))?;
                 if src.size() != target.size() {
                     return Err(Error::mismatch(
                         what.clone(),

@@ -112,7 +112,13 @@ extern "C" {
     pub fn tdx_tensor_set_grad(var: tdx_tensor, grad: tdx_tensor) -> c_int;
     pub fn tdx_tensor_grad_data_ptr(var: tdx_tensor, out: *mut u64) -> c_int;
 
-    pub fn tdx_autocast_enter(device: c_int, enabled: c_int, dtype: c_int, prev_enabled: *mut c_int, prev_dtype: *mut c_int) -> c_int;
+    pub fn tdx_autocast_enter(
+        device: c_int,
+        enabled: c_int,
+        dtype: c_int,
+        prev_enabled: *mut c_int,
+        prev_dtype: *mut c_int,
+    ) -> c_int;
     pub fn tdx_autocast_exit(device: c_int, prev_enabled: c_int, prev_dtype: c_int) -> c_int;
 
     pub fn tdx_ref_bucket_assignment(

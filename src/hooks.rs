@@ -25,7 +25,7 @@ unsafe extern "C" fn trampoline(ctx: *mut c_void, _index: i64) {
     // SAFETY: ctx is the *mut Callback registered below, alive until the hook is removed.
     let f = unsafe { &*(ctx as *const Callback) };
     // Never unwind into libtorch's autograd engine.
-    if catch_unwind(AssertUnwindSafe(|| f())).is_err() {
+    if catch_unwind(AssertUnwindSafe(f)).is_err() {
         eprintln!("tch-dist: a gradient hook panicked; the panic was contained");
     }
 }

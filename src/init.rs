@@ -107,9 +107,7 @@ fn env_num<T: std::str::FromStr>(var: &str) -> Result<T> {
 }
 
 fn parse_num<T: std::str::FromStr>(var: &str, v: &str) -> Result<T> {
-    v.trim()
-        .parse()
-        .map_err(|_| Error::Env { var: var.into(), msg: format!("{v:?} is not a valid number here") })
+    v.trim().parse().map_err(|_| Error::Env { var: var.into(), msg: format!("{v:?} is not a valid number here") })
 }
 
 impl ProcessGroup {
@@ -138,13 +136,24 @@ impl ProcessGroup {
             tch::Device::Cuda(i) => Some(i),
             _ => None,
         };
-        let opts = GroupOptions { backend, timeout: o.timeout, hostname: o.hostname.clone(), cuda_device, ..GroupOptions::default() };
+        let opts = GroupOptions {
+            backend,
+            timeout: o.timeout,
+            hostname: o.hostname.clone(),
+            cuda_device,
+            ..GroupOptions::default()
+        };
         ProcessGroup::on_default_store(&store, o.rank, o.world_size, &opts)
     }
 
     /// Builds the default group on an existing store with PyTorch's key layout (`default_pg` / group name
     /// `0/` / then, per engine, `cpu/` or `cuda/`).
-    pub fn on_default_store(store: &Store, rank: usize, world_size: usize, opts: &GroupOptions) -> Result<ProcessGroup> {
+    pub fn on_default_store(
+        store: &Store,
+        rank: usize,
+        world_size: usize,
+        opts: &GroupOptions,
+    ) -> Result<ProcessGroup> {
         ProcessGroup::new(&store.prefixed("default_pg")?.prefixed("0/")?, rank, world_size, opts)
     }
 }

@@ -210,7 +210,8 @@ fn spawn(cfg: &LaunchConfig, restart: usize) -> Result<Vec<Worker>> {
                 std::fs::create_dir_all(dir).map_err(|e| Error::invalid("tchrun --redirect-logs", e.to_string()))?;
                 let p = dir.join(format!("rank{rank}.restart{restart}.log"));
                 Some(Arc::new(Mutex::new(
-                    std::fs::File::create(&p).map_err(|e| Error::invalid(format!("tchrun log {}", p.display()), e.to_string()))?,
+                    std::fs::File::create(&p)
+                        .map_err(|e| Error::invalid(format!("tchrun log {}", p.display()), e.to_string()))?,
                 )))
             }
             None => None,
@@ -306,7 +307,10 @@ pub fn run(cfg: &LaunchConfig) -> Result<i32> {
     install_signal_handlers();
     for restart in 0..=cfg.max_restarts {
         if restart > 0 {
-            eprintln!("tchrun: restarting all {} workers (restart {restart} of {})", cfg.nproc_per_node, cfg.max_restarts);
+            eprintln!(
+                "tchrun: restarting all {} workers (restart {restart} of {})",
+                cfg.nproc_per_node, cfg.max_restarts
+            );
         }
         match attempt(cfg, restart)? {
             Attempt::Succeeded => return Ok(0),

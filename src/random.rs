@@ -31,9 +31,8 @@ pub(crate) fn randn_seq(seed: u64, kind: Kind, shapes: &[Vec<i64>]) -> Result<Ve
     let sizes: Vec<i64> = shapes.iter().flatten().copied().collect();
     let mut outs: Vec<ffi::tdx_tensor> = vec![std::ptr::null_mut(); shapes.len()];
     // SAFETY: the arrays are valid for the call and `outs` has one slot per shape.
-    let code = unsafe {
-        ffi::tdx_randn_seq(seed, dtype, shapes.len(), ndims.as_ptr(), sizes.as_ptr(), outs.as_mut_ptr())
-    };
+    let code =
+        unsafe { ffi::tdx_randn_seq(seed, dtype, shapes.len(), ndims.as_ptr(), sizes.as_ptr(), outs.as_mut_ptr()) };
     // on failure the shim created none, or some: take ownership of those either way
     let made: Vec<Result<Tensor>> = outs.into_iter().filter(|p| !p.is_null()).map(|p| adopt(p, "randn")).collect();
     check(code, std::time::Duration::ZERO, || format!("randn with seed {seed}"))?;

@@ -88,12 +88,7 @@ impl Store {
     /// Connects to (or, with `is_server`, starts) a TCPStore.
     pub fn tcp(o: &TcpStoreOptions) -> Result<Store> {
         let host = cstr("TCPStore host", &o.host)?;
-        let desc = format!(
-            "TCPStore {} at {}:{}",
-            if o.is_server { "server" } else { "client" },
-            o.host,
-            o.port
-        );
+        let desc = format!("TCPStore {} at {}:{}", if o.is_server { "server" } else { "client" }, o.host, o.port);
         let mut out = std::ptr::null_mut();
         let workers = o.num_workers.map(|n| n as i64).unwrap_or(-1);
         // SAFETY: all pointers are valid for the call; `out` receives an owned handle.

@@ -10,7 +10,7 @@ use tch::{nn, nn::Module, Device, Kind, Tensor};
 use tch_dist::amp::{autocast, GradScaler};
 use tch_dist::ddp::{DdpOptions, DistributedDataParallel};
 use tch_dist::hooks;
-use tch_dist::optim::{AdamW, Optimizer, ShardedOptimizer, Sgd, ZeroStage};
+use tch_dist::optim::{AdamW, Optimizer, Sgd, ShardedOptimizer, ZeroStage};
 
 fn pytorch(mode: &str) -> Vec<String> {
     let o = Command::new(common::python()).arg(common::repo_path("tests/py/amp_ref.py")).arg(mode).output().unwrap();
@@ -44,9 +44,13 @@ fn autocast_matches_torch_autocast() {
     let want = pytorch("autocast");
     assert_eq!(want[0], "bfloat16");
     assert_eq!(o.kind(), Kind::BFloat16);
-    for (name, t, line) in [("output", &o, &want[1]), ("w1.grad", &w1.grad(), &want[2]), ("b1.grad", &b1.grad(), &want[3]),
-        ("w2.grad", &w2.grad(), &want[4]), ("b2.grad", &b2.grad(), &want[5])]
-    {
+    for (name, t, line) in [
+        ("output", &o, &want[1]),
+        ("w1.grad", &w1.grad(), &want[2]),
+        ("b1.grad", &b1.grad(), &want[3]),
+        ("w2.grad", &w2.grad(), &want[4]),
+        ("b2.grad", &b2.grad(), &want[5]),
+    ] {
         assert_eq!(t.kind() == Kind::Float, name != "output", "{name}: gradients of float32 parameters are float32");
         let (got, exp) = (values(t), numbers(line));
         assert_eq!(got.len(), exp.len(), "{name}");
@@ -65,7 +69,12 @@ fn grad_scaler_matches_torch_grad_scaler() {
     let mut sc = GradScaler::new().init_scale(1024.0).growth_interval(3);
     let mut skipped = Vec::new();
     for (step, line) in want.iter().enumerate() {
-        let g = Tensor::from_slice(&[step as f32 + 1.0, if step == 2 || step == 6 { f32::INFINITY } else { -1.0 }, 0.5, 2.0]);
+        let g = Tensor::from_slice(&[
+            step as f32 + 1.0,
+            if step == 2 || step == 6 { f32::INFINITY } else { -1.0 },
+            0.5,
+            2.0,
+        ]);
         opt.zero_grad().unwrap();
         sc.scale(&(&p * g).sum(Kind::Float)).unwrap().backward();
         if !sc.step(&mut opt).unwrap() {
@@ -102,10 +111,12 @@ fn grad_scaler_refuses_misuse() {
 
 fn model(vs: &nn::VarStore) -> nn::Sequential {
     let r = vs.root();
-    nn::seq()
-        .add(nn::linear(&r / "a", 5, 7, Default::default()))
-        .add_fn(|x| x.relu())
-        .add(nn::linear(&r / "b", 7, 2, Default::default()))
+    nn::seq().add(nn::linear(&r / "a", 5, 7, Default::default())).add_fn(|x| x.relu()).add(nn::linear(
+        &r / "b",
+        7,
+        2,
+        Default::default(),
+    ))
 }
 
 fn batch(step: usize, rank: usize) -> Tensor {
@@ -165,9 +176,14 @@ fn forced_overflow_under_zero2_skips_the_step_on_every_rank() {
         let mut log = Vec::new();
         for step in 0..6 {
             let before = common::model::params(&vs);
-            let mut loss = ddp.f_forward(&batch(step, rank).to_kind(Kind::Half)).unwrap().to_kind(Kind::Float).pow_tensor_scalar(2).mean(Kind::Float);
+            let mut loss = ddp
+                .f_forward(&batch(step, rank).to_kind(Kind::Half))
+                .unwrap()
+                .to_kind(Kind::Float)
+                .pow_tensor_scalar(2)
+                .mean(Kind::Float);
             if step == 2 && rank == 1 {
-                loss = loss + target.flatten(0, -1).get(0).to_kind(Kind::Float) * 1e3;
+                loss += target.flatten(0, -1).get(0).to_kind(Kind::Float) * 1e3;
             }
             ddp.backward(&sc.scale(&loss).unwrap()).unwrap();
             sc.unscale(&mut opt).unwrap();

@@ -35,7 +35,9 @@ fn round_trip_through_a_var_store_and_pytorch_can_read_it() {
     let _l2 = nn::linear(vs2.root() / "fc", 3, 2, Default::default());
     let _b2 = vs2.root().zeros_no_train("running_mean", &[2]);
     assert_eq!(checkpoint::load_var_store(&pg, &path, &vs2).unwrap(), Some(42));
-    for ((n1, t1), (n2, t2)) in checkpoint::var_store_tensors(&vs).iter().zip(checkpoint::var_store_tensors(&vs2).iter()) {
+    for ((n1, t1), (n2, t2)) in
+        checkpoint::var_store_tensors(&vs).iter().zip(checkpoint::var_store_tensors(&vs2).iter())
+    {
         assert_eq!(n1, n2);
         assert!(t1.equal(t2), "{n1}");
     }

@@ -12,7 +12,8 @@ use tch_dist::{memory, Backend, Error, GroupOptions, ProcessGroup, ReduceOp, Sto
 fn gpu() -> Option<usize> {
     let n = memory::cuda_device_count();
     if n == 0 || !tch::Cuda::is_available() {
-        let why = if cfg!(feature = "cuda") { "no CUDA device" } else { "no CUDA device (built without the `cuda` feature)" };
+        let why =
+            if cfg!(feature = "cuda") { "no CUDA device" } else { "no CUDA device (built without the `cuda` feature)" };
         println!("skipped: {why}");
         None
     } else {
@@ -23,7 +24,8 @@ fn gpu() -> Option<usize> {
 #[test]
 fn cuda_nccl_world_size_1_allreduce() {
     let store = Store::hash().unwrap();
-    let opts = GroupOptions { backend: Backend::Nccl.into(), timeout: Duration::from_secs(60), ..GroupOptions::default() };
+    let opts =
+        GroupOptions { backend: Backend::Nccl.into(), timeout: Duration::from_secs(60), ..GroupOptions::default() };
     if gpu().is_none() {
         let e = ProcessGroup::new(&store, 0, 1, &opts).unwrap_err();
         assert!(matches!(e, Error::Unavailable { .. }), "{e:?}");
@@ -84,7 +86,11 @@ fn cuda_nccl_only_group_refuses_cpu_tensors_and_the_default_group_routes_by_devi
     if gpu().is_none() {
         return;
     }
-    let opts = GroupOptions { backend: tch_dist::BackendConfig::NCCL, timeout: Duration::from_secs(60), ..GroupOptions::default() };
+    let opts = GroupOptions {
+        backend: tch_dist::BackendConfig::NCCL,
+        timeout: Duration::from_secs(60),
+        ..GroupOptions::default()
+    };
     let pg = ProcessGroup::new(&Store::hash().unwrap(), 0, 1, &opts).unwrap();
     let mut cpu = Tensor::ones([4], (Kind::Float, Device::Cpu));
     let e = pg.allreduce(&mut cpu, ReduceOp::Sum).unwrap_err().to_string();

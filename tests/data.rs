@@ -46,7 +46,8 @@ fn sampler_indices_equal_pytorchs() {
     let mut shuffled_nonempty = 0;
     for (c, line) in combos.iter().zip(lines) {
         let theirs: Vec<i64> = line.split_whitespace().map(|s| s.parse().unwrap()).collect();
-        let mut s = DistributedSampler::new(c.0, c.1, c.2, SamplerOptions { shuffle: c.6, seed: c.3, drop_last: c.5 }).unwrap();
+        let mut s =
+            DistributedSampler::new(c.0, c.1, c.2, SamplerOptions { shuffle: c.6, seed: c.3, drop_last: c.5 }).unwrap();
         s.set_epoch(c.4);
         let ours = s.indices().unwrap();
         assert_eq!(ours, theirs, "(n, world, rank, seed, epoch, drop_last, shuffle) = {c:?}");

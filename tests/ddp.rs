@@ -67,7 +67,8 @@ fn tch_optimizers_and_their_zero_grad_drive_ddp() {
             let vs = nn::VarStore::new(Device::Cpu);
             let net = mlp(&vs);
             init(&vs, rank as f64);
-            let ddp = DistributedDataParallel::new(&vs, net, DdpOptions::default().process_group(Arc::new(pg))).unwrap();
+            let ddp =
+                DistributedDataParallel::new(&vs, net, DdpOptions::default().process_group(Arc::new(pg))).unwrap();
             let mut opt = make(adam, &vs);
             for s in 0..STEPS {
                 let (x, y) = batch(s, rank, PER);
@@ -127,7 +128,10 @@ fn parity_3_ranks_views_on_and_off() {
 #[test]
 fn parity_with_find_unused_parameters() {
     check_parity(2, DdpOptions::default().find_unused_parameters(true));
-    check_parity(3, DdpOptions::default().find_unused_parameters(true).bucket_cap_mb(1e-6).gradient_as_bucket_view(false));
+    check_parity(
+        3,
+        DdpOptions::default().find_unused_parameters(true).bucket_cap_mb(1e-6).gradient_as_bucket_view(false),
+    );
 }
 
 #[test]
@@ -295,7 +299,7 @@ fn mismatched_models_fail_at_construction_naming_the_parameter() {
         let hidden = if pg.rank() == 0 { 8 } else { 9 };
         let net = nn::linear(vs.root() / "fc", 4, hidden, Default::default());
         let opts = DdpOptions::default().process_group(Arc::new(pg));
-        DistributedDataParallel::new(&vs, net, opts).err().expect("must fail")
+        DistributedDataParallel::new(&vs, net, opts).expect_err("must fail")
     });
     for e in res {
         assert!(matches!(e, Error::Mismatch { .. }), "{e:?}");
@@ -311,7 +315,7 @@ fn different_parameter_counts_fail_at_construction() {
         let vs = nn::VarStore::new(Device::Cpu);
         let net = nn::linear(vs.root() / "fc", 4, 4, nn::LinearConfig { bias: pg.rank() == 0, ..Default::default() });
         let opts = DdpOptions::default().process_group(Arc::new(pg));
-        DistributedDataParallel::new(&vs, net, opts).err().expect("must fail").to_string()
+        DistributedDataParallel::new(&vs, net, opts).expect_err("must fail").to_string()
     });
     for e in res {
         assert!(e.contains("rank 0 has 2 parameters but rank 1 has 1"), "{e}");

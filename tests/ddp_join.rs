@@ -112,7 +112,9 @@ fn max_diff(a: &[f32], b: &[f32]) -> f32 {
 fn uneven_inputs_end_where_pytorchs_join_ends() {
     for (steps, divide_by_world, find_unused) in [("5,3", true, false), ("2,6", true, true), ("5,3", false, false)] {
         let counts: Vec<usize> = steps.split(',').map(|s| s.parse().unwrap()).collect();
-        let ours = common::run_threads(2, Duration::from_secs(60), move |pg| train_rank(pg, &counts, divide_by_world, find_unused, false));
+        let ours = common::run_threads(2, Duration::from_secs(60), move |pg| {
+            train_rank(pg, &counts, divide_by_world, find_unused, false)
+        });
         let theirs = run([true, true], steps, divide_by_world, find_unused);
         assert_eq!(ours[0], ours[1], "{steps}: our ranks end different");
         assert_eq!(theirs[0], theirs[1], "{steps}: PyTorch's ranks end different");

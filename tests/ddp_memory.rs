@@ -15,7 +15,8 @@ use tch_dist::{memory, ProcessGroup, Store};
 fn worker_rebuild_peak() {
     memory::install_cpu_counter().unwrap();
     let zero = std::env::var("ZERO_GRAD").unwrap();
-    let pg = ProcessGroup::new(&Store::hash().unwrap(), 0, 1, &common::gloo_opts(std::time::Duration::from_secs(30))).unwrap();
+    let pg = ProcessGroup::new(&Store::hash().unwrap(), 0, 1, &common::gloo_opts(std::time::Duration::from_secs(30)))
+        .unwrap();
     let vs = nn::VarStore::new(Device::Cpu);
     let net = nn::linear(vs.root(), 1000, 1000, Default::default());
     let ddp = DistributedDataParallel::new(&vs, net, DdpOptions::default().process_group(Arc::new(pg))).unwrap();
@@ -24,7 +25,10 @@ fn worker_rebuild_peak() {
     match zero.as_str() {
         "ddp" => ddp.zero_grad().unwrap(),
         // an optimizer's zero_grad zeroes the same views in place, without telling DDP
-        "optimizer" => tch_dist::optim::Optimizer::zero_grad(&mut tch_dist::optim::AdamW::new(vs.trainable_variables(), 0.1)).unwrap(),
+        "optimizer" => {
+            tch_dist::optim::Optimizer::zero_grad(&mut tch_dist::optim::AdamW::new(vs.trainable_variables(), 0.1))
+                .unwrap()
+        }
         // tch's own optimizer sets the gradients to none (after detach_, which bucket slots allow)
         "tch" => nn::OptimizerConfig::build(nn::Sgd::default(), &vs, 0.1).unwrap().zero_grad(),
         _ => {}
@@ -49,7 +53,7 @@ fn rise(zero: &str) -> i64 {
         .output()
         .unwrap();
     assert!(o.status.success(), "{}", common::show(&o));
-    String::from_utf8_lossy(&o.stdout).lines().filter_map(|l| l.trim().parse().ok()).last().unwrap()
+    String::from_utf8_lossy(&o.stdout).lines().filter_map(|l| l.trim().parse().ok()).next_back().unwrap()
 }
 
 #[test]

@@ -31,7 +31,10 @@ fn ours(r: i64, cap_mb: &'static str) -> (Vec<f32>, (u64, u64)) {
         let net = mlp(&vs);
         init(&vs, rank as f64);
         let hook = Arc::new(PowerSgd::new(PowerSgdOptions::default().rank(r).start_iter(2)).unwrap());
-        let opts = DdpOptions::default().bucket_cap_mb(cap_mb.parse().unwrap()).comm_hook(hook.clone()).process_group(Arc::new(pg));
+        let opts = DdpOptions::default()
+            .bucket_cap_mb(cap_mb.parse().unwrap())
+            .comm_hook(hook.clone())
+            .process_group(Arc::new(pg));
         let ddp = DistributedDataParallel::from_parameters(model::pytorch_order(&vs), vec![], net, opts).unwrap();
         let mut opt = nn::Sgd::default().build(&vs, LR).unwrap();
         for s in 0..STEPS {

@@ -7,7 +7,6 @@ use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-
 /// Runs 2 ranks of `cmd args`, returns (rank, stage) -> bytes.
 fn run(cmd: &PathBuf, args: &[&str]) -> BTreeMap<(usize, String), i64> {
     let port = common::free_port();

@@ -17,7 +17,12 @@ fn every_kit_check_passes_with_the_cpu_standing_in_for_the_gpu() {
         let o = Command::new(&kit).args(["check", name, "--device", "cpu"]).output().unwrap();
         let out = String::from_utf8_lossy(&o.stdout).to_string();
         println!("{}", out.trim());
-        assert!(o.status.success() && out.starts_with(&format!("PASS {name}: ")) || out.starts_with(&format!("SKIP {name}: ")), "{}", common::show(&o));
+        assert!(
+            o.status.success() && out.starts_with(&format!("PASS {name}: "))
+                || out.starts_with(&format!("SKIP {name}: ")),
+            "{}",
+            common::show(&o)
+        );
         if out.starts_with("SKIP") {
             skipped.push(name.as_str());
         }

@@ -11,7 +11,12 @@ fn hooks_fire_in_reverse_layer_order_after_accumulation() {
     let l1 = nn::linear(vs.root() / "l1", 4, 8, Default::default());
     let l2 = nn::linear(vs.root() / "l2", 8, 3, Default::default());
     let order = Arc::new(Mutex::new(Vec::new()));
-    let named = [("l1.weight", &l1.ws), ("l1.bias", l1.bs.as_ref().unwrap()), ("l2.weight", &l2.ws), ("l2.bias", l2.bs.as_ref().unwrap())];
+    let named = [
+        ("l1.weight", &l1.ws),
+        ("l1.bias", l1.bs.as_ref().unwrap()),
+        ("l2.weight", &l2.ws),
+        ("l2.bias", l2.bs.as_ref().unwrap()),
+    ];
     let mut handles = Vec::new();
     for (name, p) in named {
         let order = order.clone();
@@ -49,7 +54,9 @@ fn grads_as_views_of_a_flat_buffer_accumulate_in_place() {
     (&w * 3.0).sum(Kind::Float).backward();
     assert_eq!(hooks::grad_data_ptr(&w).unwrap(), ptr, "grad must stay the view");
     let v = Vec::<f32>::try_from(&flat).unwrap();
-    assert!(v[..4].iter().all(|&x| x == 0.0) && v[4..16].iter().all(|&x| x == 5.0) && v[16..].iter().all(|&x| x == 0.0));
+    assert!(
+        v[..4].iter().all(|&x| x == 0.0) && v[4..16].iter().all(|&x| x == 5.0) && v[16..].iter().all(|&x| x == 0.0)
+    );
     // tch's own zero_grad calls detach_() and fails on views; ours keeps the view
     hooks::zero_grads(&[w.shallow_clone()]).unwrap();
     assert_eq!(hooks::grad_data_ptr(&w).unwrap(), ptr);

@@ -35,7 +35,11 @@ fn run(env: &[(&str, &str)]) -> String {
 #[test]
 fn bad_environment_names_the_variable() {
     let ok = [("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")];
-    fn with(ok: &[(&'static str, &'static str)], k: &'static str, v: Option<&'static str>) -> Vec<(&'static str, String)> {
+    fn with(
+        ok: &[(&'static str, &'static str)],
+        k: &'static str,
+        v: Option<&'static str>,
+    ) -> Vec<(&'static str, String)> {
         ok.iter()
             .filter(|(n, _)| *n != k)
             .map(|(n, x)| (*n, x.to_string()))

@@ -17,7 +17,6 @@ fn libtorch_bucket_assignment_is_reachable() {
     let b = reference::libtorch_bucket_assignment(&[n, n, n], &[Kind::Float; 3], &[0, 0, 0], &[1 << 20]).unwrap();
     assert_eq!(b, vec![vec![0], vec![1], vec![2]]);
     // dtypes never share a bucket
-    let b = reference::libtorch_bucket_assignment(&[4, 4], &[Kind::Float, Kind::Double], &[0, 0], &[1 << 20])
-        .unwrap();
+    let b = reference::libtorch_bucket_assignment(&[4, 4], &[Kind::Float, Kind::Double], &[0, 0], &[1 << 20]).unwrap();
     assert_eq!(b.len(), 2);
 }

@@ -46,7 +46,7 @@ fn worker_linear_memory() {
 
 fn last_number(out: &std::process::Output) -> i64 {
     let s = String::from_utf8_lossy(&out.stdout);
-    s.lines().filter_map(|l| l.trim().parse().ok()).last().unwrap_or_else(|| panic!("{}", common::show(out)))
+    s.lines().filter_map(|l| l.trim().parse().ok()).next_back().unwrap_or_else(|| panic!("{}", common::show(out)))
 }
 
 #[test]

@@ -45,7 +45,10 @@ fn run(opt: &mut dyn Optimizer, ps: &[Tensor], from: usize, to: usize) {
 fn pytorch(args: &[&str]) -> Vec<Vec<f64>> {
     let o = Command::new(common::python()).arg(common::repo_path("tests/py/optim_ref.py")).args(args).output().unwrap();
     assert!(o.status.success(), "{}", common::show(&o));
-    String::from_utf8_lossy(&o.stdout).lines().map(|l| l.split_whitespace().map(|x| x.parse().unwrap()).collect()).collect()
+    String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .map(|l| l.split_whitespace().map(|x| x.parse().unwrap()).collect())
+        .collect()
 }
 
 fn compare(ps: &[Tensor], want: &[Vec<f64>], what: &str) {
@@ -64,7 +67,8 @@ fn sgd_matches_torch_optim_sgd() {
         let ps = params();
         let mut opt = Sgd::new(handles(&ps), 0.1).momentum(m).dampening(d).nesterov(n).weight_decay(wd);
         run(&mut opt, &ps, 0, 6);
-        let want = pytorch(&["sgd", "0.1", &m.to_string(), &d.to_string(), if n { "1" } else { "0" }, &wd.to_string(), "6"]);
+        let want =
+            pytorch(&["sgd", "0.1", &m.to_string(), &d.to_string(), if n { "1" } else { "0" }, &wd.to_string(), "6"]);
         compare(&ps, &want, &format!("SGD momentum {m} dampening {d} nesterov {n} wd {wd}"));
     }
 }
@@ -75,7 +79,8 @@ fn adamw_matches_torch_optim_adamw() {
         let ps = params();
         let mut opt = AdamW::new(handles(&ps), 0.01).betas(b1, b2).eps(eps).weight_decay(wd);
         run(&mut opt, &ps, 0, 6);
-        let want = pytorch(&["adamw", "0.01", &b1.to_string(), &b2.to_string(), &eps.to_string(), &wd.to_string(), "6"]);
+        let want =
+            pytorch(&["adamw", "0.01", &b1.to_string(), &b2.to_string(), &eps.to_string(), &wd.to_string(), "6"]);
         compare(&ps, &want, &format!("AdamW betas ({b1}, {b2}) eps {eps} wd {wd}"));
     }
 }

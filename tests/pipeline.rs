@@ -28,7 +28,14 @@ fn settings() -> Vec<(Sched, usize, usize, usize, Vec<usize>)> {
     ]
 }
 
-fn train_threads(kind: Sched, p: usize, m: usize, v: usize, sizes: &[usize], recompute: bool) -> (Vec<f64>, BTreeMap<String, Tensor>) {
+fn train_threads(
+    kind: Sched,
+    p: usize,
+    m: usize,
+    v: usize,
+    sizes: &[usize],
+    recompute: bool,
+) -> (Vec<f64>, BTreeMap<String, Tensor>) {
     let l = layers();
     let part = Partition::sizes(sizes, l.len()).unwrap();
     let mut pipe = Pipeline::new(&l, &part, &vec![Device::Cpu; p], kind, m, v).unwrap().recompute(recompute);
@@ -72,7 +79,8 @@ fn worker_pipeline_stage() {
     let l = layers();
     let part = Partition::sizes(&sizes, l.len()).unwrap();
     let mut stage = PipelineRank::new(pg.clone(), &l, &part, Device::Cpu, kind, m, v).unwrap().recompute(recompute);
-    let mut opts: Vec<_> = stage.var_stores().iter().map(|vs| nn::Sgd::default().build(vs, pipe::LR).unwrap()).collect();
+    let mut opts: Vec<_> =
+        stage.var_stores().iter().map(|vs| nn::Sgd::default().build(vs, pipe::LR).unwrap()).collect();
     for s in 0..STEPS {
         let (x, y) = data(s);
         let r = stage.step(&x, &y, &pipe::loss).unwrap();
@@ -96,7 +104,10 @@ fn processes_match_the_unsplit_model() {
         for recompute in [false, true] {
             let sizes_s = sizes.iter().map(|s| s.to_string()).collect::<Vec<_>>().join(",");
             let env = [
-                ("PIPE_SCHEDULE", format!("{kind:?}").replace("OneFOneB", "1f1b").replace("Interleaved1F1B", "interleaved")),
+                (
+                    "PIPE_SCHEDULE",
+                    format!("{kind:?}").replace("OneFOneB", "1f1b").replace("Interleaved1F1B", "interleaved"),
+                ),
                 ("PIPE_M", m.to_string()),
                 ("PIPE_V", v.to_string()),
                 ("PIPE_RECOMPUTE", (recompute as u8).to_string()),
@@ -190,7 +201,8 @@ fn bad_settings_give_clear_errors() {
     let e = pipe.step(&x, &y, &pipe::loss).unwrap_err().to_string();
     assert!(e.contains("batch of 8 does not split into 3 equal microbatches"), "{e}");
     // a failing stage stops the others instead of leaving them waiting
-    let mut pipe = Pipeline::new(&l, &part, &[Device::Cpu; 2], Sched::GPipe, 2, 1).unwrap().timeout(Duration::from_secs(20));
+    let mut pipe =
+        Pipeline::new(&l, &part, &[Device::Cpu; 2], Sched::GPipe, 2, 1).unwrap().timeout(Duration::from_secs(20));
     let bad_target = Tensor::zeros([8, 7], (Kind::Float, Device::Cpu));
     let start = std::time::Instant::now();
     let e = pipe.step(&x, &bad_target, &pipe::loss).unwrap_err().to_string();

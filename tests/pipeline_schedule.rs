@@ -23,7 +23,11 @@ fn check(kind: Kind, p: usize, m: usize, v: usize) {
     }
     // memory bound
     for (stage, &f) in sim.max_in_flight.iter().enumerate() {
-        assert!(f <= s.in_flight_bound(), "{kind:?} p={p} m={m} v={v}: stage {stage} holds {f} > {}", s.in_flight_bound());
+        assert!(
+            f <= s.in_flight_bound(),
+            "{kind:?} p={p} m={m} v={v}: stage {stage} holds {f} > {}",
+            s.in_flight_bound()
+        );
     }
     if kind == Kind::OneFOneB {
         assert_eq!(sim.max_in_flight[0], p.min(m), "1F1B's first stage holds p activations");

@@ -53,7 +53,14 @@ fn runs_ddp_on_2_and_3_ranks_with_prefixed_output() {
 #[test]
 fn runs_a_pytorch_script_as_torchrun_would() {
     let mut c = tchrun();
-    c.args(["--standalone", "--nproc-per-node", "2", "--", &common::python(), &common::repo_path("tests/py/allreduce_check.py").to_string_lossy()]);
+    c.args([
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--",
+        &common::python(),
+        &common::repo_path("tests/py/allreduce_check.py").to_string_lossy(),
+    ]);
     let (o, _) = run(c, Duration::from_secs(120));
     let (out, err) = text(&o);
     assert!(o.status.success(), "{out}\n{err}");
@@ -78,8 +85,17 @@ fn a_failed_worker_stops_the_job_with_a_clear_report() {
 fn a_worker_killed_by_a_signal_is_reported_and_the_others_are_stopped() {
     // rank 1 kills itself; rank 0 would sleep for a minute unless tchrun stops it
     let mut c = tchrun();
-    c.args(["--standalone", "--nproc-per-node", "2", "--grace-secs", "1", "--", "sh", "-c",
-            "echo started $RANK; if [ \"$RANK\" = 1 ]; then kill -9 $$; fi; sleep 60"]);
+    c.args([
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--grace-secs",
+        "1",
+        "--",
+        "sh",
+        "-c",
+        "echo started $RANK; if [ \"$RANK\" = 1 ]; then kill -9 $$; fi; sleep 60",
+    ]);
     let (o, took) = run(c, Duration::from_secs(60));
     let (_, err) = text(&o);
     assert_eq!(o.status.code(), Some(1), "{err}");
@@ -93,15 +109,41 @@ fn restart_resumes_from_the_checkpoint_and_ends_exactly_as_an_uninterrupted_run(
     let d = tmp("restart");
     let (a, b) = (d.join("uninterrupted.f32"), d.join("restarted.f32"));
     let mut c = tchrun();
-    c.args(["--standalone", "--nproc-per-node", "2", "--", &example("ddp_elastic"), "--steps", "10", "--out", a.to_str().unwrap()]);
+    c.args([
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--",
+        &example("ddp_elastic"),
+        "--steps",
+        "10",
+        "--out",
+        a.to_str().unwrap(),
+    ]);
     let (o, _) = run(c, Duration::from_secs(120));
     assert!(o.status.success(), "{:?}", text(&o));
 
     let mut c = tchrun();
     c.env("TDX_FAIL_RANK", "1").env("TDX_FAIL_STEP", "7").env("TDX_FAIL_ONCE", d.join("failed-once"));
-    c.args(["--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--redirect-logs", d.join("logs").to_str().unwrap(), "--",
-            &example("ddp_elastic"), "--steps", "10", "--ckpt", d.join("ckpt.safetensors").to_str().unwrap(), "--every", "3",
-            "--out", b.to_str().unwrap()]);
+    c.args([
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "1",
+        "--redirect-logs",
+        d.join("logs").to_str().unwrap(),
+        "--",
+        &example("ddp_elastic"),
+        "--steps",
+        "10",
+        "--ckpt",
+        d.join("ckpt.safetensors").to_str().unwrap(),
+        "--every",
+        "3",
+        "--out",
+        b.to_str().unwrap(),
+    ]);
     let (o, _) = run(c, Duration::from_secs(120));
     let (out, err) = text(&o);
     assert!(o.status.success(), "{out}\n{err}");
@@ -122,8 +164,22 @@ fn two_launchers_form_one_group_of_four() {
     let port = common::free_port().to_string();
     let node = |r: &str| {
         let mut c = tchrun();
-        c.args(["--nnodes", "2", "--node-rank", r, "--master-addr", "127.0.0.1", "--master-port", &port, "--nproc-per-node", "2",
-                "--", &example("ddp_elastic"), "--steps", "3"]);
+        c.args([
+            "--nnodes",
+            "2",
+            "--node-rank",
+            r,
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            &port,
+            "--nproc-per-node",
+            "2",
+            "--",
+            &example("ddp_elastic"),
+            "--steps",
+            "3",
+        ]);
         c.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap()
     };
     let children = vec![node("0"), node("1")];

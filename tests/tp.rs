@@ -52,7 +52,10 @@ fn parallel_mlp_equals_the_full_mlp_forward_and_backward() {
             };
             let x_ref = formula(&[5, D], 9.0).set_requires_grad(true);
             let c = formula(&[5, D], 7.0);
-            let y_ref = full_mlp(&x_ref, &(w[0].shallow_clone(), w[1].shallow_clone(), w[2].shallow_clone(), w[3].shallow_clone()));
+            let y_ref = full_mlp(
+                &x_ref,
+                &(w[0].shallow_clone(), w[1].shallow_clone(), w[2].shallow_clone(), w[3].shallow_clone()),
+            );
             (&y_ref * &c).sum(Kind::Float).backward();
             // sharded
             let vs = nn::VarStore::new(Device::Cpu);
@@ -81,7 +84,14 @@ fn gather_and_scatter_variants_equal_a_full_linear() {
         let vs = nn::VarStore::new(Device::Cpu);
         let (w, b) = (formula(&[H, D], 1.0), formula(&[H], 2.0));
         let col = ColumnParallelLinear::from_full(&(vs.root() / "c"), &w, Some(&b), pg.clone(), true).unwrap();
-        let row = RowParallelLinear::from_full(&(vs.root() / "r"), &formula(&[D, H], 3.0), Some(&formula(&[D], 4.0)), pg, false).unwrap();
+        let row = RowParallelLinear::from_full(
+            &(vs.root() / "r"),
+            &formula(&[D, H], 3.0),
+            Some(&formula(&[D], 4.0)),
+            pg,
+            false,
+        )
+        .unwrap();
         let x = formula(&[4, D], 5.0).set_requires_grad(true);
         let y = row.forward(&col.forward(&x).unwrap()).unwrap(); // gathered, then split again on entry
         y.sum(Kind::Float).backward();
@@ -99,11 +109,15 @@ fn gather_and_scatter_variants_equal_a_full_linear() {
 fn shapes_not_divisible_by_the_tp_size_are_refused() {
     let res = common::run_threads(2, T, |pg| {
         let vs = nn::VarStore::new(Device::Cpu);
-        let e = ColumnParallelLinear::from_full(&vs.root(), &formula(&[5, D], 1.0), None, Arc::new(pg), false).unwrap_err();
+        let e =
+            ColumnParallelLinear::from_full(&vs.root(), &formula(&[5, D], 1.0), None, Arc::new(pg), false).unwrap_err();
         e.to_string()
     });
     for e in res {
-        assert!(e.contains("ColumnParallelLinear") && e.contains("(5) is not divisible by the tensor-parallel size 2"), "{e}");
+        assert!(
+            e.contains("ColumnParallelLinear") && e.contains("(5) is not divisible by the tensor-parallel size 2"),
+            "{e}"
+        );
     }
 }
 
@@ -117,13 +131,15 @@ fn tp_and_ddp_on_4_ranks_train_like_one_process() {
     let reference = {
         let vs = nn::VarStore::new(Device::Cpu);
         let f = full();
-        let w: Vec<Tensor> = [&f.0, &f.1, &f.2, &f.3].iter().enumerate().map(|(i, t)| vs.root().var_copy(&format!("w{i}"), t)).collect();
+        let w: Vec<Tensor> =
+            [&f.0, &f.1, &f.2, &f.3].iter().enumerate().map(|(i, t)| vs.root().var_copy(&format!("w{i}"), t)).collect();
         let mut opt = nn::Sgd::default().build(&vs, LR).unwrap();
         for s in 0..STEPS {
             let x = Tensor::cat(&[batch(s, 0), batch(s, 1)], 0);
             let y = Tensor::cat(&[target(s, 0), target(s, 1)], 0);
             opt.zero_grad();
-            let out = full_mlp(&x, &(w[0].shallow_clone(), w[1].shallow_clone(), w[2].shallow_clone(), w[3].shallow_clone()));
+            let out =
+                full_mlp(&x, &(w[0].shallow_clone(), w[1].shallow_clone(), w[2].shallow_clone(), w[3].shallow_clone()));
             out.mse_loss(&y, tch::Reduction::Mean).backward();
             opt.step();
         }
@@ -136,7 +152,8 @@ fn tp_and_ddp_on_4_ranks_train_like_one_process() {
         let f = full();
         let mlp = ParallelMlp::from_full(&vs.root(), &f.0, &f.1, &f.2, &f.3, Arc::new(groups.tp)).unwrap();
         // gradients of TP shards are averaged over the data-parallel group only
-        let ddp = DistributedDataParallel::new(&vs, mlp, DdpOptions::default().process_group(Arc::new(groups.dp))).unwrap();
+        let ddp =
+            DistributedDataParallel::new(&vs, mlp, DdpOptions::default().process_group(Arc::new(groups.dp))).unwrap();
         let mut opt = nn::Sgd::default().build(&vs, LR).unwrap();
         for s in 0..STEPS {
             let out = ddp.forward_with(|m| m.forward(&batch(s, dp_rank))).unwrap().unwrap();
@@ -145,7 +162,12 @@ fn tp_and_ddp_on_4_ranks_train_like_one_process() {
             ddp.zero_grad().unwrap();
         }
         let m = ddp.module();
-        let got = [m.fc1.ws.detach().copy(), m.fc1.bs.as_ref().unwrap().detach().copy(), m.fc2.ws.detach().copy(), m.fc2.bs.as_ref().unwrap().detach().copy()];
+        let got = [
+            m.fc1.ws.detach().copy(),
+            m.fc1.bs.as_ref().unwrap().detach().copy(),
+            m.fc2.ws.detach().copy(),
+            m.fc2.bs.as_ref().unwrap().detach().copy(),
+        ];
         (tp_rank, got)
     });
     for (tp_rank, got) in res {

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use tch::{nn, nn::Module, Device, Kind, Tensor};
 use tch_dist::ddp::{DdpOptions, DistributedDataParallel};
-use tch_dist::optim::{AdamW, Optimizer, ShardedOptimizer, Sgd, ZeroStage};
+use tch_dist::optim::{AdamW, Optimizer, Sgd, ShardedOptimizer, ZeroStage};
 
 /// Elementwise updates of the same values, and the same sums (reduce-scatter and allreduce add two or
 /// three numbers in rank order): observed bit-identical; 1e-6 leaves room for nothing more.
@@ -30,7 +30,8 @@ fn model(vs: &nn::VarStore) -> nn::Sequential {
         .add(nn::linear(&r / "a", 5, 3, Default::default())) // 18
         .add_fn(|x| x.tanh())
         .add(nn::linear(&r / "b", 3, 1, Default::default())) // 4
-        .add(nn::linear(&r / "c", 1, 1, nn::LinearConfig { bias: false, ..Default::default() })) // 1
+        .add(nn::linear(&r / "c", 1, 1, nn::LinearConfig { bias: false, ..Default::default() }))
+    // 1
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -72,7 +73,11 @@ fn train(s: Setup) -> Vec<Out> {
         }
         let ddp = DistributedDataParallel::new(&vs, net, opts).unwrap();
         let make = move |p: Vec<Tensor>| -> Box<dyn Optimizer + Send> {
-            if s.adam { Box::new(AdamW::new(p, 0.05)) } else { Box::new(Sgd::new(p, 0.1).momentum(0.9)) }
+            if s.adam {
+                Box::new(AdamW::new(p, 0.05))
+            } else {
+                Box::new(Sgd::new(p, 0.1).momentum(0.9))
+            }
         };
         let mut opt: Box<dyn Optimizer> = match s.zero {
             Some(stage) => Box::new(ShardedOptimizer::new(&ddp, stage, make).unwrap()),
@@ -84,14 +89,21 @@ fn train(s: Setup) -> Vec<Out> {
                 let x = batch(step, rank, micro);
                 let run = |d: &DistributedDataParallel<nn::Sequential>| {
                     let out = if s.autocast {
-                        d.forward_with(|m| tch_dist::amp::autocast(Device::Cpu, Kind::BFloat16, || m.forward(&x)).unwrap()).unwrap()
+                        d.forward_with(|m| {
+                            tch_dist::amp::autocast(Device::Cpu, Kind::BFloat16, || m.forward(&x)).unwrap()
+                        })
+                        .unwrap()
                     } else {
                         d.forward_with(|m| m.forward(&x)).unwrap()
                     };
                     let loss = out.to_kind(Kind::Float).pow_tensor_scalar(2).mean(Kind::Float);
                     d.backward(&loss).unwrap();
                 };
-                if micro + 1 < s.accumulate { ddp.no_sync(run) } else { run(&ddp) }
+                if micro + 1 < s.accumulate {
+                    ddp.no_sync(run)
+                } else {
+                    run(&ddp)
+                }
             }
             grads_after_backward = vs.trainable_variables().iter().filter(|p| p.grad().defined()).count();
             opt.step().unwrap();
@@ -125,12 +137,21 @@ fn compare(s: Setup) {
         assert_eq!(z.owned, expect, "{s:?}: rank {r} owns its shard of each bucket");
         // AdamW keeps two moments and a step counter per stepped tensor; SGD one momentum buffer
         let per_elem = if s.adam { 8 } else { 4 };
-        assert!(z.state_bytes >= per_elem * z.owned && z.state_bytes <= per_elem * z.owned + 8 * 5, "{s:?}: rank {r} state {} B for {} elements", z.state_bytes, z.owned);
+        assert!(
+            z.state_bytes >= per_elem * z.owned && z.state_bytes <= per_elem * z.owned + 8 * 5,
+            "{s:?}: rank {r} state {} B for {} elements",
+            z.state_bytes,
+            z.owned
+        );
         assert!(p.state_bytes >= per_elem * 23, "unsharded state covers every parameter");
         match s.zero {
             Some(ZeroStage::Two) => {
                 assert_eq!(z.grads_after_backward, 0, "{s:?}: under stage 2 no full gradient survives backward");
-                assert!(z.shard_bytes > 0 && z.shard_bytes <= 4 * (z.owned + 5), "{s:?}: gradient shard {} B", z.shard_bytes);
+                assert!(
+                    z.shard_bytes > 0 && z.shard_bytes <= 4 * (z.owned + 5),
+                    "{s:?}: gradient shard {} B",
+                    z.shard_bytes
+                );
             }
             _ => assert_eq!(z.grads_after_backward, 5),
         }
@@ -143,11 +164,27 @@ fn zero1_matches_plain_ddp_with_the_same_optimizer() {
     for world in [2, 3] {
         for adam in [true, false] {
             for tiny_buckets in [false, true] {
-                compare(Setup { world, zero: Some(ZeroStage::One), adam, tiny_buckets, views: true, accumulate: 1, autocast: false });
+                compare(Setup {
+                    world,
+                    zero: Some(ZeroStage::One),
+                    adam,
+                    tiny_buckets,
+                    views: true,
+                    accumulate: 1,
+                    autocast: false,
+                });
             }
         }
     }
-    compare(Setup { world: 2, zero: Some(ZeroStage::One), adam: true, tiny_buckets: true, views: false, accumulate: 1, autocast: false });
+    compare(Setup {
+        world: 2,
+        zero: Some(ZeroStage::One),
+        adam: true,
+        tiny_buckets: true,
+        views: false,
+        accumulate: 1,
+        autocast: false,
+    });
 }
 
 #[test]
@@ -155,7 +192,15 @@ fn zero2_matches_plain_ddp_with_the_same_optimizer() {
     for world in [2, 3] {
         for adam in [true, false] {
             for tiny_buckets in [false, true] {
-                compare(Setup { world, zero: Some(ZeroStage::Two), adam, tiny_buckets, views: true, accumulate: 1, autocast: false });
+                compare(Setup {
+                    world,
+                    zero: Some(ZeroStage::Two),
+                    adam,
+                    tiny_buckets,
+                    views: true,
+                    accumulate: 1,
+                    autocast: false,
+                });
             }
         }
     }
@@ -164,14 +209,30 @@ fn zero2_matches_plain_ddp_with_the_same_optimizer() {
 #[test]
 fn zero_under_bf16_autocast_matches_plain_ddp_under_autocast() {
     for stage in [ZeroStage::One, ZeroStage::Two] {
-        compare(Setup { world: 2, zero: Some(stage), adam: true, tiny_buckets: true, views: true, accumulate: 1, autocast: true });
+        compare(Setup {
+            world: 2,
+            zero: Some(stage),
+            adam: true,
+            tiny_buckets: true,
+            views: true,
+            accumulate: 1,
+            autocast: true,
+        });
     }
 }
 
 #[test]
 fn zero2_accumulates_under_no_sync() {
     for world in [2, 3] {
-        compare(Setup { world, zero: Some(ZeroStage::Two), adam: true, tiny_buckets: true, views: true, accumulate: 3, autocast: false });
+        compare(Setup {
+            world,
+            zero: Some(ZeroStage::Two),
+            adam: true,
+            tiny_buckets: true,
+            views: true,
+            accumulate: 3,
+            autocast: false,
+        });
     }
 }
 
@@ -308,22 +369,32 @@ fn zero2_resumes_from_per_rank_checkpoints_exactly() {
                     }
                 });
             }
-            let ddp = DistributedDataParallel::new(&vs, net, DdpOptions::default().process_group(pg.clone()).bucket_cap_mb(1e-4)).unwrap();
+            let ddp = DistributedDataParallel::new(
+                &vs,
+                net,
+                DdpOptions::default().process_group(pg.clone()).bucket_cap_mb(1e-4),
+            )
+            .unwrap();
             let mut opt = ShardedOptimizer::new(&ddp, ZeroStage::Two, |p| Box::new(AdamW::new(p, 0.01))).unwrap();
             if let Some(state) = &saved {
-                let mine: Vec<(String, Tensor)> =
-                    state.iter().filter_map(|(n, t)| n.strip_prefix("opt.").map(|k| (k.to_string(), t.shallow_clone()))).collect();
+                let mine: Vec<(String, Tensor)> = state
+                    .iter()
+                    .filter_map(|(n, t)| n.strip_prefix("opt.").map(|k| (k.to_string(), t.shallow_clone())))
+                    .collect();
                 opt.load_state_dict(&mine).unwrap();
             }
             for step in steps.clone() {
                 let x = batch(step, rank, 0).to_kind(Kind::BFloat16);
-                ddp.backward(&ddp.f_forward(&x).unwrap().to_kind(Kind::Float).pow_tensor_scalar(2).mean(Kind::Float)).unwrap();
+                ddp.backward(&ddp.f_forward(&x).unwrap().to_kind(Kind::Float).pow_tensor_scalar(2).mean(Kind::Float))
+                    .unwrap();
                 opt.step().unwrap();
                 opt.zero_grad().unwrap();
             }
             if save {
-                let mut all: Vec<(String, Tensor)> =
-                    tch_dist::checkpoint::var_store_tensors(&vs).into_iter().map(|(n, t)| (format!("model.{n}"), t)).collect();
+                let mut all: Vec<(String, Tensor)> = tch_dist::checkpoint::var_store_tensors(&vs)
+                    .into_iter()
+                    .map(|(n, t)| (format!("model.{n}"), t))
+                    .collect();
                 all.extend(opt.state_dict().into_iter().map(|(n, t)| (format!("opt.{n}"), t)));
                 assert!(all.iter().any(|(n, _)| n.ends_with(".master")), "master weights are in the state");
                 tch_dist::checkpoint::write_atomic(&file, steps.end as u64, &all).unwrap();
@@ -344,7 +415,12 @@ type Named = Vec<(String, Tensor)>;
 
 /// Trains `steps` on `world` ranks from `start` (parameters and optimizer state, consolidated form, or
 /// none); returns rank 0's parameters and consolidated optimizer state.
-fn resume(world: usize, zero: Option<ZeroStage>, steps: std::ops::Range<usize>, start: Option<(Vec<Tensor>, Named)>) -> (Vec<Tensor>, Named) {
+fn resume(
+    world: usize,
+    zero: Option<ZeroStage>,
+    steps: std::ops::Range<usize>,
+    start: Option<(Vec<Tensor>, Named)>,
+) -> (Vec<Tensor>, Named) {
     let start = start.map(|(p, s)| (p, s.into_iter().map(|(n, t)| (n, t.copy())).collect::<Named>()));
     let start = Arc::new(std::sync::Mutex::new(start));
     let out = common::run_threads(world, Duration::from_secs(60), move |pg| {
@@ -353,8 +429,9 @@ fn resume(world: usize, zero: Option<ZeroStage>, steps: std::ops::Range<usize>, 
         let vs = nn::VarStore::new(Device::Cpu);
         let net = model(&vs);
         common::model::init(&vs, rank as f64);
-        let start: Option<(Vec<Tensor>, Named)> =
-            start.lock().unwrap().as_ref().map(|(p, s)| (p.iter().map(|t| t.copy()).collect(), s.iter().map(|(n, t)| (n.clone(), t.copy())).collect()));
+        let start: Option<(Vec<Tensor>, Named)> = start.lock().unwrap().as_ref().map(|(p, s)| {
+            (p.iter().map(|t| t.copy()).collect(), s.iter().map(|(n, t)| (n.clone(), t.copy())).collect())
+        });
         if let Some((params, _)) = &start {
             tch::no_grad(|| {
                 for ((_, mut v), p) in common::model::pytorch_order(&vs).into_iter().zip(params) {
@@ -362,7 +439,9 @@ fn resume(world: usize, zero: Option<ZeroStage>, steps: std::ops::Range<usize>, 
                 }
             });
         }
-        let ddp = DistributedDataParallel::new(&vs, net, DdpOptions::default().process_group(pg.clone()).bucket_cap_mb(4e-5)).unwrap();
+        let ddp =
+            DistributedDataParallel::new(&vs, net, DdpOptions::default().process_group(pg.clone()).bucket_cap_mb(4e-5))
+                .unwrap();
         let make = |p: Vec<Tensor>| -> Box<dyn Optimizer + Send> { Box::new(AdamW::new(p, 0.05)) };
         let mut zopt = zero.map(|stage| ShardedOptimizer::new(&ddp, stage, make).unwrap());
         let mut plain = make(vs.trainable_variables());
@@ -425,5 +504,8 @@ fn consolidated_state_is_the_unsharded_optimizers_and_reshards() {
     let d = common::model::max_diff(&a_p, &b_p);
     assert!(d < TOL, "resharded 2 -> 3 ranks: {d:e}");
     same_state(&a_s, &b_s, "after resharding");
-    assert!(a_s.iter().any(|(n, t)| n.ends_with(".step") && t.int64_value(&[0]) == 5), "steps continue from the saved count");
+    assert!(
+        a_s.iter().any(|(n, t)| n.ends_with(".step") && t.int64_value(&[0]) == 5),
+        "steps continue from the saved count"
+    );
 }

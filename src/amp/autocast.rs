@@ -21,11 +21,21 @@ impl AutocastGuard {
         let device = match device {
             Device::Cpu => 0,
             Device::Cuda(_) => 1,
-            other => return Err(Error::invalid("autocast", format!("device {other:?}: autocast supports the CPU and CUDA"))),
+            other => {
+                return Err(Error::invalid("autocast", format!("device {other:?}: autocast supports the CPU and CUDA")))
+            }
         };
         let (mut prev_enabled, mut prev_dtype) = (0, 0);
         // SAFETY: plain ints; the shim catches every exception.
-        let code = unsafe { ffi::tdx_autocast_enter(device, 1, if kind == Kind::Half { 5 } else { 15 }, &mut prev_enabled, &mut prev_dtype) };
+        let code = unsafe {
+            ffi::tdx_autocast_enter(
+                device,
+                1,
+                if kind == Kind::Half { 5 } else { 15 },
+                &mut prev_enabled,
+                &mut prev_dtype,
+            )
+        };
         check(code, std::time::Duration::ZERO, || "enter autocast".to_string())?;
         Ok(AutocastGuard { device, prev_enabled, prev_dtype })
     }

@@ -124,10 +124,9 @@ impl GradScaler {
     /// Adjusts the scale after a step: ×backoff after an overflow, ×growth after `growth_interval` good
     /// steps in a row (PyTorch's `_amp_update_scale_`).
     pub fn update(&mut self) -> Result<()> {
-        let found = self
-            .found_inf
-            .take()
-            .ok_or_else(|| Error::invalid("GradScaler::update", "no gradients were unscaled since the last update (call step first)"))?;
+        let found = self.found_inf.take().ok_or_else(|| {
+            Error::invalid("GradScaler::update", "no gradients were unscaled since the last update (call step first)")
+        })?;
         self.stepped = false;
         if found {
             self.scale = (self.scale * self.backoff_factor) as f32 as f64;

@@ -36,7 +36,7 @@ struct Cli {
     /// Restart the whole group this many times after a failure.
     #[arg(long, default_value_t = 0)]
     max_restarts: usize,
-    /// Also write each worker's output to DIR/rank<R>.restart<K>.log.
+    /// Also write each worker's output to `DIR/rank<R>.restart<K>.log`.
     #[arg(long, value_name = "DIR")]
     redirect_logs: Option<PathBuf>,
     /// Job id given to workers as TORCHELASTIC_RUN_ID.

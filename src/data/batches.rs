@@ -20,7 +20,10 @@ impl Batches {
     /// Fails if an index is outside the first dimension of `xs` or `ys`, or the batch size is 0.
     pub fn new(xs: &Tensor, ys: &Tensor, indices: Vec<i64>, batch_size: usize) -> Result<Batches> {
         let rows = |t: &Tensor, what: &str| -> Result<i64> {
-            t.size().first().copied().ok_or_else(|| Error::invalid("Batches::new", format!("{what} is a scalar; rows are needed")))
+            t.size()
+                .first()
+                .copied()
+                .ok_or_else(|| Error::invalid("Batches::new", format!("{what} is a scalar; rows are needed")))
         };
         let n = rows(xs, "xs")?.min(rows(ys, "ys")?);
         if batch_size == 0 {
@@ -31,7 +34,14 @@ impl Batches {
         }
         let end = indices.len() as i64;
         let indices = Tensor::from_slice(&indices).f_to_device(xs.device())?;
-        Ok(Batches { xs: xs.shallow_clone(), ys: ys.shallow_clone(), indices, batch_size: batch_size as i64, pos: 0, end })
+        Ok(Batches {
+            xs: xs.shallow_clone(),
+            ys: ys.shallow_clone(),
+            indices,
+            batch_size: batch_size as i64,
+            pos: 0,
+            end,
+        })
     }
 
     /// Stops before a last batch smaller than `batch_size`.

@@ -38,7 +38,7 @@ impl SamplerOptions {
 /// arguments, exactly the indices PyTorch's `DistributedSampler` yields.
 #[derive(Clone, Debug)]
 pub struct DistributedSampler {
-    len: usize,
+    dataset_len: usize,
     num_replicas: usize,
     rank: usize,
     opts: SamplerOptions,
@@ -54,13 +54,13 @@ impl DistributedSampler {
                 format!("rank {rank} is not in 0..{num_replicas} (num_replicas {num_replicas})"),
             ));
         }
-        let num_samples = if opts.drop_last && len % num_replicas != 0 {
+        let num_samples = if opts.drop_last && !len.is_multiple_of(num_replicas) {
             // ceil((len - num_replicas) / num_replicas), never below zero
             len.saturating_sub(num_replicas).div_ceil(num_replicas)
         } else {
             len.div_ceil(num_replicas)
         };
-        Ok(DistributedSampler { len, num_replicas, rank, opts, epoch: 0, num_samples })
+        Ok(DistributedSampler { dataset_len: len, num_replicas, rank, opts, epoch: 0, num_samples })
     }
 
     /// For this process's rank in `pg`.
@@ -90,9 +90,9 @@ impl DistributedSampler {
     /// This epoch's indices for this rank.
     pub fn indices(&self) -> Result<Vec<i64>> {
         let mut all: Vec<i64> = if self.opts.shuffle {
-            crate::random::randperm(self.len as i64, self.opts.seed.wrapping_add(self.epoch))?
+            crate::random::randperm(self.dataset_len as i64, self.opts.seed.wrapping_add(self.epoch))?
         } else {
-            (0..self.len as i64).collect()
+            (0..self.dataset_len as i64).collect()
         };
         let total = self.num_samples * self.num_replicas;
         if self.opts.drop_last {

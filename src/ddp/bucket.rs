@@ -23,7 +23,10 @@ use crate::error::{Error, Result};
 pub(crate) fn slot(flat: &Tensor, offset: i64, shape: &[i64]) -> Result<Tensor> {
     let n: i64 = shape.iter().product();
     if !flat.is_contiguous() || offset < 0 || offset + n > flat.numel() as i64 {
-        return Err(Error::invalid("bucket slot", format!("{n} elements at {offset} do not fit a bucket of {}", flat.numel())));
+        return Err(Error::invalid(
+            "bucket slot",
+            format!("{n} elements at {offset} do not fit a bucket of {}", flat.numel()),
+        ));
     }
     let mut strides = vec![1i64; shape.len()];
     for i in (0..shape.len().saturating_sub(1)).rev() {

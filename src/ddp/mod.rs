@@ -23,14 +23,15 @@
 //! Semantics follow PyTorch's `DistributedDataParallel` (see `reducer.rs`), with one default changed:
 //! `gradient_as_bucket_view` is on, so gradients live inside the communication buckets and DDP costs one
 //! copy of the parameters, not two.
+#[doc(hidden)] // the assignment rules, public for tests
 pub mod bucket;
 pub mod comm_hook;
 pub mod join;
-pub mod powersgd;
 mod memory;
+pub mod powersgd;
 mod reducer;
 mod shard;
-pub mod sync;
+pub(crate) mod sync;
 
 use std::sync::Arc;
 
@@ -38,8 +39,8 @@ use tch::{nn, Tensor};
 
 pub use comm_hook::{CommHook, GradBucket, HookFuture};
 pub use join::JoinOptions;
-pub use powersgd::{PowerSgd, PowerSgdOptions};
 pub use memory::DdpMemory;
+pub use powersgd::{PowerSgd, PowerSgdOptions};
 pub use reducer::ReducerEvent;
 
 use crate::error::{Error, Result};
@@ -174,7 +175,12 @@ impl<M> DistributedDataParallel<M> {
     /// PyTorch's `model.parameters()` (tch creates a Linear's bias before its weight; PyTorch the other way).
     /// Frozen parameters (`requires_grad` false) are copied from rank 0 and otherwise left alone, as
     /// PyTorch's DDP does.
-    pub fn from_parameters(named: Vec<(String, Tensor)>, buffers: Vec<Tensor>, module: M, opts: DdpOptions) -> Result<Self> {
+    pub fn from_parameters(
+        named: Vec<(String, Tensor)>,
+        buffers: Vec<Tensor>,
+        module: M,
+        opts: DdpOptions,
+    ) -> Result<Self> {
         let pg = match opts.process_group.clone().or_else(crate::init::default_group) {
             Some(pg) => pg,
             None => {
@@ -186,7 +192,10 @@ impl<M> DistributedDataParallel<M> {
         };
         let cap_mb = opts.bucket_cap_mb.unwrap_or(DEFAULT_BUCKET_CAP_MB);
         if !(cap_mb > 0.0 && cap_mb.is_finite()) {
-            return Err(Error::invalid("DdpOptions::bucket_cap_mb", format!("{cap_mb} is not a positive number of MiB")));
+            return Err(Error::invalid(
+                "DdpOptions::bucket_cap_mb",
+                format!("{cap_mb} is not a positive number of MiB"),
+            ));
         }
         let bucket_bytes = ((cap_mb * 1024.0 * 1024.0) as usize).max(1);
         let first = match (opts.first_bucket_bytes, opts.bucket_cap_mb) {
@@ -351,7 +360,11 @@ impl<M> DistributedDataParallel<M> {
 
     /// Each bucket's flat gradient buffer (the averaged gradients after a synchronised backward).
     pub(crate) fn bucket_grads(&self) -> Vec<Tensor> {
-        self.reducer.state.lock().map(|s| s.buckets.iter().map(|b| b.flat.shallow_clone()).collect()).unwrap_or_default()
+        self.reducer
+            .state
+            .lock()
+            .map(|s| s.buckets.iter().map(|b| b.flat.shallow_clone()).collect())
+            .unwrap_or_default()
     }
 
     /// Whether buckets were rebuilt from the observed gradient order.

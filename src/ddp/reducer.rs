@@ -236,7 +236,9 @@ impl Reducer {
                 sh.launch(&self.pg, nb)?;
             } else {
                 let f = match &self.cfg.comm_hook {
-                    None => HookFuture::after(self.pg.allreduce_unverified(&mut st.buckets[nb].flat.shallow_clone(), ReduceOp::Sum)?),
+                    None => HookFuture::after(
+                        self.pg.allreduce_unverified(&mut st.buckets[nb].flat.shallow_clone(), ReduceOp::Sum)?,
+                    ),
                     Some(hook) => {
                         let bucket = GradBucket {
                             index: nb,
@@ -303,17 +305,17 @@ impl Reducer {
         } else {
             vec![true; st.params.len()]
         };
-        for i in 0..st.params.len() {
+        for (i, &used) in globally_used.iter().enumerate() {
             let (b, k) = st.loc[i];
             let view = &st.buckets[b].views[k];
             let mut grad = st.params[i].grad();
             if self.cfg.bucket_view {
-                if !grad.defined() && globally_used[i] {
+                if !grad.defined() && used {
                     hooks::set_grad(&st.params[i], Some(view))?;
                 }
             } else if grad.defined() {
                 grad.f_copy_(view)?;
-            } else if globally_used[i] {
+            } else if used {
                 hooks::set_grad(&st.params[i], Some(&view.f_detach_copy()?))?;
             }
         }
@@ -335,7 +337,9 @@ impl Reducer {
                 })
                 .collect();
             let listing = listing.join("; ");
-            format!("ranks disagree on the training loop ({listing}); every rank must run the same forwards and backwards")
+            format!(
+                "ranks disagree on the training loop ({listing}); every rank must run the same forwards and backwards"
+            )
         })?;
         Ok(())
     }
@@ -436,7 +440,10 @@ impl Reducer {
         let (zero_buckets, n) = {
             let st = lock(&self.state);
             if st.shards.is_some() {
-                return Err(Error::invalid("DDP join", "ZeRO-2's sharded gradients cannot be shadowed yet; join is for DDP"));
+                return Err(Error::invalid(
+                    "DDP join",
+                    "ZeRO-2's sharded gradients cannot be shadowed yet; join is for DDP",
+                ));
             }
             let count = st.buckets.len();
             let mut zb = Vec::with_capacity(count);
@@ -465,7 +472,11 @@ impl Reducer {
         }
         if self.cfg.find_unused {
             let device = lock(&self.state).specs[0].device;
-            self.pg.meta_as_pytorch(device).allreduce("DDP join: unused-parameter map", &vec![0i32; n], ReduceOp::Sum)?;
+            self.pg.meta_as_pytorch(device).allreduce(
+                "DDP join: unused-parameter map",
+                &vec![0i32; n],
+                ReduceOp::Sum,
+            )?;
         }
         lock(&self.state).iterations += 1;
         Ok(())

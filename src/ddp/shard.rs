@@ -6,8 +6,8 @@ use std::collections::VecDeque;
 
 use tch::Tensor;
 
-use crate::group::ring::RingReduce;
 use crate::error::Result;
+use crate::group::ring::RingReduce;
 use crate::group::ProcessGroup;
 
 /// Reductions running while backward goes on. One: bucket b reduces while bucket b+1 fills, so at most
@@ -79,7 +79,12 @@ impl GradShards {
         }
         let buf = match self.filling[b].take() {
             Some(f) => f,
-            None => return Err(crate::Error::invalid("ZeRO-2 reduction", format!("bucket {b} launched before any of its gradients"))),
+            None => {
+                return Err(crate::Error::invalid(
+                    "ZeRO-2 reduction",
+                    format!("bucket {b} launched before any of its gradients"),
+                ))
+            }
         };
         self.in_flight.push_back(RingReduce::start(pg, buf, self.shards[b].shallow_clone(), b)?);
         Ok(())

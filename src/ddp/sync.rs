@@ -78,7 +78,8 @@ fn op(pg: &ProcessGroup, what: &str) -> String {
 pub fn broadcast_coalesced(pg: &ProcessGroup, tensors: &[Tensor], limit: usize, root: usize) -> Result<()> {
     let _g = tch::no_grad_guard();
     for group in take_tensors(tensors, limit) {
-        let flats: Vec<Tensor> = group.iter().map(|&i| tensors[i].f_reshape([-1])).collect::<std::result::Result<_, _>>()?;
+        let flats: Vec<Tensor> =
+            group.iter().map(|&i| tensors[i].f_reshape([-1])).collect::<std::result::Result<_, _>>()?;
         let mut flat = Tensor::f_cat(&flats, 0)?;
         drop(flats);
         pg.broadcast_unverified(&mut flat, root)?.wait()?;

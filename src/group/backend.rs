@@ -136,10 +136,8 @@ impl std::fmt::Display for BackendConfig {
             (Some(a), Some(b)) if a == b => write!(f, "{a}"),
             (None, Some(Backend::Nccl)) => write!(f, "nccl"),
             (cpu, cuda) => {
-                let parts: Vec<String> = [("cpu", cpu), ("cuda", cuda)]
-                    .iter()
-                    .filter_map(|(d, b)| b.map(|b| format!("{d}:{b}")))
-                    .collect();
+                let parts: Vec<String> =
+                    [("cpu", cpu), ("cuda", cuda)].iter().filter_map(|(d, b)| b.map(|b| format!("{d}:{b}"))).collect();
                 write!(f, "{}", parts.join(","))
             }
         }
@@ -155,7 +153,9 @@ impl std::str::FromStr for BackendConfig {
         }
         let mut c = BackendConfig { cpu: None, cuda: None };
         for pair in s.split(',') {
-            let bad = || Error::invalid("backend", format!("{pair:?} in {s:?} is not device:backend (e.g. cpu:gloo,cuda:nccl)"));
+            let bad = || {
+                Error::invalid("backend", format!("{pair:?} in {s:?} is not device:backend (e.g. cpu:gloo,cuda:nccl)"))
+            };
             let (dev, b) = pair.split_once(':').ok_or_else(bad)?;
             let slot = match dev.trim().to_ascii_lowercase().as_str() {
                 "cpu" => &mut c.cpu,

@@ -336,7 +336,14 @@ impl ProcessGroup {
         self.launch_allreduce(e, t, desc(), code, finish)
     }
 
-    fn launch_allreduce(&self, e: &Engine, t: &mut Tensor, desc: String, code: i32, finish: Option<Finish>) -> Result<Work> {
+    fn launch_allreduce(
+        &self,
+        e: &Engine,
+        t: &mut Tensor,
+        desc: String,
+        code: i32,
+        finish: Option<Finish>,
+    ) -> Result<Work> {
         let tp = t.as_mut_ptr() as ffi::tdx_tensor;
         // SAFETY: the tensor pointer is valid for the call; the shim copies the at::Tensor (shared storage).
         self.launch(e, desc, |pg, out| unsafe { ffi::tdx_pg_allreduce(pg, tp, code, out) }, finish)
@@ -427,8 +434,8 @@ impl ProcessGroup {
         }
         self.engine(t.device(), &|| format!("send of {} to rank {dst}", describe(t)))?;
         let header = if self.verify {
-            let mut h = Tensor::from_slice(&meta::fingerprint(5, t, 0)).f_to_device(self.meta_device())?;
-            Some(self.send_raw(&mut h, dst, header_tag(tag))?)
+            let h = Tensor::from_slice(&meta::fingerprint(5, t, 0)).f_to_device(self.meta_device())?;
+            Some(self.send_raw(&h, dst, header_tag(tag))?)
         } else {
             None
         };

@@ -121,7 +121,8 @@ pub(crate) fn all_gather_in_place(
         let send = (rank - step).rem_euclid(world);
         let recv = (rank - step - 1).rem_euclid(world);
         let mut into = flat.f_narrow(0, recv * len, len)?;
-        let works = vec![pg.recv_raw(&mut into, left, tag)?, pg.send_raw(&flat.f_narrow(0, send * len, len)?, right, tag)?];
+        let works =
+            vec![pg.recv_raw(&mut into, left, tag)?, pg.send_raw(&flat.f_narrow(0, send * len, len)?, right, tag)?];
         if step + 1 < world - 1 {
             for w in works {
                 w.wait()?;

@@ -19,7 +19,16 @@ impl AdamW {
     /// PyTorch's defaults: betas (0.9, 0.999), eps 1e-8, weight decay 0.01.
     pub fn new(params: Vec<Tensor>, lr: f64) -> AdamW {
         let n = params.len();
-        AdamW { params, lr, betas: (0.9, 0.999), eps: 1e-8, weight_decay: 0.01, step: vec![0; n], exp_avg: (0..n).map(|_| None).collect(), exp_avg_sq: (0..n).map(|_| None).collect() }
+        AdamW {
+            params,
+            lr,
+            betas: (0.9, 0.999),
+            eps: 1e-8,
+            weight_decay: 0.01,
+            step: vec![0; n],
+            exp_avg: (0..n).map(|_| None).collect(),
+            exp_avg_sq: (0..n).map(|_| None).collect(),
+        }
     }
     pub fn betas(mut self, b1: f64, b2: f64) -> Self {
         self.betas = (b1, b2);
@@ -88,7 +97,13 @@ impl Optimizer for AdamW {
                 let mut start = 0;
                 while start < n {
                     let k = CHUNK.min(n - start);
-                    update(&pf.f_narrow(0, start, k)?, &gf.f_narrow(0, start, k)?, &mf.f_narrow(0, start, k)?, &vf.f_narrow(0, start, k)?, &c)?;
+                    update(
+                        &pf.f_narrow(0, start, k)?,
+                        &gf.f_narrow(0, start, k)?,
+                        &mf.f_narrow(0, start, k)?,
+                        &vf.f_narrow(0, start, k)?,
+                        &c,
+                    )?;
                     start += k;
                 }
             } else {

@@ -78,7 +78,10 @@ pub(crate) fn find<'a>(state: &'a [(String, Tensor)], key: &str, like: &Tensor) 
         .map(|(_, t)| t)
         .ok_or_else(|| crate::Error::invalid("load_state_dict", format!("no entry {key:?}")))?;
     if t.size() != like.size() {
-        return Err(crate::Error::mismatch("load_state_dict", format!("{key}: saved {:?}, expected {:?}", t.size(), like.size())));
+        return Err(crate::Error::mismatch(
+            "load_state_dict",
+            format!("{key}: saved {:?}, expected {:?}", t.size(), like.size()),
+        ));
     }
     Ok(t)
 }

@@ -17,7 +17,15 @@ pub struct Sgd {
 impl Sgd {
     pub fn new(params: Vec<Tensor>, lr: f64) -> Sgd {
         let n = params.len();
-        Sgd { params, lr, momentum: 0.0, dampening: 0.0, nesterov: false, weight_decay: 0.0, buffers: (0..n).map(|_| None).collect() }
+        Sgd {
+            params,
+            lr,
+            momentum: 0.0,
+            dampening: 0.0,
+            nesterov: false,
+            weight_decay: 0.0,
+            buffers: (0..n).map(|_| None).collect(),
+        }
     }
     pub fn momentum(mut self, m: f64) -> Self {
         self.momentum = m;
@@ -91,7 +99,8 @@ impl Optimizer for Sgd {
     fn load_state_dict(&mut self, state: &[(String, Tensor)]) -> Result<()> {
         for (i, p) in self.params.iter().enumerate() {
             let key = format!("sgd.{i}.momentum_buffer");
-            self.buffers[i] = if state.iter().any(|(n, _)| *n == key) { Some(find(state, &key, p)?.f_detach_copy()?) } else { None };
+            self.buffers[i] =
+                if state.iter().any(|(n, _)| *n == key) { Some(find(state, &key, p)?.f_detach_copy()?) } else { None };
         }
         Ok(())
     }

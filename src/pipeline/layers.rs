@@ -26,16 +26,10 @@ type Builder = Arc<dyn Fn(&nn::Path) -> Box<dyn nn::Module> + Send + Sync>;
 
 /// An ordered list of named layer builders. Layer `i` is built right after `manual_seed(seed + i)`, so
 /// its initial values do not depend on how the list is cut (on one kind of device).
-#[derive(Clone)]
+#[derive(Clone, Default)]
 pub struct LayerList {
     layers: Vec<(String, Builder)>,
     seed: i64,
-}
-
-impl Default for LayerList {
-    fn default() -> Self {
-        LayerList { layers: Vec::new(), seed: 0 }
-    }
 }
 
 /// Consecutive layers built on one device, with their own variables.
@@ -83,7 +77,11 @@ impl LayerList {
     }
 
     /// A layer with variables, created under `path / name`.
-    pub fn add<M: nn::Module + 'static>(mut self, name: &str, f: impl Fn(&nn::Path) -> M + Send + Sync + 'static) -> Self {
+    pub fn add<M: nn::Module + 'static>(
+        mut self,
+        name: &str,
+        f: impl Fn(&nn::Path) -> M + Send + Sync + 'static,
+    ) -> Self {
         self.layers.push((name.to_string(), Arc::new(move |p: &nn::Path| Box::new(f(p)) as Box<dyn nn::Module>)));
         self
     }
@@ -125,7 +123,10 @@ impl LayerList {
     pub fn build(&self, partition: &Partition, devices: &[Device]) -> Result<Vec<Stage>> {
         let total: usize = partition.sizes.iter().sum();
         if total != self.len() {
-            return Err(Error::invalid("LayerList::build", format!("partition covers {total} layers, the list has {}", self.len())));
+            return Err(Error::invalid(
+                "LayerList::build",
+                format!("partition covers {total} layers, the list has {}", self.len()),
+            ));
         }
         if devices.len() != partition.stages() {
             return Err(Error::invalid(

@@ -23,13 +23,13 @@
 //! # Ok::<(), tch_dist::Error>(())
 //! ```
 pub mod layers;
-pub mod microbatch;
+pub(crate) mod microbatch;
 pub mod partition;
-pub mod runtime;
+pub(crate) mod runtime;
 pub mod schedule;
 pub mod split;
 pub mod trace;
-pub mod transport;
+pub(crate) mod transport;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -38,7 +38,7 @@ use tch::{nn, Device, Tensor};
 
 pub use layers::{LayerList, Stage};
 pub use partition::Partition;
-pub use runtime::LossFn;
+pub use runtime::{LossFn, RankReport};
 use schedule::Schedule;
 pub use trace::Span;
 
@@ -125,7 +125,15 @@ impl Pipeline {
         let inputs = microbatch::split(x, m, "inputs")?;
         let targets = microbatch::split(y, m, "targets")?;
         let start = Instant::now();
-        let reports = runtime::run_threads(&self.schedule, &mut self.ranks, &inputs, &targets, loss, self.recompute, self.timeout)?;
+        let reports = runtime::run_threads(
+            &self.schedule,
+            &mut self.ranks,
+            &inputs,
+            &targets,
+            loss,
+            self.recompute,
+            self.timeout,
+        )?;
         Ok(summarise(&self.schedule, reports, start.elapsed().as_secs_f64()))
     }
 }
@@ -206,7 +214,8 @@ impl PipelineRank {
         let inputs = microbatch::split(x, m, "inputs")?;
         let targets = microbatch::split(y, m, "targets")?;
         let device = self.chunks[0].device;
-        let mut net = transport::GroupTransport::new(self.pg.clone(), m, self.schedule.stages * self.schedule.chunks, device);
+        let mut net =
+            transport::GroupTransport::new(self.pg.clone(), m, self.schedule.stages * self.schedule.chunks, device);
         let step = runtime::RankStep {
             rank: self.pg.rank(),
             schedule: &self.schedule,

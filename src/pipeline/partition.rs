@@ -16,7 +16,10 @@ impl Partition {
         }
         let total: usize = sizes.iter().sum();
         if total != n_layers {
-            return Err(Error::invalid("partition", format!("{sizes:?} covers {total} layers, the model has {n_layers}")));
+            return Err(Error::invalid(
+                "partition",
+                format!("{sizes:?} covers {total} layers, the model has {n_layers}"),
+            ));
         }
         Ok(Partition { sizes: sizes.to_vec() })
     }
@@ -49,7 +52,12 @@ impl Partition {
             return Err(Error::invalid("partition", format!("cost of layer {i} is {}", costs[i])));
         }
         // best[k][i]: minimal max-cost splitting the first i layers into k stages; exact O(stages * n^2).
-        let prefix: Vec<f64> = std::iter::once(0.0).chain(costs.iter().scan(0.0, |a, &c| { *a += c; Some(*a) })).collect();
+        let prefix: Vec<f64> = std::iter::once(0.0)
+            .chain(costs.iter().scan(0.0, |a, &c| {
+                *a += c;
+                Some(*a)
+            }))
+            .collect();
         let inf = f64::INFINITY;
         let mut best = vec![vec![inf; n + 1]; stages + 1];
         let mut cut = vec![vec![0usize; n + 1]; stages + 1];

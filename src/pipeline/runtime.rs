@@ -217,11 +217,8 @@ pub fn run_threads(
 }
 
 fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
-    let msg = p
-        .downcast_ref::<String>()
-        .map(|s| s.as_str())
-        .or_else(|| p.downcast_ref::<&str>().copied())
-        .unwrap_or("panic");
+    let msg =
+        p.downcast_ref::<String>().map(|s| s.as_str()).or_else(|| p.downcast_ref::<&str>().copied()).unwrap_or("panic");
     // tch's messages carry a C++ backtrace after the first line
     msg.lines().next().unwrap_or(msg).to_string()
 }

@@ -1,5 +1,5 @@
 //! Pipeline schedules as plain data: for each stage, the ordered list of actions it performs in one
-//! training step. Unit tests (and [`simulate`]) check them for deadlocks, completeness, activation memory
+//! training step. Unit tests (and `simulate`) check them for deadlocks, completeness, activation memory
 //! and bubble size without running a model.
 //!
 //! Stages are numbered 0..p. With interleaving, stage `s` holds `v` model chunks; chunk `c` of stage `s`
@@ -41,15 +41,33 @@ impl std::str::FromStr for Kind {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Action {
     /// Receive microbatch `mb`'s activation for chunk `chunk` from the previous virtual stage.
-    RecvActivation { mb: usize, chunk: usize },
-    Forward { mb: usize, chunk: usize },
+    RecvActivation {
+        mb: usize,
+        chunk: usize,
+    },
+    Forward {
+        mb: usize,
+        chunk: usize,
+    },
     /// Send the forward's output to the next virtual stage.
-    SendActivation { mb: usize, chunk: usize },
+    SendActivation {
+        mb: usize,
+        chunk: usize,
+    },
     /// Receive the gradient of this chunk's output from the next virtual stage.
-    RecvGrad { mb: usize, chunk: usize },
-    Backward { mb: usize, chunk: usize },
+    RecvGrad {
+        mb: usize,
+        chunk: usize,
+    },
+    Backward {
+        mb: usize,
+        chunk: usize,
+    },
     /// Send the gradient of this chunk's input to the previous virtual stage.
-    SendGrad { mb: usize, chunk: usize },
+    SendGrad {
+        mb: usize,
+        chunk: usize,
+    },
 }
 
 /// Per-stage action lists for one training step.
@@ -90,11 +108,17 @@ impl Schedule {
             Kind::Interleaved1F1B if v < 2 => {
                 return Err(Error::invalid(what, "interleaving needs at least 2 chunks per stage (use 1F1B for 1)"))
             }
-            Kind::Interleaved1F1B if m % p != 0 => {
-                return Err(Error::invalid(what, format!("interleaving needs microbatches divisible by stages ({m} % {p} != 0)")))
+            Kind::Interleaved1F1B if !m.is_multiple_of(p) => {
+                return Err(Error::invalid(
+                    what,
+                    format!("interleaving needs microbatches divisible by stages ({m} % {p} != 0)"),
+                ))
             }
             Kind::OneFOneB if m < p => {
-                return Err(Error::invalid(what, format!("1F1B needs at least as many microbatches as stages ({m} < {p})")))
+                return Err(Error::invalid(
+                    what,
+                    format!("1F1B needs at least as many microbatches as stages ({m} < {p})"),
+                ))
             }
             _ => {}
         }
@@ -105,11 +129,7 @@ impl Schedule {
                 Kind::Interleaved1F1B => interleaved(p, m, v, s),
             })
             .collect();
-        let actions = compute
-            .into_iter()
-            .enumerate()
-            .map(|(s, list)| with_comm(&list, s, p, v))
-            .collect();
+        let actions = compute.into_iter().enumerate().map(|(s, list)| with_comm(&list, s, p, v)).collect();
         Ok(Schedule { kind, stages: p, microbatches: m, chunks: v, actions })
     }
 
@@ -124,7 +144,9 @@ impl Schedule {
             Kind::GPipe => self.microbatches,
             Kind::OneFOneB => self.stages,
             // Megatron's warm-up: (p - 1) * 2 + (v - 1) * p forwards, plus the one in the steady state.
-            Kind::Interleaved1F1B => ((self.stages - 1) * 2 + (self.chunks - 1) * self.stages + 1).min(self.microbatches * self.chunks),
+            Kind::Interleaved1F1B => {
+                ((self.stages - 1) * 2 + (self.chunks - 1) * self.stages + 1).min(self.microbatches * self.chunks)
+            }
         }
     }
 
@@ -253,12 +275,20 @@ fn simulate(sch: &Schedule) -> Result<Simulation> {
                     Action::RecvGrad { mb, chunk } => bwd_done.get(&(mb, vstage(s, chunk) + 1)).copied(),
                     Action::Forward { mb, chunk } => {
                         let vs = vstage(s, chunk);
-                        if vs == 0 { Some(0) } else { fwd_done.get(&(mb, vs - 1)).copied() }
+                        if vs == 0 {
+                            Some(0)
+                        } else {
+                            fwd_done.get(&(mb, vs - 1)).copied()
+                        }
                     }
                     Action::Backward { mb, chunk } => {
                         let vs = vstage(s, chunk);
                         let own = fwd_done.get(&(mb, vs)).copied();
-                        if vs == last { own } else { own.and(bwd_done.get(&(mb, vs + 1)).copied()) }
+                        if vs == last {
+                            own
+                        } else {
+                            own.and(bwd_done.get(&(mb, vs + 1)).copied())
+                        }
                     }
                     Action::SendActivation { .. } | Action::SendGrad { .. } => Some(0),
                 };

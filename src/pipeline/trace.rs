@@ -34,7 +34,12 @@ pub fn write_chrome_trace(path: &Path, spans: &[Span]) -> Result<()> {
     let t0 = spans.iter().map(|s| s.start).fold(f64::INFINITY, f64::min);
     writeln!(f, "{{\"traceEvents\":[").map_err(io)?;
     for (i, s) in spans.iter().enumerate() {
-        let name = format!("{}{}{}", if s.forward { "F" } else { "B" }, s.mb, if s.chunk > 0 { format!(".{}", s.chunk) } else { String::new() });
+        let name = format!(
+            "{}{}{}",
+            if s.forward { "F" } else { "B" },
+            s.mb,
+            if s.chunk > 0 { format!(".{}", s.chunk) } else { String::new() }
+        );
         let sep = if i + 1 < spans.len() { "," } else { "" };
         writeln!(
             f,
@@ -66,16 +71,24 @@ pub fn write_png(path: &Path, spans: &[Span], stages: usize) -> Result<()> {
     let scale = (w - 2 * pad) as f64 / (t1 - t0).max(1e-12);
     for s in 0..stages {
         let y = (pad + s as u32 * row) as i32;
-        root.draw(&Rectangle::new([(pad as i32, y), ((w - pad) as i32, y + row as i32 - 8)], RGBColor(235, 235, 235).filled()))
-            .map_err(|e| err(e.to_string()))?;
+        root.draw(&Rectangle::new(
+            [(pad as i32, y), ((w - pad) as i32, y + row as i32 - 8)],
+            RGBColor(235, 235, 235).filled(),
+        ))
+        .map_err(|e| err(e.to_string()))?;
     }
     for sp in spans {
         let x0 = pad as i32 + ((sp.start - t0) * scale) as i32;
         let x1 = (pad as i32 + ((sp.end - t0) * scale) as i32).max(x0 + 1);
         let y = (pad + sp.stage as u32 * row) as i32;
         let shade = (sp.chunk as u8).saturating_mul(40);
-        let color = if sp.forward { RGBColor(60, 110u8.saturating_sub(shade), 220) } else { RGBColor(40, 170u8.saturating_sub(shade), 80) };
-        root.draw(&Rectangle::new([(x0, y), (x1 - 1, y + row as i32 - 8)], color.filled())).map_err(|e| err(e.to_string()))?;
+        let color = if sp.forward {
+            RGBColor(60, 110u8.saturating_sub(shade), 220)
+        } else {
+            RGBColor(40, 170u8.saturating_sub(shade), 80)
+        };
+        root.draw(&Rectangle::new([(x0, y), (x1 - 1, y + row as i32 - 8)], color.filled()))
+            .map_err(|e| err(e.to_string()))?;
     }
     root.present().map_err(|e| err(e.to_string()))
 }

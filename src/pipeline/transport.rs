@@ -60,9 +60,10 @@ pub fn channels(ranks: usize, abort: Arc<AtomicBool>, timeout: Duration) -> Vec<
 
 impl Transport for ChannelTransport {
     fn send(&mut self, to_rank: usize, key: Key, t: &Tensor) -> Result<()> {
-        self.senders[to_rank]
-            .send((key, t.shallow_clone()))
-            .map_err(|_| Error::PeerGone { op: format!("stage {} send {key:?}", self.rank), msg: "stage thread ended".into() })
+        self.senders[to_rank].send((key, t.shallow_clone())).map_err(|_| Error::PeerGone {
+            op: format!("stage {} send {key:?}", self.rank),
+            msg: "stage thread ended".into(),
+        })
     }
 
     fn recv(&mut self, from_rank: usize, key: Key) -> Result<Tensor> {

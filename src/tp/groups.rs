@@ -13,7 +13,7 @@ pub struct TpDpGroups {
 impl TpDpGroups {
     pub fn new(world: &ProcessGroup, tp_size: usize) -> Result<TpDpGroups> {
         let n = world.size();
-        if tp_size == 0 || n % tp_size != 0 {
+        if tp_size == 0 || !n.is_multiple_of(tp_size) {
             return Err(Error::invalid(
                 "TpDpGroups::new",
                 format!("world size {n} is not divisible by the tensor-parallel size {tp_size}"),

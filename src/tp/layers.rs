@@ -4,7 +4,9 @@ use std::sync::Arc;
 
 use tch::{nn, Kind, Tensor};
 
-use super::ops::{copy_to_parallel_region, gather_from_parallel_region, reduce_from_parallel_region, scatter_to_parallel_region};
+use super::ops::{
+    copy_to_parallel_region, gather_from_parallel_region, reduce_from_parallel_region, scatter_to_parallel_region,
+};
 use crate::error::{Error, Result};
 use crate::group::ProcessGroup;
 
@@ -33,7 +35,13 @@ pub struct ColumnParallelLinear {
 
 impl ColumnParallelLinear {
     /// This rank's slice of `weight` (`[out, in]`) and `bias` (`[out]`), as variables under `path`.
-    pub fn from_full(path: &nn::Path, weight: &Tensor, bias: Option<&Tensor>, pg: Arc<ProcessGroup>, gather_output: bool) -> Result<Self> {
+    pub fn from_full(
+        path: &nn::Path,
+        weight: &Tensor,
+        bias: Option<&Tensor>,
+        pg: Arc<ProcessGroup>,
+        gather_output: bool,
+    ) -> Result<Self> {
         let what = "ColumnParallelLinear";
         let ws = path.f_var_copy("weight", &shard(what, weight, 0, &pg)?)?;
         let bs = bias.map(|b| Ok::<_, Error>(path.f_var_copy("bias", &shard(what, b, 0, &pg)?)?)).transpose()?;
@@ -66,7 +74,13 @@ pub struct RowParallelLinear {
 }
 
 impl RowParallelLinear {
-    pub fn from_full(path: &nn::Path, weight: &Tensor, bias: Option<&Tensor>, pg: Arc<ProcessGroup>, input_is_parallel: bool) -> Result<Self> {
+    pub fn from_full(
+        path: &nn::Path,
+        weight: &Tensor,
+        bias: Option<&Tensor>,
+        pg: Arc<ProcessGroup>,
+        input_is_parallel: bool,
+    ) -> Result<Self> {
         let ws = path.f_var_copy("weight", &shard("RowParallelLinear", weight, 1, &pg)?)?;
         let bs = bias.map(|b| path.f_var_copy("bias", b)).transpose()?;
         Ok(RowParallelLinear { ws, bs, input_is_parallel, pg })
@@ -93,7 +107,14 @@ pub struct ParallelMlp {
 
 impl ParallelMlp {
     /// From the full layers' weights (`w1: [h, d]`, `w2: [d, h]`), sliced for this rank.
-    pub fn from_full(path: &nn::Path, w1: &Tensor, b1: &Tensor, w2: &Tensor, b2: &Tensor, pg: Arc<ProcessGroup>) -> Result<Self> {
+    pub fn from_full(
+        path: &nn::Path,
+        w1: &Tensor,
+        b1: &Tensor,
+        w2: &Tensor,
+        b2: &Tensor,
+        pg: Arc<ProcessGroup>,
+    ) -> Result<Self> {
         Ok(ParallelMlp {
             fc1: ColumnParallelLinear::from_full(&(path / "fc1"), w1, Some(b1), pg.clone(), false)?,
             fc2: RowParallelLinear::from_full(&(path / "fc2"), w2, Some(b2), pg, true)?,

@@ -24,7 +24,12 @@ pub fn example(name: &str) -> std::path::PathBuf {
 }
 
 pub fn gloo_opts(timeout: Duration) -> GroupOptions {
-    GroupOptions { backend: Backend::Gloo.into(), timeout, hostname: Some("127.0.0.1".into()), ..GroupOptions::default() }
+    GroupOptions {
+        backend: Backend::Gloo.into(),
+        timeout,
+        hostname: Some("127.0.0.1".into()),
+        ..GroupOptions::default()
+    }
 }
 
 /// Runs `f(pg)` on `world` threads, each a rank of one Gloo group over a shared HashStore.

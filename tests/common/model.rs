@@ -72,7 +72,12 @@ pub fn reference(steps: usize, world: usize, per: i64, lr: f64) -> Vec<Tensor> {
 }
 
 /// [`reference`] with the optimizer `make` builds.
-pub fn reference_with(steps: usize, world: usize, per: i64, make: impl Fn(&nn::VarStore) -> nn::Optimizer) -> Vec<Tensor> {
+pub fn reference_with(
+    steps: usize,
+    world: usize,
+    per: i64,
+    make: impl Fn(&nn::VarStore) -> nn::Optimizer,
+) -> Vec<Tensor> {
     let vs = nn::VarStore::new(Device::Cpu);
     let net = mlp(&vs);
     init(&vs, 0.0);

@@ -91,4 +91,3 @@ pub fn scenario(pg: &ProcessGroup) {
 
     pg.barrier().unwrap();
 }
-

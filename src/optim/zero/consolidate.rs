@@ -37,9 +37,13 @@ impl ShardedOptimizer {
             }
             for (key, t) in entries {
                 let (name, field) = split_key(&key).ok_or_else(|| {
-                    Error::invalid("consolidated_state_dict", format!("inner optimizer entry {key:?} is not <name>.0.<field>"))
+                    Error::invalid(
+                        "consolidated_state_dict",
+                        format!("inner optimizer entry {key:?} is not <name>.0.<field>"),
+                    )
                 })?;
-                let rename = |i: usize| if name == "zero" { format!("zero.{field}.{i}") } else { format!("{name}.{i}.{field}") };
+                let rename =
+                    |i: usize| if name == "zero" { format!("zero.{field}.{i}") } else { format!("{name}.{i}.{field}") };
                 if elementwise(&t, sh) {
                     let len = sh.params.len;
                     let mine = Tensor::f_zeros([len], (t.kind(), t.device()))?;
@@ -86,7 +90,10 @@ impl ShardedOptimizer {
                 let find = |i: usize| {
                     let k = pattern.replace("{i}", &i.to_string());
                     state.iter().find(|(n, _)| *n == k).map(|(_, t)| t).ok_or_else(|| {
-                        Error::invalid("load_consolidated_state_dict", format!("no entry {k:?} (parameter {i}'s bucket has {inner_key:?})"))
+                        Error::invalid(
+                            "load_consolidated_state_dict",
+                            format!("no entry {k:?} (parameter {i}'s bucket has {inner_key:?})"),
+                        )
                     })
                 };
                 let t0 = find(first)?;
@@ -98,7 +105,11 @@ impl ShardedOptimizer {
                         if t.size() != *shape {
                             return Err(Error::mismatch(
                                 "load_consolidated_state_dict",
-                                format!("{}: saved {:?}, parameter {i} is {shape:?}", pattern.replace("{i}", &i.to_string()), t.size()),
+                                format!(
+                                    "{}: saved {:?}, parameter {i} is {shape:?}",
+                                    pattern.replace("{i}", &i.to_string()),
+                                    t.size()
+                                ),
                             ));
                         }
                         parts.push(t.f_reshape([-1])?.f_to_kind(sh.stepped.kind())?);

@@ -55,7 +55,13 @@ impl FlatBucket {
 
     /// Every rank's shard into every rank's buffer, in place (a ring of sends, see `ddp::ring`); the last
     /// step is left running in `pending` so the gather overlaps whatever the caller does next.
-    pub fn all_gather(&self, pg: &ProcessGroup, bucket: usize, pending: &mut VecDeque<Vec<Work>>, max_in_flight: usize) -> Result<()> {
+    pub fn all_gather(
+        &self,
+        pg: &ProcessGroup,
+        bucket: usize,
+        pending: &mut VecDeque<Vec<Work>>,
+        max_in_flight: usize,
+    ) -> Result<()> {
         if self.world > 1 {
             crate::group::ring::all_gather_in_place(pg, &self.flat, self.len, bucket, pending, max_in_flight)?;
         }

@@ -46,7 +46,6 @@ use crate::group::ProcessGroup;
 use crate::hooks;
 use flat::FlatBucket;
 
-
 /// Which ZeRO stage [`ShardedOptimizer`] runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ZeroStage {
@@ -108,7 +107,9 @@ impl ShardedOptimizer {
             let flat = FlatBucket::new(&members, rank, world)?;
             let grad = match stage {
                 // DDP's bucket is unpadded: a rank whose shard is all padding gets an empty slice at the end
-                ZeroStage::One => grads[b].f_narrow(0, (rank as i64 * flat.len).min(grads[b].numel() as i64), flat.own)?,
+                ZeroStage::One => {
+                    grads[b].f_narrow(0, (rank as i64 * flat.len).min(grads[b].numel() as i64), flat.own)?
+                }
                 ZeroStage::Two => grads[b].f_narrow(0, 0, flat.own)?,
             };
             let view = flat.shard()?;
@@ -246,7 +247,12 @@ impl Optimizer for ShardedOptimizer {
 
 impl std::fmt::Debug for ShardedOptimizer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "ShardedOptimizer({:?}, {} buckets, {} elements owned)", self.stage, self.shards.len(), self.shard_numel())
+        write!(
+            f,
+            "ShardedOptimizer({:?}, {} buckets, {} elements owned)",
+            self.stage,
+            self.shards.len(),
+            self.shard_numel()
+        )
     }
 }
-
