@@ -4,8 +4,9 @@ use std::time::Duration;
 
 use crate::ffi;
 
-/// Errors of tch-dist. Each variant says which operation failed and carries the engine's message.
-#[derive(Debug, thiserror::Error)]
+/// Errors of tch-dist. Each variant says which operation failed and carries the engine's message. `Debug`
+/// prints the same one line as `Display`, so `main() -> Result<(), Box<dyn Error>>` reports it readably.
+#[derive(thiserror::Error)]
 pub enum Error {
     /// An operation did not complete within its timeout (collective, store wait, rendezvous).
     #[error("{op}: timed out after {timeout:?}: {msg}")]
@@ -38,6 +39,12 @@ pub enum Error {
 
 pub type Result<T> = std::result::Result<T, Error>;
 
+impl std::fmt::Debug for Error {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Display::fmt(self, f)
+    }
+}
+
 impl Error {
     pub(crate) fn invalid(op: impl Into<String>, msg: impl Into<String>) -> Self {
         Error::Invalid { op: op.into(), msg: msg.into() }
@@ -55,6 +62,19 @@ impl Error {
             Error::Mismatch { msg, .. } => Error::Mismatch { op, msg },
             Error::Invalid { msg, .. } => Error::Invalid { op, msg },
             Error::Backend { msg, .. } => Error::Backend { op, msg },
+            other => other,
+        }
+    }
+
+    /// The same error with `note` appended to its message (e.g. which rank never arrived).
+    pub(crate) fn with_note(self, note: &str) -> Self {
+        let add = |msg: String| format!("{msg}; {note}");
+        match self {
+            Error::Timeout { op, timeout, msg } => Error::Timeout { op, timeout, msg: add(msg) },
+            Error::PeerGone { op, msg } => Error::PeerGone { op, msg: add(msg) },
+            Error::Mismatch { op, msg } => Error::Mismatch { op, msg: add(msg) },
+            Error::Invalid { op, msg } => Error::Invalid { op, msg: add(msg) },
+            Error::Backend { op, msg } => Error::Backend { op, msg: add(msg) },
             other => other,
         }
     }

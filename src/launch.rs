@@ -32,6 +32,9 @@ pub struct LaunchConfig {
     /// Appended to the workers' `LD_LIBRARY_PATH` (see [`libtorch_dir`]), so a program built without an
     /// rpath to libtorch starts; a directory the variable already names is not added again.
     pub libtorch_dir: Option<PathBuf>,
+    /// Where workers dump their flight recorders on failure (`TCH_DIST_TRACE_DIR`, one subdirectory per
+    /// restart), read back after a failure to name the culprit. A `TCH_DIST_TRACE_DIR` of the caller wins.
+    pub trace_dir: Option<PathBuf>,
 }
 
 /// libtorch's lib directory: the one this crate was built against while it exists, else that of the
@@ -197,24 +200,23 @@ fn spawn(cfg: &LaunchConfig, restart: usize) -> Result<Vec<Worker>> {
         if let Some(dir) = &cfg.libtorch_dir {
             c.env("LD_LIBRARY_PATH", with_lib_dir(std::env::var_os("LD_LIBRARY_PATH"), dir));
         }
+        if let (Some(dir), None) = (trace_dir(cfg, restart), std::env::var_os("TCH_DIST_TRACE_DIR")) {
+            c.env("TCH_DIST_TRACE_DIR", dir);
+        }
+        // every early error stops the workers already started: no orphans
+        let log = match open_log(cfg, rank, restart) {
+            Ok(l) => l,
+            Err(e) => {
+                stop(&mut workers, Duration::ZERO);
+                return Err(e);
+            }
+        };
         let mut child = match c.spawn() {
             Ok(ch) => ch,
             Err(e) => {
-                // leave no orphans behind
                 stop(&mut workers, Duration::ZERO);
                 return Err(Error::invalid("tchrun", format!("cannot start {:?} for rank {rank}: {e}", cfg.program)));
             }
-        };
-        let log = match &cfg.redirect_logs {
-            Some(dir) => {
-                std::fs::create_dir_all(dir).map_err(|e| Error::invalid("tchrun --redirect-logs", e.to_string()))?;
-                let p = dir.join(format!("rank{rank}.restart{restart}.log"));
-                Some(Arc::new(Mutex::new(
-                    std::fs::File::create(&p)
-                        .map_err(|e| Error::invalid(format!("tchrun log {}", p.display()), e.to_string()))?,
-                )))
-            }
-            None => None,
         };
         let tail = Arc::new(Mutex::new(VecDeque::with_capacity(cfg.tail_lines)));
         let prefix = format!("[rank{rank}]: ");
@@ -228,6 +230,23 @@ fn spawn(cfg: &LaunchConfig, restart: usize) -> Result<Vec<Worker>> {
         workers.push(Worker { rank, child, tail, readers, status: None });
     }
     Ok(workers)
+}
+
+fn open_log(cfg: &LaunchConfig, rank: usize, restart: usize) -> Result<Option<Arc<Mutex<std::fs::File>>>> {
+    let Some(dir) = &cfg.redirect_logs else { return Ok(None) };
+    std::fs::create_dir_all(dir)
+        .map_err(|e| Error::invalid(format!("tchrun --redirect-logs {}", dir.display()), e.to_string()))?;
+    let p = dir.join(format!("rank{rank}.restart{restart}.log"));
+    let f = std::fs::File::create(&p).map_err(|e| Error::invalid(format!("tchrun log {}", p.display()), e.to_string()))?;
+    Ok(Some(Arc::new(Mutex::new(f))))
+}
+
+/// This attempt's dump directory: the caller's `TCH_DIST_TRACE_DIR`, or ours per restart.
+fn trace_dir(cfg: &LaunchConfig, restart: usize) -> Option<PathBuf> {
+    match std::env::var_os("TCH_DIST_TRACE_DIR") {
+        Some(d) => Some(PathBuf::from(d)),
+        None => cfg.trace_dir.as_ref().map(|d| d.join(format!("restart{restart}"))),
+    }
 }
 
 fn signal_group(w: &Worker, sig: i32) {
@@ -264,7 +283,7 @@ fn poll(workers: &mut [Worker]) {
 /// Outcome of one attempt.
 enum Attempt {
     Succeeded,
-    Failed { rank: usize, status: ExitStatus, tail: Vec<String> },
+    Failed { rank: usize, status: ExitStatus, tail: Vec<String>, exits: std::collections::BTreeMap<usize, String> },
     Interrupted,
 }
 
@@ -285,7 +304,15 @@ fn attempt(cfg: &LaunchConfig, restart: usize) -> Result<Attempt> {
                 let _ = r.join();
             }
             let tail = w.tail.lock().map(|t| t.iter().cloned().collect()).unwrap_or_default();
-            break Attempt::Failed { rank, status, tail };
+            let exits = workers
+                .iter()
+                .map(|w| {
+                    let how = w.status.as_ref().map_or("no exit status".into(), describe_status);
+                    let stopped = if w.rank == rank { "" } else { ", after tchrun stopped it" };
+                    (w.rank, format!("{how}{stopped}"))
+                })
+                .collect();
+            break Attempt::Failed { rank, status, tail, exits };
         }
         if workers.iter().all(|w| w.status.is_some()) {
             break Attempt::Succeeded;
@@ -302,6 +329,24 @@ fn attempt(cfg: &LaunchConfig, restart: usize) -> Result<Attempt> {
 
 /// Runs the workers, restarting the group up to `max_restarts` times. Returns the exit code for the
 /// launcher: 0 when every worker succeeded.
+/// After a failure: what the workers' flight-recorder dumps say (which rank never arrived where).
+fn report_flight(cfg: &LaunchConfig, restart: usize, exits: &std::collections::BTreeMap<usize, String>) {
+    let Some(dir) = trace_dir(cfg, restart) else { return };
+    if !dir.exists() {
+        eprintln!("tchrun: no flight-recorder dumps in {} (no collective failed before the workers ended)", dir.display());
+        return;
+    }
+    match crate::flight::analyze(&dir, Some(cfg.world_size()), exits) {
+        Ok(a) => {
+            eprintln!("tchrun: flight recorder ({}; `tchrun analyze {}` to read them again):", dir.display(), dir.display());
+            for l in &a.findings {
+                eprintln!("tchrun:   {l}");
+            }
+        }
+        Err(e) => eprintln!("tchrun: flight recorder: {e}"),
+    }
+}
+
 pub fn run(cfg: &LaunchConfig) -> Result<i32> {
     cfg.validate()?;
     install_signal_handlers();
@@ -318,7 +363,7 @@ pub fn run(cfg: &LaunchConfig) -> Result<i32> {
                 eprintln!("tchrun: interrupted; workers stopped");
                 return Ok(130);
             }
-            Attempt::Failed { rank, status, tail } => {
+            Attempt::Failed { rank, status, tail, exits } => {
                 eprintln!(
                     "tchrun: rank {rank} (local rank {}) failed with {}; stopped the other workers",
                     rank - cfg.node_rank * cfg.nproc_per_node,
@@ -330,6 +375,7 @@ pub fn run(cfg: &LaunchConfig) -> Result<i32> {
                         eprintln!("tchrun:   {l}");
                     }
                 }
+                report_flight(cfg, restart, &exits);
                 if restart == cfg.max_restarts {
                     return Ok(1);
                 }

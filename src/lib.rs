@@ -19,6 +19,7 @@ pub mod checkpoint;
 pub mod data;
 pub mod ddp;
 pub mod error;
+pub mod flight;
 pub mod group;
 pub mod hooks;
 pub mod init;

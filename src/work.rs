@@ -2,8 +2,11 @@
 use std::ptr::NonNull;
 use std::time::Duration;
 
+use std::sync::Arc;
+
 use crate::error::{check, Result};
 use crate::ffi;
+use crate::flight::{GroupTrace, Recording};
 use crate::store::millis;
 
 /// A step run once after a successful wait.
@@ -20,6 +23,16 @@ pub struct Work {
     finish: Option<Finish>,
     // Works that must complete before this one counts as done (e.g. a send's header).
     before: Vec<Work>,
+    // Where the flight recorder keeps this operation (ended once, when waited for or dropped).
+    trace: Option<WorkTrace>,
+}
+
+/// A work's entry in the flight recorder, and its group's sequence number.
+pub(crate) struct WorkTrace {
+    pub group: Arc<GroupTrace>,
+    pub seq: u64,
+    pub p2p: bool,
+    pub recording: Option<Recording>,
 }
 
 // SAFETY: c10d::Work is internally synchronised (mutex + condition variable).
@@ -37,7 +50,12 @@ impl Work {
             // The shim only returns TDX_OK with a handle; a null here is a broken invariant, not input.
             None => std::process::abort(),
         };
-        Work { ptr, timeout, desc, finish, before: Vec::new() }
+        Work { ptr, timeout, desc, finish, before: Vec::new(), trace: None }
+    }
+
+    pub(crate) fn traced(mut self, t: WorkTrace) -> Work {
+        self.trace = Some(t);
+        self
     }
 
     /// Waits for completion, at most the group's timeout.
@@ -53,7 +71,24 @@ impl Work {
         }
         // SAFETY: we own the handle.
         let code = unsafe { ffi::tdx_work_wait(self.ptr.as_ptr(), millis(timeout)) };
-        check(code, timeout, || (self.desc)())?;
+        let waited = check(code, timeout, || (self.desc)());
+        if let Some(t) = self.trace.take() {
+            match waited {
+                Ok(()) => {
+                    if let Some(r) = &t.recording {
+                        r.end(None);
+                    }
+                }
+                Err(err) => {
+                    if let Some(r) = &t.recording {
+                        r.end(Some(&err.to_string()));
+                    }
+                    return Err(t.group.on_failure(t.seq, t.p2p, err));
+                }
+            }
+        } else {
+            waited?;
+        }
         match self.finish.take() {
             Some(f) => f(),
             None => Ok(()),
@@ -76,6 +111,12 @@ impl Work {
 
 impl Drop for Work {
     fn drop(&mut self) {
+        // dropped without waiting: done if the engine says so, else it stays pending in the recorder
+        if let Some(r) = self.trace.take().and_then(|t| t.recording) {
+            if self.is_completed().unwrap_or(false) {
+                r.end(None);
+            }
+        }
         // SAFETY: we own the handle.
         unsafe { ffi::tdx_work_free(self.ptr.as_ptr()) }
     }

@@ -10,12 +10,20 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use clap::Parser;
+use clap::{Parser, Subcommand};
 use tch_dist::launch::{self, LaunchConfig};
 
 #[derive(Parser, Debug)]
-#[command(name = "tchrun", version, about = "Launch a distributed job: N workers per node, torchrun's environment")]
+#[command(
+    name = "tchrun",
+    version,
+    about = "Launch a distributed job: N workers per node, torchrun's environment",
+    args_conflicts_with_subcommands = true,
+    subcommand_negates_reqs = true
+)]
 struct Cli {
+    #[command(subcommand)]
+    sub: Option<Sub>,
     /// Workers on this node.
     #[arg(long, default_value_t = 1)]
     nproc_per_node: usize,
@@ -45,13 +53,53 @@ struct Cli {
     /// Seconds between SIGTERM and SIGKILL when stopping workers.
     #[arg(long, default_value_t = 5.0)]
     grace_secs: f64,
+    /// Where workers dump their flight recorders when a collective fails (read back to name the culprit);
+    /// default: the --redirect-logs directory, else a directory under the system's temporary one.
+    #[arg(long, value_name = "DIR")]
+    trace_dir: Option<PathBuf>,
     /// The program and its arguments, after `--`.
     #[arg(last = true, required = true)]
     command: Vec<String>,
 }
 
+#[derive(Subcommand, Debug)]
+enum Sub {
+    /// Merge flight-recorder dumps (rank<R>.json) from a failed run: which collective the job is stuck in,
+    /// which ranks never entered it, what each did last, where ranks disagree.
+    Analyze {
+        dir: PathBuf,
+        /// Ranks in the job (those without a dump are named).
+        #[arg(long)]
+        world: Option<usize>,
+    },
+}
+
 fn main() {
     let cli = Cli::parse();
+    if let Some(Sub::Analyze { dir, world }) = &cli.sub {
+        match tch_dist::flight::analyze(dir, *world, &Default::default()) {
+            Ok(a) => {
+                print!("{a}");
+                std::process::exit(if a.culprits.is_empty() { 0 } else { 1 });
+            }
+            Err(e) => {
+                eprintln!("tchrun analyze: {e}");
+                std::process::exit(2);
+            }
+        }
+    }
+    let grace = match Duration::try_from_secs_f64(cli.grace_secs) {
+        Ok(g) => g,
+        Err(_) => {
+            eprintln!("tchrun: --grace-secs {} is not a number of seconds from 0 up", cli.grace_secs);
+            std::process::exit(2);
+        }
+    };
+    let trace_dir = cli
+        .trace_dir
+        .clone()
+        .or_else(|| cli.redirect_logs.as_ref().map(|d| d.join("flight")))
+        .unwrap_or_else(|| std::env::temp_dir().join(format!("tchrun-{}-flight", std::process::id())));
     let (master_addr, master_port) = if cli.standalone {
         match launch::free_port() {
             Ok(p) => ("127.0.0.1".to_string(), p),
@@ -72,11 +120,12 @@ fn main() {
         max_restarts: cli.max_restarts,
         redirect_logs: cli.redirect_logs,
         run_id: cli.run_id,
-        grace: Duration::from_secs_f64(cli.grace_secs.max(0.0)),
+        grace,
         tail_lines: 20,
         program: cli.command[0].clone(),
         args: cli.command[1..].to_vec(),
         libtorch_dir: launch::libtorch_dir(),
+        trace_dir: Some(trace_dir),
     };
     match launch::run(&cfg) {
         Ok(code) => std::process::exit(code),

@@ -232,6 +232,7 @@ impl Reducer {
         st.pending[b] -= 1;
         while st.next_launch < st.buckets.len() && st.pending[st.next_launch] == 0 {
             let nb = st.next_launch;
+            let _l = crate::flight::label(format!("DDP bucket {nb}"));
             if let Some(sh) = st.shards.as_mut() {
                 sh.launch(&self.pg, nb)?;
             } else {

@@ -86,6 +86,7 @@ impl GradShards {
                 ))
             }
         };
+        let _l = crate::flight::label(format!("ZeRO-2 reduce-scatter, bucket {b}"));
         self.in_flight.push_back(RingReduce::start(pg, buf, self.shards[b].shallow_clone(), b)?);
         Ok(())
     }

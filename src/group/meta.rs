@@ -61,6 +61,7 @@ impl Meta<'_> {
         if self.pg.size() == 1 {
             return Ok(vec![v.to_vec()]);
         }
+        let _l = crate::flight::label(what);
         let mine = self.tensor(v)?;
         let mut all: Vec<Tensor> = (0..self.pg.size()).map(|_| mine.zeros_like()).collect();
         self.pg.all_gather_unverified(&mut all, &mine).and_then(|w| w.wait()).map_err(|e| e.in_op(self.op(what)))?;
@@ -72,6 +73,7 @@ impl Meta<'_> {
         if self.pg.size() == 1 {
             return Ok(v.to_vec());
         }
+        let _l = crate::flight::label(what);
         let mut t = self.tensor(v)?;
         self.pg.broadcast_unverified(&mut t, root).and_then(|w| w.wait()).map_err(|e| e.in_op(self.op(what)))?;
         to_vec(&t)
@@ -82,6 +84,7 @@ impl Meta<'_> {
         if self.pg.size() == 1 {
             return Ok(v.to_vec());
         }
+        let _l = crate::flight::label(what);
         let mut t = self.tensor(v)?;
         self.pg.allreduce_unverified(&mut t, op).and_then(|w| w.wait()).map_err(|e| e.in_op(self.op(what)))?;
         to_vec(&t)

@@ -18,7 +18,8 @@ use engine::Engine;
 use crate::error::{check, Error, Result};
 use crate::ffi;
 use crate::store::Store;
-use crate::work::{Finish, Work};
+use crate::flight::GroupTrace;
+use crate::work::{Finish, Work, WorkTrace};
 
 /// PyTorch's default collective timeout for Gloo is 30 minutes; a stuck job should fail sooner by default.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(600);
@@ -109,6 +110,8 @@ pub struct ProcessGroup {
     // The group's rendezvous store: kept alive with the group (as Python does), and the parent of
     // subgroups' stores.
     store: Store,
+    /// Sequence numbers, the flight recorder and published progress.
+    trace: Arc<GroupTrace>,
 }
 
 pub(crate) fn describe(t: &Tensor) -> String {
@@ -119,6 +122,11 @@ impl ProcessGroup {
     /// Builds a group on `store`, one engine per backend of `opts.backend`, each under the store prefix
     /// PyTorch gives it (`cpu/`, `cuda/`). Blocks until all `size` ranks joined, at most `opts.timeout`.
     pub fn new(store: &Store, rank: usize, size: usize, opts: &GroupOptions) -> Result<ProcessGroup> {
+        ProcessGroup::new_named(store, rank, size, opts, "default")
+    }
+
+    /// [`new`](Self::new) with the name the flight recorder gives the group.
+    pub(crate) fn new_named(store: &Store, rank: usize, size: usize, opts: &GroupOptions, name: &str) -> Result<ProcessGroup> {
         if size == 0 || rank >= size {
             return Err(Error::invalid(
                 "ProcessGroup::new",
@@ -164,6 +172,7 @@ impl ProcessGroup {
             verify: opts.verify,
             hostname: opts.hostname.clone(),
             store: store.clone(),
+            trace: GroupTrace::new(name, rank, size, store),
         })
     }
 
@@ -213,7 +222,8 @@ impl ProcessGroup {
             verify: self.verify,
             cuda_device: self.cuda_device,
         };
-        ProcessGroup::new(&self.store.prefixed(&key)?, me, ranks.len(), &opts).map(Some)
+        let label = format!("{name} {:?}", ranks);
+        ProcessGroup::new_named(&self.store.prefixed(&key)?, me, ranks.len(), &opts, &label).map(Some)
     }
 
     /// Whether collectives check agreement across ranks first (see [`GroupOptions::verify`]).
@@ -294,12 +304,20 @@ impl ProcessGroup {
         start: impl FnOnce(*mut ffi::tdx_pg, *mut *mut ffi::tdx_work) -> libc::c_int,
         finish: Option<Finish>,
     ) -> Result<Work> {
+        let (seq, recording) = self.trace.enter(&op, e.backend.name());
+        let p2p = op.starts_with("send") || op.starts_with("recv");
         let mut out = std::ptr::null_mut();
         let code = start(e.as_ptr(), &mut out);
-        let ctx = format!("rank {} of {} ({})", self.rank, self.size, e.backend);
+        let ctx = format!("rank {} of {} ({}, #{seq} of group {})", self.rank, self.size, e.backend, self.trace.name);
         let desc = move || format!("{op} on {ctx}");
-        check(code, self.timeout, &desc)?;
-        Ok(Work::new(out, self.timeout, Box::new(desc), finish))
+        if let Err(err) = check(code, self.timeout, &desc) {
+            if let Some(r) = &recording {
+                r.end(Some(&err.to_string()));
+            }
+            return Err(self.trace.on_failure(seq, p2p, err));
+        }
+        let traced = WorkTrace { group: self.trace.clone(), seq, p2p, recording };
+        Ok(Work::new(out, self.timeout, Box::new(desc), finish).traced(traced))
     }
 
     fn check_peer(&self, what: &str, peer: usize) -> Result<()> {

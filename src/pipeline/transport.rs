@@ -139,6 +139,7 @@ impl Transport for GroupTransport {
         let header = Tensor::from_slice(&m).f_to_device(self.pg.meta_device())?;
         let body = t.f_contiguous()?;
         let tag = self.tag(key);
+        let _l = crate::flight::label(format!("pipeline send {:?} of microbatch {} to virtual stage {}", key.0, key.1, key.2));
         // Our header already tells the receiver what comes, so the group's own checks are skipped.
         self.pending.push(self.pg.send_raw(&header, to_rank, tag)?);
         self.pending.push(self.pg.send_raw(&body, to_rank, tag + 1)?);
@@ -147,6 +148,7 @@ impl Transport for GroupTransport {
 
     fn recv(&mut self, from_rank: usize, key: Key) -> Result<Tensor> {
         let tag = self.tag(key);
+        let _l = crate::flight::label(format!("pipeline recv {:?} of microbatch {} for virtual stage {}", key.0, key.1, key.2));
         let mut h = Tensor::f_zeros([tensor_meta::LEN as i64], (Kind::Int64, self.pg.meta_device()))?;
         self.pg.recv_raw(&mut h, from_rank, tag)?.wait()?;
         let h = Vec::<i64>::try_from(h.f_to_device(Device::Cpu)?)?;

@@ -172,6 +172,7 @@ impl Optimizer for ShardedOptimizer {
                 s.params.shard()?.f_copy_(&s.stepped)?;
                 hooks::set_grad(&s.stepped, None)?; // the float32 copy of the gradient is scratch
             }
+            let _l = crate::flight::label(format!("ZeRO gather, bucket {b}"));
             s.params.all_gather(&self.pg, b, &mut pending, flat::GATHERS_IN_FLIGHT)?;
         }
         for w in pending.into_iter().flatten() {

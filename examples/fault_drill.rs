@@ -1,0 +1,153 @@
+//! One rank of a training job with a fault injected, for the fault-injection suite (tests/faults.rs), run
+//! under tchrun. `TDX_FAULT` says what goes wrong, where and when:
+//!   stop@R:S       rank R stops itself (SIGSTOP) at step S: a hung rank
+//!   exit@R:S       rank R exits with code 17 at step S
+//!   killbucket@R:S rank R is killed (SIGKILL) inside its backward at step S, after a bucket was launched
+//!   mismatch@R:S   rank R runs an allreduce of another shape than the others at step S
+//!
+//!   fault_drill --mode ddp|zero2|pipeline [--steps 8]
+//!
+//! Rank 0 prints `step S` after each step; every rank prints `done` at the end.
+use std::sync::Arc;
+
+use clap::Parser;
+use tch::{nn, Device, Kind, Tensor};
+use tch_dist::ddp::{DdpOptions, DistributedDataParallel};
+use tch_dist::optim::{Optimizer, ShardedOptimizer, Sgd, ZeroStage};
+use tch_dist::pipeline::schedule::Kind as Sched;
+use tch_dist::pipeline::{LayerList, Partition, PipelineRank};
+use tch_dist::{ProcessGroup, ReduceOp};
+
+#[derive(Parser)]
+struct Args {
+    /// ddp, zero2 or pipeline (2 ranks, one stage each)
+    #[arg(long, default_value = "ddp")]
+    mode: String,
+    #[arg(long, default_value_t = 8)]
+    steps: usize,
+}
+
+struct Fault {
+    what: String,
+    rank: usize,
+    step: usize,
+}
+
+fn fault() -> Option<Fault> {
+    let v = std::env::var("TDX_FAULT").ok()?;
+    let (what, at) = v.split_once('@')?;
+    let (r, s) = at.split_once(':')?;
+    Some(Fault { what: what.to_string(), rank: r.parse().ok()?, step: s.parse().ok()? })
+}
+
+/// The fault for this rank at this step, if any (`mismatch` and `killbucket` are acted on by the caller).
+fn strike(f: &Option<Fault>, rank: usize, step: usize) -> Option<&str> {
+    let f = f.as_ref().filter(|f| f.rank == rank && f.step == step)?;
+    match f.what.as_str() {
+        "stop" => {
+            eprintln!("rank {rank}: stopping myself (SIGSTOP) at step {step}");
+            // SAFETY: raise(2) on this process.
+            unsafe { libc::raise(libc::SIGSTOP) };
+            None
+        }
+        "exit" => {
+            eprintln!("rank {rank}: exiting at step {step}");
+            std::process::exit(17)
+        }
+        other => Some(other),
+    }
+}
+
+fn batch(step: usize, rank: usize) -> (Tensor, Tensor) {
+    let rows = Tensor::arange(8, (Kind::Float, Device::Cpu)).unsqueeze(1) + (step * 100 + rank * 8) as f64;
+    let x = (&rows * 0.13 + Tensor::arange(32, (Kind::Float, Device::Cpu)).unsqueeze(0) * 0.71).sin();
+    let y = (&rows * 0.05 - Tensor::arange(4, (Kind::Float, Device::Cpu)).unsqueeze(0) * 0.3).cos();
+    (x, y)
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let args = Args::parse();
+    let pg = Arc::new(ProcessGroup::from_env()?);
+    let rank = pg.rank();
+    let f = fault();
+    if args.mode == "pipeline" {
+        return pipeline(&args, pg, &f);
+    }
+    tch::manual_seed(0);
+    let vs = nn::VarStore::new(Device::Cpu);
+    let net = nn::seq()
+        .add(nn::linear(vs.root() / "l1", 32, 64, Default::default()))
+        .add_fn(|x| x.relu())
+        .add(nn::linear(vs.root() / "l2", 64, 64, Default::default()))
+        .add_fn(|x| x.relu())
+        .add(nn::linear(vs.root() / "l3", 64, 4, Default::default()));
+    // small buckets, so that a backward launches several
+    let opts = DdpOptions::default().bucket_cap_mb(0.01).process_group(pg.clone());
+    let ddp = DistributedDataParallel::new(&vs, net, opts)?;
+    let mut opt: Box<dyn Optimizer> = match args.mode.as_str() {
+        "ddp" => Box::new(Sgd::new(vs.trainable_variables(), 0.05)),
+        "zero2" => Box::new(ShardedOptimizer::new(&ddp, ZeroStage::Two, |p| Box::new(Sgd::new(p, 0.05)))?),
+        other => return Err(format!("--mode {other:?}: ddp, zero2 or pipeline").into()),
+    };
+    // the first layer's weight gets its gradient last: later buckets are launched by then
+    let kill_in_backward = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let armed = kill_in_backward.clone();
+    let w1 = vs.variables().get("l1.weight").ok_or("no l1.weight")?.shallow_clone();
+    let _hook = tch_dist::hooks::on_grad_accumulated(&w1, move || {
+        if armed.load(std::sync::atomic::Ordering::SeqCst) {
+            // SAFETY: kill(2) on this process.
+            unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+        }
+    })?;
+    for step in 0..args.steps {
+        match strike(&f, rank, step) {
+            Some("mismatch") => {
+                let mut t = Tensor::ones([3], (Kind::Float, Device::Cpu));
+                pg.allreduce(&mut t, ReduceOp::Sum)?;
+            }
+            Some("killbucket") => kill_in_backward.store(true, std::sync::atomic::Ordering::SeqCst),
+            _ => {}
+        }
+        if f.as_ref().is_some_and(|f| f.what == "mismatch" && f.rank != rank && f.step == step) {
+            let mut t = Tensor::ones([5], (Kind::Float, Device::Cpu));
+            pg.allreduce(&mut t, ReduceOp::Sum)?;
+        }
+        let (x, y) = batch(step, rank);
+        ddp.backward(&ddp.f_forward(&x)?.mse_loss(&y, tch::Reduction::Mean))?;
+        opt.step()?;
+        opt.zero_grad()?;
+        if rank == 0 {
+            println!("step {step}");
+        }
+    }
+    pg.barrier()?;
+    println!("done");
+    Ok(())
+}
+
+fn pipeline(args: &Args, pg: Arc<ProcessGroup>, f: &Option<Fault>) -> Result<(), Box<dyn std::error::Error>> {
+    let rank = pg.rank();
+    let layers = LayerList::new()
+        .seed(3)
+        .add("l1", |p| nn::linear(p, 32, 64, Default::default()))
+        .add_fn("relu", |x| x.relu())
+        .add("l2", |p| nn::linear(p, 64, 4, Default::default()));
+    let mut st = PipelineRank::new(pg.clone(), &layers, &Partition::sizes(&[2, 1], 3)?, Device::Cpu, Sched::OneFOneB, 4, 1)?;
+    let mut opts: Vec<Sgd> = st.var_stores().iter().map(|vs| Sgd::new(vs.trainable_variables(), 0.05)).collect();
+    let loss = |out: &Tensor, y: &Tensor| out.mse_loss(y, tch::Reduction::Mean);
+    for step in 0..args.steps {
+        strike(f, rank, step);
+        let (x, y) = batch(step, 0);
+        st.step(&x, &y, &loss)?;
+        for o in &mut opts {
+            o.step()?;
+            o.zero_grad()?;
+        }
+        if rank == 0 {
+            println!("step {step}");
+        }
+    }
+    pg.barrier()?;
+    println!("done");
+    Ok(())
+}

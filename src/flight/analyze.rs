@@ -1,0 +1,151 @@
+//! Merging the ranks' dumps: which collective the job is stuck in, which ranks never entered it, what
+//! each rank did last, and where ranks disagree on what a collective is.
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+
+use super::record::{Dump, Entry, EntryState};
+use crate::error::{Error, Result};
+
+/// The verdict, one finding per line.
+#[derive(Clone, Debug, Default)]
+pub struct Analysis {
+    pub findings: Vec<String>,
+    /// Ranks named as the cause (never entered the collective the others wait in, or died).
+    pub culprits: Vec<usize>,
+}
+
+impl std::fmt::Display for Analysis {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        for l in &self.findings {
+            writeln!(f, "{l}")?;
+        }
+        Ok(())
+    }
+}
+
+fn describe(e: &Entry) -> String {
+    let label = if e.label.is_empty() { String::new() } else { format!(", {}", e.label) };
+    format!("#{} {}{label}", e.seq, e.op)
+}
+
+/// Reads every `rank<R>.json` in `dir`. `world`: how many ranks the job had (ranks without a dump are
+/// named); `exits`: how tchrun saw each rank end, where known.
+pub fn analyze(dir: &Path, world: Option<usize>, exits: &BTreeMap<usize, String>) -> Result<Analysis> {
+    let mut dumps: BTreeMap<usize, Dump> = BTreeMap::new();
+    let read = std::fs::read_dir(dir).map_err(|e| Error::invalid(format!("flight dumps in {}", dir.display()), e.to_string()))?;
+    for f in read.flatten() {
+        let name = f.file_name().to_string_lossy().to_string();
+        if !(name.starts_with("rank") && name.ends_with(".json")) {
+            continue;
+        }
+        let text = std::fs::read_to_string(f.path()).map_err(|e| Error::invalid(f.path().display().to_string(), e.to_string()))?;
+        let d: Dump = serde_json::from_str(&text)
+            .map_err(|e| Error::invalid(f.path().display().to_string(), format!("not a flight dump: {e}")))?;
+        dumps.insert(d.rank, d);
+    }
+    Ok(merge(&dumps, world, exits))
+}
+
+/// The analysis of dumps already read (rank -> dump).
+pub(crate) fn merge(dumps: &BTreeMap<usize, Dump>, world: Option<usize>, exits: &BTreeMap<usize, String>) -> Analysis {
+    let mut a = Analysis::default();
+    let world = world.or_else(|| dumps.values().flat_map(|d| d.entries.iter()).filter(|e| e.group == "default").map(|e| e.group_size).max());
+    let missing: Vec<usize> = world.map(|w| (0..w).filter(|r| !dumps.contains_key(r)).collect()).unwrap_or_default();
+    if dumps.is_empty() {
+        a.findings.push("no flight-recorder dumps to read".into());
+    }
+    // 1. the collective the others are stuck in: the earliest unfinished one, per group
+    let mut stuck: BTreeMap<String, (u64, Entry)> = BTreeMap::new();
+    for d in dumps.values() {
+        for e in d.entries.iter().filter(|e| e.state != EntryState::Completed) {
+            let slot = stuck.entry(e.group.clone()).or_insert((e.seq, e.clone()));
+            if e.seq < slot.0 {
+                *slot = (e.seq, e.clone());
+            }
+        }
+    }
+    let mut culprits = BTreeSet::new();
+    for (group, (seq, e)) in &stuck {
+        let waiting: Vec<String> = dumps
+            .values()
+            .filter_map(|d| {
+                let x = d.entries.iter().find(|x| x.group == *group && x.seq == *seq)?;
+                let how = match (&x.state, &x.error) {
+                    (EntryState::Failed, Some(err)) => format!("failed: {}", first_clause(err)),
+                    _ => "still waiting".into(),
+                };
+                Some(format!("rank {} ({how})", d.rank))
+            })
+            .collect();
+        a.findings.push(format!("stuck in collective {} of group {group}: entered by {}", describe(e), waiting.join(", ")));
+        // members of the group that never entered it: from their own dumps, or from what the others read
+        // of their published progress
+        for d in dumps.values() {
+            let last = d.entries.iter().filter(|x| x.group == *group).max_by_key(|x| x.seq);
+            if let Some(l) = last.filter(|l| l.seq < *seq) {
+                culprits.insert(d.rank);
+                a.findings.push(format!("rank {} never entered #{seq}: its last collective in {group} was {}", d.rank, describe(l)));
+            }
+        }
+        if group == "default" {
+            for &r in &missing {
+                let seen = dumps.values().flat_map(|d| d.peers.iter()).filter(|p| p.rank == r && p.seen).max_by_key(|p| p.seq);
+                let exit = exits.get(&r).map(|s| format!("; tchrun saw it end with {s}")).unwrap_or_default();
+                let progress = match seen {
+                    Some(p) if p.seq == 0 => format!("; it never entered #{seq} (it had published no collective)"),
+                    Some(p) if p.seq < *seq => {
+                        let label = if p.label.is_empty() { String::new() } else { format!(", {}", p.label) };
+                        format!("; it never entered #{seq}: its last published collective was #{} ({}{label})", p.seq, p.op)
+                    }
+                    Some(p) => format!("; it had entered #{}", p.seq),
+                    None => String::new(),
+                };
+                if seen.is_none_or(|p| p.seq < *seq) {
+                    culprits.insert(r);
+                }
+                a.findings.push(format!("rank {r} left no dump{progress}{exit}"));
+            }
+        }
+    }
+    // 2. ranks that disagree on what the same collective is
+    let mut by_key: BTreeMap<(String, u64), Vec<(usize, &Entry)>> = BTreeMap::new();
+    for d in dumps.values() {
+        for e in &d.entries {
+            by_key.entry((e.group.clone(), e.seq)).or_default().push((d.rank, e));
+        }
+    }
+    for ((group, seq), list) in by_key {
+        // point-to-point messages pair up by sender and receiver, not by sequence number
+        if list.iter().any(|(_, e)| is_p2p(&e.op)) {
+            continue;
+        }
+        let ops: BTreeSet<&str> = list.iter().map(|(_, e)| e.op.as_str()).collect();
+        if ops.len() > 1 {
+            let who: Vec<String> = list.iter().map(|(r, e)| format!("rank {r}: {}", e.op)).collect();
+            a.findings.push(format!("collective #{seq} of group {group} differs between ranks: {}", who.join("; ")));
+        }
+    }
+    // 3. what each rank did last
+    for d in dumps.values() {
+        if let Some(l) = d.entries.last() {
+            a.findings.push(format!("rank {} last recorded {} in group {} ({:?})", d.rank, describe(l), l.group, l.state));
+        }
+    }
+    if stuck.is_empty() && !dumps.is_empty() {
+        a.findings.push("every recorded collective completed".into());
+    }
+    a.culprits = culprits.into_iter().collect();
+    if !a.culprits.is_empty() {
+        let names: Vec<String> = a.culprits.iter().map(|r| format!("rank {r}")).collect();
+        a.findings.insert(0, format!("culprit: {}", names.join(", ")));
+    }
+    a
+}
+
+fn is_p2p(op: &str) -> bool {
+    op.starts_with("send") || op.starts_with("recv")
+}
+
+fn first_clause(err: &str) -> &str {
+    err.split("; ").next().unwrap_or(err)
+}

@@ -1,0 +1,24 @@
+//! The flight recorder: which collective each rank was in, so that when a job hangs or a peer dies the
+//! culprit is named. PyTorch's Flight Recorder (`TORCH_NCCL_TRACE_BUFFER_SIZE`, `TORCH_NCCL_DUMP_ON_TIMEOUT`,
+//! the `fr_trace` analyzer) for every backend, pipelines and ZeRO included, with tchrun reading the dumps.
+//!
+//! - Every collective, public or internal, is an [`Entry`] in a per-process ring of the last N operations
+//!   (`TCH_DIST_TRACE_ENTRIES`, default 2,000; 0 turns recording off): its group and sequence number in that
+//!   group, the operation with dtype and shape, the caller's [`label`] ("DDP bucket 3"), when it was
+//!   enqueued and ended, and how.
+//! - Each rank publishes its progress in each group through the group's store (the last collective it
+//!   entered, and a heartbeat every second). A rank whose collective times out or loses a peer reads the
+//!   others' progress and says in its error which rank never arrived, and whether that rank's process is
+//!   alive at all.
+//! - On such a failure each rank dumps its ring to `TCH_DIST_TRACE_DIR/rank<R>.json` (tchrun sets the
+//!   directory); `tchrun` merges the dumps after a failure, and `tchrun analyze DIR` does it for dumps from
+//!   elsewhere ([`analyze`]).
+mod analyze;
+mod progress;
+mod record;
+
+pub use analyze::{analyze, Analysis};
+pub use record::{dump, entries, label, Dump, Entry, EntryState, LabelGuard};
+
+pub(crate) use progress::GroupTrace;
+pub(crate) use record::Recording;

@@ -1,0 +1,225 @@
+//! Each rank's progress in each group, published through the group's store: the last collective it
+//! entered, and a heartbeat. When a collective fails, the ranks that never arrived are named from it.
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use super::record::{current_label, dump_with, enabled, now, Recording};
+use crate::error::Error;
+use crate::store::Store;
+
+/// How often each process publishes its progress at least (its heartbeat)...
+const PUBLISH_EVERY: Duration = Duration::from_millis(1000);
+/// ...and at most, when ranks enter collectives quickly.
+const PUBLISH_GAP: Duration = Duration::from_millis(20);
+/// A heartbeat older than this means the process is stopped, dead, or cannot reach the store.
+const STALE_AFTER: f64 = 3.0;
+/// How long a failing rank waits for the store to tell the others' progress.
+const READ_DEADLINE: Duration = Duration::from_secs(2);
+
+/// What one rank last published about itself in a group.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct PeerProgress {
+    pub rank: usize,
+    /// Sequence number of the last collective it entered in the group (0: none).
+    pub seq: u64,
+    pub op: String,
+    pub label: String,
+    /// When it entered that collective, and when it last published (seconds since the epoch).
+    pub entered: f64,
+    pub heartbeat: f64,
+    /// Whether anything was published at all.
+    pub seen: bool,
+}
+
+impl PeerProgress {
+    fn encode(&self) -> String {
+        format!("{}\t{}\t{}\t{}\t{}", self.seq, self.entered, now(), self.op.replace('\t', " "), self.label.replace('\t', " "))
+    }
+
+    fn decode(rank: usize, text: &str) -> PeerProgress {
+        let f: Vec<&str> = text.splitn(5, '\t').collect();
+        let num = |i: usize| f.get(i).and_then(|s| s.parse::<f64>().ok()).unwrap_or(0.0);
+        PeerProgress {
+            rank,
+            seq: f.first().and_then(|s| s.parse().ok()).unwrap_or(0),
+            entered: num(1),
+            heartbeat: num(2),
+            op: f.get(3).unwrap_or(&"").to_string(),
+            label: f.get(4).unwrap_or(&"").to_string(),
+            seen: true,
+        }
+    }
+}
+
+/// A group's side of the recorder: its name, its sequence numbers, and its progress key in the store.
+pub(crate) struct GroupTrace {
+    pub name: String,
+    rank: usize,
+    size: usize,
+    seq: AtomicU64,
+    last: Mutex<PeerProgress>,
+    /// `flight/` under the group's store.
+    store: Store,
+}
+
+impl GroupTrace {
+    pub fn new(name: &str, rank: usize, size: usize, store: &Store) -> Arc<GroupTrace> {
+        let store = store.prefixed("flight/").unwrap_or_else(|_| store.clone());
+        let t = Arc::new(GroupTrace {
+            name: name.to_string(),
+            rank,
+            size,
+            seq: AtomicU64::new(0),
+            last: Mutex::new(PeerProgress { rank, ..PeerProgress::default() }),
+            store,
+        });
+        if enabled() && size > 1 {
+            register(&t);
+        }
+        t
+    }
+
+    /// A collective starts on this rank: the next sequence number, and its recording.
+    pub fn enter(&self, op: &str, backend: &str) -> (u64, Option<Recording>) {
+        let seq = self.seq.fetch_add(1, Ordering::Relaxed) + 1;
+        if !enabled() {
+            return (seq, None);
+        }
+        if let Ok(mut last) = self.last.lock() {
+            last.seq = seq;
+            last.op = op.to_string();
+            last.label = current_label();
+            last.entered = now();
+        }
+        wake_publisher();
+        (seq, Recording::start(&self.name, self.rank, self.size, seq, op, backend))
+    }
+
+    fn publish(&self) {
+        let text = match self.last.lock() {
+            Ok(l) => l.encode(),
+            Err(_) => return,
+        };
+        let _ = self.store.set(&self.rank.to_string(), text.as_bytes());
+    }
+
+    /// The other ranks' progress, as published; bounded by [`READ_DEADLINE`] (the store may be gone).
+    fn peers(self: &Arc<Self>) -> Option<Vec<PeerProgress>> {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let me = self.clone();
+        std::thread::spawn(move || {
+            let peers: Vec<PeerProgress> = (0..me.size)
+                .filter(|&r| r != me.rank)
+                .map(|r| match me.store.check(&r.to_string()) {
+                    Ok(true) => me
+                        .store
+                        .get(&r.to_string())
+                        .map(|v| PeerProgress::decode(r, &String::from_utf8_lossy(&v)))
+                        .unwrap_or(PeerProgress { rank: r, ..PeerProgress::default() }),
+                    _ => PeerProgress { rank: r, ..PeerProgress::default() },
+                })
+                .collect();
+            let _ = tx.send(peers);
+        });
+        rx.recv_timeout(READ_DEADLINE).ok()
+    }
+
+    /// A collective of this group failed: name the ranks that never arrived in the error (from their
+    /// published progress), and dump the ring (when `TCH_DIST_TRACE_DIR` is set).
+    /// `p2p`: a send or recv, whose sequence numbers do not pair up across ranks (only liveness is told).
+    pub fn on_failure(self: &Arc<Self>, seq: u64, p2p: bool, err: Error) -> Error {
+        if !enabled() || !matches!(err, Error::Timeout { .. } | Error::PeerGone { .. } | Error::Mismatch { .. }) {
+            return err;
+        }
+        let peers = if self.size > 1 { self.peers() } else { Some(Vec::new()) };
+        let note = match &peers {
+            Some(p) => blame(if p2p { None } else { Some(seq) }, &self.name, p),
+            None => format!("the other ranks' progress could not be read from the store within {READ_DEADLINE:?}"),
+        };
+        let err = if note.is_empty() { err } else { err.with_note(&note) };
+        dump_with(&err.to_string(), peers.unwrap_or_default(), Some(self.rank));
+        err
+    }
+}
+
+/// "rank 1 never entered it: ..." for each rank behind collective `seq`, or with a stale heartbeat (only
+/// the latter for point-to-point messages, `seq` None).
+pub(crate) fn blame(seq: Option<u64>, group: &str, peers: &[PeerProgress]) -> String {
+    let t = now();
+    let mut notes = Vec::new();
+    for p in peers {
+        let stale = p.seen && t - p.heartbeat > STALE_AFTER;
+        let life = if !p.seen {
+            "it never published its progress (not started, or not built with the flight recorder)".to_string()
+        } else if stale {
+            format!("its process has shown no sign of life for {:.1}s (stopped, dead, or cut off)", t - p.heartbeat)
+        } else {
+            "its process is alive".to_string()
+        };
+        if let Some(seq) = seq.filter(|&s| p.seq < s) {
+            let last = if p.seq == 0 {
+                "no collective yet".to_string()
+            } else {
+                let label = if p.label.is_empty() { String::new() } else { format!(", {}", p.label) };
+                format!("its last was #{} ({}{label}) {:.1}s ago", p.seq, p.op, t - p.entered)
+            };
+            notes.push(format!("rank {} never entered collective #{seq} of group {group}: {last}; {life}", p.rank));
+        } else if stale {
+            notes.push(format!("rank {} entered #{} but {life}", p.rank, p.seq));
+        }
+    }
+    notes.join("; ")
+}
+
+/// Groups whose progress the publisher thread keeps up to date.
+fn registry() -> &'static Mutex<Vec<Weak<GroupTrace>>> {
+    static GROUPS: OnceLock<Mutex<Vec<Weak<GroupTrace>>>> = OnceLock::new();
+    GROUPS.get_or_init(|| Mutex::new(Vec::new()))
+}
+
+/// The publisher: wakes when a rank enters a collective (at most every [`PUBLISH_GAP`]) and at least
+/// every [`PUBLISH_EVERY`] (the heartbeat), and publishes every live group's progress. Off the hot path:
+/// entering a collective only unparks it.
+fn publisher() -> Option<&'static std::thread::Thread> {
+    static PUBLISHER: OnceLock<Option<std::thread::Thread>> = OnceLock::new();
+    PUBLISHER
+        .get_or_init(|| {
+            std::thread::Builder::new()
+                .name("tch-dist-flight".into())
+                .spawn(|| loop {
+                    std::thread::park_timeout(PUBLISH_EVERY);
+                    let live: Vec<Arc<GroupTrace>> = match registry().lock() {
+                        Ok(mut g) => {
+                            g.retain(|w| w.strong_count() > 0);
+                            g.iter().filter_map(Weak::upgrade).collect()
+                        }
+                        Err(_) => return,
+                    };
+                    // no lock held while the store is talked to; every group's heartbeat, changed or not
+                    for t in live {
+                        t.publish();
+                    }
+                    std::thread::sleep(PUBLISH_GAP);
+                })
+                .ok()
+                .map(|h| h.thread().clone())
+        })
+        .as_ref()
+}
+
+fn wake_publisher() {
+    if let Some(t) = publisher() {
+        t.unpark();
+    }
+}
+
+fn register(t: &Arc<GroupTrace>) {
+    t.publish();
+    if let Ok(mut g) = registry().lock() {
+        g.push(Arc::downgrade(t));
+    }
+    wake_publisher();
+}

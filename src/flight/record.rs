@@ -1,0 +1,205 @@
+//! The ring of recent operations, the caller's labels, and dumps.
+use std::cell::RefCell;
+use std::collections::VecDeque;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, OnceLock};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use serde::{Deserialize, Serialize};
+
+use super::progress::PeerProgress;
+
+/// How an operation ended, as far as this rank knows.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EntryState {
+    /// Enqueued, not waited for yet (or still being waited for).
+    Pending,
+    Completed,
+    Failed,
+}
+
+/// One collective or point-to-point operation.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Entry {
+    /// Process-wide order.
+    pub id: u64,
+    /// The group's name (`default`, or the name and ranks of a subgroup).
+    pub group: String,
+    pub group_rank: usize,
+    pub group_size: usize,
+    /// 1, 2, ... in this group: the same collective has the same number on every rank.
+    pub seq: u64,
+    /// The operation, with dtype, shape and device, e.g. `allreduce(Sum) of Float[1024] on Cpu`.
+    pub op: String,
+    pub backend: String,
+    /// What the caller was doing (`DDP bucket 3`, `ZeRO gather 7`), or empty.
+    pub label: String,
+    /// Seconds since the Unix epoch.
+    pub enqueued: f64,
+    pub ended: Option<f64>,
+    pub state: EntryState,
+    pub error: Option<String>,
+}
+
+/// What a rank writes when something fails.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Dump {
+    /// `RANK` (the global rank) when set, else the rank in the failing group.
+    pub rank: usize,
+    pub pid: u32,
+    pub host: String,
+    pub time: f64,
+    /// The error that caused the dump.
+    pub reason: String,
+    /// What the failing rank read of the other ranks' progress in the failing group.
+    pub peers: Vec<PeerProgress>,
+    pub entries: Vec<Entry>,
+}
+
+pub(crate) fn now() -> f64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64())
+}
+
+struct Ring {
+    capacity: usize,
+    entries: Mutex<VecDeque<Entry>>,
+    next_id: AtomicU64,
+}
+
+fn ring() -> &'static Ring {
+    static RING: OnceLock<Ring> = OnceLock::new();
+    RING.get_or_init(|| {
+        let capacity = std::env::var("TCH_DIST_TRACE_ENTRIES").ok().and_then(|v| v.trim().parse().ok()).unwrap_or(2000);
+        Ring { capacity, entries: Mutex::new(VecDeque::with_capacity(capacity.min(4096))), next_id: AtomicU64::new(1) }
+    })
+}
+
+pub(crate) fn enabled() -> bool {
+    ring().capacity > 0
+}
+
+thread_local! {
+    static LABEL: RefCell<Option<String>> = const { RefCell::new(None) };
+}
+
+/// Restores the previous label when dropped.
+#[must_use = "the label holds only while the guard lives"]
+pub struct LabelGuard {
+    previous: Option<String>,
+    // the label belongs to this thread
+    _not_send: std::marker::PhantomData<*const ()>,
+}
+
+impl Drop for LabelGuard {
+    fn drop(&mut self) {
+        let previous = self.previous.take();
+        LABEL.with(|l| *l.borrow_mut() = previous);
+    }
+}
+
+/// Labels the collectives this thread starts while the guard lives (they show in the flight recorder and
+/// in errors): `let _l = flight::label("ZeRO gather 7");`.
+pub fn label(text: impl Into<String>) -> LabelGuard {
+    let previous = LABEL.with(|l| l.borrow_mut().replace(text.into()));
+    LabelGuard { previous, _not_send: std::marker::PhantomData }
+}
+
+pub(crate) fn current_label() -> String {
+    LABEL.with(|l| l.borrow().clone().unwrap_or_default())
+}
+
+/// An operation being recorded; ends it when told how it ended.
+pub(crate) struct Recording {
+    id: u64,
+}
+
+impl Recording {
+    /// Starts recording (None when recording is off).
+    pub fn start(group: &str, rank: usize, size: usize, seq: u64, op: &str, backend: &str) -> Option<Recording> {
+        let r = ring();
+        if r.capacity == 0 {
+            return None;
+        }
+        let id = r.next_id.fetch_add(1, Ordering::Relaxed);
+        let e = Entry {
+            id,
+            group: group.to_string(),
+            group_rank: rank,
+            group_size: size,
+            seq,
+            op: op.to_string(),
+            backend: backend.to_string(),
+            label: current_label(),
+            enqueued: now(),
+            ended: None,
+            state: EntryState::Pending,
+            error: None,
+        };
+        let mut ring = r.entries.lock().unwrap_or_else(|p| p.into_inner());
+        if ring.len() == r.capacity {
+            ring.pop_front();
+        }
+        ring.push_back(e);
+        Some(Recording { id })
+    }
+
+    pub fn end(&self, error: Option<&str>) {
+        let mut ring = ring().entries.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(first) = ring.front().map(|e| e.id) else { return };
+        // ids are consecutive in the ring; an entry already pushed out is simply gone
+        if let Some(e) = self.id.checked_sub(first).and_then(|i| ring.get_mut(i as usize)) {
+            e.ended = Some(now());
+            e.state = if error.is_some() { EntryState::Failed } else { EntryState::Completed };
+            e.error = error.map(str::to_string);
+        }
+    }
+}
+
+/// A copy of the recorded operations, oldest first.
+pub fn entries() -> Vec<Entry> {
+    ring().entries.lock().unwrap_or_else(|p| p.into_inner()).iter().cloned().collect()
+}
+
+/// Writes this process's ring to `TCH_DIST_TRACE_DIR/rank<R>.json` (nothing when the variable is unset or
+/// recording is off); returns the file written.
+pub fn dump(reason: &str) -> Option<PathBuf> {
+    dump_with(reason, Vec::new(), None)
+}
+
+pub(crate) fn dump_with(reason: &str, peers: Vec<PeerProgress>, group_rank: Option<usize>) -> Option<PathBuf> {
+    let dir = PathBuf::from(std::env::var_os("TCH_DIST_TRACE_DIR")?);
+    if !enabled() {
+        return None;
+    }
+    let rank = std::env::var("RANK").ok().and_then(|r| r.parse().ok()).or(group_rank).unwrap_or(0);
+    let d = Dump {
+        rank,
+        pid: std::process::id(),
+        host: hostname(),
+        time: now(),
+        reason: reason.to_string(),
+        peers,
+        entries: entries(),
+    };
+    let text = serde_json::to_string_pretty(&d).ok()?;
+    std::fs::create_dir_all(&dir).ok()?;
+    let path = dir.join(format!("rank{rank}.json"));
+    let tmp = dir.join(format!(".rank{rank}.json.tmp-{}", std::process::id()));
+    std::fs::write(&tmp, text).ok()?;
+    std::fs::rename(&tmp, &path).ok()?;
+    Some(path)
+}
+
+fn hostname() -> String {
+    let mut buf = [0u8; 256];
+    // SAFETY: the buffer is valid for its length; gethostname NUL-terminates within it on success.
+    let ok = unsafe { libc::gethostname(buf.as_mut_ptr() as *mut libc::c_char, buf.len()) } == 0;
+    let end = buf.iter().position(|&b| b == 0).unwrap_or(0);
+    if ok {
+        String::from_utf8_lossy(&buf[..end]).to_string()
+    } else {
+        String::new()
+    }
+}
