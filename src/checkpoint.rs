@@ -1,7 +1,8 @@
 //! Checkpoints that lose nothing: rank 0 writes a safetensors file (readable by PyTorch's
 //! `safetensors.torch.load_file`) to a temporary name, syncs it, and renames it over the old one, so a
-//! crash mid-write leaves the previous checkpoint intact; a barrier keeps other ranks from running ahead.
-//! Loading: rank 0 reads and broadcasts, so every rank resumes from the same values.
+//! crash mid-write leaves the previous checkpoint intact; a checksum inside it catches a damaged file;
+//! every rank learns whether the write succeeded. Loading: rank 0 reads and checks, and broadcasts, so
+//! every rank resumes from the same values.
 //!
 //! ```no_run
 //! # let (pg, vs) = (tch_dist::ProcessGroup::from_env()?, tch::nn::VarStore::new(tch::Device::Cpu));
@@ -26,11 +27,44 @@ fn io_err(what: String) -> impl Fn(std::io::Error) -> Error {
     move |e| Error::invalid(what.clone(), e.to_string())
 }
 
-/// Writes `tensors` and `step` to `path` atomically (temporary file, fsync, rename, fsync of the
-/// directory). Not collective: see [`save`] for the distributed form.
+/// The key of the checksum stored with every checkpoint (FNV-1a over the step and every tensor's name,
+/// dtype, shape and bytes, in name order), so a damaged file is refused instead of loaded.
+pub const CHECKSUM_KEY: &str = "__checksum__";
+
+fn fnv(h: &mut u64, bytes: &[u8]) {
+    for &b in bytes {
+        *h ^= b as u64;
+        *h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+}
+
+/// The checksum of `step` and `tensors` (CPU, contiguous), independent of their order.
+fn checksum(step: u64, tensors: &[(String, Tensor)]) -> Result<u64> {
+    const PIECE: i64 = 1 << 24;
+    let mut h = 0xcbf2_9ce4_8422_2325u64;
+    fnv(&mut h, &step.to_le_bytes());
+    let mut sorted: Vec<&(String, Tensor)> = tensors.iter().collect();
+    sorted.sort_by(|a, b| a.0.cmp(&b.0));
+    for (name, t) in sorted {
+        fnv(&mut h, name.as_bytes());
+        fnv(&mut h, format!("{:?}{:?}", t.kind(), t.size()).as_bytes());
+        let bytes = t.f_contiguous()?.f_view_dtype(tch::Kind::Uint8)?.f_reshape([-1])?;
+        let n = bytes.numel() as i64;
+        let mut at = 0;
+        while at < n {
+            let k = PIECE.min(n - at);
+            fnv(&mut h, &Vec::<u8>::try_from(bytes.f_narrow(0, at, k)?)?);
+            at += k;
+        }
+    }
+    Ok(h)
+}
+
+/// Writes `tensors`, `step` and their checksum to `path` atomically (temporary file, fsync, rename, fsync
+/// of the directory). Not collective: see [`save`] for the distributed form.
 pub fn write_atomic(path: &Path, step: u64, tensors: &[(String, Tensor)]) -> Result<()> {
     let what = format!("checkpoint {}", path.display());
-    if let Some((name, _)) = tensors.iter().find(|(n, _)| n == STEP_KEY) {
+    if let Some((name, _)) = tensors.iter().find(|(n, _)| n == STEP_KEY || n == CHECKSUM_KEY) {
         return Err(Error::invalid(what, format!("a tensor may not be named {name:?}")));
     }
     let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
@@ -43,53 +77,60 @@ pub fn write_atomic(path: &Path, step: u64, tensors: &[(String, Tensor)]) -> Res
         .iter()
         .map(|(n, t)| Ok((n.clone(), t.f_detach()?.f_to_device(Device::Cpu)?.f_contiguous()?)))
         .collect::<Result<_>>()?;
+    let sum = checksum(step, &all)?;
     all.push((STEP_KEY.to_string(), Tensor::from_slice(&[step as i64])));
-    Tensor::write_safetensors(&all, &tmp)?;
-    std::fs::File::open(&tmp).and_then(|f| f.sync_all()).map_err(io_err(what.clone()))?;
-    std::fs::rename(&tmp, path).map_err(io_err(what.clone()))?;
+    all.push((CHECKSUM_KEY.to_string(), Tensor::from_slice(&[sum as i64])));
+    let written = Tensor::write_safetensors(&all, &tmp)
+        .map_err(|e| Error::invalid(what.clone(), format!("cannot write {}: {e}", tmp.display())))
+        .and_then(|()| std::fs::File::open(&tmp).and_then(|f| f.sync_all()).map_err(io_err(what.clone())))
+        .and_then(|()| std::fs::rename(&tmp, path).map_err(io_err(what.clone())));
+    if written.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    written?;
     std::fs::File::open(dir).and_then(|d| d.sync_all()).map_err(io_err(what))?;
     Ok(())
 }
 
-/// Reads a checkpoint written by [`write_atomic`]: (step, tensors).
+/// Reads a checkpoint written by [`write_atomic`]: (step, tensors). A truncated or damaged file is an
+/// error naming it (its checksum no longer matches).
 pub fn read(path: &Path) -> Result<(u64, Vec<(String, Tensor)>)> {
-    let mut all = Tensor::read_safetensors(path)?;
-    let pos = all
-        .iter()
-        .position(|(n, _)| n == STEP_KEY)
-        .ok_or_else(|| Error::invalid(format!("checkpoint {}", path.display()), format!("no {STEP_KEY} entry")))?;
-    let (_, step) = all.remove(pos);
-    Ok((step.f_int64_value(&[0])? as u64, all))
-}
-
-/// Collective save: rank 0 writes, then all ranks meet at a barrier (so none runs ahead of a checkpoint
-/// that might be needed to restart it).
-pub fn save(pg: &ProcessGroup, path: &Path, step: u64, tensors: &[(String, Tensor)]) -> Result<()> {
-    if pg.rank() == 0 {
-        write_atomic(path, step, tensors)?;
+    let what = format!("checkpoint {}", path.display());
+    let mut all = Tensor::read_safetensors(path)
+        .map_err(|e| Error::invalid(what.clone(), format!("unreadable (truncated, or not safetensors): {e}")))?;
+    let take = |all: &mut Vec<(String, Tensor)>, key: &str| all.iter().position(|(n, _)| n == key).map(|p| all.remove(p).1);
+    let step = take(&mut all, STEP_KEY).ok_or_else(|| Error::invalid(what.clone(), format!("no {STEP_KEY} entry")))?;
+    let step = step.f_int64_value(&[0])? as u64;
+    if let Some(saved) = take(&mut all, CHECKSUM_KEY) {
+        let saved = saved.f_int64_value(&[0])? as u64;
+        let now = checksum(step, &all)?;
+        if saved != now {
+            return Err(Error::mismatch(
+                what,
+                format!("checksum {now:016x} does not match the saved {saved:016x}: the file is damaged"),
+            ));
+        }
     }
-    pg.barrier()
+    Ok((step, all))
 }
 
-/// Collective load into `targets` (in place, matched by name): rank 0 reads, every tensor is broadcast.
+/// Collective save: rank 0 writes, and every rank learns at once whether it did (a failure on rank 0 is
+/// an error on every rank naming it and the cause, not a wait for the timeout); none runs ahead of a
+/// checkpoint that might be needed to restart it.
+pub fn save(pg: &ProcessGroup, path: &Path, step: u64, tensors: &[(String, Tensor)]) -> Result<()> {
+    let local = if pg.rank() == 0 { write_atomic(path, step, tensors) } else { Ok(()) };
+    pg.meta().outcome("checkpoint save", local)
+}
+
+/// Collective load into `targets` (in place, matched by name): rank 0 reads and checks the file against
+/// the targets (names, shapes, checksum), every rank learns the outcome, then every tensor is broadcast.
 /// Returns the saved step, or `None` (and changes nothing) when rank 0 finds no checkpoint.
 pub fn load(pg: &ProcessGroup, path: &Path, targets: &[(String, Tensor)]) -> Result<Option<u64>> {
     let what = format!("checkpoint {}", path.display());
-    let loaded = if pg.rank() == 0 && path.exists() { Some(read(path)?) } else { None };
-    // 1. whether there is one, and its step
-    let meta = pg.meta();
-    let head =
-        meta.broadcast("checkpoint load", &[loaded.is_some() as i64, loaded.as_ref().map_or(0, |l| l.0 as i64)], 0)?;
-    if head[0] == 0 {
-        return Ok(None);
-    }
-    // 2. every tensor, in the targets' order, through the device the group's metadata uses (the CPU
-    // when it has a CPU backend; an NCCL-only group's GPU otherwise)
-    let wire = meta.device();
-    let _g = tch::no_grad_guard();
-    for (name, target) in targets {
-        let mut buf = match &loaded {
-            Some((_, saved)) => {
+    let local = if pg.rank() == 0 && path.exists() {
+        read(path).and_then(|(step, saved)| {
+            let mut ordered = Vec::with_capacity(targets.len());
+            for (name, target) in targets {
                 let src = saved
                     .iter()
                     .find(|(n, _)| n == name)
@@ -101,8 +142,27 @@ pub fn load(pg: &ProcessGroup, path: &Path, targets: &[(String, Tensor)]) -> Res
                         format!("{name}: saved {:?}, model has {:?}", src.size(), target.size()),
                     ));
                 }
-                src.f_to_kind(target.kind())?.f_to_device(wire)?
+                ordered.push(src.shallow_clone());
             }
+            Ok(Some((step, ordered)))
+        })
+    } else {
+        Ok(None)
+    };
+    let meta = pg.meta();
+    let loaded = meta.outcome("checkpoint load", local)?;
+    // 1. whether there is one, and its step
+    let head = meta.broadcast("checkpoint load", &[loaded.is_some() as i64, loaded.as_ref().map_or(0, |l| l.0 as i64)], 0)?;
+    if head[0] == 0 {
+        return Ok(None);
+    }
+    // 2. every tensor, in the targets' order, through the device the group's metadata uses (the CPU
+    // when it has a CPU backend; an NCCL-only group's GPU otherwise)
+    let wire = meta.device();
+    let _g = tch::no_grad_guard();
+    for (i, (_, target)) in targets.iter().enumerate() {
+        let mut buf = match &loaded {
+            Some((_, saved)) => saved[i].f_to_kind(target.kind())?.f_to_device(wire)?,
             None => Tensor::f_zeros(target.size().as_slice(), (target.kind(), wire))?,
         };
         pg.broadcast(&mut buf, 0)?;

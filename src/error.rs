@@ -23,6 +23,10 @@ pub enum Error {
     /// The backend or device is not available (e.g. NCCL without the `cuda` feature, or no GPU).
     #[error("{what} is not available: {msg}")]
     Unavailable { what: String, msg: String },
+    /// Another rank failed its part of a collective step (writing a checkpoint, an optimizer step, ...);
+    /// every rank gets this error at once, naming the rank and its cause.
+    #[error("{op}: rank {rank} failed: {msg}")]
+    RankFailed { op: String, rank: usize, msg: String },
     /// Ranks ran out of inputs unevenly, and `JoinOptions::throw_on_early_termination` asked to fail.
     #[error("{op}: uneven inputs: {msg}")]
     UnevenInputs { op: String, msg: String },

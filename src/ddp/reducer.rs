@@ -404,9 +404,16 @@ impl Reducer {
             }
             st.buckets.clear();
         }
-        init_buckets(&mut st, &self.cfg, agreed, lean && self.cfg.bucket_view)?;
-        st.rebuilt = true;
-        Ok(())
+        let local = init_buckets(&mut st, &self.cfg, agreed, lean && self.cfg.bucket_view);
+        st.rebuilt = local.is_ok();
+        drop(st);
+        // a rank that could not allocate its new buckets tells the others, instead of leaving them
+        // waiting in the first bucket's allreduce (our protocol: not with PyTorch ranks in the group)
+        if self.pg.verifies() {
+            self.pg.meta().outcome("DDP bucket rebuild", local)
+        } else {
+            local
+        }
     }
 
     /// Join mode (see `ddp::join`): `Some` while a rank's training loop runs inside `join`.

@@ -90,6 +90,31 @@ impl Meta<'_> {
         to_vec(&t)
     }
 
+    /// Shares the outcome of a step every rank did on its own (writing a checkpoint, stepping its shard),
+    /// so that no rank goes on, or waits for the others, after one failed: `Ok` everywhere if it
+    /// succeeded everywhere; else on every rank an error naming the first rank that failed and its
+    /// message (failed ranks leave their messages in the group's store). Every rank calls it, failed or not.
+    pub(crate) fn outcome<T>(&self, what: &str, local: Result<T>) -> Result<T> {
+        let n = self.pg.outcomes.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let key = |r: usize| format!("outcome/{n}/{r}");
+        if let Err(e) = &local {
+            // before the gather, so the others can read it when the gather tells them
+            let _ = self.pg.store.set(&key(self.pg.rank()), e.to_string().as_bytes());
+        }
+        let flags = self.gather(what, &[local.is_err() as i64])?;
+        let Some(first) = flags.iter().position(|f| f[0] != 0) else { return local };
+        if first == self.pg.rank() {
+            return local;
+        }
+        let msg = self
+            .pg
+            .store
+            .get(&key(first))
+            .map(|m| String::from_utf8_lossy(&m).to_string())
+            .unwrap_or_else(|e| format!("(its message could not be read: {e})"));
+        Err(Error::RankFailed { op: self.op(what), rank: first, msg })
+    }
+
     /// Gathers `v` from every rank and fails on every rank alike when any differ; `explain` turns the
     /// rows (rank order) into the error's message. Returns the rows.
     pub(crate) fn agree(

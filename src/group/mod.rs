@@ -112,6 +112,8 @@ pub struct ProcessGroup {
     store: Store,
     /// Sequence numbers, the flight recorder and published progress.
     trace: Arc<GroupTrace>,
+    /// Calls of `meta::outcome` so far (the same on every rank): keys their messages in the store.
+    outcomes: std::sync::atomic::AtomicU64,
 }
 
 pub(crate) fn describe(t: &Tensor) -> String {
@@ -173,6 +175,7 @@ impl ProcessGroup {
             hostname: opts.hostname.clone(),
             store: store.clone(),
             trace: GroupTrace::new(name, rank, size, store),
+            outcomes: std::sync::atomic::AtomicU64::new(0),
         })
     }
 

@@ -149,6 +149,21 @@ impl ShardedOptimizer {
 }
 
 impl Shard {
+    /// This rank's update of its shard of the bucket. `prepared`: the gradient is in place already (the
+    /// caller unscaled or clipped it).
+    fn step_local(&mut self, prepared: bool) -> Result<()> {
+        if !prepared {
+            // one bucket at a time (a float32 gradient copy lives for this bucket's step only)
+            self.prepare()?;
+        }
+        self.opt.step()?;
+        if self.master {
+            self.params.shard()?.f_copy_(&self.stepped)?;
+            hooks::set_grad(&self.stepped, None)?; // the float32 copy of the gradient is scratch
+        }
+        Ok(())
+    }
+
     /// Gives the stepped tensor its gradient: the shard's own, or a float32 copy for master weights.
     fn prepare(&self) -> Result<()> {
         let g = if self.master { self.grad.f_to_kind(Kind::Float)? } else { self.grad.shallow_clone() };
@@ -162,15 +177,13 @@ impl Optimizer for ShardedOptimizer {
         let _g = tch::no_grad_guard();
         // bucket b's gather runs while bucket b+1 steps
         let mut pending = VecDeque::new();
+        // A rank whose own step fails still takes part in every gather (with its shard as it is), so
+        // the others are not left waiting; then every rank learns of the failure at once.
+        let mut local = Ok(());
+        let prepared = self.prepared;
         for (b, s) in self.shards.iter_mut().enumerate() {
-            if !self.prepared {
-                // one bucket at a time (a float32 gradient copy lives for this bucket's step only)
-                s.prepare()?;
-            }
-            s.opt.step()?;
-            if s.master {
-                s.params.shard()?.f_copy_(&s.stepped)?;
-                hooks::set_grad(&s.stepped, None)?; // the float32 copy of the gradient is scratch
+            if local.is_ok() {
+                local = s.step_local(prepared);
             }
             let _l = crate::flight::label(format!("ZeRO gather, bucket {b}"));
             s.params.all_gather(&self.pg, b, &mut pending, flat::GATHERS_IN_FLIGHT)?;
@@ -179,7 +192,7 @@ impl Optimizer for ShardedOptimizer {
             w.wait()?;
         }
         self.prepared = false;
-        Ok(())
+        self.pg.meta().outcome("ZeRO step", local)
     }
 
     /// Zeroes the gradients the next step reads: DDP's buckets and any `.grad` (stage 1), or the shards
