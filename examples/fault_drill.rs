@@ -4,6 +4,7 @@
 //!   exit@R:S       rank R exits with code 17 at step S
 //!   killbucket@R:S rank R is killed (SIGKILL) inside its backward at step S, after a bucket was launched
 //!   mismatch@R:S   rank R runs an allreduce of another shape than the others at step S
+//!   badloss@R:S    (pipeline) rank R's loss gets targets of the wrong shape at step S: its stage fails
 //!
 //!   fault_drill --mode ddp|zero2|pipeline [--steps 8]
 //!
@@ -13,7 +14,7 @@ use std::sync::Arc;
 use clap::Parser;
 use tch::{nn, Device, Kind, Tensor};
 use tch_dist::ddp::{DdpOptions, DistributedDataParallel};
-use tch_dist::optim::{Optimizer, ShardedOptimizer, Sgd, ZeroStage};
+use tch_dist::optim::{Optimizer, Sgd, ShardedOptimizer, ZeroStage};
 use tch_dist::pipeline::schedule::Kind as Sched;
 use tch_dist::pipeline::{LayerList, Partition, PipelineRank};
 use tch_dist::{ProcessGroup, ReduceOp};
@@ -132,12 +133,14 @@ fn pipeline(args: &Args, pg: Arc<ProcessGroup>, f: &Option<Fault>) -> Result<(),
         .add("l1", |p| nn::linear(p, 32, 64, Default::default()))
         .add_fn("relu", |x| x.relu())
         .add("l2", |p| nn::linear(p, 64, 4, Default::default()));
-    let mut st = PipelineRank::new(pg.clone(), &layers, &Partition::sizes(&[2, 1], 3)?, Device::Cpu, Sched::OneFOneB, 4, 1)?;
+    let mut st =
+        PipelineRank::new(pg.clone(), &layers, &Partition::sizes(&[2, 1], 3)?, Device::Cpu, Sched::OneFOneB, 4, 1)?;
     let mut opts: Vec<Sgd> = st.var_stores().iter().map(|vs| Sgd::new(vs.trainable_variables(), 0.05)).collect();
     let loss = |out: &Tensor, y: &Tensor| out.mse_loss(y, tch::Reduction::Mean);
     for step in 0..args.steps {
-        strike(f, rank, step);
+        let bad = strike(f, rank, step) == Some("badloss");
         let (x, y) = batch(step, 0);
+        let y = if bad { Tensor::zeros([8, 7], (Kind::Float, Device::Cpu)) } else { y };
         st.step(&x, &y, &loss)?;
         for o in &mut opts {
             o.step()?;

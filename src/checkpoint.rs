@@ -98,7 +98,8 @@ pub fn read(path: &Path) -> Result<(u64, Vec<(String, Tensor)>)> {
     let what = format!("checkpoint {}", path.display());
     let mut all = Tensor::read_safetensors(path)
         .map_err(|e| Error::invalid(what.clone(), format!("unreadable (truncated, or not safetensors): {e}")))?;
-    let take = |all: &mut Vec<(String, Tensor)>, key: &str| all.iter().position(|(n, _)| n == key).map(|p| all.remove(p).1);
+    let take =
+        |all: &mut Vec<(String, Tensor)>, key: &str| all.iter().position(|(n, _)| n == key).map(|p| all.remove(p).1);
     let step = take(&mut all, STEP_KEY).ok_or_else(|| Error::invalid(what.clone(), format!("no {STEP_KEY} entry")))?;
     let step = step.f_int64_value(&[0])? as u64;
     if let Some(saved) = take(&mut all, CHECKSUM_KEY) {
@@ -152,7 +153,8 @@ pub fn load(pg: &ProcessGroup, path: &Path, targets: &[(String, Tensor)]) -> Res
     let meta = pg.meta();
     let loaded = meta.outcome("checkpoint load", local)?;
     // 1. whether there is one, and its step
-    let head = meta.broadcast("checkpoint load", &[loaded.is_some() as i64, loaded.as_ref().map_or(0, |l| l.0 as i64)], 0)?;
+    let head =
+        meta.broadcast("checkpoint load", &[loaded.is_some() as i64, loaded.as_ref().map_or(0, |l| l.0 as i64)], 0)?;
     if head[0] == 0 {
         return Ok(None);
     }

@@ -237,7 +237,8 @@ fn open_log(cfg: &LaunchConfig, rank: usize, restart: usize) -> Result<Option<Ar
     std::fs::create_dir_all(dir)
         .map_err(|e| Error::invalid(format!("tchrun --redirect-logs {}", dir.display()), e.to_string()))?;
     let p = dir.join(format!("rank{rank}.restart{restart}.log"));
-    let f = std::fs::File::create(&p).map_err(|e| Error::invalid(format!("tchrun log {}", p.display()), e.to_string()))?;
+    let f =
+        std::fs::File::create(&p).map_err(|e| Error::invalid(format!("tchrun log {}", p.display()), e.to_string()))?;
     Ok(Some(Arc::new(Mutex::new(f))))
 }
 
@@ -333,12 +334,19 @@ fn attempt(cfg: &LaunchConfig, restart: usize) -> Result<Attempt> {
 fn report_flight(cfg: &LaunchConfig, restart: usize, exits: &std::collections::BTreeMap<usize, String>) {
     let Some(dir) = trace_dir(cfg, restart) else { return };
     if !dir.exists() {
-        eprintln!("tchrun: no flight-recorder dumps in {} (no collective failed before the workers ended)", dir.display());
+        eprintln!(
+            "tchrun: no flight-recorder dumps in {} (no collective failed before the workers ended)",
+            dir.display()
+        );
         return;
     }
     match crate::flight::analyze(&dir, Some(cfg.world_size()), exits) {
         Ok(a) => {
-            eprintln!("tchrun: flight recorder ({}; `tchrun analyze {}` to read them again):", dir.display(), dir.display());
+            eprintln!(
+                "tchrun: flight recorder ({}; `tchrun analyze {}` to read them again):",
+                dir.display(),
+                dir.display()
+            );
             for l in &a.findings {
                 eprintln!("tchrun:   {l}");
             }

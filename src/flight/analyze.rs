@@ -32,13 +32,15 @@ fn describe(e: &Entry) -> String {
 /// named); `exits`: how tchrun saw each rank end, where known.
 pub fn analyze(dir: &Path, world: Option<usize>, exits: &BTreeMap<usize, String>) -> Result<Analysis> {
     let mut dumps: BTreeMap<usize, Dump> = BTreeMap::new();
-    let read = std::fs::read_dir(dir).map_err(|e| Error::invalid(format!("flight dumps in {}", dir.display()), e.to_string()))?;
+    let read = std::fs::read_dir(dir)
+        .map_err(|e| Error::invalid(format!("flight dumps in {}", dir.display()), e.to_string()))?;
     for f in read.flatten() {
         let name = f.file_name().to_string_lossy().to_string();
         if !(name.starts_with("rank") && name.ends_with(".json")) {
             continue;
         }
-        let text = std::fs::read_to_string(f.path()).map_err(|e| Error::invalid(f.path().display().to_string(), e.to_string()))?;
+        let text = std::fs::read_to_string(f.path())
+            .map_err(|e| Error::invalid(f.path().display().to_string(), e.to_string()))?;
         let d: Dump = serde_json::from_str(&text)
             .map_err(|e| Error::invalid(f.path().display().to_string(), format!("not a flight dump: {e}")))?;
         dumps.insert(d.rank, d);
@@ -49,7 +51,9 @@ pub fn analyze(dir: &Path, world: Option<usize>, exits: &BTreeMap<usize, String>
 /// The analysis of dumps already read (rank -> dump).
 pub(crate) fn merge(dumps: &BTreeMap<usize, Dump>, world: Option<usize>, exits: &BTreeMap<usize, String>) -> Analysis {
     let mut a = Analysis::default();
-    let world = world.or_else(|| dumps.values().flat_map(|d| d.entries.iter()).filter(|e| e.group == "default").map(|e| e.group_size).max());
+    let world = world.or_else(|| {
+        dumps.values().flat_map(|d| d.entries.iter()).filter(|e| e.group == "default").map(|e| e.group_size).max()
+    });
     let missing: Vec<usize> = world.map(|w| (0..w).filter(|r| !dumps.contains_key(r)).collect()).unwrap_or_default();
     if dumps.is_empty() {
         a.findings.push("no flight-recorder dumps to read".into());
@@ -77,25 +81,37 @@ pub(crate) fn merge(dumps: &BTreeMap<usize, Dump>, world: Option<usize>, exits: 
                 Some(format!("rank {} ({how})", d.rank))
             })
             .collect();
-        a.findings.push(format!("stuck in collective {} of group {group}: entered by {}", describe(e), waiting.join(", ")));
+        a.findings.push(format!(
+            "stuck in collective {} of group {group}: entered by {}",
+            describe(e),
+            waiting.join(", ")
+        ));
         // members of the group that never entered it: from their own dumps, or from what the others read
         // of their published progress
         for d in dumps.values() {
             let last = d.entries.iter().filter(|x| x.group == *group).max_by_key(|x| x.seq);
             if let Some(l) = last.filter(|l| l.seq < *seq) {
                 culprits.insert(d.rank);
-                a.findings.push(format!("rank {} never entered #{seq}: its last collective in {group} was {}", d.rank, describe(l)));
+                a.findings.push(format!(
+                    "rank {} never entered #{seq}: its last collective in {group} was {}",
+                    d.rank,
+                    describe(l)
+                ));
             }
         }
         if group == "default" {
             for &r in &missing {
-                let seen = dumps.values().flat_map(|d| d.peers.iter()).filter(|p| p.rank == r && p.seen).max_by_key(|p| p.seq);
+                let seen =
+                    dumps.values().flat_map(|d| d.peers.iter()).filter(|p| p.rank == r && p.seen).max_by_key(|p| p.seq);
                 let exit = exits.get(&r).map(|s| format!("; tchrun saw it end with {s}")).unwrap_or_default();
                 let progress = match seen {
                     Some(p) if p.seq == 0 => format!("; it never entered #{seq} (it had published no collective)"),
                     Some(p) if p.seq < *seq => {
                         let label = if p.label.is_empty() { String::new() } else { format!(", {}", p.label) };
-                        format!("; it never entered #{seq}: its last published collective was #{} ({}{label})", p.seq, p.op)
+                        format!(
+                            "; it never entered #{seq}: its last published collective was #{} ({}{label})",
+                            p.seq, p.op
+                        )
                     }
                     Some(p) => format!("; it had entered #{}", p.seq),
                     None => String::new(),
@@ -128,7 +144,13 @@ pub(crate) fn merge(dumps: &BTreeMap<usize, Dump>, world: Option<usize>, exits: 
     // 3. what each rank did last
     for d in dumps.values() {
         if let Some(l) = d.entries.last() {
-            a.findings.push(format!("rank {} last recorded {} in group {} ({:?})", d.rank, describe(l), l.group, l.state));
+            a.findings.push(format!(
+                "rank {} last recorded {} in group {} ({:?})",
+                d.rank,
+                describe(l),
+                l.group,
+                l.state
+            ));
         }
     }
     if stuck.is_empty() && !dumps.is_empty() {

@@ -36,7 +36,14 @@ pub struct PeerProgress {
 
 impl PeerProgress {
     fn encode(&self) -> String {
-        format!("{}\t{}\t{}\t{}\t{}", self.seq, self.entered, now(), self.op.replace('\t', " "), self.label.replace('\t', " "))
+        format!(
+            "{}\t{}\t{}\t{}\t{}",
+            self.seq,
+            self.entered,
+            now(),
+            self.op.replace('\t', " "),
+            self.label.replace('\t', " ")
+        )
     }
 
     fn decode(rank: usize, text: &str) -> PeerProgress {

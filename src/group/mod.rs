@@ -17,8 +17,8 @@ use engine::Engine;
 
 use crate::error::{check, Error, Result};
 use crate::ffi;
-use crate::store::Store;
 use crate::flight::GroupTrace;
+use crate::store::Store;
 use crate::work::{Finish, Work, WorkTrace};
 
 /// PyTorch's default collective timeout for Gloo is 30 minutes; a stuck job should fail sooner by default.
@@ -128,7 +128,13 @@ impl ProcessGroup {
     }
 
     /// [`new`](Self::new) with the name the flight recorder gives the group.
-    pub(crate) fn new_named(store: &Store, rank: usize, size: usize, opts: &GroupOptions, name: &str) -> Result<ProcessGroup> {
+    pub(crate) fn new_named(
+        store: &Store,
+        rank: usize,
+        size: usize,
+        opts: &GroupOptions,
+        name: &str,
+    ) -> Result<ProcessGroup> {
         if size == 0 || rank >= size {
             return Err(Error::invalid(
                 "ProcessGroup::new",
@@ -227,6 +233,11 @@ impl ProcessGroup {
         };
         let label = format!("{name} {:?}", ranks);
         ProcessGroup::new_named(&self.store.prefixed(&key)?, me, ranks.len(), &opts, &label).map(Some)
+    }
+
+    /// The group's store (its rendezvous; also where ranks leave messages for each other).
+    pub(crate) fn store(&self) -> &Store {
+        &self.store
     }
 
     /// Whether collectives check agreement across ranks first (see [`GroupOptions::verify`]).

@@ -50,7 +50,8 @@ impl RingReduce {
     }
 
     fn post(&mut self, pg: &ProcessGroup) -> Result<()> {
-        let _l = crate::flight::label(format!("ZeRO-2 reduce-scatter, bucket {}, step {}", self.tag - TAG_BASE, self.step));
+        let _l =
+            crate::flight::label(format!("ZeRO-2 reduce-scatter, bucket {}, step {}", self.tag - TAG_BASE, self.step));
         let (world, rank) = (pg.size() as i64, pg.rank() as i64);
         let (send, _) = chunk_of(rank, self.step, world);
         let right = ((rank + 1) % world) as usize;

@@ -67,76 +67,85 @@ pub fn run_rank(step: &RankStep, net: &mut dyn Transport) -> Result<RankReport> 
     let mut grads_in: HashMap<(usize, usize), Tensor> = HashMap::new();
     let mut report = RankReport::default();
     let mut loss_sum = 0.0;
-    for &a in &sch.actions[rank] {
-        match a {
-            Action::RecvActivation { mb, chunk } => {
-                let t = net.recv(prev_rank, (Payload::Activation, mb, vs_of(chunk)))?;
-                received.insert((mb, chunk), t);
-            }
-            Action::RecvGrad { mb, chunk } => {
-                let t = net.recv(next_rank, (Payload::Grad, mb, vs_of(chunk)))?;
-                grads_in.insert((mb, chunk), t);
-            }
-            Action::Forward { mb, chunk } => {
-                let stage = &step.chunks[chunk];
-                let vs = vs_of(chunk);
-                let start = now();
-                let input = if vs == 0 {
-                    step.inputs[mb].f_to_device(stage.device)?
-                } else {
-                    let t = received.remove(&(mb, chunk)).ok_or_else(|| missing(rank, a))?;
-                    t.f_to_device(stage.device)?.f_detach()?.set_requires_grad(true)
-                };
-                // With recomputation the forward keeps no graph: only `input` is kept, and backward
-                // runs the forward again.
-                let _no_graph = step.recompute.then(tch::no_grad_guard);
-                let output = stage.forward(&input);
-                let loss = if vs == last_vs { Some(last_loss(step, &output, mb, scale)?) } else { None };
-                if let Some(l) = &loss {
-                    loss_sum += l.f_double_value(&[])?;
+    for (i, &a) in sch.actions[rank].iter().enumerate() {
+        // tch's infallible ops (layers, loss functions) panic on bad shapes: that is this stage's error too
+        let done = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| -> Result<()> {
+            match a {
+                Action::RecvActivation { mb, chunk } => {
+                    let t = net.recv(prev_rank, (Payload::Activation, mb, vs_of(chunk)))?;
+                    received.insert((mb, chunk), t);
                 }
-                if vs != last_vs {
-                    net.send(next_rank, (Payload::Activation, mb, vs + 1), &output.f_detach()?)?;
+                Action::RecvGrad { mb, chunk } => {
+                    let t = net.recv(next_rank, (Payload::Grad, mb, vs_of(chunk)))?;
+                    grads_in.insert((mb, chunk), t);
                 }
-                let (output, loss) = if step.recompute { (None, None) } else { (Some(output), loss) };
-                saved.insert((mb, chunk), Saved { input, output, loss });
-                report.max_in_flight = report.max_in_flight.max(saved.len());
-                report.spans.push(Span { stage: rank, forward: true, mb, chunk, start, end: now() });
-            }
-            Action::Backward { mb, chunk } => {
-                let stage = &step.chunks[chunk];
-                let vs = vs_of(chunk);
-                let start = now();
-                let s = saved.remove(&(mb, chunk)).ok_or_else(|| missing(rank, a))?;
-                // recomputation: the forward again, this time recording the graph
-                let output = match s.output {
-                    Some(o) => o,
-                    None => stage.forward(&s.input),
-                };
-                if vs == last_vs {
-                    let loss = match s.loss {
-                        Some(l) => l,
-                        None => last_loss(step, &output, mb, scale)?,
+                Action::Forward { mb, chunk } => {
+                    let stage = &step.chunks[chunk];
+                    let vs = vs_of(chunk);
+                    let start = now();
+                    let input = if vs == 0 {
+                        step.inputs[mb].f_to_device(stage.device)?
+                    } else {
+                        let t = received.remove(&(mb, chunk)).ok_or_else(|| missing(rank, a))?;
+                        t.f_to_device(stage.device)?.f_detach()?.set_requires_grad(true)
                     };
-                    loss.f_backward()?;
-                } else {
-                    let g = grads_in.remove(&(mb, chunk)).ok_or_else(|| missing(rank, a))?;
-                    // backward of `output` with incoming gradient g (tch's backward takes no gradient)
-                    output.f_mul(&g.f_to_device(output.device())?)?.f_sum(Kind::Float)?.f_backward()?;
-                }
-                if vs > 0 {
-                    let gin = s.input.grad();
-                    if !gin.defined() {
-                        return Err(Error::invalid(
-                            format!("pipeline stage {rank}, virtual stage {vs}"),
-                            "the stage's output does not depend on its input, so no gradient flows back",
-                        ));
+                    // With recomputation the forward keeps no graph: only `input` is kept, and backward
+                    // runs the forward again.
+                    let _no_graph = step.recompute.then(tch::no_grad_guard);
+                    let output = stage.forward(&input);
+                    let loss = if vs == last_vs { Some(last_loss(step, &output, mb, scale)?) } else { None };
+                    if let Some(l) = &loss {
+                        loss_sum += l.f_double_value(&[])?;
                     }
-                    net.send(prev_rank, (Payload::Grad, mb, vs - 1), &gin)?;
+                    if vs != last_vs {
+                        net.send(next_rank, (Payload::Activation, mb, vs + 1), &output.f_detach()?)?;
+                    }
+                    let (output, loss) = if step.recompute { (None, None) } else { (Some(output), loss) };
+                    saved.insert((mb, chunk), Saved { input, output, loss });
+                    report.max_in_flight = report.max_in_flight.max(saved.len());
+                    report.spans.push(Span { stage: rank, forward: true, mb, chunk, start, end: now() });
                 }
-                report.spans.push(Span { stage: rank, forward: false, mb, chunk, start, end: now() });
+                Action::Backward { mb, chunk } => {
+                    let stage = &step.chunks[chunk];
+                    let vs = vs_of(chunk);
+                    let start = now();
+                    let s = saved.remove(&(mb, chunk)).ok_or_else(|| missing(rank, a))?;
+                    // recomputation: the forward again, this time recording the graph
+                    let output = match s.output {
+                        Some(o) => o,
+                        None => stage.forward(&s.input),
+                    };
+                    if vs == last_vs {
+                        let loss = match s.loss {
+                            Some(l) => l,
+                            None => last_loss(step, &output, mb, scale)?,
+                        };
+                        loss.f_backward()?;
+                    } else {
+                        let g = grads_in.remove(&(mb, chunk)).ok_or_else(|| missing(rank, a))?;
+                        // backward of `output` with incoming gradient g (tch's backward takes no gradient)
+                        output.f_mul(&g.f_to_device(output.device())?)?.f_sum(Kind::Float)?.f_backward()?;
+                    }
+                    if vs > 0 {
+                        let gin = s.input.grad();
+                        if !gin.defined() {
+                            return Err(Error::invalid(
+                                format!("pipeline stage {rank}, virtual stage {vs}"),
+                                "the stage's output does not depend on its input, so no gradient flows back",
+                            ));
+                        }
+                        net.send(prev_rank, (Payload::Grad, mb, vs - 1), &gin)?;
+                    }
+                    report.spans.push(Span { stage: rank, forward: false, mb, chunk, start, end: now() });
+                }
+                Action::SendActivation { .. } | Action::SendGrad { .. } => {} // done right after the compute
             }
-            Action::SendActivation { .. } | Action::SendGrad { .. } => {} // done right after the compute
+            Ok(())
+        }))
+        .unwrap_or_else(|p| Err(Error::invalid(format!("pipeline stage {rank}"), panic_message(&*p))));
+        if let Err(e) = done {
+            warn_neighbours(step, net, i, &e);
+            return Err(e);
         }
     }
     net.flush()?;
@@ -144,6 +153,37 @@ pub fn run_rank(step: &RankStep, net: &mut dyn Transport) -> Result<RankReport> 
         report.loss = Some(loss_sum);
     }
     Ok(report)
+}
+
+/// This rank failed at action `at`: each neighbour that will wait for a message from it gets an abort
+/// instead (the first such message in the schedule), so the failure travels down the pipeline at once.
+fn warn_neighbours(step: &RankStep, net: &mut dyn Transport, at: usize, e: &Error) {
+    let sch = step.schedule;
+    let p = sch.stages;
+    let last_vs = p * sch.chunks - 1;
+    let (rank, prev, next) = (step.rank, (step.rank + p - 1) % p, (step.rank + 1) % p);
+    let origin = match e {
+        Error::RankFailed { rank, .. } => *rank,
+        _ => rank,
+    };
+    let msg = e.to_string();
+    let mut warned = Vec::new();
+    for &a in &sch.actions[rank][at..] {
+        let out = match a {
+            Action::Forward { mb, chunk } if chunk * p + rank != last_vs => {
+                Some((next, (Payload::Activation, mb, chunk * p + rank + 1)))
+            }
+            Action::Backward { mb, chunk } if chunk * p + rank > 0 => {
+                Some((prev, (Payload::Grad, mb, chunk * p + rank - 1)))
+            }
+            _ => None,
+        };
+        // (not back to the rank the failure came from)
+        if let Some((to, key)) = out.filter(|(to, _)| *to != rank && *to != origin && !warned.contains(to)) {
+            let _ = net.abort(to, key, origin, &msg);
+            warned.push(to);
+        }
+    }
 }
 
 fn last_loss(step: &RankStep, out: &Tensor, mb: usize, scale: f64) -> Result<Tensor> {
@@ -219,6 +259,7 @@ pub fn run_threads(
 fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
     let msg =
         p.downcast_ref::<String>().map(|s| s.as_str()).or_else(|| p.downcast_ref::<&str>().copied()).unwrap_or("panic");
-    // tch's messages carry a C++ backtrace after the first line
-    msg.lines().next().unwrap_or(msg).to_string()
+    // tch's messages carry a C++ backtrace after the first line (escaped, inside tch's error's Debug form)
+    let first = msg.lines().next().unwrap_or(msg);
+    first.split("\\n").next().unwrap_or(first).to_string()
 }

@@ -30,7 +30,14 @@ pub trait Transport {
     fn recv(&mut self, from_rank: usize, key: Key) -> Result<Tensor>;
     /// Completes outstanding sends (end of a step).
     fn flush(&mut self) -> Result<()>;
+    /// This rank failed (`origin` is the rank where the failure began, this one or an earlier one whose
+    /// failure reached it): tells `to_rank`, which waits for `key` from it, instead of sending it, so
+    /// that it fails at once with `msg` rather than waiting for its timeout.
+    fn abort(&mut self, to_rank: usize, key: Key, origin: usize, msg: &str) -> Result<()>;
 }
+
+/// The header dtype code that means "no tensor comes: the sender failed".
+const ABORT: i64 = -2;
 
 /// Channels between stage threads. A failing stage raises `abort`, so the others stop waiting.
 pub struct ChannelTransport {
@@ -97,6 +104,11 @@ impl Transport for ChannelTransport {
     fn flush(&mut self) -> Result<()> {
         Ok(())
     }
+
+    fn abort(&mut self, _to_rank: usize, _key: Key, _origin: usize, _msg: &str) -> Result<()> {
+        // threads share an abort flag, raised by the runner
+        Ok(())
+    }
 }
 
 /// Send/recv over a process group (one process per stage). Each tensor is preceded by a small header
@@ -139,7 +151,10 @@ impl Transport for GroupTransport {
         let header = Tensor::from_slice(&m).f_to_device(self.pg.meta_device())?;
         let body = t.f_contiguous()?;
         let tag = self.tag(key);
-        let _l = crate::flight::label(format!("pipeline send {:?} of microbatch {} to virtual stage {}", key.0, key.1, key.2));
+        let _l = crate::flight::label(format!(
+            "pipeline send {:?} of microbatch {} to virtual stage {}",
+            key.0, key.1, key.2
+        ));
         // Our header already tells the receiver what comes, so the group's own checks are skipped.
         self.pending.push(self.pg.send_raw(&header, to_rank, tag)?);
         self.pending.push(self.pg.send_raw(&body, to_rank, tag + 1)?);
@@ -148,10 +163,27 @@ impl Transport for GroupTransport {
 
     fn recv(&mut self, from_rank: usize, key: Key) -> Result<Tensor> {
         let tag = self.tag(key);
-        let _l = crate::flight::label(format!("pipeline recv {:?} of microbatch {} for virtual stage {}", key.0, key.1, key.2));
+        let _l = crate::flight::label(format!(
+            "pipeline recv {:?} of microbatch {} for virtual stage {}",
+            key.0, key.1, key.2
+        ));
         let mut h = Tensor::f_zeros([tensor_meta::LEN as i64], (Kind::Int64, self.pg.meta_device()))?;
         self.pg.recv_raw(&mut h, from_rank, tag)?.wait()?;
         let h = Vec::<i64>::try_from(h.f_to_device(Device::Cpu)?)?;
+        if h[0] == ABORT {
+            let origin = h[1].max(0) as usize;
+            let msg = self
+                .pg
+                .store()
+                .get(&abort_key(origin))
+                .map(|m| String::from_utf8_lossy(&m).to_string())
+                .unwrap_or_else(|e| format!("(its message could not be read: {e})"));
+            return Err(Error::RankFailed {
+                op: format!("pipeline stage {} waiting for {:?} of microbatch {}", self.pg.rank(), key.0, key.1),
+                rank: origin,
+                msg,
+            });
+        }
         let mut t = tensor_meta::empty(&h, self.device).ok_or_else(|| {
             Error::invalid("pipeline recv", format!("stage {from_rank} announced {}", tensor_meta::render(&h)))
         })?;
@@ -165,4 +197,23 @@ impl Transport for GroupTransport {
         }
         Ok(())
     }
+
+    fn abort(&mut self, to_rank: usize, key: Key, origin: usize, msg: &str) -> Result<()> {
+        if origin == self.pg.rank() {
+            self.pg.store().set(&abort_key(origin), msg.as_bytes())?;
+        }
+        let mut h = [0i64; tensor_meta::LEN];
+        h[0] = ABORT;
+        h[1] = origin as i64;
+        let header = Tensor::from_slice(&h).f_to_device(self.pg.meta_device())?;
+        let _l = crate::flight::label(format!("pipeline abort to rank {to_rank}"));
+        // a small message: out within moments, whether or not the other side still listens
+        let work = self.pg.send_raw(&header, to_rank, self.tag(key))?;
+        let _ = work.wait_timeout(Duration::from_secs(2));
+        Ok(())
+    }
+}
+
+fn abort_key(origin: usize) -> String {
+    format!("pipeline/abort/{origin}")
 }
