@@ -26,6 +26,9 @@ struct Args {
     mode: String,
     #[arg(long, default_value_t = 8)]
     steps: usize,
+    /// Save a checkpoint here after every step (DDP and ZeRO-2 modes)
+    #[arg(long)]
+    ckpt: Option<std::path::PathBuf>,
 }
 
 struct Fault {
@@ -117,6 +120,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         ddp.backward(&ddp.f_forward(&x)?.mse_loss(&y, tch::Reduction::Mean))?;
         opt.step()?;
         opt.zero_grad()?;
+        if let Some(path) = &args.ckpt {
+            tch_dist::checkpoint::save_var_store(&pg, path, step as u64 + 1, &vs)?;
+        }
         if rank == 0 {
             println!("step {step}");
         }
