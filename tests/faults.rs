@@ -78,7 +78,10 @@ fn a_rank_calling_another_collective_is_a_mismatch_on_every_rank() {
     let (o, secs) = drill(3, "ddp", "mismatch@2:2", &[]);
     let t = text(&o);
     assert_failed_in_time(&o, secs, SLACK);
-    assert!(t.contains("ranks disagree on dtype/shape: rank 0: Float[5], rank 1: Float[5], rank 2: Float[3]"), "{t}");
+    assert!(
+        t.contains("ranks disagree on dtype/shape: rank 0: Float[5], rank 1: Float[5], rank 2: Float[3]; the odd one out: rank 2"),
+        "{t}"
+    );
 }
 
 #[test]

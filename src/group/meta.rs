@@ -131,6 +131,18 @@ impl Meta<'_> {
     }
 }
 
+/// "; the odd one out: rank 2" when most ranks agree and a few do not.
+pub(crate) fn odd_ones_out(rows: &[Vec<i64>]) -> String {
+    let common = rows.iter().max_by_key(|r| rows.iter().filter(|x| x == r).count());
+    let Some(common) = common else { return String::new() };
+    let odd: Vec<String> = rows.iter().enumerate().filter(|(_, r)| *r != common).map(|(i, _)| format!("rank {i}")).collect();
+    if odd.is_empty() || odd.len() * 2 >= rows.len() {
+        return String::new();
+    }
+    let s = if odd.len() == 1 { "" } else { "s" };
+    format!("; the odd one{s} out: {}", odd.join(", "))
+}
+
 /// `rank 0: .., rank 1: ..` for error messages.
 pub(crate) fn by_rank(rows: &[Vec<i64>], show: impl Fn(&[i64]) -> String, sep: &str) -> String {
     rows.iter().enumerate().map(|(r, v)| format!("rank {r}: {}", show(v))).collect::<Vec<_>>().join(sep)
@@ -151,10 +163,11 @@ pub(crate) fn agree_on_op(pg: &ProcessGroup, what: &str, op: i64, t: &Tensor, ex
     let what = format!("{what} (agreement check before it)");
     pg.meta().agree(&what, &fingerprint(op, t, extra), |rows| {
         let listing = by_rank(rows, |f| tensor_meta::render(&f[2..]), ", ");
+        let odd = odd_ones_out(rows);
         if rows.iter().any(|r| r[..2] != rows[0][..2]) {
-            format!("ranks issued different operations or arguments at this point ({listing})")
+            format!("ranks issued different operations or arguments at this point ({listing}){odd}")
         } else {
-            format!("ranks disagree on dtype/shape: {listing}")
+            format!("ranks disagree on dtype/shape: {listing}{odd}")
         }
     })?;
     Ok(())
