@@ -41,14 +41,17 @@ void tdx_hook_free(tdx_hook* h) {
   }
 }
 
-int tdx_queue_backward_callback(tdx_callback_fn fn, void* ctx) {
+int tdx_queue_backward_callback(tdx_callback_fn fn, tdx_drop_fn drop, void* ctx) {
   TDX_TRY({
-    torch::autograd::Engine::get_default_engine().queue_callback([fn, ctx]() {
+    // ctx is owned from here on, and freed through `drop` when the callback goes, whether it ran or not
+    // (a backward that fails before its final callbacks never runs them); also if anything here throws.
+    std::shared_ptr<void> owned(ctx, drop);
+    torch::autograd::Engine::get_default_engine().queue_callback([fn, owned]() {
       char buf[2048];
       buf[0] = 0;
       // The Rust side catches its own panics and reports failure through the return code; the
       // exception below is how autograd reports a failed callback: backward() itself fails.
-      if (fn(ctx, buf, sizeof(buf)) != 0) throw std::runtime_error(buf);
+      if (fn(owned.get(), buf, sizeof(buf)) != 0) throw std::runtime_error(buf);
     });
     return TDX_OK;
   })

@@ -72,9 +72,11 @@ typedef void (*tdx_hook_fn)(void* ctx, int64_t index);
 int tdx_hook_register(tdx_tensor var, tdx_hook_fn fn, void* ctx, int64_t index, tdx_hook** out);
 void tdx_hook_free(tdx_hook* h);  // removes the hook
 // Runs fn once when the current backward pass finishes (call it from inside a hook). A non-zero return
-// fails that backward with the message fn wrote into err. fn owns ctx.
+// fails that backward with the message fn wrote into err. The shim owns ctx from the call on, and frees it
+// with drop (exactly once: after fn ran, when the backward failed before running it, or on error).
 typedef int (*tdx_callback_fn)(void* ctx, char* err, size_t errlen);
-int tdx_queue_backward_callback(tdx_callback_fn fn, void* ctx);
+typedef void (*tdx_drop_fn)(void* ctx);
+int tdx_queue_backward_callback(tdx_callback_fn fn, tdx_drop_fn drop, void* ctx);
 int tdx_tensor_set_grad(tdx_tensor var, tdx_tensor grad);  // grad NULL: undefine .grad
 int tdx_tensor_grad_data_ptr(tdx_tensor var, uint64_t* out);  // 0 when undefined
 

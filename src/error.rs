@@ -141,3 +141,15 @@ fn looks_like_mismatch(msg: &str) -> bool {
     let m = msg.to_ascii_lowercase();
     m.contains("mismatch") || m.contains("preamble.length") || m.contains("nbytes") || m.contains("size of")
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn debug_reads_like_display() {
+        let e = Error::invalid("allreduce", "a CPU tensor");
+        assert_eq!(format!("{e:?}"), "allreduce: invalid argument: a CPU tensor");
+        assert_eq!(format!("{e:?}"), e.to_string());
+    }
+}

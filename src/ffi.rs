@@ -28,6 +28,7 @@ pub struct tdx_hook {
 pub type tdx_tensor = *mut c_void;
 pub type tdx_hook_fn = unsafe extern "C" fn(ctx: *mut c_void, index: i64);
 pub type tdx_callback_fn = unsafe extern "C" fn(ctx: *mut c_void, err: *mut c_char, errlen: size_t) -> c_int;
+pub type tdx_drop_fn = unsafe extern "C" fn(ctx: *mut c_void);
 
 extern "C" {
     pub fn tdx_last_error() -> *const c_char;
@@ -108,7 +109,7 @@ extern "C" {
         out: *mut *mut tdx_hook,
     ) -> c_int;
     pub fn tdx_hook_free(h: *mut tdx_hook);
-    pub fn tdx_queue_backward_callback(f: tdx_callback_fn, ctx: *mut c_void) -> c_int;
+    pub fn tdx_queue_backward_callback(f: tdx_callback_fn, drop: tdx_drop_fn, ctx: *mut c_void) -> c_int;
     pub fn tdx_tensor_set_grad(var: tdx_tensor, grad: tdx_tensor) -> c_int;
     pub fn tdx_tensor_grad_data_ptr(var: tdx_tensor, out: *mut u64) -> c_int;
 

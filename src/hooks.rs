@@ -10,16 +10,23 @@ use crate::ffi;
 
 type Callback = Box<dyn Fn() + Send + Sync>;
 
-/// A registered hook; dropping it removes the hook.
+/// A registered hook; dropping it removes the hook. Don't drop it while a backward through its variable
+/// runs on another thread; the type is not `Sync`, so it cannot be shared to do so by accident:
+///
+/// ```compile_fail
+/// fn shared<T: Sync>() {}
+/// shared::<tch_dist::hooks::GradHook>();
+/// ```
 pub struct GradHook {
     ptr: NonNull<ffi::tdx_hook>,
     // Boxed twice so the C side holds a thin pointer; freed after the hook is removed.
     callback: *mut Callback,
 }
 
-// SAFETY: the callback is Send + Sync; the handle is only freed in Drop.
+// SAFETY: the callback is Send + Sync; the handle is only freed in Drop. Not Sync: removing a hook while a
+// backward through its variable runs on another thread races inside libtorch (its node's hook list), so
+// a GradHook is dropped by the one thread that owns it (DDP drops its hooks when it is dropped).
 unsafe impl Send for GradHook {}
-unsafe impl Sync for GradHook {}
 
 unsafe extern "C" fn trampoline(ctx: *mut c_void, _index: i64) {
     // SAFETY: ctx is the *mut Callback registered below, alive until the hook is removed.
@@ -102,11 +109,25 @@ pub fn zero_grads(vars: &[Tensor]) -> Result<()> {
     Ok(())
 }
 
-type EndCallback = Box<dyn FnOnce() -> std::result::Result<(), String> + Send>;
+type EndCallback = Option<Box<dyn FnOnce() -> std::result::Result<(), String> + Send>>;
+
+/// Backward callbacks queued and not yet freed (to test that none leaks).
+static LIVE_CALLBACKS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+#[doc(hidden)]
+pub fn live_backward_callbacks() -> usize {
+    LIVE_CALLBACKS.load(std::sync::atomic::Ordering::SeqCst)
+}
+
+unsafe extern "C" fn end_drop(ctx: *mut c_void) {
+    // SAFETY: ctx is the Box<EndCallback> handed over by queue_backward_callback; the shim frees it once.
+    drop(unsafe { Box::from_raw(ctx as *mut EndCallback) });
+    LIVE_CALLBACKS.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+}
 
 unsafe extern "C" fn end_trampoline(ctx: *mut c_void, err: *mut libc::c_char, errlen: libc::size_t) -> libc::c_int {
-    // SAFETY: ctx is the Box<EndCallback> leaked by queue_backward_callback; autograd runs it exactly once.
-    let f = unsafe { Box::from_raw(ctx as *mut EndCallback) };
+    // SAFETY: ctx is the live Box<EndCallback> the shim owns; autograd runs this at most once.
+    let Some(f) = (unsafe { &mut *(ctx as *mut EndCallback) }).take() else { return 0 };
     let msg = match catch_unwind(AssertUnwindSafe(f)) {
         Ok(Ok(())) => return 0,
         Ok(Err(m)) => m,
@@ -126,12 +147,9 @@ unsafe extern "C" fn end_trampoline(ctx: *mut c_void, err: *mut libc::c_char, er
 /// Runs `f` once when the backward pass in progress finishes (as PyTorch's reducer finalises DDP). Call it
 /// from inside a gradient hook. If `f` returns an error, that backward fails with its message.
 pub fn queue_backward_callback(f: impl FnOnce() -> std::result::Result<(), String> + Send + 'static) -> Result<()> {
-    let ctx: *mut EndCallback = Box::into_raw(Box::new(Box::new(f)));
-    // SAFETY: ownership of ctx passes to the callback on success.
-    let code = unsafe { ffi::tdx_queue_backward_callback(end_trampoline, ctx as *mut c_void) };
-    if code != ffi::TDX_OK {
-        // SAFETY: not queued, so still ours.
-        drop(unsafe { Box::from_raw(ctx) });
-    }
+    let ctx: *mut EndCallback = Box::into_raw(Box::new(Some(Box::new(f))));
+    LIVE_CALLBACKS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    // SAFETY: the shim takes ownership of ctx and frees it through end_drop on every path.
+    let code = unsafe { ffi::tdx_queue_backward_callback(end_trampoline, end_drop, ctx as *mut c_void) };
     check(code, std::time::Duration::ZERO, || "queue a callback at the end of backward".into())
 }

@@ -7,8 +7,8 @@ use std::time::Duration;
 use crate::error::{check, Error, Result};
 use crate::ffi;
 
-/// Default timeout for store operations and rendezvous, as PyTorch's (`timedelta(minutes=30)` is PyTorch's
-/// process-group default; stores default to 300 s). We choose 300 s for both; pass your own for tests.
+/// Timeout of store operations when none is given (PyTorch's TCPStore default, 300 s). Groups have their
+/// own (`group::DEFAULT_TIMEOUT`, 600 s), which `init` also gives the store it creates.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 
 /// A handle to a c10d store. Cloning shares the same store.

@@ -421,3 +421,26 @@ fn ddp_is_a_tch_module() {
         assert!(dbg.starts_with("DistributedDataParallel {") && dbg.contains("parameters: 6"), "{dbg}");
     }
 }
+
+/// A comm hook that panics does not abort the process: the panic is that backward's error, on every rank.
+#[test]
+fn a_panicking_comm_hook_is_the_backwards_error() {
+    #[derive(Debug)]
+    struct Panics;
+    impl comm_hook::CommHook for Panics {
+        fn run(&self, _: &Arc<tch_dist::ProcessGroup>, _: &comm_hook::GradBucket) -> tch_dist::Result<comm_hook::HookFuture> {
+            panic!("boom in a comm hook")
+        }
+    }
+    let res = common::run_threads(2, T, |pg| {
+        let vs = nn::VarStore::new(Device::Cpu);
+        let net = mlp(&vs);
+        let opts = DdpOptions::default().comm_hook(Arc::new(Panics)).process_group(Arc::new(pg));
+        let ddp = DistributedDataParallel::new(&vs, net, opts).unwrap();
+        let (x, y) = batch(0, 0, PER);
+        ddp.backward(&model::loss(&ddp.f_forward(&x).unwrap(), &y)).unwrap_err().to_string()
+    });
+    for e in res {
+        assert!(e.contains("comm hook on bucket 0") && e.contains("panicked: boom in a comm hook"), "{e}");
+    }
+}

@@ -98,7 +98,9 @@ fn an_unwritable_checkpoint_fails_every_rank_at_once_naming_rank_0_and_the_file(
     let t = text(&o);
     assert_failed_in_time(&o, secs, SLACK);
     assert!(
-        t.contains("[rank1]: Error: checkpoint save on rank 1 of 2: rank 0 failed: checkpoint /dev/null/ckpt.safetensors"),
+        t.contains(
+            "[rank1]: Error: checkpoint save on rank 1 of 2: rank 0 failed: checkpoint /dev/null/ckpt.safetensors"
+        ),
         "{t}"
     );
 }

@@ -206,3 +206,20 @@ fn bad_launcher_arguments_are_one_line_errors() {
     assert_eq!(o.status.code(), Some(2));
     assert!(err.contains("cannot start \"/no/such/program\" for rank 0"), "{err}");
 }
+
+/// An error after some workers started (here rank 1's log file cannot be created) stops those workers.
+#[test]
+fn an_early_error_leaves_no_worker_running() {
+    let dir = std::env::temp_dir().join(format!("tdx-tchrun-logs-{}", std::process::id()));
+    std::fs::create_dir_all(dir.join("rank1.restart0.log")).unwrap(); // a directory where the file should go
+    let start = Instant::now();
+    let mut c = tchrun();
+    c.args(["--standalone", "--nproc-per-node", "2", "--redirect-logs", dir.to_str().unwrap(), "--", "sleep", "31.713"]);
+    let (o, _) = run(c, Duration::from_secs(60));
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("rank1.restart0.log"), "{}", common::show(&o));
+    assert!(start.elapsed() < Duration::from_secs(20));
+    let left = Command::new("pgrep").args(["-f", "sleep 31.713"]).output().unwrap();
+    assert!(!left.status.success(), "a worker is still running: {}", String::from_utf8_lossy(&left.stdout));
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -5,11 +5,18 @@ use tch::{Device, Kind};
 use crate::error::{check, Error, Result};
 use crate::ffi;
 
-/// An autocast region; dropping it restores the thread's previous autocast state.
+/// An autocast region; dropping it restores the thread's previous autocast state. Autocast state is per
+/// thread, so the guard stays on the thread that made it (it is not `Send`):
+///
+/// ```compile_fail
+/// fn movable<T: Send>() {}
+/// movable::<tch_dist::amp::AutocastGuard>();
+/// ```
 pub struct AutocastGuard {
     device: i32,
     prev_enabled: i32,
     prev_dtype: i32,
+    _this_thread: std::marker::PhantomData<*const ()>,
 }
 
 impl AutocastGuard {
@@ -37,7 +44,7 @@ impl AutocastGuard {
             )
         };
         check(code, std::time::Duration::ZERO, || "enter autocast".to_string())?;
-        Ok(AutocastGuard { device, prev_enabled, prev_dtype })
+        Ok(AutocastGuard { device, prev_enabled, prev_dtype, _this_thread: std::marker::PhantomData })
     }
 }
 

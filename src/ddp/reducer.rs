@@ -80,6 +80,19 @@ pub(crate) struct State {
     forward_param_sync: bool,
 }
 
+/// A complete bucket whose reduction can start.
+enum Launch {
+    /// ZeRO-2: reduce-scatter into the shards.
+    Shard(usize),
+    Reduce(GradBucket),
+}
+
+fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
+    let msg =
+        p.downcast_ref::<String>().map(|s| s.as_str()).or_else(|| p.downcast_ref::<&str>().copied()).unwrap_or("");
+    format!("panicked: {}", msg.lines().next().unwrap_or(msg))
+}
+
 pub(crate) struct Reducer {
     pub pg: Arc<ProcessGroup>,
     pub cfg: Config,
@@ -142,7 +155,10 @@ impl Reducer {
                 let weak: Weak<Reducer> = Arc::downgrade(self);
                 hooks::on_grad_accumulated(p, move || {
                     if let Some(r) = weak.upgrade() {
-                        r.on_grad_ready(i);
+                        // a panic in here becomes this backward's error (reported when it ends)
+                        if let Err(p) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| r.on_grad_ready(i))) {
+                            r.fail(format!("the gradient hook of parameter {i} {}", panic_text(&*p)));
+                        }
                     }
                 })
             })
@@ -150,46 +166,67 @@ impl Reducer {
     }
 
     fn on_grad_ready(self: &Arc<Self>, i: usize) {
-        let mut st = lock(&self.state);
-        st.grads_zeroed = false;
-        if !st.sync || st.error.is_some() {
-            return;
-        }
-        if !st.active {
-            st.active = true;
-            st.events.clear();
-            if self.pg.verifies() && st.join.is_none() {
-                if let Err(e) = self.check_loop_agreement(&st, "backward") {
+        // Under the lock: bookkeeping and the copy into the bucket. The collectives and the user's comm
+        // hook run after it is released.
+        let (loop_counts, launches) = {
+            let mut st = lock(&self.state);
+            st.grads_zeroed = false;
+            if !st.sync || st.error.is_some() {
+                return;
+            }
+            let mut loop_counts = None;
+            if !st.active {
+                st.active = true;
+                st.events.clear();
+                if self.pg.verifies() && st.join.is_none() {
+                    loop_counts = Some((st.forwards, st.backwards));
+                }
+                st.backwards += 1;
+                let weak = Arc::downgrade(self);
+                let queued = hooks::queue_backward_callback(move || match weak.upgrade() {
+                    Some(r) => r.finalize().map_err(|e| e.to_string()),
+                    None => Ok(()),
+                });
+                if let Err(e) = queued {
                     st.error = Some(e.to_string());
+                    return;
                 }
             }
-            st.backwards += 1;
-            let weak = Arc::downgrade(self);
-            let queued = hooks::queue_backward_callback(move || match weak.upgrade() {
-                Some(r) => r.finalize().map_err(|e| e.to_string()),
-                None => Ok(()),
-            });
-            if let Err(e) = queued {
-                st.error = Some(e.to_string());
+            st.events.push(ReducerEvent::GradReady { param: i });
+            if st.ready[i] {
+                st.error = Some(format!(
+                    "parameter {i} ({}) was marked ready twice in one backward; DDP supports one backward per forward",
+                    st.names[i]
+                ));
+                return;
+            }
+            match self.mark_ready(&mut st, i) {
+                Ok(l) => (loop_counts, l),
+                Err(e) => {
+                    st.error = Some(e.to_string());
+                    return;
+                }
+            }
+        };
+        if let Some((forwards, backwards)) = loop_counts {
+            if let Err(e) = self.check_loop_agreement(forwards, backwards, "backward") {
+                self.fail(e.to_string());
                 return;
             }
         }
-        st.events.push(ReducerEvent::GradReady { param: i });
-        if st.ready[i] {
-            st.error = Some(format!(
-                "parameter {i} ({}) was marked ready twice in one backward; DDP supports one backward per forward",
-                st.names[i]
-            ));
-            return;
-        }
-        if let Err(e) = self.mark_ready(&mut st, i) {
-            st.error = Some(e.to_string());
+        if let Err(e) = self.start(launches) {
+            self.fail(e.to_string());
         }
     }
 
-    /// Copies parameter `i`'s gradient into its bucket slot (divided by the world size) and launches every
-    /// bucket that is now complete, strictly in bucket order.
-    fn mark_ready(&self, st: &mut State, i: usize) -> Result<()> {
+    /// Records the first error of this backward (reported when it ends).
+    pub(crate) fn fail(&self, msg: String) {
+        lock(&self.state).error.get_or_insert(msg);
+    }
+
+    /// Copies parameter `i`'s gradient into its bucket slot (divided by the world size) and returns the
+    /// buckets that are now complete, in bucket order, for [`start`](Self::start).
+    fn mark_ready(&self, st: &mut State, i: usize) -> Result<Vec<Launch>> {
         let _g = tch::no_grad_guard();
         let (b, k) = st.loc[i];
         let grad = st.params[i].grad();
@@ -230,38 +267,66 @@ impl Reducer {
             st.ready_order.push(i);
         }
         st.pending[b] -= 1;
+        let mut launches = Vec::new();
         while st.next_launch < st.buckets.len() && st.pending[st.next_launch] == 0 {
             let nb = st.next_launch;
-            let _l = crate::flight::label(format!("DDP bucket {nb}"));
-            if let Some(sh) = st.shards.as_mut() {
-                sh.launch(&self.pg, nb)?;
+            launches.push(if st.shards.is_some() {
+                Launch::Shard(nb)
             } else {
-                let f = match &self.cfg.comm_hook {
-                    None => HookFuture::after(
-                        self.pg.allreduce_unverified(&mut st.buckets[nb].flat.shallow_clone(), ReduceOp::Sum)?,
-                    ),
-                    Some(hook) => {
-                        let bucket = GradBucket {
-                            index: nb,
-                            count: st.buckets.len(),
-                            buffer: st.buckets[nb].flat.shallow_clone(),
-                            gradients: st.buckets[nb].views.iter().map(|v| v.shallow_clone()).collect(),
-                        };
-                        hook.run(&self.pg, &bucket)?
-                    }
-                };
-                st.in_flight.push(f);
-            }
+                Launch::Reduce(GradBucket {
+                    index: nb,
+                    count: st.buckets.len(),
+                    buffer: st.buckets[nb].flat.shallow_clone(),
+                    gradients: st.buckets[nb].views.iter().map(|v| v.shallow_clone()).collect(),
+                })
+            });
             st.events.push(ReducerEvent::BucketLaunched { bucket: nb });
             st.next_launch += 1;
+        }
+        Ok(launches)
+    }
+
+    /// Starts the reductions of complete buckets, in order, with no lock held (they may block, as
+    /// ZeRO-2's waits for the previous bucket, and run the user's comm hook).
+    fn start(&self, launches: Vec<Launch>) -> Result<()> {
+        for l in launches {
+            match l {
+                Launch::Shard(nb) => {
+                    let _l = crate::flight::label(format!("DDP bucket {nb}"));
+                    // out of the state while it runs (one backward at a time drives it)
+                    let Some(mut sh) = lock(&self.state).shards.take() else { continue };
+                    let r = sh.launch(&self.pg, nb);
+                    lock(&self.state).shards = Some(sh);
+                    r?;
+                }
+                Launch::Reduce(bucket) => {
+                    let _l = crate::flight::label(format!("DDP bucket {}", bucket.index));
+                    let f = match &self.cfg.comm_hook {
+                        None => HookFuture::after(
+                            self.pg.allreduce_unverified(&mut bucket.buffer.shallow_clone(), ReduceOp::Sum)?,
+                        ),
+                        Some(hook) => {
+                            // the user's code: a panic in it is this backward's error, not an abort
+                            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| hook.run(&self.pg, &bucket)))
+                                .unwrap_or_else(|p| {
+                                    Err(Error::invalid(
+                                        format!("comm hook on bucket {}", bucket.index),
+                                        panic_text(&*p),
+                                    ))
+                                })?
+                        }
+                    };
+                    lock(&self.state).in_flight.push(f);
+                }
+            }
         }
         Ok(())
     }
 
     /// End of backward: reduce what is left, wait for every bucket, write results into `.grad`.
     pub fn finalize(&self) -> Result<()> {
+        let r = self.finalize_inner();
         let mut st = lock(&self.state);
-        let r = self.finalize_locked(&mut st);
         reset_iteration(&mut st);
         if r.is_ok() {
             st.iterations += 1;
@@ -269,14 +334,16 @@ impl Reducer {
         r
     }
 
-    fn finalize_locked(&self, st: &mut State) -> Result<()> {
+    fn finalize_inner(&self) -> Result<()> {
         let op = || format!("DDP backward on rank {} of {}", self.pg.rank(), self.pg.size());
-        if let Some(e) = st.error.take() {
-            return Err(Error::Backend { op: op(), msg: e });
-        }
-        let missing: Vec<usize> = (0..st.params.len()).filter(|&i| !st.ready[i]).collect();
-        if !missing.is_empty() {
-            if !self.cfg.find_unused {
+        // 1. under the lock: this backward's error, and unused parameters marked ready (as zeros)
+        let launches = {
+            let mut st = lock(&self.state);
+            if let Some(e) = st.error.take() {
+                return Err(Error::Backend { op: op(), msg: e });
+            }
+            let missing: Vec<usize> = (0..st.params.len()).filter(|&i| !st.ready[i]).collect();
+            if !missing.is_empty() && !self.cfg.find_unused {
                 let names: Vec<&str> = missing.iter().map(|&i| st.names[i].as_str()).collect();
                 return Err(Error::invalid(
                     op(),
@@ -287,26 +354,42 @@ impl Reducer {
                     ),
                 ));
             }
+            let mut launches = Vec::new();
             for i in missing {
-                self.mark_ready(st, i)?;
+                launches.extend(self.mark_ready(&mut st, i)?);
             }
-        }
+            launches
+        };
+        // 2. no lock held while the reductions run and are waited for
+        self.start(launches)?;
         let _g = tch::no_grad_guard();
-        if let Some(sh) = st.shards.as_mut() {
-            return sh.finish(&self.pg);
+        let (in_flight, shards) = {
+            let mut st = lock(&self.state);
+            (std::mem::take(&mut st.in_flight), st.shards.take())
+        };
+        if let Some(mut sh) = shards {
+            let r = sh.finish(&self.pg);
+            lock(&self.state).shards = Some(sh);
+            return r;
         }
-        for f in std::mem::take(&mut st.in_flight) {
+        for f in in_flight {
             f.wait()?;
         }
         let globally_used = if self.cfg.find_unused {
             // PyTorch's local_used_map: int32, summed on the parameters' device
-            let flags: Vec<i32> = st.has_grad.iter().map(|&u| u as i32).collect();
-            let meta = self.pg.meta_as_pytorch(st.specs[0].device);
+            let (flags, device) = {
+                let st = lock(&self.state);
+                (st.has_grad.iter().map(|&u| u as i32).collect::<Vec<i32>>(), st.specs[0].device)
+            };
+            let meta = self.pg.meta_as_pytorch(device);
             meta.allreduce("DDP unused-parameter map", &flags, ReduceOp::Sum)?.into_iter().map(|c| c > 0).collect()
         } else {
-            vec![true; st.params.len()]
+            Vec::new()
         };
-        for (i, &used) in globally_used.iter().enumerate() {
+        // 3. the results into `.grad`
+        let st = lock(&self.state);
+        for i in 0..st.params.len() {
+            let used = globally_used.get(i).copied().unwrap_or(true);
             let (b, k) = st.loc[i];
             let view = &st.buckets[b].views[k];
             let mut grad = st.params[i].grad();
@@ -326,9 +409,9 @@ impl Reducer {
     /// Ranks that ran different numbers of forwards and backwards (an extra backward on one rank) would
     /// pair up the wrong collectives, and Gloo aborts the process when their sizes differ. A small
     /// fixed-size check at the start of each forward and each backward catches it first.
-    fn check_loop_agreement(&self, st: &State, phase: &str) -> Result<()> {
+    fn check_loop_agreement(&self, forwards: i64, backwards: i64, phase: &str) -> Result<()> {
         let code = if phase == "forward" { 1 } else { 2 };
-        self.pg.meta().agree(&format!("DDP {phase}"), &[code, st.forwards, st.backwards], |rows| {
+        self.pg.meta().agree(&format!("DDP {phase}"), &[code, forwards, backwards], |rows| {
             let listing: Vec<String> = rows
                 .iter()
                 .enumerate()
@@ -361,13 +444,17 @@ impl Reducer {
 
     /// Our check that every rank is at the same forward (agreement checks on, not joining).
     pub fn check_forward_loop(&self) -> Result<()> {
-        let mut st = lock(&self.state);
-        if st.sync {
-            if self.pg.verifies() && st.join.is_none() {
-                self.check_loop_agreement(&st, "forward")?;
+        let counts = {
+            let st = lock(&self.state);
+            if !st.sync {
+                return Ok(());
             }
-            st.forwards += 1;
+            (self.pg.verifies() && st.join.is_none()).then_some((st.forwards, st.backwards))
+        };
+        if let Some((forwards, backwards)) = counts {
+            self.check_loop_agreement(forwards, backwards, "forward")?;
         }
+        lock(&self.state).forwards += 1;
         Ok(())
     }
 
@@ -375,38 +462,45 @@ impl Reducer {
     /// arrived, with rank 0's assignment. `shadow`: this rank has joined (see `join`) and follows the
     /// others' rebuild, proposing its current layout if it never saw a whole backward itself.
     pub fn rebuild_if_due(&self, shadow: bool) -> Result<()> {
-        let mut st = lock(&self.state);
-        let have_order = st.ready_order.len() == st.params.len();
-        if st.rebuilt || st.frozen || st.iterations == 0 || !(have_order || shadow) {
-            return Ok(());
-        }
-        let local = if have_order {
-            let order = std::mem::take(&mut st.ready_order);
-            bucket::assign(&st.specs, &[self.cfg.first_bucket_bytes, self.cfg.bucket_bytes], Some(&order))
-        } else {
-            st.buckets.iter().map(|b| b.params.clone()).collect()
-        };
-        let agreed = sync::sync_bucket_indices(&self.pg, &local, st.params.len(), st.specs[0].device)?;
-        // Old and new buckets side by side would cost a third copy of the parameters at the peak.
-        // The old ones can go first when nothing in them is needed: without bucket views they are
-        // scratch space; with views they hold the gradients, which after zero_grad are all zero
-        // (zeroed by our zero_grad, or found all zero: an optimizer's own zero_grad zeroes in place),
-        // or none (tch's optimizers set them to none).
-        let lean = !self.cfg.bucket_view
-            || st.grads_zeroed
-            || st.params.iter().all(|p| !p.grad().defined())
-            || all_zero(&st.buckets)?;
-        if lean {
-            if self.cfg.bucket_view {
-                for p in &st.params {
-                    hooks::set_grad(p, None)?;
-                }
+        let (local, n, device) = {
+            let mut st = lock(&self.state);
+            let have_order = st.ready_order.len() == st.params.len();
+            if st.rebuilt || st.frozen || st.iterations == 0 || !(have_order || shadow) {
+                return Ok(());
             }
-            st.buckets.clear();
-        }
-        let local = init_buckets(&mut st, &self.cfg, agreed, lean && self.cfg.bucket_view);
-        st.rebuilt = local.is_ok();
-        drop(st);
+            let local = if have_order {
+                let order = std::mem::take(&mut st.ready_order);
+                bucket::assign(&st.specs, &[self.cfg.first_bucket_bytes, self.cfg.bucket_bytes], Some(&order))
+            } else {
+                st.buckets.iter().map(|b| b.params.clone()).collect()
+            };
+            (local, st.params.len(), st.specs[0].device)
+        };
+        // no lock held during the broadcasts
+        let agreed = sync::sync_bucket_indices(&self.pg, &local, n, device)?;
+        let local = {
+            let mut st = lock(&self.state);
+            // Old and new buckets side by side would cost a third copy of the parameters at the peak.
+            // The old ones can go first when nothing in them is needed: without bucket views they are
+            // scratch space; with views they hold the gradients, which after zero_grad are all zero
+            // (zeroed by our zero_grad, or found all zero: an optimizer's own zero_grad zeroes in
+            // place), or none (tch's optimizers set them to none).
+            let lean = !self.cfg.bucket_view
+                || st.grads_zeroed
+                || st.params.iter().all(|p| !p.grad().defined())
+                || all_zero(&st.buckets)?;
+            if lean {
+                if self.cfg.bucket_view {
+                    for p in &st.params {
+                        hooks::set_grad(p, None)?;
+                    }
+                }
+                st.buckets.clear();
+            }
+            let local = init_buckets(&mut st, &self.cfg, agreed, lean && self.cfg.bucket_view);
+            st.rebuilt = local.is_ok();
+            local
+        };
         // a rank that could not allocate its new buckets tells the others, instead of leaving them
         // waiting in the first bucket's allreduce (our protocol: not with PyTorch ranks in the group)
         if self.pg.verifies() {

@@ -135,7 +135,8 @@ impl Meta<'_> {
 pub(crate) fn odd_ones_out(rows: &[Vec<i64>]) -> String {
     let common = rows.iter().max_by_key(|r| rows.iter().filter(|x| x == r).count());
     let Some(common) = common else { return String::new() };
-    let odd: Vec<String> = rows.iter().enumerate().filter(|(_, r)| *r != common).map(|(i, _)| format!("rank {i}")).collect();
+    let odd: Vec<String> =
+        rows.iter().enumerate().filter(|(_, r)| *r != common).map(|(i, _)| format!("rank {i}")).collect();
     if odd.is_empty() || odd.len() * 2 >= rows.len() {
         return String::new();
     }
