@@ -18,7 +18,7 @@ mod progress;
 mod record;
 
 pub use analyze::{analyze, Analysis};
-pub use record::{dump, entries, label, Dump, Entry, EntryState, LabelGuard};
+pub use record::{dump, entries, label, probe, Dump, Entry, EntryState, LabelGuard};
 
 pub(crate) use progress::GroupTrace;
 pub(crate) use record::Recording;
