@@ -9,7 +9,7 @@ use clap::Parser;
 use tch::{nn, Device, Kind, Tensor};
 use tch_dist::amp::autocast;
 use tch_dist::ddp::{DdpOptions, DistributedDataParallel};
-use tch_dist::optim::{AdamW, Optimizer, ShardedOptimizer, Sgd, ZeroStage};
+use tch_dist::optim::{AdamW, Optimizer, Sgd, ShardedOptimizer, ZeroStage};
 use tch_dist::pipeline::schedule::Kind as Sched;
 use tch_dist::pipeline::{LayerList, Partition, PipelineRank};
 use tch_dist::ProcessGroup;
@@ -78,7 +78,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .add(nn::linear(vs.root() / "l2", 128, 128, Default::default()))
         .add_fn(|x| x.relu())
         .add(nn::linear(vs.root() / "l3", 128, 8, Default::default()));
-    let ddp = DistributedDataParallel::new(&vs, net, DdpOptions::default().bucket_cap_mb(0.05).process_group(pg.clone()))?;
+    let ddp =
+        DistributedDataParallel::new(&vs, net, DdpOptions::default().bucket_cap_mb(0.05).process_group(pg.clone()))?;
     let mut opt: Box<dyn Optimizer> = match args.mode.as_str() {
         "ddp" | "amp" => Box::new(AdamW::new(vs.trainable_variables(), 1e-3)),
         "zero2" => Box::new(ShardedOptimizer::new(&ddp, ZeroStage::Two, |p| Box::new(AdamW::new(p, 1e-3)))?),

@@ -428,7 +428,11 @@ fn a_panicking_comm_hook_is_the_backwards_error() {
     #[derive(Debug)]
     struct Panics;
     impl comm_hook::CommHook for Panics {
-        fn run(&self, _: &Arc<tch_dist::ProcessGroup>, _: &comm_hook::GradBucket) -> tch_dist::Result<comm_hook::HookFuture> {
+        fn run(
+            &self,
+            _: &Arc<tch_dist::ProcessGroup>,
+            _: &comm_hook::GradBucket,
+        ) -> tch_dist::Result<comm_hook::HookFuture> {
             panic!("boom in a comm hook")
         }
     }

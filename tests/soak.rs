@@ -26,7 +26,12 @@ fn resident_memory_stays_flat_in_every_mode() {
             .collect();
         let (a, b) = (rss[&250], rss[&500]);
         let growth = (b - a) / a;
-        println!("{mode}: RSS {:.1} MB after 250 steps, {:.1} MB after 500 ({:+.2}%)", a / 1e6, b / 1e6, 100.0 * growth);
+        println!(
+            "{mode}: RSS {:.1} MB after 250 steps, {:.1} MB after 500 ({:+.2}%)",
+            a / 1e6,
+            b / 1e6,
+            100.0 * growth
+        );
         assert!(growth <= 0.01, "{mode}: resident memory grew {:.2}% between steps 250 and 500", 100.0 * growth);
     }
 }

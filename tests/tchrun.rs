@@ -214,7 +214,16 @@ fn an_early_error_leaves_no_worker_running() {
     std::fs::create_dir_all(dir.join("rank1.restart0.log")).unwrap(); // a directory where the file should go
     let start = Instant::now();
     let mut c = tchrun();
-    c.args(["--standalone", "--nproc-per-node", "2", "--redirect-logs", dir.to_str().unwrap(), "--", "sleep", "31.713"]);
+    c.args([
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--redirect-logs",
+        dir.to_str().unwrap(),
+        "--",
+        "sleep",
+        "31.713",
+    ]);
     let (o, _) = run(c, Duration::from_secs(60));
     assert!(!o.status.success());
     assert!(String::from_utf8_lossy(&o.stderr).contains("rank1.restart0.log"), "{}", common::show(&o));

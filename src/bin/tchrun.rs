@@ -64,7 +64,7 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Sub {
-    /// Merge flight-recorder dumps (rank<R>.json) from a failed run: which collective the job is stuck in,
+    /// Merge flight-recorder dumps (`rank<R>.json`) from a failed run: which collective the job is stuck in,
     /// which ranks never entered it, what each did last, where ranks disagree.
     Analyze {
         dir: PathBuf,
