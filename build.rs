@@ -14,6 +14,9 @@ const SOURCES: &[&str] = &[
     "csrc/tp.cpp",
     "csrc/amp.cpp",
     "csrc/random.cpp",
+    "csrc/marker.cpp",
+    "csrc/recompute.cpp",
+    "csrc/storage.cpp",
 ];
 
 fn libtorch_lib() -> PathBuf {

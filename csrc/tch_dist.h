@@ -97,6 +97,30 @@ int tdx_ref_bucket_assignment(const int64_t* numels, const int* dtypes, const in
 // *out receives a new at::Tensor* owned by the caller.
 int tdx_tp_op(tdx_pg* pg, int op, tdx_tensor x, tdx_tensor* out);
 
+// ---- marker.cpp: an identity whose backward first runs fn(ctx) (a non-zero return fails the backward with
+// the message fn wrote). The shim owns ctx from the call on and frees it with drop when the node goes, or at
+// once when *attached is 0 (grad mode off, or x does not require grad).
+int tdx_backward_marker(tdx_tensor x, tdx_callback_fn fn, tdx_drop_fn drop, void* ctx, const char* label,
+                        tdx_tensor* out, int* attached);
+
+// ---- recompute.cpp: activation checkpointing. fn(ctx, inputs, n, out, err, errlen) runs the block: it
+// reads n borrowed inputs, stores a new at::Tensor* in *out (ownership passes to the shim) and returns 0, or
+// writes a message and returns non-zero. The block runs without grad now and again with grad in backward,
+// under the random state and autocast state of now. `params`: the leaves whose gradients the block
+// produces; with discover != 0 they are found by one extra forward with grad instead, and each is handed
+// to sink (a new handle the receiver owns). The shim owns ctx, freed with drop.
+typedef int (*tdx_forward_fn)(void* ctx, const tdx_tensor* inputs, size_t n, tdx_tensor* out, char* err,
+                              size_t errlen);
+typedef void (*tdx_tensor_sink)(void* ctx, tdx_tensor t);
+int tdx_checkpoint(tdx_forward_fn fn, tdx_drop_fn drop, void* ctx, const tdx_tensor* inputs, size_t n_inputs,
+                   const tdx_tensor* params, size_t n_params, int discover, tdx_tensor_sink sink, void* sink_ctx,
+                   const char* label, tdx_tensor* out);
+
+// ---- storage.cpp: frees a tensor's storage in place (nbytes 0), or allocates it again (from 0 bytes; the
+// contents are undefined). Tensors sharing the storage see the change.
+int tdx_storage_resize(tdx_tensor t, int64_t nbytes);
+int tdx_storage_nbytes(tdx_tensor t, int64_t* out);
+
 // ---- random.cpp: a permutation of 0..n from a CPU generator seeded with `seed` (the global one untouched).
 int tdx_randperm(int64_t n, uint64_t seed, tdx_tensor* out);
 // Standard normal tensors drawn in turn from one CPU generator seeded with `seed` (dtype: a c10::ScalarType

@@ -1,37 +1,11 @@
 // Megatron-LM's conjugate operators for tensor parallelism, as autograd nodes: libtorch's backward runs
 // the collective. The node holds the group (an intrusive_ptr), so the graph can outlive the Rust handle.
 #include "common.h"
-#include "node_ptr.h"
-
-#include <torch/csrc/autograd/function.h>
-#include <torch/csrc/autograd/functions/utils.h>
-#include <torch/csrc/autograd/grad_mode.h>
+#include "lambda_node.h"
 
 namespace {
 using c10d::Backend;
-using torch::autograd::variable_list;
-
-struct TpBackward : public torch::autograd::Node {
-  std::function<at::Tensor(const at::Tensor&)> fn;
-  std::string label;
-  variable_list apply(variable_list&& grads) override {
-    if (!grads[0].defined()) return {at::Tensor()};
-    return {fn(grads[0])};
-  }
-  std::string name() const override { return label; }
-};
-
-// `out` was computed without history; give it a backward that maps its gradient to x's.
-at::Tensor with_backward(const at::Tensor& x, at::Tensor out, const char* label,
-                         std::function<at::Tensor(const at::Tensor&)> bwd) {
-  if (!(at::GradMode::is_enabled() && x.requires_grad())) return out;
-  auto node = tdx::make_node<TpBackward>();
-  node->fn = std::move(bwd);
-  node->label = label;
-  node->set_next_edges(torch::autograd::collect_next_edges(x));
-  torch::autograd::set_history(out, tdx::NodePtr(node));
-  return out;
-}
+using tdx::with_backward;
 
 at::Tensor allreduce_sum(const c10::intrusive_ptr<Backend>& pg, const at::Tensor& t) {
   auto r = t.contiguous().clone();

@@ -27,7 +27,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let y = Tensor::randn([64, D], (Kind::Float, Device::Cpu));
         pg.barrier()?;
         let t = Instant::now();
-        let out = mlp.forward(&x)?;
+        let out = mlp.f_forward(&x)?;
         out.mse_loss(&y, tch::Reduction::Mean).f_backward()?;
         opt.step();
         tch_dist::hooks::zero_grads(&vs.trainable_variables())?;

@@ -346,7 +346,7 @@ fn tp_mlp(device: Device) -> Res<Outcome> {
     let d = |t: &Tensor| t.to_device(device);
     let mlp = ParallelMlp::from_full(&vs.root(), &d(&w1), &d(&b1), &d(&w2), &d(&b2), pg.clone())?;
     let xd = d(&x).set_requires_grad(true);
-    let out = mlp.forward(&xd)?;
+    let out = mlp.f_forward(&xd)?;
     out.sum(Kind::Float).f_backward()?;
     let diffs = [
         (&out.to_device(Device::Cpu) - &full).abs().max().double_value(&[]),

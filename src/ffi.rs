@@ -29,6 +29,15 @@ pub type tdx_tensor = *mut c_void;
 pub type tdx_hook_fn = unsafe extern "C" fn(ctx: *mut c_void, index: i64);
 pub type tdx_callback_fn = unsafe extern "C" fn(ctx: *mut c_void, err: *mut c_char, errlen: size_t) -> c_int;
 pub type tdx_drop_fn = unsafe extern "C" fn(ctx: *mut c_void);
+pub type tdx_forward_fn = unsafe extern "C" fn(
+    ctx: *mut c_void,
+    inputs: *const tdx_tensor,
+    n: size_t,
+    out: *mut tdx_tensor,
+    err: *mut c_char,
+    errlen: size_t,
+) -> c_int;
+pub type tdx_tensor_sink = unsafe extern "C" fn(ctx: *mut c_void, t: tdx_tensor);
 
 extern "C" {
     pub fn tdx_last_error() -> *const c_char;
@@ -135,6 +144,32 @@ extern "C" {
     ) -> c_int;
 
     pub fn tdx_tp_op(pg: *mut tdx_pg, op: c_int, x: tdx_tensor, out: *mut tdx_tensor) -> c_int;
+
+    pub fn tdx_backward_marker(
+        x: tdx_tensor,
+        f: tdx_callback_fn,
+        drop: tdx_drop_fn,
+        ctx: *mut c_void,
+        label: *const c_char,
+        out: *mut tdx_tensor,
+        attached: *mut c_int,
+    ) -> c_int;
+    pub fn tdx_checkpoint(
+        f: tdx_forward_fn,
+        drop: tdx_drop_fn,
+        ctx: *mut c_void,
+        inputs: *const tdx_tensor,
+        n_inputs: size_t,
+        params: *const tdx_tensor,
+        n_params: size_t,
+        discover: c_int,
+        sink: tdx_tensor_sink,
+        sink_ctx: *mut c_void,
+        label: *const c_char,
+        out: *mut tdx_tensor,
+    ) -> c_int;
+    pub fn tdx_storage_resize(t: tdx_tensor, nbytes: i64) -> c_int;
+    pub fn tdx_storage_nbytes(t: tdx_tensor, out: *mut i64) -> c_int;
 
     pub fn tdx_randperm(n: i64, seed: u64, out: *mut tdx_tensor) -> c_int;
     pub fn tdx_randn_seq(

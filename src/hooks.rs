@@ -133,14 +133,7 @@ unsafe extern "C" fn end_trampoline(ctx: *mut c_void, err: *mut libc::c_char, er
         Ok(Err(m)) => m,
         Err(_) => "tch-dist: a backward callback panicked".to_string(),
     };
-    if errlen > 0 {
-        let n = msg.len().min(errlen - 1);
-        // SAFETY: err has room for errlen bytes.
-        unsafe {
-            std::ptr::copy_nonoverlapping(msg.as_ptr(), err as *mut u8, n);
-            *err.add(n) = 0;
-        }
-    }
+    write_error(&msg, err, errlen);
     1
 }
 
@@ -152,4 +145,68 @@ pub fn queue_backward_callback(f: impl FnOnce() -> std::result::Result<(), Strin
     // SAFETY: the shim takes ownership of ctx and frees it through end_drop on every path.
     let code = unsafe { ffi::tdx_queue_backward_callback(end_trampoline, end_drop, ctx as *mut c_void) };
     check(code, std::time::Duration::ZERO, || "queue a callback at the end of backward".into())
+}
+
+type MarkerCallback = Box<dyn Fn() -> std::result::Result<(), String> + Send + Sync>;
+
+unsafe extern "C" fn marker_drop(ctx: *mut c_void) {
+    // SAFETY: ctx is the Box<MarkerCallback> handed over by backward_marker; the shim frees it once.
+    drop(unsafe { Box::from_raw(ctx as *mut MarkerCallback) });
+}
+
+unsafe extern "C" fn marker_trampoline(ctx: *mut c_void, err: *mut libc::c_char, errlen: libc::size_t) -> libc::c_int {
+    // SAFETY: ctx is the live Box<MarkerCallback> owned by the autograd node calling this.
+    let f = unsafe { &*(ctx as *const MarkerCallback) };
+    let msg = match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(Ok(())) => return 0,
+        Ok(Err(m)) => m,
+        Err(_) => "tch-dist: a backward marker's callback panicked".to_string(),
+    };
+    write_error(&msg, err, errlen);
+    1
+}
+
+/// Copies `msg` into the shim's error buffer of `errlen` bytes, truncated and NUL-terminated.
+pub(crate) fn write_error(msg: &str, err: *mut libc::c_char, errlen: libc::size_t) {
+    if errlen > 0 && !err.is_null() {
+        let n = msg.len().min(errlen - 1);
+        // SAFETY: the shim's buffer has room for errlen bytes.
+        unsafe {
+            std::ptr::copy_nonoverlapping(msg.as_ptr(), err as *mut u8, n);
+            *err.add(n) = 0;
+        }
+    }
+}
+
+/// `x` again (sharing its data), with a backward that first runs `f`: in a backward through the result,
+/// `f` runs as soon as the gradient of the result is complete, before anything that computed `x` runs
+/// backward. An error from `f` fails that backward with its message. Returns `(x, false)` without calling
+/// anything later when grad mode is off or `x` does not require grad.
+pub fn backward_marker(
+    x: &Tensor,
+    label: &str,
+    f: impl Fn() -> std::result::Result<(), String> + Send + Sync + 'static,
+) -> Result<(Tensor, bool)> {
+    let ctx: *mut MarkerCallback = Box::into_raw(Box::new(Box::new(f)));
+    let label_c = std::ffi::CString::new(label.replace('\0', " ")).unwrap_or_default();
+    let mut out: ffi::tdx_tensor = std::ptr::null_mut();
+    let mut attached = 0;
+    // SAFETY: x is live; the shim owns ctx from here on and frees it through marker_drop on every path.
+    let code = unsafe {
+        ffi::tdx_backward_marker(
+            x.as_ptr() as ffi::tdx_tensor,
+            marker_trampoline,
+            marker_drop,
+            ctx as *mut c_void,
+            label_c.as_ptr(),
+            &mut out,
+            &mut attached,
+        )
+    };
+    check(code, std::time::Duration::ZERO, || format!("backward marker {label}"))?;
+    if out.is_null() {
+        return Err(Error::invalid("backward marker", "shim returned no tensor"));
+    }
+    // SAFETY: out is a new at::Tensor* whose ownership passes to Rust.
+    Ok((unsafe { Tensor::from_ptr(out as *mut torch_sys::C_tensor) }, attached != 0))
 }

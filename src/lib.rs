@@ -27,6 +27,7 @@ pub mod launch;
 pub mod memory;
 pub mod optim;
 pub mod pipeline;
+pub mod recompute;
 #[doc(hidden)] // libtorch's own bucket assignment, for tests to compare with
 pub mod reference;
 pub mod store;

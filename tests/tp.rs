@@ -62,7 +62,7 @@ fn parallel_mlp_equals_the_full_mlp_forward_and_backward() {
             let f = full();
             let mlp = ParallelMlp::from_full(&vs.root(), &f.0, &f.1, &f.2, &f.3, pg).unwrap();
             let x = formula(&[5, D], 9.0).set_requires_grad(true);
-            let y = mlp.forward(&x).unwrap();
+            let y = mlp.f_forward(&x).unwrap();
             (&y * &c).sum(Kind::Float).backward();
             let mut worst = diff(&y, &y_ref).max(diff(&x.grad(), &x_ref.grad()));
             worst = worst.max(diff(&mlp.fc1.ws.grad(), &slice(&w[0].grad(), 0, rank, size)));
@@ -93,7 +93,7 @@ fn gather_and_scatter_variants_equal_a_full_linear() {
         )
         .unwrap();
         let x = formula(&[4, D], 5.0).set_requires_grad(true);
-        let y = row.forward(&col.forward(&x).unwrap()).unwrap(); // gathered, then split again on entry
+        let y = row.f_forward(&col.f_forward(&x).unwrap()).unwrap(); // gathered, then split again on entry
         y.sum(Kind::Float).backward();
         let xr = formula(&[4, D], 5.0).set_requires_grad(true);
         let yr = xr.linear(&w, Some(&b)).linear(&formula(&[D, H], 3.0), Some(&formula(&[D], 4.0)));
@@ -156,7 +156,7 @@ fn tp_and_ddp_on_4_ranks_train_like_one_process() {
             DistributedDataParallel::new(&vs, mlp, DdpOptions::default().process_group(Arc::new(groups.dp))).unwrap();
         let mut opt = nn::Sgd::default().build(&vs, LR).unwrap();
         for s in 0..STEPS {
-            let out = ddp.forward_with(|m| m.forward(&batch(s, dp_rank))).unwrap().unwrap();
+            let out = ddp.forward_with(|m| m.f_forward(&batch(s, dp_rank))).unwrap().unwrap();
             ddp.backward(&out.mse_loss(&target(s, dp_rank), tch::Reduction::Mean)).unwrap();
             opt.step();
             ddp.zero_grad().unwrap();

@@ -48,8 +48,8 @@ impl ColumnParallelLinear {
         Ok(ColumnParallelLinear { ws, bs, gather_output, pg })
     }
 
-    /// Output features of this rank (all of them with `gather_output`).
-    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+    /// Output features of this rank (all of them with `gather_output`); errors returned.
+    pub fn f_forward(&self, x: &Tensor) -> Result<Tensor> {
         let x = copy_to_parallel_region(x, &self.pg)?;
         let y = x.f_linear(&self.ws, self.bs.as_ref())?;
         if self.gather_output {
@@ -86,7 +86,8 @@ impl RowParallelLinear {
         Ok(RowParallelLinear { ws, bs, input_is_parallel, pg })
     }
 
-    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+    /// The layer's output (the same on every rank); errors returned.
+    pub fn f_forward(&self, x: &Tensor) -> Result<Tensor> {
         let x = if self.input_is_parallel { x.shallow_clone() } else { scatter_to_parallel_region(x, &self.pg)? };
         let partial = x.f_linear::<&Tensor>(&self.ws, None)?;
         let y = reduce_from_parallel_region(&partial, &self.pg)?;
@@ -136,8 +137,24 @@ impl ParallelMlp {
         Self::from_full(path, &w1.to_device(dev), &b1.to_device(dev), &w2.to_device(dev), &b2.to_device(dev), pg)
     }
 
-    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let h = self.fc1.forward(x)?.f_gelu("none")?;
-        self.fc2.forward(&h)
+    /// The MLP's output (the same on every rank); errors returned.
+    pub fn f_forward(&self, x: &Tensor) -> Result<Tensor> {
+        let h = self.fc1.f_forward(x)?.f_gelu("none")?;
+        self.fc2.f_forward(&h)
     }
 }
+
+// tch's convention: `forward` is infallible (it panics with the error), `f_forward` returns it. As
+// `nn::Module`s the layers go wherever tch expects one: `nn::seq()`, `Checkpointed`, DDP, FSDP units.
+macro_rules! module {
+    ($t:ty) => {
+        impl nn::Module for $t {
+            fn forward(&self, x: &Tensor) -> Tensor {
+                self.f_forward(x).unwrap_or_else(|e| panic!("{e}"))
+            }
+        }
+    };
+}
+module!(ColumnParallelLinear);
+module!(RowParallelLinear);
+module!(ParallelMlp);

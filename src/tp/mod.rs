@@ -10,7 +10,7 @@
 //! let g = TpDpGroups::new(&world, 2)?;                         // 2-way TP x 2-way DP
 //! let vs = nn::VarStore::new(Device::Cpu);
 //! let mlp = ParallelMlp::new(&vs.root(), 1024, 4096, Arc::new(g.tp), 0)?;
-//! let y = mlp.forward(&Tensor::randn([8, 1024], (Kind::Float, Device::Cpu)))?;
+//! let y = mlp.f_forward(&Tensor::randn([8, 1024], (Kind::Float, Device::Cpu)))?; // or `forward`, as an nn::Module
 //! # Ok::<(), tch_dist::Error>(())
 //! ```
 pub mod groups;

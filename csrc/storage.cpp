@@ -1,0 +1,39 @@
+// A tensor's storage freed and allocated again in place, as FSDP frees a unit's gathered parameters between
+// uses. The StorageImpl itself stays, so every tensor sharing it (the parameters' views, and the tensors
+// autograd saved for backward) sees memory again once it is back.
+#include "common.h"
+
+#include <c10/core/StorageImpl.h>
+
+extern "C" int tdx_storage_resize(tdx_tensor t, int64_t nbytes) {
+  TDX_TRY({
+    auto& x = tdx::tensor(t);
+    if (!x.defined() || !x.has_storage()) return tdx::set_error(TDX_EINVALID, "storage resize: the tensor has no storage");
+    if (nbytes < 0) return tdx::set_error(TDX_EINVALID, "storage resize: negative size " + std::to_string(nbytes));
+    c10::StorageImpl* s = x.storage().unsafeGetStorageImpl();
+    auto have = static_cast<int64_t>(s->nbytes());
+    if (have == nbytes) return TDX_OK;
+    if (nbytes == 0) {
+      s->set_data_ptr_noswap(at::DataPtr(nullptr, s->device()));
+      s->set_nbytes(0);
+      return TDX_OK;
+    }
+    // Allocation only from empty: the contents are not carried over (the caller fills the memory).
+    if (have != 0)
+      return tdx::set_error(TDX_EINVALID, "storage resize: allocating " + std::to_string(nbytes) +
+                                              " bytes over a live storage of " + std::to_string(have));
+    at::Allocator* a = s->allocator();
+    if (!a) return tdx::set_error(TDX_EINVALID, "storage resize: the storage has no allocator (borrowed memory)");
+    s->set_data_ptr_noswap(a->allocate(nbytes));
+    s->set_nbytes(nbytes);
+    return TDX_OK;
+  })
+}
+
+extern "C" int tdx_storage_nbytes(tdx_tensor t, int64_t* out) {
+  TDX_TRY({
+    auto& x = tdx::tensor(t);
+    *out = (x.defined() && x.has_storage()) ? static_cast<int64_t>(x.storage().nbytes()) : 0;
+    return TDX_OK;
+  })
+}
