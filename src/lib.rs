@@ -13,6 +13,7 @@
 mod dtype;
 mod ffi;
 mod random;
+mod storage;
 
 pub mod amp;
 pub mod checkpoint;
@@ -20,6 +21,7 @@ pub mod data;
 pub mod ddp;
 pub mod error;
 pub mod flight;
+pub mod fsdp;
 pub mod group;
 pub mod hooks;
 pub mod init;

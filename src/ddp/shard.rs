@@ -7,7 +7,7 @@ use std::collections::VecDeque;
 use tch::Tensor;
 
 use crate::error::Result;
-use crate::group::ring::RingReduce;
+use crate::group::ring::{Ring, RingReduce};
 use crate::group::ProcessGroup;
 
 /// Reductions running while backward goes on. One: bucket b reduces while bucket b+1 fills, so at most
@@ -87,7 +87,7 @@ impl GradShards {
             }
         };
         let _l = crate::flight::label(format!("ZeRO-2 reduce-scatter, bucket {b}"));
-        self.in_flight.push_back(RingReduce::start(pg, buf, self.shards[b].shallow_clone(), b)?);
+        self.in_flight.push_back(RingReduce::start(pg, buf, self.shards[b].shallow_clone(), Ring::ZeroReduce, b)?);
         Ok(())
     }
 

@@ -5,17 +5,46 @@
 //!
 //! Rank r ends with chunk r. At step s (0..N-1), rank r sends chunk (r-s-1) mod N to rank r+1 and adds
 //! the chunk (r-s-2) mod N received from rank r-1 into its own copy; the last step receives into the
-//! output and adds its own copy there (so two ranks need no receive buffer at all). Both ranks of a pair post their send and receive before waiting, so no step can
-//! deadlock; messages use tags of their own, one per bucket.
+//! output and adds its own copy there (so two ranks need no receive buffer at all). Both ranks of a pair
+//! post their send and receive before waiting, so no step can deadlock; messages use tags of their own,
+//! one per [`Ring`] user and bucket (or unit).
 use tch::Tensor;
 
 use crate::error::Result;
 use crate::group::ProcessGroup;
 use crate::work::Work;
 
-/// Tags of ZeRO-2's messages: bucket b uses `TAG_BASE + b`, clear of the small tags users pick and of
-/// the verification headers at 2^30.
+/// Start of the ring collectives' tags, clear of the small tags users pick and of the verification
+/// headers at 2^30.
 pub const TAG_BASE: i32 = 1 << 29;
+
+/// Who runs a ring collective: each has a range of 2^24 message tags, one per bucket or unit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Ring {
+    ZeroReduce = 0,
+    ZeroGather = 1,
+    FsdpGather = 2,
+    FsdpReduce = 3,
+    FsdpState = 4,
+}
+
+impl Ring {
+    pub(crate) fn tag(self, index: usize) -> i32 {
+        TAG_BASE + ((self as i32) << 24) + (index as i32 & ((1 << 24) - 1))
+    }
+
+    /// The flight recorder's label of one step.
+    fn label(self, index: usize, step: i64) -> String {
+        let (what, of) = match self {
+            Ring::ZeroReduce => ("ZeRO-2 reduce-scatter", "bucket"),
+            Ring::ZeroGather => ("ZeRO gather", "bucket"),
+            Ring::FsdpGather => ("FSDP all-gather", "unit"),
+            Ring::FsdpReduce => ("FSDP reduce-scatter", "unit"),
+            Ring::FsdpState => ("FSDP state-dict gather", "unit"),
+        };
+        format!("{what}, {of} {index}, step {step}")
+    }
+}
 
 pub(crate) struct RingReduce {
     /// The flat input, `world` chunks of `len`; summed into in place.
@@ -24,7 +53,8 @@ pub(crate) struct RingReduce {
     /// Receive buffer of the intermediate steps (more than two ranks only).
     recv: Option<Tensor>,
     len: i64,
-    tag: i32,
+    ring: Ring,
+    index: usize,
     step: i64,
     pending: Vec<Work>,
 }
@@ -37,10 +67,10 @@ fn chunk_of(rank: i64, step: i64, world: i64) -> (i64, i64) {
 
 impl RingReduce {
     /// Posts the first step of reducing `buf` (`world * out.numel()` elements) into `out`.
-    pub fn start(pg: &ProcessGroup, buf: Tensor, out: Tensor, bucket: usize) -> Result<RingReduce> {
+    pub fn start(pg: &ProcessGroup, buf: Tensor, out: Tensor, ring: Ring, index: usize) -> Result<RingReduce> {
         let len = out.numel() as i64;
         let recv = if pg.size() > 2 { Some(out.f_empty_like()?) } else { None };
-        let mut r = RingReduce { buf, out, recv, len, tag: TAG_BASE + bucket as i32, step: 0, pending: Vec::new() };
+        let mut r = RingReduce { buf, out, recv, len, ring, index, step: 0, pending: Vec::new() };
         if pg.size() == 1 {
             r.out.shallow_clone().f_copy_(&r.buf)?;
         } else {
@@ -50,8 +80,8 @@ impl RingReduce {
     }
 
     fn post(&mut self, pg: &ProcessGroup) -> Result<()> {
-        let _l =
-            crate::flight::label(format!("ZeRO-2 reduce-scatter, bucket {}, step {}", self.tag - TAG_BASE, self.step));
+        let _l = crate::flight::label(self.ring.label(self.index, self.step));
+        let tag = self.ring.tag(self.index);
         let (world, rank) = (pg.size() as i64, pg.rank() as i64);
         let (send, _) = chunk_of(rank, self.step, world);
         let right = ((rank + 1) % world) as usize;
@@ -61,8 +91,8 @@ impl RingReduce {
             (Some(t), false) => t.shallow_clone(),
             _ => self.out.shallow_clone(),
         };
-        self.pending.push(pg.recv_raw(&mut into, left, self.tag)?);
-        self.pending.push(pg.send_raw(&self.buf.f_narrow(0, send * self.len, self.len)?, right, self.tag)?);
+        self.pending.push(pg.recv_raw(&mut into, left, tag)?);
+        self.pending.push(pg.send_raw(&self.buf.f_narrow(0, send * self.len, self.len)?, right, tag)?);
         Ok(())
     }
 
@@ -92,27 +122,27 @@ impl RingReduce {
     }
 }
 
-/// Tags of the parameter gathers: bucket b uses `GATHER_TAG_BASE + b`.
-pub const GATHER_TAG_BASE: i32 = TAG_BASE + (1 << 24);
-
 /// All-gathers `flat` (`world` chunks of `len`, chunk r this rank's) in place, as a ring: at step s rank r
 /// sends chunk (r-s) mod N to rank r+1 and receives chunk (r-s-1) mod N from rank r-1 straight into its
 /// place, so nothing is copied or allocated. With two ranks the one step is left running in `pending`
 /// (oldest first, at most `max_in_flight` steps); with more, each step but the last is waited for,
 /// since the next one forwards what it received.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn all_gather_in_place(
     pg: &ProcessGroup,
     flat: &Tensor,
     len: i64,
-    bucket: usize,
+    ring: Ring,
+    index: usize,
     pending: &mut std::collections::VecDeque<Vec<Work>>,
     max_in_flight: usize,
 ) -> Result<()> {
     let (world, rank) = (pg.size() as i64, pg.rank() as i64);
     let right = ((rank + 1) % world) as usize;
     let left = ((rank + world - 1) % world) as usize;
-    let tag = GATHER_TAG_BASE + bucket as i32;
+    let tag = ring.tag(index);
     for step in 0..world - 1 {
+        let _l = crate::flight::label(ring.label(index, step));
         while pending.len() >= max_in_flight.max(1) {
             if let Some(works) = pending.pop_front() {
                 for w in works {

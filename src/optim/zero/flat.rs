@@ -63,7 +63,8 @@ impl FlatBucket {
         max_in_flight: usize,
     ) -> Result<()> {
         if self.world > 1 {
-            crate::group::ring::all_gather_in_place(pg, &self.flat, self.len, bucket, pending, max_in_flight)?;
+            use crate::group::ring::{all_gather_in_place, Ring};
+            all_gather_in_place(pg, &self.flat, self.len, Ring::ZeroGather, bucket, pending, max_in_flight)?;
         }
         Ok(())
     }

@@ -1,0 +1,436 @@
+//! Fully sharded data parallelism (ZeRO stage 3; PyTorch's FSDP2 `fully_shard`): each rank keeps 1/N of
+//! every parameter, of its gradient and (so) of the optimizer state. A unit's parameters are gathered
+//! just before its forward and freed after it, gathered again just before its backward, and their
+//! gradients are reduce-scattered into the owners' shards as soon as the unit's backward is done.
+//!
+//! Wrap each layer or block as a unit, then the whole model as the root, which takes the parameters no
+//! unit took (`fully_shard(layer)` for each layer, then `fully_shard(model)`, in PyTorch's words). Units
+//! are chosen by the [`nn::Path`] their variables were created under, the way tch names variables:
+//!
+//! ```no_run
+//! use std::sync::Arc;
+//! use tch::{nn, nn::Module, Device, Kind, Tensor};
+//! use tch_dist::fsdp::{FsdpBuilder, FsdpOptions};
+//! use tch_dist::optim::{AdamW, Optimizer};
+//! let pg = Arc::new(tch_dist::ProcessGroup::from_env()?);
+//! let vs = nn::VarStore::new(Device::Cpu);
+//! let fsdp = FsdpBuilder::new(&vs, FsdpOptions::default().process_group(pg))?;
+//! let mut net = nn::seq();
+//! for i in 0..24 {
+//!     let path = vs.root() / format!("layer{i}");
+//!     let layer = nn::linear(&path, 1024, 1024, Default::default());
+//!     net = net.add(fsdp.fully_shard(&path, layer)?).add_fn(|x| x.relu()); // sharded at once
+//! }
+//! let model = fsdp.finish(net)?;
+//! let mut opt = AdamW::new(model.parameters(), 1e-3); // this rank's shards
+//! let x = Tensor::randn([16, 1024], (Kind::Float, Device::Cpu));
+//! model.backward(&model.forward(&x).square().mean(Kind::Float))?;
+//! opt.step()?;
+//! model.zero_grad()?;
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
+//! - **Optimizer**: [`parameters`](FullyShardedDataParallel::parameters) are this rank's shards, one flat
+//!   tensor per unit, with `.grad` set after a synchronised backward: any optimizer over tensors steps them
+//!   (ours, or tch's built over a VarStore holding them). One shard per unit means per-parameter options
+//!   (no weight decay on biases) need units of their own.
+//! - **Mixed precision** ([`FsdpOptions::param_dtype`]): units compute in bfloat16 or float16 while the
+//!   shards, their gradients and the optimizer state stay float32.
+//! - **Memory**: per rank, 16Ψ/N bytes with AdamW (4 for the shard, 4 its gradient, 8 the moments), plus
+//!   the units gathered at once (the one computing and up to `prefetch` ahead), one unit's gradients, and
+//!   the activations. `scripts/bench-memory.sh` measures it next to PyTorch's FSDP2.
+//! - **Rules**: every rank builds the same units in the same order and runs them in the same order; a
+//!   parameter belongs to one unit (tie weights inside one); a unit's parameters share a dtype and device,
+//!   and are all trainable or all frozen.
+mod flat_param;
+mod memory;
+mod runtime;
+mod state_dict;
+mod unit;
+
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
+
+use tch::{nn, Device, Kind, Tensor};
+
+pub use memory::FsdpMemory;
+pub use unit::FsdpUnit;
+
+use crate::error::{Error, Result};
+use crate::group::ProcessGroup;
+use crate::hooks::{self, GradHook};
+use flat_param::FlatParam;
+use runtime::{Config, Runtime};
+
+/// Options of FSDP, named after PyTorch's `fully_shard` arguments where they exist.
+#[derive(Clone, Debug)]
+pub struct FsdpOptions {
+    /// Free each unit's gathered parameters after its forward and gather them again for its backward
+    /// (default true, as FSDP2); false keeps them from forward to backward: one all-gather fewer per
+    /// unit, the whole model's parameters at the peak. The root keeps them either way.
+    pub reshard_after_forward: bool,
+    /// The dtype units compute in (FSDP2's `MixedPrecisionPolicy.param_dtype`); `None`: the parameters'.
+    pub param_dtype: Option<Kind>,
+    /// The dtype gradients are reduce-scattered in; `None`: the compute dtype (FSDP2's default).
+    pub reduce_dtype: Option<Kind>,
+    /// Units gathered ahead of the one computing, in forward and in backward (default 1; 0: none).
+    pub prefetch: usize,
+    /// Where the shards, their gradients and so the optimizer state live, when not with the parameters:
+    /// e.g. `Device::Cpu` while the units compute on a GPU (DeepSpeed's `offload_optimizer`).
+    pub offload: Option<Device>,
+    /// Start every rank from rank 0's parameters: one broadcast per unit when it is built (default true).
+    pub sync_module_states: bool,
+    /// The group; `None` uses the default one ([`crate::init_process_group`]).
+    pub process_group: Option<Arc<ProcessGroup>>,
+}
+
+impl Default for FsdpOptions {
+    fn default() -> Self {
+        FsdpOptions {
+            reshard_after_forward: true,
+            param_dtype: None,
+            reduce_dtype: None,
+            prefetch: 1,
+            offload: None,
+            sync_module_states: true,
+            process_group: None,
+        }
+    }
+}
+
+impl FsdpOptions {
+    pub fn reshard_after_forward(mut self, on: bool) -> Self {
+        self.reshard_after_forward = on;
+        self
+    }
+    pub fn param_dtype(mut self, kind: Kind) -> Self {
+        self.param_dtype = Some(kind);
+        self
+    }
+    pub fn reduce_dtype(mut self, kind: Kind) -> Self {
+        self.reduce_dtype = Some(kind);
+        self
+    }
+    pub fn prefetch(mut self, units: usize) -> Self {
+        self.prefetch = units;
+        self
+    }
+    pub fn offload(mut self, device: Device) -> Self {
+        self.offload = Some(device);
+        self
+    }
+    pub fn sync_module_states(mut self, on: bool) -> Self {
+        self.sync_module_states = on;
+        self
+    }
+    pub fn process_group(mut self, pg: Arc<ProcessGroup>) -> Self {
+        self.process_group = Some(pg);
+        self
+    }
+}
+
+/// Shards a model unit by unit as it is built (see the module docs).
+pub struct FsdpBuilder {
+    rt: Arc<Runtime>,
+    vars: Arc<Mutex<nn::Variables>>,
+    opts: FsdpOptions,
+    /// Variables already in a unit, by name.
+    claimed: Mutex<HashSet<String>>,
+}
+
+fn floating(k: Kind) -> bool {
+    matches!(k, Kind::Float | Kind::Double | Kind::Half | Kind::BFloat16)
+}
+
+impl FsdpBuilder {
+    pub fn new(vs: &nn::VarStore, opts: FsdpOptions) -> Result<FsdpBuilder> {
+        let pg = match opts.process_group.clone().or_else(crate::init::default_group) {
+            Some(pg) => pg,
+            None => {
+                return Err(Error::invalid(
+                    "FsdpBuilder::new",
+                    "no process group: pass FsdpOptions::process_group or call init_process_group first",
+                ))
+            }
+        };
+        for (what, k) in [("param_dtype", opts.param_dtype), ("reduce_dtype", opts.reduce_dtype)] {
+            if let Some(k) = k.filter(|&k| !floating(k)) {
+                return Err(Error::invalid("FsdpOptions", format!("{what} {k:?} is not a floating-point dtype")));
+            }
+        }
+        let cfg = Config {
+            reshard_after_forward: opts.reshard_after_forward,
+            prefetch: opts.prefetch,
+            reduce_dtype: opts.reduce_dtype,
+        };
+        Ok(FsdpBuilder {
+            rt: Arc::new(Runtime::new(pg, cfg)),
+            vars: vs.variables_.clone(),
+            opts,
+            claimed: Mutex::new(HashSet::new()),
+        })
+    }
+
+    /// The trainable variables (frozen ones included, buffers not) under `prefixes` (all of them when
+    /// `None`) that no unit has taken yet, sorted by name.
+    fn take(&self, prefixes: Option<&[String]>) -> Vec<(String, Tensor)> {
+        let vars = self.vars.lock().unwrap_or_else(|e| e.into_inner());
+        let mut claimed = self.claimed.lock().unwrap_or_else(|e| e.into_inner());
+        let trainable: Vec<&Tensor> = vars.trainable_variables.iter().map(|v| &v.tensor).collect();
+        let is_param = |t: &Tensor| trainable.iter().any(|p| p.data_ptr() == t.data_ptr() && p.size() == t.size());
+        let under = |name: &str| match prefixes {
+            None => true,
+            Some(ps) => ps.iter().any(|p| name == p || name.starts_with(&format!("{p}."))),
+        };
+        let mut out: Vec<(String, Tensor)> = vars
+            .named_variables
+            .iter()
+            .filter(|(n, t)| under(n) && !claimed.contains(*n) && is_param(t))
+            .map(|(n, t)| (n.clone(), t.shallow_clone()))
+            .collect();
+        out.sort_by(|a, b| a.0.cmp(&b.0));
+        claimed.extend(out.iter().map(|(n, _)| n.clone()));
+        out
+    }
+
+    /// Shards the variables in `named` as one unit; returns its index and the hooks on its parameters.
+    fn add_unit(&self, name: &str, named: Vec<(String, Tensor)>, is_root: bool) -> Result<(usize, Vec<GradHook>)> {
+        let pg = &self.rt.pg;
+        let numel: i64 = named.iter().map(|(_, t)| t.numel() as i64).sum();
+        let mine = [named.len() as i64, numel];
+        pg.meta().agree(&format!("FSDP unit {name}"), &mine, |rows| {
+            let listing =
+                crate::group::meta::by_rank(rows, |r| format!("{} parameters, {} elements", r[0], r[1]), "; ");
+            format!("ranks built different units here ({listing}){}", crate::group::meta::odd_ones_out(rows))
+        })?;
+        let (names, params): (Vec<String>, Vec<Tensor>) = named.into_iter().unzip();
+        let flat = FlatParam::new(
+            pg,
+            name,
+            names,
+            params,
+            self.opts.param_dtype,
+            self.opts.offload,
+            self.opts.sync_module_states,
+        )?;
+        let params: Vec<Tensor> = flat.params.iter().map(|p| p.shallow_clone()).collect();
+        let id = self.rt.add_unit(name.to_string(), flat, is_root);
+        // registered while the parameters have their shapes and compute dtype (their accumulators keep them)
+        let hooks = unit::grad_hooks(&self.rt, id, &params)?;
+        if !is_root {
+            self.rt.reshard(id)?;
+        }
+        Ok((id, hooks))
+    }
+
+    /// PyTorch's `fully_shard(module)`: the trainable variables under `path` (not in a unit yet) become
+    /// one unit, sharded at once. Build a layer, shard it, build the next: the full model never exists.
+    pub fn fully_shard<M>(&self, path: &nn::Path, module: M) -> Result<FsdpUnit<M>> {
+        let prefix: Vec<&str> = path.components().collect();
+        self.fully_shard_paths(&[prefix.join(".")], module)
+    }
+
+    /// [`fully_shard`](Self::fully_shard) of a module whose variables lie under several prefixes
+    /// (variable names as the VarStore has them, e.g. `"blocks.3"`).
+    pub fn fully_shard_paths<M>(&self, prefixes: &[String], module: M) -> Result<FsdpUnit<M>> {
+        let name = prefixes.join("+");
+        if prefixes.iter().any(|p| p.is_empty()) {
+            return Err(Error::invalid("fully_shard", "an empty path is the whole model: use FsdpBuilder::finish"));
+        }
+        let named = self.take(Some(prefixes));
+        if named.is_empty() {
+            return Err(Error::invalid(
+                "fully_shard",
+                format!("no parameters under {name} (none were created there, or another unit has them)"),
+            ));
+        }
+        let (id, hooks) = self.add_unit(&name, named, false)?;
+        Ok(FsdpUnit::new(module, self.rt.clone(), id, hooks))
+    }
+
+    /// Groups consecutive layers into units of at least `min_numel` parameters (PyTorch's size-based
+    /// auto-wrap policy), for models built as a sequence.
+    pub fn auto_wrap(&self, min_numel: i64) -> AutoWrap<'_> {
+        AutoWrap { fsdp: self, min_numel, seq: nn::seq(), group: nn::seq(), prefixes: Vec::new(), numel: 0 }
+    }
+
+    /// PyTorch's `fully_shard(model)` on the whole model: the variables no unit took form the root unit,
+    /// whose parameters stay gathered from forward to backward. Returns the model to train.
+    pub fn finish<M>(self, module: M) -> Result<FullyShardedDataParallel<M>> {
+        let rest = self.take(None);
+        let (root, hooks) = if rest.is_empty() {
+            (None, Vec::new())
+        } else {
+            let (id, hooks) = self.add_unit("root", rest, true)?;
+            (Some(id), hooks)
+        };
+        if self.rt.len() == 0 {
+            return Err(Error::invalid("FsdpBuilder::finish", "the VarStore has no trainable variables"));
+        }
+        Ok(FullyShardedDataParallel { _hooks: hooks, module, rt: self.rt, root, vars: self.vars })
+    }
+}
+
+/// A sequence of layers grouped into units by size (see [`FsdpBuilder::auto_wrap`]).
+pub struct AutoWrap<'a> {
+    fsdp: &'a FsdpBuilder,
+    min_numel: i64,
+    seq: nn::Sequential,
+    group: nn::Sequential,
+    prefixes: Vec<String>,
+    numel: i64,
+}
+
+impl AutoWrap<'_> {
+    /// Adds a layer whose variables lie under `path`.
+    pub fn add<M: nn::Module + 'static>(mut self, path: &nn::Path, layer: M) -> Result<Self> {
+        let prefix = path.components().collect::<Vec<_>>().join(".");
+        let vars = self.fsdp.vars.lock().unwrap_or_else(|e| e.into_inner());
+        self.numel += vars
+            .named_variables
+            .iter()
+            .filter(|(n, _)| n.starts_with(&format!("{prefix}.")))
+            .map(|(_, t)| t.numel() as i64)
+            .sum::<i64>();
+        drop(vars);
+        self.prefixes.push(prefix);
+        self.group = self.group.add(layer);
+        if self.numel >= self.min_numel {
+            self.close()?;
+        }
+        Ok(self)
+    }
+
+    /// Adds a function without parameters (an activation).
+    pub fn add_fn(mut self, f: impl Fn(&Tensor) -> Tensor + Send + 'static) -> Self {
+        self.group = self.group.add_fn(f);
+        self
+    }
+
+    fn close(&mut self) -> Result<()> {
+        let group = std::mem::replace(&mut self.group, nn::seq());
+        let prefixes = std::mem::take(&mut self.prefixes);
+        self.numel = 0;
+        let seq = std::mem::replace(&mut self.seq, nn::seq());
+        self.seq =
+            if prefixes.is_empty() { seq.add(group) } else { seq.add(self.fsdp.fully_shard_paths(&prefixes, group)?) };
+        Ok(())
+    }
+
+    /// The sequence; layers left over form a last unit.
+    pub fn build(mut self) -> Result<nn::Sequential> {
+        self.close()?;
+        Ok(self.seq)
+    }
+}
+
+/// A model trained with fully sharded data parallelism (see the module docs).
+pub struct FullyShardedDataParallel<M> {
+    _hooks: Vec<GradHook>,
+    module: M,
+    rt: Arc<Runtime>,
+    root: Option<usize>,
+    vars: Arc<Mutex<nn::Variables>>,
+}
+
+impl<M> FullyShardedDataParallel<M> {
+    /// Runs `f` on the model as a forward of this iteration (for models that are not an `nn::Module`).
+    pub fn forward_with(&self, x: &Tensor, f: impl FnOnce(&M, &Tensor) -> Tensor) -> Result<Tensor> {
+        self.rt.begin_iteration()?;
+        match self.root {
+            Some(id) => unit::forward(&self.rt, id, x, |x| f(&self.module, x)),
+            None => Ok(f(&self.module, x)),
+        }
+    }
+
+    /// Backward of `loss`; every gradient is reduce-scattered into its shard when it returns.
+    pub fn backward(&self, loss: &Tensor) -> Result<()> {
+        loss.f_backward()?;
+        Ok(())
+    }
+
+    /// This rank's shards, one per unit in the order units were built: what the optimizer steps. After a
+    /// synchronised backward each has its `.grad`: this rank's part of the averaged gradient.
+    pub fn parameters(&self) -> Vec<Tensor> {
+        self.rt.shards()
+    }
+
+    /// Drops the gradients (shards' and, after `no_sync`, the parameters' own): PyTorch's
+    /// `zero_grad(set_to_none=True)`, the memory back until the next backward.
+    pub fn zero_grad(&self) -> Result<()> {
+        self.rt.for_each(|_, _, fp| {
+            hooks::set_grad(&fp.shard, None)?;
+            for p in &fp.params {
+                hooks::set_grad(p, None)?;
+            }
+            Ok(())
+        })?;
+        Ok(())
+    }
+
+    /// Runs `f` without gradient reduction (FSDP2's `set_requires_gradient_sync(False)`): gradients
+    /// accumulate unsharded in the parameters, and the next synchronised backward reduces their sum.
+    pub fn no_sync<R>(&self, f: impl FnOnce(&Self) -> R) -> R {
+        self.rt.set_sync(false);
+        let r = f(self);
+        self.rt.set_sync(true);
+        r
+    }
+
+    /// Frees every gathered unit now (after a forward without backward, e.g. in evaluation, the root keeps
+    /// its parameters until the next forward).
+    pub fn reshard(&self) -> Result<()> {
+        for u in 0..self.rt.len() {
+            self.rt.reshard(u)?;
+        }
+        Ok(())
+    }
+
+    pub fn module(&self) -> &M {
+        &self.module
+    }
+
+    pub fn process_group(&self) -> &Arc<ProcessGroup> {
+        &self.rt.pg
+    }
+
+    /// The units' names (their path prefixes; "root" for the rest), in the order of
+    /// [`parameters`](Self::parameters).
+    pub fn units(&self) -> Vec<String> {
+        self.rt.unit_names()
+    }
+}
+
+impl<M: nn::Module> FullyShardedDataParallel<M> {
+    /// The model's forward, errors returned (tch's `f_` convention).
+    pub fn f_forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.forward_with(x, |m, x| m.forward(x))
+    }
+}
+
+impl<M: nn::ModuleT> FullyShardedDataParallel<M> {
+    pub fn f_forward_t(&self, x: &Tensor, train: bool) -> Result<Tensor> {
+        self.forward_with(x, |m, x| m.forward_t(x, train))
+    }
+
+    /// [`f_forward_t`](Self::f_forward_t), panicking on error as tch's infallible methods do.
+    pub fn forward_t(&self, x: &Tensor, train: bool) -> Tensor {
+        self.f_forward_t(x, train).unwrap_or_else(|e| panic!("{e}"))
+    }
+}
+
+impl<M: nn::Module> nn::Module for FullyShardedDataParallel<M> {
+    fn forward(&self, x: &Tensor) -> Tensor {
+        self.f_forward(x).unwrap_or_else(|e| panic!("{e}"))
+    }
+}
+
+impl<M: std::fmt::Debug> std::fmt::Debug for FullyShardedDataParallel<M> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FullyShardedDataParallel")
+            .field("group", &self.rt.pg)
+            .field("units", &self.rt.unit_names())
+            .field("module", &self.module)
+            .finish()
+    }
+}

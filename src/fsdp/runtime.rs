@@ -1,0 +1,375 @@
+//! What the units of one FSDP model share: their flat parameters, where each is (sharded, being gathered,
+//! gathered), the order of this iteration's forwards, and the bookkeeping of one backward.
+//!
+//! Every step takes what it needs under the lock, lets go, runs its collectives, and comes back to record
+//! the result: no lock is held across a collective.
+//!
+//! Gradients are reduce-scattered unit by unit in the reverse order of the forwards, as soon as a unit's
+//! last gradient has arrived (FSDP's post-backward). The order is the same on every rank, so the ring's
+//! messages pair up even where ranks' gradients arrive in different orders; a unit some of whose
+//! parameters got no gradient waits for the end of backward and is reduced there, with zeros for them.
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+
+use tch::{Kind, Tensor};
+
+use super::flat_param::FlatParam;
+use crate::error::{Error, Result};
+use crate::group::ProcessGroup;
+use crate::hooks;
+use crate::work::Work;
+
+pub(crate) struct Config {
+    pub reshard_after_forward: bool,
+    pub prefetch: usize,
+    pub reduce_dtype: Option<Kind>,
+}
+
+enum Phase {
+    Sharded,
+    /// A prefetch left these steps running.
+    InFlight(Vec<Work>),
+    Gathered,
+    /// A thread is gathering or freeing it right now.
+    Busy,
+}
+
+struct Unit {
+    name: String,
+    flat: FlatParam,
+    phase: Phase,
+    is_root: bool,
+    /// Parameters that get gradients, and how many have this backward.
+    expected: usize,
+    arrived: usize,
+}
+
+struct State {
+    units: Vec<Unit>,
+    /// Units in the order their forwards began this iteration, and last iteration (for prefetching).
+    order: Vec<usize>,
+    last_order: Vec<usize>,
+    /// Reductions done this backward, counted along the reversed `order`.
+    reduced: usize,
+    /// The end-of-backward callback is queued: a backward is running.
+    in_backward: bool,
+    sync: bool,
+    error: Option<String>,
+}
+
+pub(crate) struct Runtime {
+    pub pg: Arc<ProcessGroup>,
+    pub cfg: Config,
+    st: Mutex<State>,
+}
+
+enum Job {
+    Nothing,
+    Wait(Vec<Work>),
+    Start,
+}
+
+fn wait_all(works: Vec<Work>) -> Result<()> {
+    for w in works {
+        w.wait()?;
+    }
+    Ok(())
+}
+
+impl Runtime {
+    pub fn new(pg: Arc<ProcessGroup>, cfg: Config) -> Runtime {
+        let st = State {
+            units: Vec::new(),
+            order: Vec::new(),
+            last_order: Vec::new(),
+            reduced: 0,
+            in_backward: false,
+            sync: true,
+            error: None,
+        };
+        Runtime { pg, cfg, st: Mutex::new(st) }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // Poisoned only by a panic between two lines of bookkeeping; the state is still consistent.
+        self.st.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Registers a unit (gathered, as FlatParam::new leaves it) and returns its index.
+    pub fn add_unit(&self, name: String, flat: FlatParam, is_root: bool) -> usize {
+        let expected = if flat.trainable { flat.params.len() } else { 0 };
+        let mut st = self.lock();
+        st.units.push(Unit { name, flat, phase: Phase::Gathered, is_root, expected, arrived: 0 });
+        st.units.len() - 1
+    }
+
+    pub fn len(&self) -> usize {
+        self.lock().units.len()
+    }
+
+    /// Runs `f` on each unit's flat parameter (handles, outside the lock), in unit order.
+    pub fn for_each<T>(&self, mut f: impl FnMut(usize, &str, &FlatParam) -> Result<T>) -> Result<Vec<T>> {
+        let units: Vec<(String, FlatParam)> =
+            self.lock().units.iter().map(|u| (u.name.clone(), u.flat.handles())).collect();
+        units.iter().enumerate().map(|(i, (n, fp))| f(i, n, fp)).collect()
+    }
+
+    pub fn compute_kind(&self, u: usize) -> Kind {
+        self.lock().units[u].flat.compute_kind()
+    }
+
+    pub fn set_sync(&self, on: bool) {
+        self.lock().sync = on;
+    }
+
+    /// Makes unit `u`'s parameters the gathered ones: finishes its prefetch, or gathers it now.
+    pub fn unshard(&self, u: usize) -> Result<()> {
+        let (flat, job) = {
+            let mut st = self.lock();
+            let unit = &mut st.units[u];
+            let job = match std::mem::replace(&mut unit.phase, Phase::Busy) {
+                Phase::Gathered => Job::Nothing,
+                Phase::InFlight(w) => Job::Wait(w),
+                Phase::Sharded => Job::Start,
+                Phase::Busy => {
+                    return Err(Error::invalid(
+                        "FSDP",
+                        format!("unit {} is being gathered or freed by another thread", unit.name),
+                    ))
+                }
+            };
+            (unit.flat.handles(), job)
+        };
+        let done = match job {
+            Job::Nothing => Ok(()),
+            Job::Wait(w) => wait_all(w),
+            Job::Start => flat.start_gather(&self.pg, u).and_then(wait_all),
+        }
+        .and_then(|()| flat.use_full());
+        self.lock().units[u].phase = if done.is_ok() { Phase::Gathered } else { Phase::Sharded };
+        done
+    }
+
+    /// Starts gathering unit `u` if it is sharded, and returns without waiting.
+    fn prefetch(&self, u: usize) -> Result<()> {
+        let flat = {
+            let mut st = self.lock();
+            let unit = &mut st.units[u];
+            if !matches!(unit.phase, Phase::Sharded) {
+                return Ok(());
+            }
+            unit.phase = Phase::Busy;
+            unit.flat.handles()
+        };
+        let _l = crate::flight::label(format!("FSDP prefetch of unit {u}"));
+        let started = flat.start_gather(&self.pg, u);
+        let mut st = self.lock();
+        match started {
+            Ok(w) => {
+                st.units[u].phase = Phase::InFlight(w);
+                Ok(())
+            }
+            Err(e) => {
+                st.units[u].phase = Phase::Sharded;
+                Err(e)
+            }
+        }
+    }
+
+    /// Frees unit `u`'s gathered parameters (after any gather of it still running).
+    pub fn reshard(&self, u: usize) -> Result<()> {
+        let (flat, works) = {
+            let mut st = self.lock();
+            let unit = &mut st.units[u];
+            let works = match std::mem::replace(&mut unit.phase, Phase::Busy) {
+                Phase::Sharded => {
+                    unit.phase = Phase::Sharded;
+                    return Ok(());
+                }
+                Phase::InFlight(w) => w,
+                Phase::Gathered => Vec::new(),
+                Phase::Busy => {
+                    return Err(Error::invalid(
+                        "FSDP",
+                        format!("unit {} is being gathered or freed by another thread", unit.name),
+                    ))
+                }
+            };
+            (unit.flat.handles(), works)
+        };
+        let waited = wait_all(works);
+        let freed = flat.release();
+        self.lock().units[u].phase = Phase::Sharded;
+        waited.and(freed)
+    }
+
+    /// The root's forward begins an iteration: the order of forwards is recorded afresh (after a backward
+    /// that failed before its end, what it left is cleaned up first).
+    pub fn begin_iteration(&self) -> Result<()> {
+        if self.lock().in_backward {
+            self.recover();
+        }
+        // Units still gathered from a forward without backward (evaluation) are freed, so this forward
+        // sees shards changed since (an optimizer step, a loaded checkpoint).
+        for u in 0..self.len() {
+            self.reshard(u)?;
+        }
+        let mut st = self.lock();
+        st.order.clear();
+        st.reduced = 0;
+        st.units.iter_mut().for_each(|x| x.arrived = 0);
+        Ok(())
+    }
+
+    /// Before unit `u`'s forward: records the order, gathers `u` and prefetches the units that followed it
+    /// last iteration.
+    pub fn begin_forward(&self, u: usize) -> Result<()> {
+        let next: Vec<usize> = {
+            let mut st = self.lock();
+            if !st.order.contains(&u) {
+                st.order.push(u);
+            }
+            let at = st.last_order.iter().position(|&x| x == u);
+            at.map(|i| st.last_order.iter().skip(i + 1).take(self.cfg.prefetch).copied().collect()).unwrap_or_default()
+        };
+        self.unshard(u)?;
+        for v in next {
+            self.prefetch(v)?;
+        }
+        Ok(())
+    }
+
+    /// After unit `u`'s forward: frees its parameters unless it is the root or resharding is off.
+    pub fn end_forward(&self, u: usize) -> Result<()> {
+        let root = self.lock().units[u].is_root;
+        if self.cfg.reshard_after_forward && !root {
+            self.reshard(u)?;
+        }
+        Ok(())
+    }
+
+    /// Just before unit `u`'s backward (its output's gradient is complete): gathers it again and
+    /// prefetches the units whose backward comes next.
+    pub fn pre_backward(self: &Arc<Self>, u: usize) -> Result<()> {
+        self.ensure_end_callback()?;
+        let next: Vec<usize> = {
+            let st = self.lock();
+            let at = st.order.iter().position(|&x| x == u).unwrap_or(0);
+            st.order[..at].iter().rev().take(self.cfg.prefetch).copied().collect()
+        };
+        self.unshard(u)?;
+        for v in next {
+            self.prefetch(v)?;
+        }
+        Ok(())
+    }
+
+    /// One parameter of unit `u` has its gradient (called from its accumulator's hook).
+    pub fn grad_arrived(self: &Arc<Self>, u: usize) {
+        let r = self.ensure_end_callback().and_then(|()| {
+            {
+                let mut st = self.lock();
+                if !st.sync {
+                    return Ok(());
+                }
+                st.units[u].arrived += 1;
+            }
+            self.reduce_ready(false)
+        });
+        if let Err(e) = r {
+            self.record(e.to_string());
+        }
+    }
+
+    fn record(&self, e: String) {
+        let mut st = self.lock();
+        if st.error.is_none() {
+            st.error = Some(e);
+        }
+    }
+
+    fn ensure_end_callback(self: &Arc<Self>) -> Result<()> {
+        {
+            let mut st = self.lock();
+            if st.in_backward {
+                return Ok(());
+            }
+            st.in_backward = true;
+        }
+        let weak: Weak<Runtime> = Arc::downgrade(self);
+        hooks::queue_backward_callback(move || match weak.upgrade() {
+            Some(rt) => rt.end_backward().map_err(|e| e.to_string()),
+            None => Err("the FSDP model was dropped during its backward".into()),
+        })
+    }
+
+    /// Reduces, along the reversed forward order, each unit whose gradients are all in; with `force`,
+    /// every unit left (missing gradients count as zeros).
+    fn reduce_ready(&self, force: bool) -> Result<()> {
+        loop {
+            let (u, flat) = {
+                let mut st = self.lock();
+                if st.error.is_some() {
+                    return Ok(());
+                }
+                let Some(&u) = st.order.iter().rev().nth(st.reduced) else { return Ok(()) };
+                let (expected, arrived) = (st.units[u].expected, st.units[u].arrived);
+                if expected > 0 && !force && arrived < expected {
+                    return Ok(());
+                }
+                st.reduced += 1;
+                if expected == 0 {
+                    continue; // frozen: nothing to reduce
+                }
+                (u, st.units[u].flat.handles())
+            };
+            // the gathered parameters go first: the reduction's buffer takes their place
+            self.reshard(u)?;
+            let _l = crate::flight::label(format!("FSDP reduce-scatter of unit {u}"));
+            let reduce = self.cfg.reduce_dtype.unwrap_or(flat.compute_kind());
+            flat.reduce_grads(&self.pg, u, reduce, self.pg.size() as f64)?;
+        }
+    }
+
+    /// The end of a backward: reduces what is left, frees every gathered unit, and reports the first
+    /// error of this backward (the backward fails with it).
+    fn end_backward(&self) -> Result<()> {
+        let sync = self.lock().sync;
+        let mut r = if sync { self.reduce_ready(true) } else { Ok(()) };
+        for u in 0..self.len() {
+            let freed = self.reshard(u);
+            if r.is_ok() {
+                r = freed;
+            }
+        }
+        let mut st = self.lock();
+        st.in_backward = false;
+        st.last_order = st.order.clone();
+        st.reduced = 0;
+        st.units.iter_mut().for_each(|x| x.arrived = 0);
+        match st.error.take() {
+            Some(e) => Err(Error::invalid("FSDP backward", e)),
+            None => r,
+        }
+    }
+
+    /// After a backward that failed before its end: free what is gathered, forget its bookkeeping.
+    fn recover(&self) {
+        for u in 0..self.len() {
+            let _ = self.reshard(u);
+        }
+        let mut st = self.lock();
+        st.in_backward = false;
+        st.error = None;
+        st.reduced = 0;
+        st.units.iter_mut().for_each(|x| x.arrived = 0);
+    }
+
+    /// This rank's shards, one per unit, in unit order (what the optimizer steps).
+    pub fn shards(&self) -> Vec<Tensor> {
+        self.lock().units.iter().map(|u| u.flat.shard.shallow_clone()).collect()
+    }
+
+    pub fn unit_names(&self) -> Vec<String> {
+        self.lock().units.iter().map(|u| u.name.clone()).collect()
+    }
+}

@@ -1,0 +1,33 @@
+//! A tensor's storage freed and allocated again in place: FSDP frees a unit's gathered parameters between
+//! uses this way. The storage object stays, so every tensor sharing it (the parameters' views, the tensors
+//! autograd saved for backward) sees memory again once it is allocated and filled.
+use tch::Tensor;
+
+use crate::error::{check, Result};
+use crate::ffi;
+
+fn resize(t: &Tensor, nbytes: i64) -> Result<()> {
+    // SAFETY: t is live for the call; the shim swaps the storage's data pointer under libtorch's own API.
+    let code = unsafe { ffi::tdx_storage_resize(t.as_ptr() as ffi::tdx_tensor, nbytes) };
+    check(code, std::time::Duration::ZERO, || format!("resize the storage of {:?} to {nbytes} bytes", t.size()))
+}
+
+/// Frees `t`'s storage. Until [`allocate`] gives it memory again, nothing may read a tensor sharing it.
+pub(crate) fn free(t: &Tensor) -> Result<()> {
+    resize(t, 0)
+}
+
+/// Gives `t`'s freed storage memory for all of `t` (a tensor at offset 0 covering its storage), contents
+/// undefined.
+pub(crate) fn allocate(t: &Tensor) -> Result<()> {
+    resize(t, (t.numel() * t.kind().elt_size_in_bytes()) as i64)
+}
+
+/// Bytes `t`'s storage holds now (0 when freed).
+pub(crate) fn nbytes(t: &Tensor) -> Result<i64> {
+    let mut out = 0i64;
+    // SAFETY: t is live for the call.
+    let code = unsafe { ffi::tdx_storage_nbytes(t.as_ptr() as ffi::tdx_tensor, &mut out) };
+    check(code, std::time::Duration::ZERO, || "read a storage's size".into())?;
+    Ok(out)
+}

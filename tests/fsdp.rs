@@ -1,0 +1,462 @@
+//! FSDP (ZeRO-3): after training, the parameters equal single-process training with the same optimizer
+//! (the full batch's gradient taken as the mean of the ranks' batches), on 2 and 3 ranks, with units of
+//! 25, 35, 5 and 1 parameters (no world size here divides any; with 3 ranks some shards are empty), in
+//! float32 and with bfloat16 compute; with resharding off, without prefetching, with gradient
+//! accumulation, an unused parameter, offload and auto-wrap; each rank holds its shards only.
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tch::{nn, nn::Module, Device, Kind, Tensor};
+use tch_dist::fsdp::{FsdpBuilder, FsdpMemory, FsdpOptions, FullyShardedDataParallel};
+use tch_dist::optim::{AdamW, Optimizer, Sgd};
+use tch_dist::recompute::Checkpointed;
+
+const LR: f64 = 0.05;
+const STEPS: usize = 4;
+
+/// See `build`.
+#[derive(Debug)]
+struct Net {
+    l1: Box<dyn Module>,
+    l2: Box<dyn Module>,
+    unused: Box<dyn Module>,
+    l3: nn::Linear,
+    scale: Box<dyn Module>,
+    use_unused: bool,
+    /// `l1` is l1, tanh, pad and l2 in one sequence (auto-wrap)
+    fused: bool,
+}
+
+fn between(h: &Tensor) -> Tensor {
+    h.tanh().pad([0, 1], "constant", Some(0.5))
+}
+
+impl Module for Net {
+    fn forward(&self, x: &Tensor) -> Tensor {
+        let h = if self.fused { self.l1.forward(x) } else { self.l2.forward(&between(&self.l1.forward(x))) };
+        let mut y = self.l3.forward(&h.tanh());
+        if self.use_unused {
+            y = &y + self.unused.forward(&y) * 0.0;
+        }
+        self.scale.forward(&y)
+    }
+}
+
+/// Deterministic values by variable name, shifted by `shift` (ranks start different; rank 0's win).
+fn init(vs: &nn::VarStore, shift: f64) {
+    let _g = tch::no_grad_guard();
+    let mut named: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+    named.sort_by(|a, b| a.0.cmp(&b.0));
+    for (i, (_, mut p)) in named.into_iter().enumerate() {
+        let v = (Tensor::arange(p.numel() as i64, (Kind::Float, Device::Cpu)) * 0.37 + i as f64).sin() * 0.4 + shift;
+        p.copy_(&v.view(p.size().as_slice()));
+    }
+}
+
+#[derive(Clone, Copy, Debug, Default)]
+struct Setup {
+    world: usize,
+    bf16: bool,
+    /// reduce-scatter in float32 (with bf16 compute)
+    reduce_f32: bool,
+    keep_after_forward: bool,
+    no_prefetch: bool,
+    /// backwards per step, all but the last under no_sync
+    accumulate: usize,
+    /// a unit with a parameter that gets no gradient (trained with plain SGD, which leaves it alone)
+    unused: bool,
+    offload: bool,
+    checkpointed: bool,
+    auto_wrap: bool,
+}
+
+/// The model, its layers wrapped as units when `fsdp` is given: l1 (25 parameters), l2 (6→5: 35),
+/// `unused` (1→1 without bias: 1), scale (1), and l3 (5→1 without bias: 5) left to the root.
+fn build(vs: &nn::VarStore, fsdp: Option<&FsdpBuilder>, shift: f64, s: Setup) -> Net {
+    let r = vs.root();
+    let nb = nn::LinearConfig { bias: false, ..Default::default() };
+    let (p1, p2, pu, ps) = (&r / "l1", &r / "l2", &r / "unused", &r / "scale");
+    let l1 = nn::linear(&p1, 4, 5, Default::default());
+    let l2 = nn::linear(&p2, 6, 5, Default::default());
+    let unused = nn::linear(&pu, 1, 1, nb);
+    let l3 = nn::linear(&r / "l3", 5, 1, nb);
+    let gain = ps.ones("gain", &[1]);
+    init(vs, shift);
+    let scale = nn::func(move |x| x * &gain);
+    type M = Box<dyn Module>;
+    let (l1, l2, unused, scale): (M, M, M, M) = match fsdp {
+        None => (Box::new(l1), Box::new(l2), Box::new(unused), Box::new(scale)),
+        Some(f) if s.checkpointed => (
+            Box::new(f.fully_shard(&p1, Checkpointed::new(l1)).unwrap()), // checkpoint inside a unit
+            Box::new(Checkpointed::new(f.fully_shard(&p2, l2).unwrap())), // and around one
+            Box::new(f.fully_shard(&pu, unused).unwrap()),
+            Box::new(f.fully_shard(&ps, scale).unwrap()),
+        ),
+        Some(f) if s.auto_wrap => {
+            // l1 (25) is under 30, with l2 (35) over it: one unit of both
+            let w = f.auto_wrap(30).add(&p1, l1).unwrap().add_fn(between).add(&p2, l2).unwrap();
+            (
+                Box::new(w.build().unwrap()),
+                Box::new(nn::func(|x| x.shallow_clone())),
+                Box::new(f.fully_shard(&pu, unused).unwrap()),
+                Box::new(f.fully_shard(&ps, scale).unwrap()),
+            )
+        }
+        Some(f) => (
+            Box::new(f.fully_shard(&p1, l1).unwrap()),
+            Box::new(f.fully_shard(&p2, l2).unwrap()),
+            Box::new(f.fully_shard(&pu, unused).unwrap()),
+            Box::new(f.fully_shard(&ps, scale).unwrap()),
+        ),
+    };
+    Net { l1, l2, unused, l3, scale, use_unused: s.unused, fused: s.auto_wrap && fsdp.is_some() }
+}
+
+fn batch(step: usize, rank: usize, micro: usize) -> (Tensor, Tensor) {
+    let base = (step * 100 + rank * 10 + micro * 3) as f64;
+    let x = ((Tensor::arange(12, (Kind::Float, Device::Cpu)) * 0.3 + base).sin()).view([3, 4]);
+    let y = ((Tensor::arange(3, (Kind::Float, Device::Cpu)) * 0.7 + base).cos()).view([3, 1]);
+    (x, y)
+}
+
+fn optimizer(params: Vec<Tensor>, s: Setup) -> Box<dyn Optimizer> {
+    if s.unused {
+        Box::new(Sgd::new(params, LR))
+    } else {
+        Box::new(AdamW::new(params, LR))
+    }
+}
+
+/// Single process: the mean of the ranks' gradients (computed one rank's batch at a time, in bfloat16
+/// for `bf16`, summed in float32) steps float32 parameters.
+fn reference(s: Setup) -> Vec<(String, Tensor)> {
+    let vs = nn::VarStore::new(Device::Cpu);
+    let net = build(&vs, None, 0.0, s);
+    let mut vs16 = nn::VarStore::new(Device::Cpu);
+    let net16 = build(&vs16, None, 0.0, s);
+    vs16.bfloat16();
+    let names: Vec<String> = {
+        let mut n: Vec<String> = vs.variables().into_keys().collect();
+        n.sort();
+        n
+    };
+    let master: Vec<Tensor> = names.iter().map(|n| vs.variables()[n].shallow_clone()).collect();
+    let copies: Vec<Tensor> = names.iter().map(|n| vs16.variables()[n].shallow_clone()).collect();
+    let mut opt = optimizer(master.iter().map(|t| t.shallow_clone()).collect(), s);
+    for step in 0..STEPS {
+        let sums: Vec<Tensor> = master.iter().map(|p| p.zeros_like()).collect();
+        let mut touched = vec![false; sums.len()];
+        if s.bf16 {
+            tch::no_grad(|| copies.iter().zip(&master).for_each(|(c, m)| c.shallow_clone().copy_(m)));
+        }
+        for micro in 0..s.accumulate.max(1) {
+            for r in 0..s.world {
+                let params = if s.bf16 { &copies } else { &master };
+                params.iter().for_each(|p| tch_dist::hooks::set_grad(p, None).unwrap());
+                let (x, y) = batch(step, r, micro);
+                let out = if s.bf16 { net16.forward(&x.to_kind(Kind::BFloat16)) } else { net.forward(&x) };
+                out.to_kind(Kind::Float).mse_loss(&y, tch::Reduction::Mean).backward();
+                tch::no_grad(|| {
+                    for ((acc, p), t) in sums.iter().zip(params).zip(touched.iter_mut()) {
+                        let g = p.grad();
+                        if g.defined() {
+                            *t = true;
+                            let _ = acc.shallow_clone().g_add_(&(g.to_kind(Kind::Float) / s.world as f64));
+                        }
+                    }
+                });
+            }
+        }
+        // a parameter no backward reached has no gradient, and the optimizer leaves it alone
+        for ((p, g), t) in master.iter().zip(&sums).zip(&touched) {
+            tch_dist::hooks::set_grad(p, if *t { Some(g) } else { None }).unwrap();
+        }
+        opt.step().unwrap();
+    }
+    names.into_iter().zip(master.iter().map(|t| t.detach().copy())).collect()
+}
+
+struct Out {
+    state: Vec<(String, Tensor)>,
+    mem: FsdpMemory,
+    placeholder_numel: usize,
+    units: Vec<String>,
+}
+
+fn train(s: Setup) -> Vec<Out> {
+    common::run_threads(s.world, Duration::from_secs(60), move |pg| {
+        let rank = pg.rank();
+        let vs = nn::VarStore::new(Device::Cpu);
+        let mut opts = FsdpOptions::default().process_group(Arc::new(pg));
+        if s.bf16 {
+            opts = opts.param_dtype(Kind::BFloat16);
+        }
+        if s.reduce_f32 {
+            opts = opts.reduce_dtype(Kind::Float);
+        }
+        if s.offload {
+            opts = opts.offload(Device::Cpu);
+        }
+        opts = opts.reshard_after_forward(!s.keep_after_forward).prefetch(if s.no_prefetch { 0 } else { 1 });
+        let fsdp = FsdpBuilder::new(&vs, opts).unwrap();
+        let net = build(&vs, Some(&fsdp), rank as f64, s);
+        let model = fsdp.finish(net).unwrap();
+        let mut opt = optimizer(model.parameters(), s);
+        for step in 0..STEPS {
+            for micro in 0..s.accumulate.max(1) {
+                let (x, y) = batch(step, rank, micro);
+                let run = |m: &FullyShardedDataParallel<Net>| {
+                    let out = m.f_forward(&x).unwrap().to_kind(Kind::Float);
+                    m.backward(&out.mse_loss(&y, tch::Reduction::Mean)).unwrap();
+                };
+                if micro + 1 < s.accumulate {
+                    model.no_sync(run)
+                } else {
+                    run(&model)
+                }
+            }
+            opt.step().unwrap();
+            if step + 1 < STEPS {
+                model.zero_grad().unwrap();
+            }
+        }
+        let mem = model.memory_breakdown_with(opt.as_ref()).unwrap();
+        let placeholder_numel = vs.variables()["l1.weight"].numel();
+        Out { state: model.state_dict().unwrap(), mem, placeholder_numel, units: model.units() }
+    })
+}
+
+fn max_diff(a: &[(String, Tensor)], b: &[(String, Tensor)]) -> f64 {
+    assert_eq!(a.iter().map(|x| &x.0).collect::<Vec<_>>(), b.iter().map(|x| &x.0).collect::<Vec<_>>());
+    a.iter().zip(b).map(|((_, x), (_, y))| (x - y).abs().max().double_value(&[])).fold(0.0, f64::max)
+}
+
+fn check(s: Setup, tol: f64) -> Vec<Out> {
+    let reference = reference(s);
+    let outs = train(s);
+    for (r, o) in outs.iter().enumerate() {
+        let d = max_diff(&o.state, &reference);
+        assert!(d <= tol, "{s:?}: rank {r} differs from the single process by {d}");
+        assert_eq!(max_diff(&o.state, &outs[0].state), 0.0, "{s:?}: ranks disagree");
+        assert_eq!(o.placeholder_numel, 0, "a sharded parameter reads as empty between steps");
+        assert_eq!(o.mem.gathered_parameters, 0, "{s:?}: nothing stays gathered after backward");
+    }
+    // the moved parameters: far from where they started (rank 0's init)
+    let vs = nn::VarStore::new(Device::Cpu);
+    let _ = build(&vs, None, 0.0, s);
+    let mut start: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+    start.sort_by(|a, b| a.0.cmp(&b.0));
+    assert!(max_diff(&reference, &start) > 0.01, "training must move the parameters");
+    outs
+}
+
+/// Observed: bit-identical on 2 ranks; on 3, within 1e-7 (the ranks' gradients summed in another order).
+const TOL: f64 = 1e-6;
+
+#[test]
+fn fp32_equals_single_process_on_2_and_3_ranks() {
+    for world in [2, 3] {
+        let outs = check(Setup { world, ..Default::default() }, TOL);
+        // each rank holds its shards only: 25, 35, 1, 1 and 5 elements split into `world` padded slices
+        let units = [25i64, 35, 1, 1, 5];
+        for (r, o) in outs.iter().enumerate() {
+            let own: i64 = units
+                .iter()
+                .map(|&n| {
+                    let len = (n + world as i64 - 1) / world as i64;
+                    (n - r as i64 * len).clamp(0, len)
+                })
+                .sum();
+            assert_eq!(o.mem.owned_elements, own, "rank {r} of {world}");
+            assert_eq!(o.mem.sharded_parameters, 4 * own);
+            // rank 0 owns the one element of `unused`, which no backward reached: no gradient, no state
+            let stepped = own - (r == 0) as i64;
+            assert_eq!(o.mem.gradient_shards, 4 * stepped);
+            let state = o.mem.optimizer_state;
+            assert!(state >= 8 * stepped && state <= 8 * stepped + 64, "{:?}", o.mem);
+            assert_eq!(o.units, ["l1", "l2", "unused", "scale", "root"]);
+        }
+        assert_eq!(outs.iter().map(|o| o.mem.owned_elements).sum::<i64>(), 67);
+    }
+}
+
+#[test]
+fn resharding_off_and_no_prefetch_change_nothing() {
+    check(Setup { world: 2, keep_after_forward: true, ..Default::default() }, TOL);
+    check(Setup { world: 3, no_prefetch: true, ..Default::default() }, TOL);
+}
+
+#[test]
+fn bf16_compute_with_f32_shards() {
+    // float32 reduction: the same sums as the reference, in another order
+    let outs = check(Setup { world: 2, bf16: true, reduce_f32: true, ..Default::default() }, TOL);
+    assert!(outs.iter().all(|o| o.state.iter().all(|(_, t)| t.kind() == Kind::Float)));
+    check(Setup { world: 3, bf16: true, reduce_f32: true, ..Default::default() }, TOL);
+    // bfloat16 reduction (FSDP2's default): each rank's gradient rounded to bfloat16 before the sum
+    check(Setup { world: 2, bf16: true, ..Default::default() }, 2e-2);
+}
+
+#[test]
+fn gradient_accumulation_under_no_sync() {
+    check(Setup { world: 2, accumulate: 3, ..Default::default() }, TOL);
+}
+
+#[test]
+fn a_parameter_without_gradient_is_reduced_as_zeros() {
+    check(Setup { world: 3, unused: true, ..Default::default() }, TOL);
+}
+
+#[test]
+fn offload_keeps_shards_and_state_on_their_own_device() {
+    let outs = check(Setup { world: 2, offload: true, ..Default::default() }, TOL);
+    for o in &outs {
+        let m = o.mem;
+        assert_eq!(m.offloaded, m.sharded_parameters + m.gradient_shards + m.optimizer_state, "{m:?}");
+    }
+}
+
+#[test]
+fn activation_checkpointing_inside_and_around_units() {
+    check(Setup { world: 2, checkpointed: true, ..Default::default() }, TOL);
+}
+
+#[test]
+fn auto_wrap_by_size() {
+    let outs = check(Setup { world: 2, auto_wrap: true, ..Default::default() }, TOL);
+    assert_eq!(outs[0].units, ["l1+l2", "unused", "scale", "root"]);
+}
+
+#[test]
+fn the_reference_is_full_batch_training() {
+    // the mean of the ranks' gradients is the full batch's gradient: one process on the whole batch
+    let s = Setup { world: 2, ..Default::default() };
+    let vs = nn::VarStore::new(Device::Cpu);
+    let net = build(&vs, None, 0.0, s);
+    let mut named: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+    named.sort_by(|a, b| a.0.cmp(&b.0));
+    let used: Vec<Tensor> =
+        named.iter().filter(|(n, _)| !n.starts_with("unused")).map(|(_, t)| t.shallow_clone()).collect();
+    let mut opt = AdamW::new(used, LR);
+    for step in 0..STEPS {
+        let parts: Vec<(Tensor, Tensor)> = (0..2).map(|r| batch(step, r, 0)).collect();
+        let x = Tensor::cat(&[&parts[0].0, &parts[1].0], 0);
+        let y = Tensor::cat(&[&parts[0].1, &parts[1].1], 0);
+        opt.zero_grad().unwrap();
+        net.forward(&x).mse_loss(&y, tch::Reduction::Mean).backward();
+        opt.step().unwrap();
+    }
+    let full: Vec<(String, Tensor)> = named.iter().map(|(n, t)| (n.clone(), t.detach().copy())).collect();
+    let d = max_diff(&full, &reference(s));
+    assert!(d < 1e-5, "{d}");
+}
+
+/// Named tensors as plain data (tensors are neither Clone nor Sync, the rank closures must be both).
+type Plain = Vec<(String, Vec<f32>, Vec<i64>)>;
+
+fn plain(state: &[(String, Tensor)]) -> Plain {
+    state.iter().map(|(n, t)| (n.clone(), Vec::<f32>::try_from(t.reshape([-1])).unwrap(), t.size())).collect()
+}
+
+fn tensors(p: &Plain) -> Vec<(String, Tensor)> {
+    p.iter().map(|(n, v, s)| (n.clone(), Tensor::from_slice(v).view(s.as_slice()))).collect()
+}
+
+/// Runs `f` on `world` ranks, each with its own FsdpBuilder over the model of `build`.
+fn on_ranks<T: Send + 'static>(
+    world: usize,
+    f: impl Fn(usize, nn::VarStore, FsdpBuilder) -> T + Send + Sync + Clone + 'static,
+) -> Vec<T> {
+    common::run_threads(world, Duration::from_secs(60), move |pg| {
+        let rank = pg.rank();
+        let vs = nn::VarStore::new(Device::Cpu);
+        let fsdp = FsdpBuilder::new(&vs, FsdpOptions::default().process_group(Arc::new(pg))).unwrap();
+        f(rank, vs, fsdp)
+    })
+}
+
+#[test]
+fn full_state_dict_reloads_on_another_world_size_and_sharded_on_the_same() {
+    let s = Setup { world: 2, ..Default::default() };
+    // trained on 2 ranks
+    let saved = plain(&train(s).remove(0).state);
+    // loaded on 3: the full parameters come back
+    let back = on_ranks(3, move |rank, vs, fsdp| {
+        let model = fsdp.finish(build(&vs, None, 9.0 + rank as f64, s)).unwrap();
+        model.load_state_dict(&tensors(&saved)).unwrap();
+        let full = model.state_dict().unwrap();
+        let sharded = model.sharded_state_dict().unwrap();
+        // a sharded checkpoint: changed parameters, then loaded back
+        let (x, _) = batch(0, rank, 0);
+        let before = model.f_forward(&x).unwrap();
+        tch::no_grad(|| {
+            model.parameters().iter().for_each(|p| {
+                let _ = p.shallow_clone().fill_(1.0);
+            })
+        });
+        let changed = model.f_forward(&x).unwrap();
+        model.load_sharded_state_dict(&sharded).unwrap();
+        let after = model.f_forward(&x).unwrap();
+        (full, before, changed, after)
+    });
+    let saved = tensors(&plain(&train(s).remove(0).state));
+    for (full, before, changed, after) in back {
+        assert_eq!(max_diff(&full, &saved), 0.0);
+        assert!((&before - &changed).abs().max().double_value(&[]) > 1e-3);
+        assert_eq!((&before - &after).abs().max().double_value(&[]), 0.0);
+    }
+}
+
+#[test]
+fn sharded_state_of_another_world_size_is_refused_by_name() {
+    let s = Setup { world: 2, ..Default::default() };
+    let saved = on_ranks(2, move |rank, vs, fsdp| {
+        let model = fsdp.finish(build(&vs, None, rank as f64, s)).unwrap();
+        plain(&model.sharded_state_dict().unwrap())
+    });
+    let e = on_ranks(3, move |rank, vs, fsdp| {
+        let model = fsdp.finish(build(&vs, None, rank as f64, s)).unwrap();
+        model.load_sharded_state_dict(&tensors(&saved[rank.min(1)])).unwrap_err().to_string()
+    });
+    assert!(
+        e[0].contains("unit root was saved as") && e[0].contains("over 2 ranks") && e[0].contains("over 3"),
+        "{}",
+        e[0]
+    );
+}
+
+#[test]
+fn bad_units_are_refused_by_name() {
+    let errs = on_ranks(2, |rank, vs, fsdp| {
+        let r = vs.root();
+        let a = nn::linear(&r / "a", 3, 3, Default::default());
+        let b = nn::linear(&r / "b", 3, 4, Default::default());
+        let empty = fsdp.fully_shard(&(&r / "nothing"), nn::func(|x| x.shallow_clone())).unwrap_err().to_string();
+        let whole = fsdp.fully_shard(&r, nn::func(|x| x.shallow_clone())).unwrap_err().to_string();
+        // rank 1 wraps b where rank 0 wraps a: different units, caught before any data moves
+        let mismatch = if rank == 0 {
+            fsdp.fully_shard(&(&r / "a"), a).map(|_| ()).unwrap_err().to_string()
+        } else {
+            fsdp.fully_shard(&(&r / "b"), b).map(|_| ()).unwrap_err().to_string()
+        };
+        (empty, whole, mismatch)
+    });
+    for (empty, whole, mismatch) in errs {
+        assert!(empty.contains("no parameters under nothing"), "{empty}");
+        assert!(whole.contains("use FsdpBuilder::finish"), "{whole}");
+        assert!(
+            mismatch.contains("ranks built different units")
+                && mismatch.contains("rank 0: 2 parameters, 12 elements")
+                && mismatch.contains("rank 1: 2 parameters, 16 elements"),
+            "{mismatch}"
+        );
+    }
+    let mixed = on_ranks(1, |_, vs, fsdp| {
+        let r = vs.root();
+        let _ = nn::linear(&r / "a", 3, 3, Default::default());
+        let _frozen = vs.root().sub("a").var("frozen", &[2], nn::Init::Const(0.0)).set_requires_grad(false);
+        fsdp.fully_shard(&(&r / "a"), nn::func(|x| x.shallow_clone())).map(|_| ()).unwrap_err().to_string()
+    });
+    assert!(mixed[0].contains("mixes frozen and trainable parameters"), "{}", mixed[0]);
+}
