@@ -1,9 +1,13 @@
 //! One rank of the memory benchmark (scripts/bench-memory.sh runs it and the PyTorch twin
 //! scripts/bench_memory.py on 2 ranks). 24 Linear(1024, 1024) layers with ReLU between them (25.2M
 //! parameters), batch 16 per rank, MSE loss, AdamW.
-//!   --mode ddp|zero1|zero2   plain DDP + AdamW, or ShardedOptimizer stage 1 / 2
-//!   --bf16                   bfloat16 parameters with float32 master weights (ZeRO modes)
+//!   --mode ddp|zero1|zero2|zero3   plain DDP + AdamW, ShardedOptimizer stage 1 / 2, or FSDP (each
+//!                            Linear a unit, the root holding nothing; PyTorch's twin: fully_shard)
+//!   --bf16                   bfloat16 parameters with float32 master weights (ZeRO-1/2), or bfloat16
+//!                            compute with float32 shards (ZeRO-3)
 //!   --bucket-mb X            DDP bucket cap (25 by default)
+//!   --keep                   ZeRO-3: keep units gathered from forward to backward
+//!   --checkpoint             ZeRO-3: each Linear + ReLU recomputed in backward
 //! Rank 0 prints `median_step_s peak_rank0 peak_rank1 params grads state master grad_shards` (bytes).
 use std::sync::Arc;
 use std::time::Instant;
@@ -31,14 +35,23 @@ struct Args {
     /// DDP bucket cap
     #[arg(long, default_value_t = 25.0)]
     bucket_mb: f64,
+    /// ZeRO-3: reshard_after_forward off
+    #[arg(long)]
+    keep: bool,
+    /// ZeRO-3: activation checkpointing of each layer
+    #[arg(long)]
+    checkpoint: bool,
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse();
-    let (mode, bf16, bucket_mb) = (args.mode, args.bf16, args.bucket_mb);
     tch::set_num_threads(1); // two ranks share two cores
     memory::install_cpu_counter()?;
     let pg = Arc::new(ProcessGroup::from_env()?);
+    if args.mode == "zero3" {
+        return zero3(&args, pg);
+    }
+    let (mode, bf16, bucket_mb) = (args.mode, args.bf16, args.bucket_mb);
     tch::manual_seed(0);
     let mut vs = nn::VarStore::new(Device::Cpu);
     let mut net = nn::seq();
@@ -112,6 +125,91 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             m.buckets + m.gradients,
             m.optimizer_state,
             m.master_params,
+            m.gradient_shards
+        );
+    }
+    Ok(())
+}
+
+/// The same training under FSDP: every Linear a unit (built and sharded one at a time), AdamW over the
+/// shards, gradients set to none after each step (PyTorch's `zero_grad()`).
+fn zero3(args: &Args, pg: Arc<ProcessGroup>) -> Result<(), Box<dyn std::error::Error>> {
+    use tch::nn::Module;
+    use tch_dist::fsdp::{FsdpBuilder, FsdpOptions};
+    use tch_dist::recompute::Checkpointed;
+    tch::manual_seed(0);
+    let vs = nn::VarStore::new(Device::Cpu);
+    let mut opts = FsdpOptions::default().process_group(pg.clone()).reshard_after_forward(!args.keep);
+    if args.bf16 {
+        opts = opts.param_dtype(Kind::BFloat16);
+    }
+    let fsdp = FsdpBuilder::new(&vs, opts)?;
+    let mut net = nn::seq();
+    for i in 0..LAYERS {
+        let path = vs.root() / format!("l{i}");
+        let unit = fsdp.fully_shard(&path, nn::linear(&path, WIDTH, WIDTH, Default::default()))?;
+        let relu = i + 1 < LAYERS;
+        net = match (args.checkpoint, relu) {
+            (true, true) => net.add(Checkpointed::new(nn::seq().add(unit).add_fn(|x| x.relu()))),
+            (true, false) => net.add(Checkpointed::new(unit)),
+            (false, true) => net.add(unit).add_fn(|x| x.relu()),
+            (false, false) => net.add(unit),
+        };
+    }
+    let model = fsdp.finish(net)?;
+    let mut opt = AdamW::new(model.parameters(), 1e-3);
+    let rank = pg.rank() as i64;
+    let mut times = Vec::new();
+    for step in 0..WARMUP + STEPS {
+        tch::manual_seed(1000 + step as i64 * 10 + rank);
+        let x = Tensor::randn([BATCH, WIDTH], (Kind::Float, Device::Cpu));
+        let y = Tensor::randn([BATCH, WIDTH], (Kind::Float, Device::Cpu));
+        pg.barrier()?;
+        let start = Instant::now();
+        let phases = std::env::var_os("BENCH_PHASES").is_some() && pg.rank() == 0;
+        let mark = |what: &str| -> Result<(), Box<dyn std::error::Error>> {
+            if phases {
+                eprintln!("  {what}: peak {} now {}", memory::peak(Device::Cpu)?, memory::allocated(Device::Cpu)?);
+                memory::reset_peak(Device::Cpu)?;
+            }
+            Ok(())
+        };
+        mark("before")?;
+        let loss = model.forward(&x).to_kind(Kind::Float).mse_loss(&y, tch::Reduction::Mean);
+        mark("forward")?;
+        model.backward(&loss)?;
+        mark("backward")?;
+        let backward_done = start.elapsed().as_secs_f64();
+        opt.step()?;
+        mark("step")?;
+        model.zero_grad()?;
+        if std::env::var_os("BENCH_TRACE").is_some() && pg.rank() == 0 {
+            let t = start.elapsed().as_secs_f64();
+            eprintln!(
+                "step {step}: allocated {} peak {} forward+backward {backward_done:.3}s step {:.3}s",
+                memory::allocated(Device::Cpu)?,
+                memory::peak(Device::Cpu)?,
+                t - backward_done
+            );
+        }
+        if step >= WARMUP {
+            times.push(start.elapsed().as_secs_f64());
+        }
+    }
+    times.sort_by(|a, b| a.total_cmp(b));
+    let peak = memory::peak(Device::Cpu)?;
+    let m = model.memory_breakdown_with(&opt)?;
+    let mut peaks: Vec<Tensor> = (0..pg.size()).map(|_| Tensor::zeros([1], (Kind::Int64, Device::Cpu))).collect();
+    pg.all_gather(&mut peaks, &Tensor::from_slice(&[peak]))?;
+    if pg.rank() == 0 {
+        let peaks: Vec<String> = peaks.iter().map(|t| t.int64_value(&[0]).to_string()).collect();
+        println!(
+            "{:.6} {} {} {} {} 0 {}",
+            times[times.len() / 2],
+            peaks.join(" "),
+            m.sharded_parameters + m.gathered_parameters,
+            m.unsharded_gradients,
+            m.optimizer_state,
             m.gradient_shards
         );
     }

@@ -1,10 +1,12 @@
 """PyTorch twin of examples/bench_memory.rs: same model, batch, steps and output, measured with tch-dist's
 counting allocator (scripts/memory_ruler.py).
-Usage: bench_memory.py --mode default|views|zero|zero_views
+Usage: bench_memory.py --mode default|views|zero|zero_views|fsdp2|fsdp2_keep
   default     DDP as constructed by default, AdamW, opt.zero_grad()
   views       DDP(gradient_as_bucket_view=True)
   zero        DDP + ZeroRedundancyOptimizer(AdamW)
   zero_views  both
+  fsdp2       FSDP2: fully_shard(each Linear), then fully_shard(model); AdamW over the DTensor shards
+  fsdp2_keep  the same with reshard_after_forward=False
 Rank 0 prints `median_step_s peak_rank0 peak_rank1`."""
 import os
 import sys
@@ -23,7 +25,7 @@ WIDTH, LAYERS, BATCH, WARMUP, STEPS = 1024, 24, 16, 2, 5
 
 def main():
     mode = sys.argv[sys.argv.index("--mode") + 1]
-    assert mode in ("default", "views", "zero", "zero_views"), mode
+    assert mode in ("default", "views", "zero", "zero_views", "fsdp2", "fsdp2_keep"), mode
     torch.set_num_threads(1)
     memory_ruler.install()
     dist.init_process_group("gloo")
@@ -35,7 +37,16 @@ def main():
         if i + 1 < LAYERS:
             layers.append(torch.nn.ReLU())
     net = torch.nn.Sequential(*layers)
-    model = DDP(net, gradient_as_bucket_view=mode.endswith("views"))
+    if mode.startswith("fsdp2"):
+        from torch.distributed.fsdp import fully_shard
+
+        keep = mode == "fsdp2_keep"
+        for layer in net:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, reshard_after_forward=not keep)
+        model = fully_shard(net, reshard_after_forward=not keep)
+    else:
+        model = DDP(net, gradient_as_bucket_view=mode.endswith("views"))
     if mode.startswith("zero"):
         opt = ZeroRedundancyOptimizer(net.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3)
     else:

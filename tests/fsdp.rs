@@ -22,7 +22,7 @@ struct Net {
     l1: Box<dyn Module>,
     l2: Box<dyn Module>,
     unused: Box<dyn Module>,
-    l3: nn::Linear,
+    l3: Box<dyn Module>,
     scale: Box<dyn Module>,
     use_unused: bool,
     /// `l1` is l1, tanh, pad and l2 in one sequence (auto-wrap)
@@ -69,6 +69,8 @@ struct Setup {
     unused: bool,
     offload: bool,
     checkpointed: bool,
+    /// l3 a unit too (the root holds no parameter) and every unit checkpointed around
+    all_checkpointed: bool,
     auto_wrap: bool,
 }
 
@@ -86,8 +88,19 @@ fn build(vs: &nn::VarStore, fsdp: Option<&FsdpBuilder>, shift: f64, s: Setup) ->
     init(vs, shift);
     let scale = nn::func(move |x| x * &gain);
     type M = Box<dyn Module>;
+    let p3 = &r / "l3";
+    let l3: M = match fsdp {
+        Some(f) if s.all_checkpointed => Box::new(Checkpointed::new(f.fully_shard(&p3, l3).unwrap())),
+        _ => Box::new(l3),
+    };
     let (l1, l2, unused, scale): (M, M, M, M) = match fsdp {
         None => (Box::new(l1), Box::new(l2), Box::new(unused), Box::new(scale)),
+        Some(f) if s.all_checkpointed => (
+            Box::new(Checkpointed::new(f.fully_shard(&p1, l1).unwrap())),
+            Box::new(Checkpointed::new(f.fully_shard(&p2, l2).unwrap())),
+            Box::new(Checkpointed::new(f.fully_shard(&pu, unused).unwrap())),
+            Box::new(Checkpointed::new(f.fully_shard(&ps, scale).unwrap())),
+        ),
         Some(f) if s.checkpointed => (
             Box::new(f.fully_shard(&p1, Checkpointed::new(l1)).unwrap()), // checkpoint inside a unit
             Box::new(Checkpointed::new(f.fully_shard(&p2, l2).unwrap())), // and around one
@@ -259,23 +272,23 @@ const TOL: f64 = 1e-6;
 fn fp32_equals_single_process_on_2_and_3_ranks() {
     for world in [2, 3] {
         let outs = check(Setup { world, ..Default::default() }, TOL);
-        // each rank holds its shards only: 25, 35, 1, 1 and 5 elements split into `world` padded slices
-        let units = [25i64, 35, 1, 1, 5];
+        // each rank holds its shards only: each parameter split into `world` padded chunks
+        let params = [("l1.bias", 5i64), ("l1.weight", 20), ("l2.bias", 5), ("l2.weight", 30), ("unused.weight", 1)];
+        let params = params.iter().chain(&[("scale.gain", 1), ("l3.weight", 5)]);
+        let own_of = |n: i64, r: i64| {
+            let chunk = (n + world as i64 - 1) / world as i64;
+            (n - r * chunk).clamp(0, chunk)
+        };
         for (r, o) in outs.iter().enumerate() {
-            let own: i64 = units
-                .iter()
-                .map(|&n| {
-                    let len = (n + world as i64 - 1) / world as i64;
-                    (n - r as i64 * len).clamp(0, len)
-                })
-                .sum();
+            let own: i64 = params.clone().map(|&(_, n)| own_of(n, r as i64)).sum();
             assert_eq!(o.mem.owned_elements, own, "rank {r} of {world}");
             assert_eq!(o.mem.sharded_parameters, 4 * own);
             // rank 0 owns the one element of `unused`, which no backward reached: no gradient, no state
             let stepped = own - (r == 0) as i64;
             assert_eq!(o.mem.gradient_shards, 4 * stepped);
             let state = o.mem.optimizer_state;
-            assert!(state >= 8 * stepped && state <= 8 * stepped + 64, "{:?}", o.mem);
+            // plus a step counter (8 bytes) per parameter stepped
+            assert!(state >= 8 * stepped && state <= 8 * stepped + 8 * 7, "{:?}", o.mem);
             assert_eq!(o.units, ["l1", "l2", "unused", "scale", "root"]);
         }
         assert_eq!(outs.iter().map(|o| o.mem.owned_elements).sum::<i64>(), 67);
@@ -320,6 +333,11 @@ fn offload_keeps_shards_and_state_on_their_own_device() {
 #[test]
 fn activation_checkpointing_inside_and_around_units() {
     check(Setup { world: 2, checkpointed: true, ..Default::default() }, TOL);
+}
+
+#[test]
+fn every_unit_checkpointed_around_with_a_root_without_parameters() {
+    check(Setup { world: 2, all_checkpointed: true, unused: true, ..Default::default() }, TOL);
 }
 
 #[test]
@@ -420,7 +438,7 @@ fn sharded_state_of_another_world_size_is_refused_by_name() {
         model.load_sharded_state_dict(&tensors(&saved[rank.min(1)])).unwrap_err().to_string()
     });
     assert!(
-        e[0].contains("unit root was saved as") && e[0].contains("over 2 ranks") && e[0].contains("over 3"),
+        e[0].contains("l1.bias was saved as 5 elements over 2 ranks") && e[0].contains("here it is 5 over 3"),
         "{}",
         e[0]
     );

@@ -1,10 +1,15 @@
-//! One unit's parameters as one flat buffer sharded across the ranks (FSDP's flat parameter): rank r owns
-//! elements `[r*len, (r+1)*len)` of the unit's parameters laid end to end and padded to `world*len`.
+//! One unit's parameters: sharded one by one (FSDP2's per-parameter sharding), gathered into one flat
+//! buffer. Parameter i, padded to a multiple of the world size, occupies `world * chunk_i` elements of the
+//! buffer; rank r owns its r-th chunk, a shard that is a tensor of its own (what the optimizer steps).
 //!
-//! Between uses only the shard exists. The gathered buffer (`full`) keeps its storage object but not its
+//! Between uses only the shards exist. The gathered buffer (`full`) keeps its storage object but not its
 //! memory, and the parameters point at an empty placeholder, so a stray read finds a tensor with no
 //! elements rather than freed memory. Gathering fills `full` again and points the parameters at views of
 //! it; tensors autograd saved during forward share that storage and see the data again.
+//!
+//! While a unit is gathered, its shards live inside `full` (their own storage is given up and taken back
+//! when the unit is freed), so a gathered unit costs its full size, not full size plus shards. Not with
+//! mixed precision or offload, where shard and buffer differ in dtype or device.
 use std::collections::VecDeque;
 
 use tch::{Device, Kind, Tensor};
@@ -22,46 +27,67 @@ pub(crate) fn copied(t: &Tensor) -> Result<Tensor> {
     Ok(out)
 }
 
-pub(crate) struct FlatParam {
-    pub names: Vec<String>,
-    /// The module's own variables (the VarStore's tensors).
-    pub params: Vec<Tensor>,
-    pub shapes: Vec<Vec<i64>>,
-    pub offsets: Vec<i64>,
+/// One parameter's place.
+pub(crate) struct Slot {
+    pub name: String,
+    /// The module's own variable (the VarStore's tensor).
+    pub param: Tensor,
+    pub shape: Vec<i64>,
     pub numel: i64,
-    /// Elements per rank.
-    pub len: i64,
-    /// Real (unpadded) elements of this rank's shard.
+    /// Elements per rank (the padded count over the world size).
+    pub chunk: i64,
+    /// Where its padded region starts in `full`.
+    pub offset: i64,
+    /// Real (unpadded) elements of this rank's chunk.
     pub own: i64,
-    rank: i64,
-    world: i64,
-    /// This rank's shard, in the parameters' dtype, on the shard device: a leaf the optimizer steps.
+    /// This rank's chunk, a flat leaf in the parameter's dtype on the shard device.
     pub shard: Tensor,
-    /// `world * len` elements in the compute dtype on the compute device; storage freed while sharded.
+}
+
+impl Slot {
+    fn handles(&self) -> Slot {
+        Slot {
+            name: self.name.clone(),
+            param: self.param.shallow_clone(),
+            shape: self.shape.clone(),
+            numel: self.numel,
+            chunk: self.chunk,
+            offset: self.offset,
+            own: self.own,
+            shard: self.shard.shallow_clone(),
+        }
+    }
+}
+
+pub(crate) struct FlatParam {
+    pub slots: Vec<Slot>,
+    /// Every slot's padded region, in the compute dtype on the compute device; storage freed while sharded.
     pub full: Tensor,
     placeholder: Tensor,
+    rank: i64,
+    world: i64,
     pub trainable: bool,
-    /// The shard lives apart from the compute buffers (FsdpOptions::offload), even on the same device.
+    /// The shards live apart from the compute buffers (FsdpOptions::offload), even on the same device.
     pub offloaded: bool,
+    /// The shards move into `full` while the unit is gathered.
+    home: bool,
 }
 
 impl FlatParam {
-    /// Moves `params` (one dtype and device) into a flat buffer: rank 0's values when `sync`. Returns with
-    /// the parameters gathered (views of `full`), so that hooks registered now see their real shapes.
+    /// Shards `params` (one dtype and device; named): rank 0's values when `sync`. Returns with the
+    /// parameters gathered (views of `full`), so that hooks registered now see their real shapes.
     pub fn new(
         pg: &ProcessGroup,
         unit: &str,
-        names: Vec<String>,
-        params: Vec<Tensor>,
+        named: Vec<(String, Tensor)>,
         compute: Option<Kind>,
         shard_device: Option<Device>,
         sync: bool,
     ) -> Result<FlatParam> {
         let _g = tch::no_grad_guard();
-        let first = params.first().ok_or_else(|| Error::invalid("FSDP", format!("unit {unit} has no parameters")))?;
-        let (kind, device) = (first.kind(), first.device());
-        let trainable = first.requires_grad();
-        for (n, p) in names.iter().zip(&params) {
+        let first = named.first().ok_or_else(|| Error::invalid("FSDP", format!("unit {unit} has no parameters")))?;
+        let (kind, device, trainable) = (first.1.kind(), first.1.device(), first.1.requires_grad());
+        for (n, p) in &named {
             if p.kind() != kind || p.device() != device {
                 return Err(Error::invalid(
                     "FSDP",
@@ -69,7 +95,7 @@ impl FlatParam {
                         "unit {unit}: parameter {n} is {:?} on {:?} but {} is {kind:?} on {device:?}; a unit's parameters share one dtype and device",
                         p.kind(),
                         p.device(),
-                        names[0]
+                        first.0
                     ),
                 ));
             }
@@ -77,52 +103,53 @@ impl FlatParam {
                 return Err(Error::invalid(
                     "FSDP",
                     format!(
-                        "unit {unit} mixes frozen and trainable parameters ({n} and {}): one flat shard is stepped as a whole; give the frozen ones a unit of their own",
-                        names[0]
+                        "unit {unit} mixes frozen and trainable parameters ({n} and {}); give the frozen ones a unit of their own",
+                        first.0
                     ),
                 ));
             }
         }
         let (rank, world) = (pg.rank() as i64, pg.size() as i64);
-        let numel: i64 = params.iter().map(|p| p.numel() as i64).sum();
-        let len = (numel + world - 1) / world;
-        let own = (numel - rank * len).clamp(0, len);
-        let mut flat = Tensor::f_zeros([world * len], (kind, device))?;
-        let mut offsets = Vec::with_capacity(params.len());
-        let mut off = 0;
-        for p in &params {
-            offsets.push(off);
-            flat.f_narrow(0, off, p.numel() as i64)?.f_copy_(&p.f_reshape([-1])?)?;
-            off += p.numel() as i64;
+        let mut layout = Vec::with_capacity(named.len());
+        let mut total = 0;
+        for (_, p) in &named {
+            let numel = p.numel() as i64;
+            let chunk = (numel + world - 1) / world;
+            layout.push((numel, chunk, total));
+            total += world * chunk;
+        }
+        let full = Tensor::f_zeros([total], (kind, device))?;
+        for ((_, p), &(numel, _, offset)) in named.iter().zip(&layout) {
+            full.f_narrow(0, offset, numel)?.f_copy_(&p.f_reshape([-1])?)?;
         }
         if sync && world > 1 {
             let _l = crate::flight::label(format!("FSDP: rank 0's parameters of unit {unit}"));
-            pg.broadcast(&mut flat, 0)?;
+            let mut f = full.shallow_clone();
+            pg.broadcast(&mut f, 0)?;
         }
         let offloaded = shard_device.is_some();
         let shard_device = shard_device.unwrap_or(device);
-        let shard = copied(&flat.f_narrow(0, rank * len, own)?.f_to_device(shard_device)?.f_detach()?)?;
-        let shard = shard.set_requires_grad(trainable);
         let compute = compute.unwrap_or(kind);
-        let full = if compute == kind { flat } else { flat.f_to_kind(compute)? };
+        let mut slots = Vec::with_capacity(named.len());
+        for ((name, param), &(numel, chunk, offset)) in named.into_iter().zip(&layout) {
+            let own = (numel - rank * chunk).clamp(0, chunk);
+            let shard = copied(&full.f_narrow(0, offset + rank * chunk, own)?.f_to_device(shard_device)?)?;
+            let shape = param.size();
+            slots.push(Slot {
+                name,
+                param,
+                shape,
+                numel,
+                chunk,
+                offset,
+                own,
+                shard: shard.set_requires_grad(trainable),
+            });
+        }
+        let full = if compute == kind { full } else { full.f_to_kind(compute)? };
         let placeholder = Tensor::f_empty([0], (compute, device))?;
-        let shapes = params.iter().map(|p| p.size()).collect();
-        let f = FlatParam {
-            names,
-            params,
-            shapes,
-            offsets,
-            numel,
-            len,
-            own,
-            rank,
-            world,
-            shard,
-            full,
-            placeholder,
-            trainable,
-            offloaded,
-        };
+        let home = compute == kind && !offloaded;
+        let f = FlatParam { slots, full, placeholder, rank, world, trainable, offloaded, home };
         f.use_full()?;
         Ok(f)
     }
@@ -130,20 +157,14 @@ impl FlatParam {
     /// Handles on the same tensors, to work on them without holding the runtime's lock.
     pub fn handles(&self) -> FlatParam {
         FlatParam {
-            names: self.names.clone(),
-            params: self.params.iter().map(|p| p.shallow_clone()).collect(),
-            shapes: self.shapes.clone(),
-            offsets: self.offsets.clone(),
-            numel: self.numel,
-            len: self.len,
-            own: self.own,
-            rank: self.rank,
-            world: self.world,
-            shard: self.shard.shallow_clone(),
+            slots: self.slots.iter().map(Slot::handles).collect(),
             full: self.full.shallow_clone(),
             placeholder: self.placeholder.shallow_clone(),
+            rank: self.rank,
+            world: self.world,
             trainable: self.trainable,
             offloaded: self.offloaded,
+            home: self.home,
         }
     }
 
@@ -151,35 +172,54 @@ impl FlatParam {
         self.full.kind()
     }
 
-    /// Allocates `full`, puts this rank's shard in it and starts the all-gather (a ring of sends into
-    /// place); returns what is still running.
+    /// Where slot `s`'s chunk of this rank lies in `full`.
+    fn own_chunk(&self, s: &Slot) -> Result<Tensor> {
+        Ok(self.full.f_narrow(0, s.offset + self.rank * s.chunk, s.own)?)
+    }
+
+    /// Allocates `full`, puts this rank's chunks in it and starts the all-gathers (rings of sends into
+    /// place, one per parameter, on the unit's tag); returns what is still running.
     pub fn start_gather(&self, pg: &ProcessGroup, index: usize) -> Result<Vec<Work>> {
         let _g = tch::no_grad_guard();
         storage::allocate(&self.full)?;
-        if self.own > 0 {
-            self.full.f_narrow(0, self.rank * self.len, self.own)?.f_copy_(&self.shard)?;
+        for s in &self.slots {
+            if s.own > 0 {
+                self.own_chunk(s)?.f_copy_(&s.shard)?;
+            }
         }
         let mut pending = VecDeque::new();
         if self.world > 1 {
-            all_gather_in_place(pg, &self.full, self.len, Ring::FsdpGather, index, &mut pending, usize::MAX)?;
+            for s in &self.slots {
+                let region = self.full.f_narrow(0, s.offset, self.world * s.chunk)?;
+                all_gather_in_place(pg, &region, s.chunk, Ring::FsdpGather, index, &mut pending, usize::MAX)?;
+            }
         }
         Ok(pending.into_iter().flatten().collect())
     }
 
-    /// Points the parameters at their views of `full` (which must be gathered).
+    /// Points the parameters at their views of `full` (which must be gathered), and the shards too when
+    /// they live there.
     pub fn use_full(&self) -> Result<()> {
-        for ((p, &off), shape) in self.params.iter().zip(&self.offsets).zip(&self.shapes) {
-            let n: i64 = shape.iter().product();
-            let view = self.full.f_narrow(0, off, n)?.f_view(shape.as_slice())?;
-            p.shallow_clone().f_set_data(&view)?;
+        for s in &self.slots {
+            let view = self.full.f_narrow(0, s.offset, s.numel)?.f_view(s.shape.as_slice())?;
+            s.param.shallow_clone().f_set_data(&view)?;
+            if self.home {
+                s.shard.shallow_clone().f_set_data(&self.own_chunk(s)?)?;
+            }
         }
         Ok(())
     }
 
-    /// Points the parameters at the placeholder and frees `full`'s memory.
+    /// Takes the shards out of `full` (into storage of their own), points the parameters at the
+    /// placeholder and frees `full`'s memory.
     pub fn release(&self) -> Result<()> {
-        for p in &self.params {
-            p.shallow_clone().f_set_data(&self.placeholder)?;
+        let _g = tch::no_grad_guard();
+        for s in &self.slots {
+            let chunk = self.own_chunk(s)?;
+            if self.home && (s.own == 0 || s.shard.data_ptr() == chunk.data_ptr()) {
+                s.shard.shallow_clone().f_set_data(&copied(&chunk)?)?;
+            }
+            s.param.shallow_clone().f_set_data(&self.placeholder)?;
         }
         storage::free(&self.full)
     }
@@ -189,48 +229,62 @@ impl FlatParam {
         storage::nbytes(&self.full)
     }
 
-    /// Reduce-scatters the parameters' gradients, each divided by `divisor`, into the shard's gradient
-    /// (accumulating into one already there), and drops the parameters' gradients as it copies them. A
-    /// parameter without a gradient counts as zeros.
+    /// Bytes of the shards that have storage of their own (not living in `full`).
+    pub fn shard_bytes(&self) -> Result<i64> {
+        let gathered = self.home && self.gathered_bytes()? > 0;
+        Ok(if gathered {
+            0
+        } else {
+            self.slots.iter().map(|s| s.own * s.shard.kind().elt_size_in_bytes() as i64).sum()
+        })
+    }
+
+    /// Reduce-scatters each parameter's gradient, divided by `divisor`, into its shard's gradient
+    /// (accumulating into one already there), and drops the parameter's gradient. In place on the
+    /// gradient when it has the reduction's dtype and no padding; a parameter without a gradient counts
+    /// as zeros.
     pub fn reduce_grads(&self, pg: &ProcessGroup, index: usize, reduce: Kind, divisor: f64) -> Result<()> {
         let _g = tch::no_grad_guard();
         let device = self.full.device();
-        let buf = Tensor::f_empty([self.world * self.len], (reduce, device))?;
-        let pad = self.world * self.len - self.numel;
-        if pad > 0 {
-            let _ = buf.f_narrow(0, self.numel, pad)?.f_zero_()?;
-        }
         let scale = Tensor::from(1.0 / divisor);
-        for ((p, &off), shape) in self.params.iter().zip(&self.offsets).zip(&self.shapes) {
-            let n: i64 = shape.iter().product();
-            let slot = buf.f_narrow(0, off, n)?;
-            let g = p.grad();
-            if g.defined() && g.kind() == reduce {
-                // copy and divide in one pass (the Tensor overload writes into `slot`)
-                let _ = g.f_reshape([-1])?.f_mul_out(&slot, &scale)?;
-                hooks::set_grad(p, None)?;
-            } else if g.defined() {
-                // cast first: a product in the gradient's dtype would round before the wider sum
-                slot.shallow_clone().f_copy_(&g.f_reshape([-1])?)?;
-                let _ = slot.shallow_clone().f_mul_(&scale)?;
-                hooks::set_grad(p, None)?;
+        for s in &self.slots {
+            let padded = self.world * s.chunk;
+            let g = s.param.grad();
+            let buf = if g.defined() && g.kind() == reduce && s.numel == padded && g.is_contiguous() {
+                let b = g.f_view([-1])?;
+                let _ = b.shallow_clone().f_mul_(&scale)?;
+                b
             } else {
-                let _ = slot.shallow_clone().f_zero_()?;
+                let b = Tensor::f_empty([padded], (reduce, device))?;
+                if padded > s.numel {
+                    let _ = b.f_narrow(0, s.numel, padded - s.numel)?.f_zero_()?;
+                }
+                let mut head = b.f_narrow(0, 0, s.numel)?;
+                if g.defined() {
+                    // cast first: a product in the gradient's dtype would round before the wider sum
+                    head.f_copy_(&g.f_reshape([-1])?)?;
+                    let _ = head.f_mul_(&scale)?;
+                } else {
+                    let _ = head.f_zero_()?;
+                }
+                b
+            };
+            drop(g);
+            hooks::set_grad(&s.param, None)?; // `buf` keeps it alive for the reduction when in place
+            let out = Tensor::f_empty([s.chunk], (reduce, device))?;
+            RingReduce::start(pg, buf, out.shallow_clone(), Ring::FsdpReduce, index)?.finish(pg)?;
+            let mine = out.f_narrow(0, 0, s.own)?;
+            let sg = s.shard.grad();
+            if sg.defined() {
+                let _ = sg.shallow_clone().f_add_(&mine.f_to_device(s.shard.device())?)?;
+            } else if self.offloaded || mine.kind() != s.shard.kind() {
+                // a buffer of its own on the shard's device (with offload, even when that is the same device)
+                let own = Tensor::f_empty([s.own], (s.shard.kind(), s.shard.device()))?;
+                own.shallow_clone().f_copy_(&mine)?;
+                hooks::set_grad(&s.shard, Some(&own))?;
+            } else {
+                hooks::set_grad(&s.shard, Some(&mine))?;
             }
-        }
-        let out = Tensor::f_empty([self.len], (reduce, device))?;
-        RingReduce::start(pg, buf, out.shallow_clone(), Ring::FsdpReduce, index)?.finish(pg)?;
-        let mine = out.f_narrow(0, 0, self.own)?;
-        let g = self.shard.grad();
-        if g.defined() {
-            let _ = g.shallow_clone().f_add_(&mine.f_to_device(self.shard.device())?)?;
-        } else if self.offloaded || mine.kind() != self.shard.kind() {
-            // a buffer of its own on the shard's device (with offload, even when that is the same device)
-            let own = Tensor::f_empty([self.own], (self.shard.kind(), self.shard.device()))?;
-            own.shallow_clone().f_copy_(&mine)?;
-            hooks::set_grad(&self.shard, Some(&own))?;
-        } else {
-            hooks::set_grad(&self.shard, Some(&mine))?;
         }
         Ok(())
     }

@@ -6,9 +6,9 @@ use crate::optim::Optimizer;
 /// Bytes an FSDP model holds on this rank, and the allocator's view.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct FsdpMemory {
-    /// This rank's shards of the parameters.
+    /// This rank's shards of the parameters (those of a gathered unit live inside it; see below).
     pub sharded_parameters: i64,
-    /// Units gathered right now: full parameters in the compute dtype.
+    /// Units gathered right now: full parameters in the compute dtype (with the float32 case's shards).
     pub gathered_parameters: i64,
     /// The shards' gradients.
     pub gradient_shards: i64,
@@ -43,11 +43,13 @@ impl<M> FullyShardedDataParallel<M> {
         self.rt.for_each(|_, _, fp| {
             compute = fp.full.device();
             offloaded = fp.offloaded;
-            m.sharded_parameters += bytes(&fp.shard);
+            m.sharded_parameters += fp.shard_bytes()?;
             m.gathered_parameters += fp.gathered_bytes()?;
-            m.gradient_shards += bytes(&fp.shard.grad());
-            m.unsharded_gradients += fp.params.iter().map(|p| bytes(&p.grad())).sum::<i64>();
-            m.owned_elements += fp.own;
+            for s in &fp.slots {
+                m.gradient_shards += bytes(&s.shard.grad());
+                m.unsharded_gradients += bytes(&s.param.grad());
+                m.owned_elements += s.own;
+            }
             Ok(())
         })?;
         if offloaded {

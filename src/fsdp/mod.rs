@@ -31,9 +31,8 @@
 //! ```
 //!
 //! - **Optimizer**: [`parameters`](FullyShardedDataParallel::parameters) are this rank's shards, one flat
-//!   tensor per unit, with `.grad` set after a synchronised backward: any optimizer over tensors steps them
-//!   (ours, or tch's built over a VarStore holding them). One shard per unit means per-parameter options
-//!   (no weight decay on biases) need units of their own.
+//!   tensor per parameter (FSDP2's per-parameter sharding), with `.grad` set after a synchronised
+//!   backward: any optimizer over tensors steps them.
 //! - **Mixed precision** ([`FsdpOptions::param_dtype`]): units compute in bfloat16 or float16 while the
 //!   shards, their gradients and the optimizer state stay float32.
 //! - **Memory**: per rank, 16Ψ/N bytes with AdamW (4 for the shard, 4 its gradient, 8 the moments), plus
@@ -203,17 +202,9 @@ impl FsdpBuilder {
                 crate::group::meta::by_rank(rows, |r| format!("{} parameters, {} elements", r[0], r[1]), "; ");
             format!("ranks built different units here ({listing}){}", crate::group::meta::odd_ones_out(rows))
         })?;
-        let (names, params): (Vec<String>, Vec<Tensor>) = named.into_iter().unzip();
-        let flat = FlatParam::new(
-            pg,
-            name,
-            names,
-            params,
-            self.opts.param_dtype,
-            self.opts.offload,
-            self.opts.sync_module_states,
-        )?;
-        let params: Vec<Tensor> = flat.params.iter().map(|p| p.shallow_clone()).collect();
+        let flat =
+            FlatParam::new(pg, name, named, self.opts.param_dtype, self.opts.offload, self.opts.sync_module_states)?;
+        let params: Vec<Tensor> = flat.slots.iter().map(|s| s.param.shallow_clone()).collect();
         let id = self.rt.add_unit(name.to_string(), flat, is_root);
         // registered while the parameters have their shapes and compute dtype (their accumulators keep them)
         let hooks = unit::grad_hooks(&self.rt, id, &params)?;
@@ -337,10 +328,19 @@ impl<M> FullyShardedDataParallel<M> {
     /// Runs `f` on the model as a forward of this iteration (for models that are not an `nn::Module`).
     pub fn forward_with(&self, x: &Tensor, f: impl FnOnce(&M, &Tensor) -> Tensor) -> Result<Tensor> {
         self.rt.begin_iteration()?;
-        match self.root {
-            Some(id) => unit::forward(&self.rt, id, x, |x| f(&self.module, x)),
-            None => Ok(f(&self.module, x)),
+        let y = match self.root {
+            Some(id) => unit::forward(&self.rt, id, x, |x| f(&self.module, x))?,
+            None => f(&self.module, x),
+        };
+        if !y.requires_grad() {
+            return Ok(y);
         }
+        let weak = std::sync::Arc::downgrade(&self.rt);
+        let (y, _) = hooks::backward_marker(&y, "FsdpBeginBackward", move || match weak.upgrade() {
+            Some(rt) => rt.begin_backward().map_err(|e| e.to_string()),
+            None => Err("the FSDP model was dropped before its backward".into()),
+        })?;
+        Ok(y)
     }
 
     /// Backward of `loss`; every gradient is reduce-scattered into its shard when it returns.
@@ -349,9 +349,16 @@ impl<M> FullyShardedDataParallel<M> {
         Ok(())
     }
 
-    /// This rank's shards, one per unit in the order units were built: what the optimizer steps. After a
-    /// synchronised backward each has its `.grad`: this rank's part of the averaged gradient.
+    /// This rank's shards of the parameters, unit by unit in the order units were built: what the
+    /// optimizer steps. Each is a flat tensor (this rank's 1/N of one parameter, possibly empty); after a
+    /// synchronised backward it has its `.grad`, this rank's part of the averaged gradient.
     pub fn parameters(&self) -> Vec<Tensor> {
+        self.rt.shards().into_iter().map(|(_, t)| t).collect()
+    }
+
+    /// [`parameters`](Self::parameters) with their parameters' VarStore names (for per-parameter
+    /// optimizer options, e.g. no weight decay on biases).
+    pub fn named_parameters(&self) -> Vec<(String, Tensor)> {
         self.rt.shards()
     }
 
@@ -359,9 +366,9 @@ impl<M> FullyShardedDataParallel<M> {
     /// `zero_grad(set_to_none=True)`, the memory back until the next backward.
     pub fn zero_grad(&self) -> Result<()> {
         self.rt.for_each(|_, _, fp| {
-            hooks::set_grad(&fp.shard, None)?;
-            for p in &fp.params {
-                hooks::set_grad(p, None)?;
+            for s in &fp.slots {
+                hooks::set_grad(&s.shard, None)?;
+                hooks::set_grad(&s.param, None)?;
             }
             Ok(())
         })?;

@@ -96,7 +96,7 @@ impl Runtime {
 
     /// Registers a unit (gathered, as FlatParam::new leaves it) and returns its index.
     pub fn add_unit(&self, name: String, flat: FlatParam, is_root: bool) -> usize {
-        let expected = if flat.trainable { flat.params.len() } else { 0 };
+        let expected = if flat.trainable { flat.slots.len() } else { 0 };
         let mut st = self.lock();
         st.units.push(Unit { name, flat, phase: Phase::Gathered, is_root, expected, arrived: 0 });
         st.units.len() - 1
@@ -221,14 +221,15 @@ impl Runtime {
     }
 
     /// Before unit `u`'s forward: records the order, gathers `u` and prefetches the units that followed it
-    /// last iteration.
+    /// last iteration. A forward inside backward (a checkpointed block recomputed) prefetches nothing:
+    /// the backward's own prefetching looks the other way.
     pub fn begin_forward(&self, u: usize) -> Result<()> {
         let next: Vec<usize> = {
             let mut st = self.lock();
             if !st.order.contains(&u) {
                 st.order.push(u);
             }
-            let at = st.last_order.iter().position(|&x| x == u);
+            let at = st.last_order.iter().position(|&x| x == u).filter(|_| !st.in_backward);
             at.map(|i| st.last_order.iter().skip(i + 1).take(self.cfg.prefetch).copied().collect()).unwrap_or_default()
         };
         self.unshard(u)?;
@@ -238,19 +239,29 @@ impl Runtime {
         Ok(())
     }
 
-    /// After unit `u`'s forward: frees its parameters unless it is the root or resharding is off.
+    /// After unit `u`'s forward: frees its parameters, unless it is the root, resharding is off, or this
+    /// is a recomputation inside backward (the unit's backward comes right after).
     pub fn end_forward(&self, u: usize) -> Result<()> {
-        let root = self.lock().units[u].is_root;
-        if self.cfg.reshard_after_forward && !root {
+        let keep = {
+            let st = self.lock();
+            st.units[u].is_root || st.in_backward
+        };
+        if self.cfg.reshard_after_forward && !keep {
             self.reshard(u)?;
         }
         Ok(())
     }
 
+    /// The first thing a backward through the model's output does (a marker the root puts on it): the
+    /// end-of-backward step is queued here, in the backward the user started. Queued from inside a
+    /// nested backward (a checkpointed unit's recomputation), it would run when that one ends.
+    pub fn begin_backward(self: &Arc<Self>) -> Result<()> {
+        self.ensure_end_callback()
+    }
+
     /// Just before unit `u`'s backward (its output's gradient is complete): gathers it again and
     /// prefetches the units whose backward comes next.
     pub fn pre_backward(self: &Arc<Self>, u: usize) -> Result<()> {
-        self.ensure_end_callback()?;
         let next: Vec<usize> = {
             let st = self.lock();
             let at = st.order.iter().position(|&x| x == u).unwrap_or(0);
@@ -364,9 +375,10 @@ impl Runtime {
         st.units.iter_mut().for_each(|x| x.arrived = 0);
     }
 
-    /// This rank's shards, one per unit, in unit order (what the optimizer steps).
-    pub fn shards(&self) -> Vec<Tensor> {
-        self.lock().units.iter().map(|u| u.flat.shard.shallow_clone()).collect()
+    /// This rank's shards with their parameters' names, unit by unit (what the optimizer steps).
+    pub fn shards(&self) -> Vec<(String, Tensor)> {
+        let st = self.lock();
+        st.units.iter().flat_map(|u| u.flat.slots.iter().map(|s| (s.name.clone(), s.shard.shallow_clone()))).collect()
     }
 
     pub fn unit_names(&self) -> Vec<String> {

@@ -10,30 +10,28 @@ use crate::error::{Error, Result};
 use crate::group::ring::{all_gather_in_place, Ring};
 
 impl<M> FullyShardedDataParallel<M> {
-    /// The full parameters by their VarStore names, gathered one unit at a time and moved to the CPU,
-    /// plus the buffers: what `vs.save` of the unsharded model holds. Every rank gets it (every rank must
-    /// call it).
+    /// The full parameters by their VarStore names, gathered one at a time and moved to the CPU, plus the
+    /// buffers: what `vs.save` of the unsharded model holds. Every rank gets it (every rank must call it).
     pub fn state_dict(&self) -> Result<Vec<(String, Tensor)>> {
         let _g = tch::no_grad_guard();
         let pg = self.rt.pg.clone();
+        let (rank, world) = (pg.rank() as i64, pg.size() as i64);
         let mut out = Vec::new();
         self.rt.for_each(|u, _, fp| {
-            let world = pg.size() as i64;
-            let all = Tensor::f_zeros([world * fp.len], (fp.shard.kind(), fp.full.device()))?;
-            if fp.own > 0 {
-                all.f_narrow(0, pg.rank() as i64 * fp.len, fp.own)?.f_copy_(&fp.shard)?;
-            }
-            let mut pending = VecDeque::new();
-            if world > 1 {
-                all_gather_in_place(&pg, &all, fp.len, Ring::FsdpState, u, &mut pending, usize::MAX)?;
-            }
-            for w in pending.into_iter().flatten() {
-                w.wait()?;
-            }
-            for ((name, &off), shape) in fp.names.iter().zip(&fp.offsets).zip(&fp.shapes) {
-                let n: i64 = shape.iter().product();
-                let t = copied(&all.f_narrow(0, off, n)?.f_view(shape.as_slice())?.f_to_device(Device::Cpu)?)?;
-                out.push((name.clone(), t));
+            for s in &fp.slots {
+                let all = Tensor::f_zeros([world * s.chunk], (s.shard.kind(), fp.full.device()))?;
+                if s.own > 0 {
+                    all.f_narrow(0, rank * s.chunk, s.own)?.f_copy_(&s.shard)?;
+                }
+                let mut pending = VecDeque::new();
+                if world > 1 {
+                    all_gather_in_place(&pg, &all, s.chunk, Ring::FsdpState, u, &mut pending, usize::MAX)?;
+                }
+                for w in pending.into_iter().flatten() {
+                    w.wait()?;
+                }
+                let t = copied(&all.f_narrow(0, 0, s.numel)?.f_view(s.shape.as_slice())?.f_to_device(Device::Cpu)?)?;
+                out.push((s.name.clone(), t));
             }
             Ok(())
         })?;
@@ -69,19 +67,16 @@ impl<M> FullyShardedDataParallel<M> {
             Ok(t.shallow_clone())
         };
         // check everything before changing anything
-        let units = self.rt.for_each(|_, _, fp| {
-            fp.names.iter().zip(&fp.shapes).map(|(n, s)| find(n, s)).collect::<Result<Vec<Tensor>>>()
-        })?;
+        let found = self
+            .rt
+            .for_each(|_, _, fp| fp.slots.iter().map(|s| find(&s.name, &s.shape)).collect::<Result<Vec<_>>>())?;
         self.reshard()?; // a gathered unit would keep the old values
+        let rank = self.rt.pg.rank() as i64;
         self.rt.for_each(|u, _, fp| {
-            let start = self.rt.pg.rank() as i64 * fp.len;
-            let end = start + fp.own;
-            for ((t, &off), shape) in units[u].iter().zip(&fp.offsets).zip(&fp.shapes) {
-                let n: i64 = shape.iter().product();
-                let (lo, hi) = (off.max(start), (off + n).min(end));
-                if lo < hi {
-                    let src = t.f_reshape([-1])?.f_narrow(0, lo - off, hi - lo)?;
-                    fp.shard.f_detach()?.f_narrow(0, lo - start, hi - lo)?.f_copy_(&src)?;
+            for (s, t) in fp.slots.iter().zip(&found[u]) {
+                if s.own > 0 {
+                    let src = t.f_reshape([-1])?.f_narrow(0, rank * s.chunk, s.own)?;
+                    s.shard.f_detach()?.f_copy_(&src)?;
                 }
             }
             Ok(())
@@ -99,21 +94,23 @@ impl<M> FullyShardedDataParallel<M> {
         Ok(())
     }
 
-    /// This rank's shards (`{unit}.shard`) and their layouts (`{unit}.layout`: elements, per rank,
-    /// world size), for one checkpoint file per rank.
+    /// This rank's shards (`{name}.shard`) and their layouts (`{name}.layout`: elements, per rank, world
+    /// size), for one checkpoint file per rank.
     pub fn sharded_state_dict(&self) -> Result<Vec<(String, Tensor)>> {
         let world = self.rt.pg.size() as i64;
         let mut out = Vec::new();
-        self.rt.for_each(|_, name, fp| {
-            out.push((format!("{name}.shard"), copied(&fp.shard.f_detach()?)?));
-            out.push((format!("{name}.layout"), Tensor::from_slice(&[fp.numel, fp.len, world])));
+        self.rt.for_each(|_, _, fp| {
+            for s in &fp.slots {
+                out.push((format!("{}.shard", s.name), copied(&s.shard.f_detach()?)?));
+                out.push((format!("{}.layout", s.name), Tensor::from_slice(&[s.numel, s.chunk, world])));
+            }
             Ok(())
         })?;
         Ok(out)
     }
 
     /// Loads what [`sharded_state_dict`](Self::sharded_state_dict) saved on this rank. The layout must
-    /// match (same units, same world size); to change the world size, load the full state dict.
+    /// match (same parameters, same world size); to change the world size, load the full state dict.
     pub fn load_sharded_state_dict(&self, state: &[(String, Tensor)]) -> Result<()> {
         let _g = tch::no_grad_guard();
         let world = self.rt.pg.size() as i64;
@@ -124,30 +121,40 @@ impl<M> FullyShardedDataParallel<M> {
                 .map(|(_, t)| t.shallow_clone())
                 .ok_or_else(|| Error::invalid("FSDP load_sharded_state_dict", format!("no entry {k:?}")))
         };
-        let shards = self.rt.for_each(|_, name, fp| {
-            let layout = Vec::<i64>::try_from(get(&format!("{name}.layout"))?.f_to_kind(Kind::Int64)?)?;
-            if layout != [fp.numel, fp.len, world] {
-                return Err(Error::mismatch(
-                    "FSDP load_sharded_state_dict",
-                    format!(
-                        "unit {name} was saved as {} elements over {} ranks; here it is {} over {world}: load the full state dict to change the layout",
-                        layout.first().unwrap_or(&0),
-                        layout.get(2).unwrap_or(&0),
-                        fp.numel
-                    ),
-                ));
+        let shards = self.rt.for_each(|_, _, fp| {
+            let mut v = Vec::new();
+            for s in &fp.slots {
+                let layout = Vec::<i64>::try_from(get(&format!("{}.layout", s.name))?.f_to_kind(Kind::Int64)?)?;
+                if layout != [s.numel, s.chunk, world] {
+                    return Err(Error::mismatch(
+                        "FSDP load_sharded_state_dict",
+                        format!(
+                            "{} was saved as {} elements over {} ranks; here it is {} over {world}: load the full state dict to change the layout",
+                            s.name,
+                            layout.first().unwrap_or(&0),
+                            layout.get(2).unwrap_or(&0),
+                            s.numel
+                        ),
+                    ));
+                }
+                let shard = get(&format!("{}.shard", s.name))?;
+                if shard.size() != s.shard.size() {
+                    return Err(Error::mismatch(
+                        "FSDP load_sharded_state_dict",
+                        format!("{}: saved shard {:?}, expected {:?}", s.name, shard.size(), s.shard.size()),
+                    ));
+                }
+                v.push(shard);
             }
-            let shard = get(&format!("{name}.shard"))?;
-            if shard.size() != fp.shard.size() {
-                return Err(Error::mismatch(
-                    "FSDP load_sharded_state_dict",
-                    format!("unit {name}: saved shard {:?}, expected {:?}", shard.size(), fp.shard.size()),
-                ));
-            }
-            Ok(shard)
+            Ok(v)
         })?;
         self.reshard()?;
-        self.rt.for_each(|u, _, fp| Ok(fp.shard.f_detach()?.f_copy_(&shards[u])?))?;
+        self.rt.for_each(|u, _, fp| {
+            for (s, t) in fp.slots.iter().zip(&shards[u]) {
+                s.shard.f_detach()?.f_copy_(t)?;
+            }
+            Ok(())
+        })?;
         Ok(())
     }
 }
