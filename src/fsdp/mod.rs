@@ -401,6 +401,14 @@ impl<M> FullyShardedDataParallel<M> {
         &self.rt.pg
     }
 
+    /// Clips the shards' gradients so that the whole model's gradient has at most `max_norm` (FSDP's
+    /// `clip_grad_norm_`; the shards' norms summed over the group, see [`crate::optim::GradNorm`]);
+    /// returns the whole model's norm before clipping. Collective; after backward, before the step.
+    pub fn clip_grad_norm(&self, max_norm: f64, norm_type: f64) -> Result<f64> {
+        let shards = self.parameters();
+        crate::optim::GradNorm::new(norm_type).sharded(&shards, &[self.rt.pg.as_ref()]).clip(max_norm)
+    }
+
     /// The units' names (their path prefixes; "root" for the rest), in the order of
     /// [`parameters`](Self::parameters).
     pub fn units(&self) -> Vec<String> {

@@ -12,10 +12,12 @@
 //! # Ok::<(), tch_dist::Error>(())
 //! ```
 mod adamw;
+mod clip;
 mod sgd;
 mod zero;
 
 pub use adamw::AdamW;
+pub use clip::{clip_grad_norm, GradNorm};
 pub use sgd::Sgd;
 pub use zero::{ShardedOptimizer, ZeroStage};
 

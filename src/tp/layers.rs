@@ -48,6 +48,17 @@ impl ColumnParallelLinear {
         Ok(ColumnParallelLinear { ws, bs, gather_output, pg })
     }
 
+    /// The parameters of which each rank holds a slice (both): their gradients are summed over the TP
+    /// group when clipping ([`crate::optim::GradNorm::sharded`]).
+    pub fn sharded_parameters(&self) -> Vec<Tensor> {
+        std::iter::once(self.ws.shallow_clone()).chain(self.bs.iter().map(|b| b.shallow_clone())).collect()
+    }
+
+    /// The parameters every rank holds whole (none).
+    pub fn replicated_parameters(&self) -> Vec<Tensor> {
+        Vec::new()
+    }
+
     /// Output features of this rank (all of them with `gather_output`); errors returned.
     pub fn f_forward(&self, x: &Tensor) -> Result<Tensor> {
         let x = copy_to_parallel_region(x, &self.pg)?;
@@ -84,6 +95,16 @@ impl RowParallelLinear {
         let ws = path.f_var_copy("weight", &shard("RowParallelLinear", weight, 1, &pg)?)?;
         let bs = bias.map(|b| path.f_var_copy("bias", b)).transpose()?;
         Ok(RowParallelLinear { ws, bs, input_is_parallel, pg })
+    }
+
+    /// The parameters of which each rank holds a slice (the weight).
+    pub fn sharded_parameters(&self) -> Vec<Tensor> {
+        vec![self.ws.shallow_clone()]
+    }
+
+    /// The parameters every rank holds whole (the bias): counted once when clipping.
+    pub fn replicated_parameters(&self) -> Vec<Tensor> {
+        self.bs.iter().map(|b| b.shallow_clone()).collect()
     }
 
     /// The layer's output (the same on every rank); errors returned.
@@ -135,6 +156,20 @@ impl ParallelMlp {
         let (w2, b2) = (u(&[d_model, hidden], hidden)?, u(&[d_model], hidden)?);
         let dev = path.device();
         Self::from_full(path, &w1.to_device(dev), &b1.to_device(dev), &w2.to_device(dev), &b2.to_device(dev), pg)
+    }
+
+    /// The parameters of which each rank holds a slice (both weights, the first bias).
+    pub fn sharded_parameters(&self) -> Vec<Tensor> {
+        let mut v = self.fc1.sharded_parameters();
+        v.extend(self.fc2.sharded_parameters());
+        v
+    }
+
+    /// The parameters every rank holds whole (the second bias).
+    pub fn replicated_parameters(&self) -> Vec<Tensor> {
+        let mut v = self.fc1.replicated_parameters();
+        v.extend(self.fc2.replicated_parameters());
+        v
     }
 
     /// The MLP's output (the same on every rank); errors returned.

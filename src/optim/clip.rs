@@ -1,0 +1,186 @@
+//! Gradient-norm clipping that is correct however the gradients are laid out across ranks.
+//!
+//! `torch.nn.utils.clip_grad_norm_` takes the norm of the gradients one process holds. Under sharding
+//! that is the norm of a part, a silent bug (pytorch#72548): each rank clips by another factor. Here
+//! each list of gradients says how it is laid out, and the norm is that of the whole model's gradient:
+//!
+//! - **replicated**: every rank holds the same values (plain training, DDP after its allreduce, the
+//!   layers tensor parallelism keeps whole): counted once;
+//! - **sharded over groups**: across each of the groups the ranks hold disjoint parts (ZeRO and FSDP
+//!   shards over the data-parallel group, TP slices over the tensor-parallel group, ZeRO shards of TP
+//!   slices over both): the parts' contributions are summed over those groups.
+//!
+//! A p-norm sums `|g|^p` over the parts, the ∞-norm takes their maximum; then every gradient is scaled by
+//! `min(1, max_norm / (total + 1e-6))`, as PyTorch does, in float32. The wrappers know their layouts:
+//! [`ShardedOptimizer::clip_grad_norm`](super::ShardedOptimizer::clip_grad_norm),
+//! [`FullyShardedDataParallel::clip_grad_norm`](crate::fsdp::FullyShardedDataParallel::clip_grad_norm),
+//! and the TP layers' `sharded_parameters`/`replicated_parameters`. Under [`crate::amp::GradScaler`],
+//! call `scaler.unscale(&mut opt)` first, as PyTorch documents, so that the norm is of true gradients.
+//!
+//! ```no_run
+//! use tch_dist::optim::GradNorm;
+//! # fn f(mlp: &tch_dist::tp::layers::ParallelMlp, head: &[tch::Tensor], tp: &tch_dist::ProcessGroup)
+//! # -> tch_dist::Result<()> {
+//! // tensor parallel × DDP: TP slices summed over the TP group, the rest counted once
+//! let norm = GradNorm::new(2.0)
+//!     .sharded(&mlp.sharded_parameters(), &[tp])
+//!     .replicated(&mlp.replicated_parameters())
+//!     .replicated(head)
+//!     .clip(1.0)?;
+//! # Ok(()) }
+//! ```
+use std::collections::BTreeMap;
+
+use tch::{Device, Kind, Tensor};
+
+use super::grads_of;
+use crate::error::{Error, Result};
+use crate::group::{ProcessGroup, ReduceOp};
+
+/// PyTorch's epsilon in `max_norm / (total + eps)`.
+const EPS: f32 = 1e-6;
+
+/// `torch.nn.utils.clip_grad_norm_` for gradients every rank holds whole (plain training, DDP): scales
+/// the `.grad` of `params` so that their `norm_type`-norm is at most `max_norm`; returns the norm before.
+///
+/// ```no_run
+/// # let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+/// // after backward, before the step:
+/// let norm = tch_dist::optim::clip_grad_norm(&vs.trainable_variables(), 1.0, 2.0)?;
+/// # Ok::<(), tch_dist::Error>(())
+/// ```
+pub fn clip_grad_norm(params: &[Tensor], max_norm: f64, norm_type: f64) -> Result<f64> {
+    GradNorm::new(norm_type).replicated(params).clip(max_norm)
+}
+
+/// `torch.linalg.vector_norm(v, p, dtype=float32)` of a 1-D tensor (a dimension given: a vector norm).
+fn vector_norm(v: &Tensor, p: f64) -> Result<Tensor> {
+    Ok(v.f_linalg_norm(p, Some(&[0i64][..]), false, Kind::Float)?)
+}
+
+struct Part<'a> {
+    grads: Vec<Tensor>,
+    over: Vec<&'a ProcessGroup>,
+}
+
+/// The norm of gradients laid out across ranks (see the module docs); built part by part, then
+/// [`total`](Self::total) or [`clip`](Self::clip). Every rank builds the same parts in the same order.
+pub struct GradNorm<'a> {
+    norm_type: f64,
+    parts: Vec<Part<'a>>,
+}
+
+impl<'a> GradNorm<'a> {
+    /// A `norm_type`-norm: any p > 0, or `f64::INFINITY` for the largest magnitude.
+    pub fn new(norm_type: f64) -> Self {
+        GradNorm { norm_type, parts: Vec::new() }
+    }
+
+    /// The gradients of `params`, the same on every rank: counted once. Parameters without a gradient
+    /// are left out, as PyTorch does.
+    pub fn replicated(self, params: &[Tensor]) -> Self {
+        self.gradients(grads_of(params), &[])
+    }
+
+    /// The gradients of `params`, of which the ranks of each group in `over` hold disjoint parts (TP
+    /// slices: `&[tp]`; ZeRO or FSDP shards: `&[dp]`; ZeRO shards of TP slices: `&[tp, dp]`).
+    pub fn sharded(self, params: &[Tensor], over: &[&'a ProcessGroup]) -> Self {
+        self.gradients(grads_of(params), over)
+    }
+
+    /// Gradient tensors themselves (e.g. an optimizer's [`gradients`](super::Optimizer::gradients)),
+    /// sharded over `over` (empty: replicated).
+    pub fn gradients(mut self, grads: Vec<Tensor>, over: &[&'a ProcessGroup]) -> Self {
+        self.parts.push(Part { grads, over: over.to_vec() });
+        self
+    }
+
+    fn check(&self) -> Result<()> {
+        let p = self.norm_type;
+        if p.is_nan() || p <= 0.0 {
+            return Err(Error::invalid("clip_grad_norm", format!("norm_type must be > 0 or infinity, not {p}")));
+        }
+        Ok(())
+    }
+
+    fn infinite(&self) -> bool {
+        self.norm_type == f64::INFINITY
+    }
+
+    /// This rank's contribution of one part: Σ|g|^p (or max |g|) over its gradients, in float64.
+    fn local(&self, grads: &[Tensor]) -> Result<f64> {
+        let _g = tch::no_grad_guard();
+        // one stacked norm per device, so a GPU syncs once per part rather than once per tensor
+        let mut by_device: BTreeMap<String, (Device, Vec<Tensor>)> = BTreeMap::new();
+        for g in grads {
+            let n = vector_norm(&g.f_reshape([-1])?, self.norm_type)?;
+            by_device.entry(format!("{:?}", g.device())).or_insert_with(|| (g.device(), Vec::new())).1.push(n);
+        }
+        let mut acc = 0.0f64;
+        for (_, (_, norms)) in by_device {
+            let n = vector_norm(&Tensor::f_stack(&norms, 0)?, self.norm_type)?.f_double_value(&[])?;
+            acc = if self.infinite() { acc.max(n) } else { acc + n.powf(self.norm_type) };
+        }
+        Ok(acc)
+    }
+
+    /// The norm of all the parts' gradients together, as if one rank held them all. Collective: every
+    /// rank of every group named calls it.
+    pub fn total(&self) -> Result<f64> {
+        self.check()?;
+        let mut values: Vec<f64> = self.parts.iter().map(|p| self.local(&p.grads)).collect::<Result<_>>()?;
+        // each group once, in the order the parts name them, with the values of the parts sharded over it
+        let mut groups: Vec<&ProcessGroup> = Vec::new();
+        for g in self.parts.iter().flat_map(|p| p.over.iter()) {
+            if !groups.iter().any(|h| std::ptr::eq(*h, *g)) {
+                groups.push(g);
+            }
+        }
+        let op = if self.infinite() { ReduceOp::Max } else { ReduceOp::Sum };
+        for (i, g) in groups.iter().enumerate() {
+            let mine: Vec<usize> =
+                (0..self.parts.len()).filter(|&k| self.parts[k].over.iter().any(|h| std::ptr::eq(*h, *g))).collect();
+            if g.verifies() {
+                // ranks that built other parts would pass vectors of other lengths (Gloo aborts on that)
+                let shape = [i as i64, mine.len() as i64, self.norm_type.to_bits() as i64];
+                g.meta().agree("clip_grad_norm layout", &shape, |rows| {
+                    let show = |r: &[i64]| {
+                        format!("group #{} of {} part(s), norm_type {}", r[0], r[1], f64::from_bits(r[2] as u64))
+                    };
+                    format!(
+                        "ranks describe their gradients differently: {}",
+                        crate::group::meta::by_rank(rows, show, "; ")
+                    )
+                })?;
+            }
+            let v: Vec<f64> = mine.iter().map(|&k| values[k]).collect();
+            let reduced = g.meta().allreduce("clip_grad_norm", &v, op)?;
+            for (k, r) in mine.into_iter().zip(reduced) {
+                values[k] = r;
+            }
+        }
+        Ok(if self.infinite() {
+            values.into_iter().fold(0.0, f64::max)
+        } else {
+            values.into_iter().sum::<f64>().powf(1.0 / self.norm_type)
+        } as f32 as f64)
+    }
+
+    /// Scales every gradient by `min(1, max_norm / (total + 1e-6))` (float32, as PyTorch); returns the
+    /// total norm before clipping. A non-finite norm scales the gradients to NaN, as PyTorch's default
+    /// does (`GradScaler::step` skips such a step).
+    pub fn clip(&self, max_norm: f64) -> Result<f64> {
+        if max_norm.is_nan() || max_norm < 0.0 {
+            return Err(Error::invalid("clip_grad_norm", format!("max_norm must be >= 0, not {max_norm}")));
+        }
+        let total = self.total()?;
+        // f32::min would drop a NaN; PyTorch's clamp keeps it
+        let coef = max_norm as f32 / (total as f32 + EPS);
+        let coef = if coef > 1.0 { 1.0 } else { coef };
+        let _g = tch::no_grad_guard();
+        for g in self.parts.iter().flat_map(|p| p.grads.iter()) {
+            let _ = g.shallow_clone().f_mul_scalar_(coef as f64)?;
+        }
+        Ok(total)
+    }
+}
