@@ -93,6 +93,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         pg.barrier()?;
         let start = Instant::now();
         let loss = ddp.f_forward(&x)?.to_kind(Kind::Float).mse_loss(&y, tch::Reduction::Mean);
+        let forward_done = start.elapsed().as_secs_f64();
         ddp.backward(&loss)?;
         let backward_done = start.elapsed().as_secs_f64();
         opt.step()?;
@@ -100,9 +101,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         if std::env::var_os("BENCH_TRACE").is_some() && pg.rank() == 0 {
             let t = start.elapsed().as_secs_f64();
             eprintln!(
-                "step {step}: allocated {} peak {} forward+backward {backward_done:.3}s step {:.3}s",
+                "step {step}: allocated {} peak {} forward {forward_done:.3}s backward {:.3}s step {:.3}s",
                 memory::allocated(Device::Cpu)?,
                 memory::peak(Device::Cpu)?,
+                backward_done - forward_done,
                 t - backward_done
             );
         }
@@ -177,6 +179,7 @@ fn zero3(args: &Args, pg: Arc<ProcessGroup>) -> Result<(), Box<dyn std::error::E
         mark("before")?;
         let loss = model.forward(&x).to_kind(Kind::Float).mse_loss(&y, tch::Reduction::Mean);
         mark("forward")?;
+        let forward_done = start.elapsed().as_secs_f64();
         model.backward(&loss)?;
         mark("backward")?;
         let backward_done = start.elapsed().as_secs_f64();
@@ -186,9 +189,10 @@ fn zero3(args: &Args, pg: Arc<ProcessGroup>) -> Result<(), Box<dyn std::error::E
         if std::env::var_os("BENCH_TRACE").is_some() && pg.rank() == 0 {
             let t = start.elapsed().as_secs_f64();
             eprintln!(
-                "step {step}: allocated {} peak {} forward+backward {backward_done:.3}s step {:.3}s",
+                "step {step}: allocated {} peak {} forward {forward_done:.3}s backward {:.3}s step {:.3}s",
                 memory::allocated(Device::Cpu)?,
                 memory::peak(Device::Cpu)?,
+                backward_done - forward_done,
                 t - backward_done
             );
         }

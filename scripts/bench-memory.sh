@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Memory benchmark: ZeRO and mixed precision against PyTorch, same run, same ruler. 24 Linear(1024, 1024)
+# Memory benchmark: ZeRO-1/2/3 (FSDP) and mixed precision against PyTorch (DDP, ZeroRedundancyOptimizer,
+# FSDP2), same run, same ruler. 24 Linear(1024, 1024)
 # layers with ReLU (25.2M parameters), AdamW, batch 16 per rank, 2 ranks over Gloo, one intra-op thread per
 # rank. Peak = the CPU ruler's peak (tch-dist's counting allocator, loaded by PyTorch through ctypes) from
 # start to end of each process, the larger of the two ranks; step time = median of 5 steps after 2 warm-up
@@ -32,5 +33,11 @@ for r in $(seq "$ROUNDS"); do
   run ours_zero2_25 $rust --mode zero2
   run ours_zero2 $rust --mode zero2 --bucket-mb 4
   run ours_zero2_bf16 $rust --mode zero2 --bf16 --bucket-mb 4
+  run torch_fsdp2 $py --mode fsdp2
+  run ours_zero3 $rust --mode zero3
+  run torch_fsdp2_keep $py --mode fsdp2_keep
+  run ours_zero3_keep $rust --mode zero3 --keep
+  run ours_zero3_ckpt $rust --mode zero3 --checkpoint
+  run ours_zero3_bf16 $rust --mode zero3 --bf16
 done
 "$TCH_DIST_PYTHON_BIN" scripts/bench_memory_report.py "$out" "$PNG"

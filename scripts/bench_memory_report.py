@@ -8,6 +8,9 @@ out, png = sys.argv[1], sys.argv[2]
 PSI = 24 * (1024 * 1024 + 1024)  # parameters
 N = 2
 MB = 1e6
+L, H, B = 24, 1024, 16
+U = 4 * (H * H + H)  # the largest unit (one Linear) gathered, float32
+A = L * B * H * 4  # activations autograd keeps: each Linear's input (the ReLU's output, the same tensor)
 
 # name: (label, model-state bytes the configuration holds per rank, what the formula counts)
 RUNS = {
@@ -20,6 +23,12 @@ RUNS = {
     "ours_zero2_25": ("tch-dist ZeRO-2, 25 MB buckets", 4 * PSI + 12 * PSI / N, "4Ψ + 12Ψ/N"),
     "ours_zero2": ("tch-dist ZeRO-2, 4 MB buckets", 4 * PSI + 12 * PSI / N, "4Ψ + 12Ψ/N"),
     "ours_zero2_bf16": ("tch-dist ZeRO-2, bf16 params + fp32 master, 4 MB buckets", 2 * PSI + 14 * PSI / N, "2Ψ + 14Ψ/N (paper)"),
+    "torch_fsdp2": ("PyTorch FSDP2 (fully_shard each Linear + root)", 16 * PSI / N + U + A, "16Ψ/N + U + A"),
+    "ours_zero3": ("tch-dist ZeRO-3 (FSDP), each Linear a unit", 16 * PSI / N + U + A, "16Ψ/N + U + A"),
+    "torch_fsdp2_keep": ("PyTorch FSDP2, reshard_after_forward=False", 4 * PSI + 8 * PSI / N + U + A, "4Ψ + 8Ψ/N + U + A"),
+    "ours_zero3_keep": ("tch-dist ZeRO-3, reshard_after_forward(false)", 4 * PSI + 8 * PSI / N + U + A, "4Ψ + 8Ψ/N + U + A"),
+    "ours_zero3_ckpt": ("tch-dist ZeRO-3, each unit checkpointed", 16 * PSI / N + U + A, "16Ψ/N + U + A"),
+    "ours_zero3_bf16": ("tch-dist ZeRO-3, bf16 compute, fp32 shards", 16 * PSI / N + U / 2 + A / 2, "16Ψ/N + U/2 + A/2"),
 }
 
 
@@ -47,6 +56,15 @@ print(f"ours ZeRO-2 (fp32) vs PyTorch's best configuration: {R['ours_zero2'][1] 
 for n in ("ours_zero1", "ours_zero2", "ours_zero2_bf16"):
     print(f"{RUNS[n][0]}: peak / formula {R[n][1] / RUNS[n][1]:.3f} (goal <= 1.10); "
           f"step / PyTorch ZeRO {R[n][0] / zero_t:.2f}, / PyTorch ZeRO with views {R[n][0] / R['torch_zero_views'][0]:.2f} (goal <= 1)")
+
+print()
+print(f"ZeRO-3 formulas: U = one Linear gathered = {U / MB:.2f} MB, A = the {L} layer inputs autograd keeps = {A / MB:.2f} MB; "
+      "with resharding off all parameters stay gathered from forward to backward (4Ψ), and the gradient shards "
+      "are not yet there when backward starts")
+for ours, theirs in (("ours_zero3", "torch_fsdp2"), ("ours_zero3_keep", "torch_fsdp2_keep"),
+                     ("ours_zero3_ckpt", "torch_fsdp2"), ("ours_zero3_bf16", "torch_fsdp2")):
+    print(f"{RUNS[ours][0]}: peak / {RUNS[theirs][0]} {R[ours][1] / R[theirs][1]:.3f} (goal <= 0.95), "
+          f"peak / formula {R[ours][1] / RUNS[ours][1]:.3f} (goal <= 1.10); step / FSDP2 {R[ours][0] / R[theirs][0]:.2f} (goal <= 0.5)")
 
 import matplotlib  # noqa: E402
 

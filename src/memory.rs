@@ -11,6 +11,8 @@
 //! On CUDA the numbers are the caching allocator's (`torch.cuda.memory_allocated` / `max_memory_allocated`).
 use tch::Device;
 
+pub mod plan;
+
 use crate::error::{Error, Result};
 use crate::ffi;
 
