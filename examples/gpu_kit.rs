@@ -21,10 +21,12 @@ use clap::{Parser, Subcommand};
 use tch::{nn, nn::Module, nn::OptimizerConfig, Device, Kind, Tensor};
 use tch_dist::amp::{autocast, GradScaler};
 use tch_dist::ddp::{DdpOptions, DistributedDataParallel};
-use tch_dist::optim::{AdamW, Optimizer, Sgd, ShardedOptimizer, ZeroStage};
+use tch_dist::fsdp::{FsdpBuilder, FsdpOptions};
+use tch_dist::optim::{clip_grad_norm, AdamW, Optimizer, Sgd, ShardedOptimizer, ZeroStage};
 use tch_dist::pipeline::schedule::Kind as Sched;
 use tch_dist::pipeline::split::SplitModel;
 use tch_dist::pipeline::{LayerList, Partition, Pipeline};
+use tch_dist::recompute::Checkpointed;
 use tch_dist::tp::ParallelMlp;
 use tch_dist::{checkpoint, memory, Backend, BackendConfig, GroupOptions, InitOptions, ProcessGroup, ReduceOp, Store};
 
@@ -89,6 +91,9 @@ const CHECKS: &[(&str, Check)] = &[
     ("checkpoint", checkpoint_round_trip),
     ("split-one-gpu", split),
     ("pipeline-1f1b", pipeline_1f1b),
+    ("fsdp", |d| fsdp_step(d, false)),
+    ("fsdp-offload", |d| fsdp_step(d, true)),
+    ("recompute-dropout", recompute_dropout),
 ];
 
 fn main() {
@@ -323,6 +328,118 @@ fn zero_step(device: Device, stage: ZeroStage) -> Res<Outcome> {
     let diff = max_diff(&by_name(&vs), &reference(false, |p| Box::new(AdamW::new(p, 1e-2)))?)?;
     ensure(diff < 1e-5, || format!("parameters differ from plain AdamW on the CPU by {diff:e}"))?;
     Ok(Pass(format!("{stage:?}, {STEPS} AdamW steps over {}, max |diff| vs CPU {diff:.1e}", pg.backend_config())))
+}
+
+/// FSDP with each Linear a unit, clipping (max norm 0.5) and AdamW, against the same on the CPU
+/// unsharded; `offload`: shards, their gradients and AdamW's state on the CPU, units computing on `device`
+/// (DeepSpeed's offload_optimizer; on the CPU, distinct buffers all the same).
+fn fsdp_step(device: Device, offload: bool) -> Res<Outcome> {
+    const MAX_NORM: f64 = 0.5;
+    let config = if offload { BackendConfig::CPU_GLOO_CUDA_NCCL } else { BackendConfig::NCCL };
+    let pg = group(device, config)?;
+    let (_, (cpu_vs, cpu_net)) = twins(Device::Cpu, false)?;
+    let vs = nn::VarStore::new(device);
+    let dims = [(D_IN, HIDDEN), (HIDDEN, HIDDEN), (HIDDEN, D_OUT)];
+    let layers: Vec<(nn::Path, nn::Linear)> = dims
+        .iter()
+        .enumerate()
+        .map(|(i, &(d_in, d_out))| {
+            let p = vs.root() / format!("l{}", i + 1);
+            let l = nn::linear(&p, d_in, d_out, Default::default());
+            (p, l)
+        })
+        .collect();
+    // the CPU twin's values, before sharding takes them
+    copy_vars(&vs, &cpu_vs)?;
+    let mut opts = FsdpOptions::default().process_group(pg.clone());
+    if offload {
+        opts = opts.offload(Device::Cpu);
+    }
+    let f = FsdpBuilder::new(&vs, opts)?;
+    let mut net = nn::seq();
+    for (i, (p, l)) in layers.into_iter().enumerate() {
+        let unit = f.fully_shard(&p, l)?;
+        net = match i {
+            0 => net.add(unit).add_fn(|x| x.relu()),
+            1 => net.add(unit).add_fn(|x| x.tanh()),
+            _ => net.add(unit),
+        };
+    }
+    let model = f.finish(net)?;
+    let mut opt = AdamW::new(model.parameters(), 1e-2);
+    let mut ref_opt = AdamW::new(cpu_vs.trainable_variables(), 1e-2);
+    let mut norms = (0.0, 0.0);
+    for s in 0..STEPS {
+        let (x, y) = batch(s, 16);
+        model.backward(&loss(&model.f_forward(&x.to_device(device))?, &y.to_device(device)))?;
+        norms.0 = model.clip_grad_norm(MAX_NORM, 2.0)?;
+        opt.step()?;
+        model.zero_grad()?;
+        loss(&cpu_net.forward(&x), &y).f_backward()?;
+        norms.1 = clip_grad_norm(&cpu_vs.trainable_variables(), MAX_NORM, 2.0)?;
+        ref_opt.step()?;
+        ref_opt.zero_grad()?;
+    }
+    let m = model.memory_breakdown_with(&opt)?;
+    let got: BTreeMap<String, Tensor> =
+        model.state_dict()?.into_iter().map(|(n, t)| (n, t.to_device(Device::Cpu).to_kind(Kind::Float))).collect();
+    let diff = max_diff(&got, &by_name(&cpu_vs))?;
+    ensure(diff < 1e-5, || format!("parameters differ from unsharded AdamW on the CPU by {diff:e}"))?;
+    ensure((norms.0 - norms.1).abs() <= 1e-5 * norms.1, || {
+        format!("gradient norm {} vs the CPU's {}", norms.0, norms.1)
+    })?;
+    ensure(norms.1 > MAX_NORM, || format!("the check must clip: norm {}", norms.1))?;
+    let held = m.sharded_parameters + m.gradient_shards + m.optimizer_state;
+    if offload {
+        ensure(m.offloaded == held && held > 0, || format!("offloaded {} of {held} bytes", m.offloaded))?;
+    } else {
+        ensure(m.offloaded == 0, || format!("nothing offloaded, yet {} bytes", m.offloaded))?;
+    }
+    Ok(Pass(format!(
+        "{STEPS} clipped AdamW steps over {}, max |diff| vs CPU {diff:.1e}, norm {:.4} (CPU {:.4}); offloaded {} of {held} bytes",
+        pg.backend_config(),
+        norms.0,
+        norms.1,
+        m.offloaded
+    )))
+}
+
+/// Activation checkpointing on `device`: a block with dropout, recomputed in backward with the same
+/// random numbers, gives the gradients of the block run plainly from the same seed, bit for bit.
+fn recompute_dropout(device: Device) -> Res<Outcome> {
+    let vs = nn::VarStore::new(device);
+    #[derive(Debug)]
+    struct Block(Vec<Tensor>);
+    impl Module for Block {
+        fn forward(&self, x: &Tensor) -> Tensor {
+            let h = x.linear(&self.0[0], Some(&self.0[1])).dropout(0.5, true);
+            h.linear(&self.0[2], Some(&self.0[3]))
+        }
+    }
+    let (a, b) = (
+        nn::linear(vs.root() / "a", D_IN, HIDDEN, Default::default()),
+        nn::linear(vs.root() / "b", HIDDEN, D_OUT, Default::default()),
+    );
+    let weights = || -> Vec<Tensor> {
+        [&a.ws, a.bs.as_ref().unwrap_or(&a.ws), &b.ws, b.bs.as_ref().unwrap_or(&b.ws)]
+            .iter()
+            .map(|t| t.shallow_clone())
+            .collect()
+    };
+    let (block, wrapped) = (Block(weights()), Checkpointed::new(Block(weights())));
+    let (x, _) = batch(0, 16);
+    let x = x.to_device(device);
+    let grads = |checkpointed: bool| -> Res<Vec<Tensor>> {
+        vs.trainable_variables().iter().for_each(|p| tch_dist::hooks::set_grad(p, None).unwrap_or(()));
+        tch::manual_seed(7);
+        let y = if checkpointed { wrapped.forward(&x) } else { block.forward(&x) };
+        y.square().sum(Kind::Float).f_backward()?;
+        Ok(vs.trainable_variables().iter().map(|p| p.grad().to_device(Device::Cpu)).collect())
+    };
+    let (plain, ckpt) = (grads(false)?, grads(true)?);
+    let diff = plain.iter().zip(&ckpt).map(|(a, b)| (a - b).abs().max().double_value(&[])).fold(0.0, f64::max);
+    ensure(diff == 0.0, || format!("checkpointed gradients differ from plain ones by {diff:e}"))?;
+    Ok(Pass(format!("dropout recomputed alike on {device:?}: gradients bit-identical")))
 }
 
 fn tp_mlp(device: Device) -> Res<Outcome> {
