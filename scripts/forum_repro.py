@@ -76,7 +76,8 @@ def main():
     opt.zero_grad()
     report("after step and zero_grad")
     dist.barrier()
-    dist.destroy_process_group()
+    # leave here, with the model alive: see pyutil.exit_now
+    exit_now()
 
 
 

@@ -5,7 +5,10 @@ import sys
 
 def exit_now(code=0):
     """Leaves without interpreter teardown: PyTorch 2.13 sometimes aborts there, after all the work is done
-    ("terminate called without an active exception", about 1 run in 20 on a loaded 2-core machine)."""
+    ("terminate called without an active exception", about 1 run in 20 on a loaded 2-core machine). Scripts
+    holding a DDP model call it from main, before destroy_process_group or the model's release: dropping
+    DDP's Reducer frees the ProcessGroupGloo, whose destructor waits for its worker thread while that thread
+    waits for the GIL the main thread holds (a deadlock seen on 2026-11-30 in bench_memory.py)."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
