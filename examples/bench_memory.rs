@@ -84,53 +84,21 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             .into())
         }
     };
-    let rank = pg.rank() as i64;
-    let mut times = Vec::new();
-    for step in 0..WARMUP + STEPS {
-        tch::manual_seed(1000 + step as i64 * 10 + rank);
-        let x = Tensor::randn([BATCH, WIDTH], (Kind::Float, Device::Cpu)).to_kind(kind);
-        let y = Tensor::randn([BATCH, WIDTH], (Kind::Float, Device::Cpu));
-        pg.barrier()?;
-        let start = Instant::now();
-        let loss = ddp.f_forward(&x)?.to_kind(Kind::Float).mse_loss(&y, tch::Reduction::Mean);
+    let median = timed_steps(&pg, kind, |x, y, start| {
+        let loss = ddp.f_forward(x)?.to_kind(Kind::Float).mse_loss(y, tch::Reduction::Mean);
         let forward_done = start.elapsed().as_secs_f64();
         ddp.backward(&loss)?;
         let backward_done = start.elapsed().as_secs_f64();
         opt.step()?;
         opt.zero_grad()?;
-        if std::env::var_os("BENCH_TRACE").is_some() && pg.rank() == 0 {
-            let t = start.elapsed().as_secs_f64();
-            eprintln!(
-                "step {step}: allocated {} peak {} forward {forward_done:.3}s backward {:.3}s step {:.3}s",
-                memory::allocated(Device::Cpu)?,
-                memory::peak(Device::Cpu)?,
-                backward_done - forward_done,
-                t - backward_done
-            );
-        }
-        if step >= WARMUP {
-            times.push(start.elapsed().as_secs_f64());
-        }
-    }
-    times.sort_by(|a, b| a.total_cmp(b));
-    let peak = memory::peak(Device::Cpu)?;
+        Ok((forward_done, backward_done))
+    })?;
     let m = ddp.memory_breakdown_with(opt.as_ref())?;
-    let mut peaks: Vec<Tensor> = (0..pg.size()).map(|_| Tensor::zeros([1], (Kind::Int64, Device::Cpu))).collect();
-    pg.all_gather(&mut peaks, &Tensor::from_slice(&[peak]))?;
-    if pg.rank() == 0 {
-        let peaks: Vec<String> = peaks.iter().map(|t| t.int64_value(&[0]).to_string()).collect();
-        println!(
-            "{:.6} {} {} {} {} {} {}",
-            times[times.len() / 2],
-            peaks.join(" "),
-            m.parameters,
-            m.buckets + m.gradients,
-            m.optimizer_state,
-            m.master_params,
-            m.gradient_shards
-        );
-    }
-    Ok(())
+    report(
+        &pg,
+        median,
+        [m.parameters, m.buckets + m.gradients, m.optimizer_state, m.master_params, m.gradient_shards],
+    )
 }
 
 /// The same training under FSDP: every Linear a unit (built and sharded one at a time), AdamW over the
@@ -160,24 +128,17 @@ fn zero3(args: &Args, pg: Arc<ProcessGroup>) -> Result<(), Box<dyn std::error::E
     }
     let model = fsdp.finish(net)?;
     let mut opt = AdamW::new(model.parameters(), 1e-3);
-    let rank = pg.rank() as i64;
-    let mut times = Vec::new();
-    for step in 0..WARMUP + STEPS {
-        tch::manual_seed(1000 + step as i64 * 10 + rank);
-        let x = Tensor::randn([BATCH, WIDTH], (Kind::Float, Device::Cpu));
-        let y = Tensor::randn([BATCH, WIDTH], (Kind::Float, Device::Cpu));
-        pg.barrier()?;
-        let start = Instant::now();
-        let phases = std::env::var_os("BENCH_PHASES").is_some() && pg.rank() == 0;
-        let mark = |what: &str| -> Result<(), Box<dyn std::error::Error>> {
-            if phases {
-                eprintln!("  {what}: peak {} now {}", memory::peak(Device::Cpu)?, memory::allocated(Device::Cpu)?);
-                memory::reset_peak(Device::Cpu)?;
-            }
-            Ok(())
-        };
+    let phases = std::env::var_os("BENCH_PHASES").is_some() && pg.rank() == 0;
+    let mark = |what: &str| -> Res<()> {
+        if phases {
+            eprintln!("  {what}: peak {} now {}", memory::peak(Device::Cpu)?, memory::allocated(Device::Cpu)?);
+            memory::reset_peak(Device::Cpu)?;
+        }
+        Ok(())
+    };
+    let median = timed_steps(&pg, Kind::Float, |x, y, start| {
         mark("before")?;
-        let loss = model.forward(&x).to_kind(Kind::Float).mse_loss(&y, tch::Reduction::Mean);
+        let loss = model.forward(x).to_kind(Kind::Float).mse_loss(y, tch::Reduction::Mean);
         mark("forward")?;
         let forward_done = start.elapsed().as_secs_f64();
         model.backward(&loss)?;
@@ -186,8 +147,34 @@ fn zero3(args: &Args, pg: Arc<ProcessGroup>) -> Result<(), Box<dyn std::error::E
         opt.step()?;
         mark("step")?;
         model.zero_grad()?;
-        if std::env::var_os("BENCH_TRACE").is_some() && pg.rank() == 0 {
-            let t = start.elapsed().as_secs_f64();
+        Ok((forward_done, backward_done))
+    })?;
+    let m = model.memory_breakdown_with(&opt)?;
+    let params = m.sharded_parameters + m.gathered_parameters;
+    report(&pg, median, [params, m.unsharded_gradients, m.optimizer_state, 0, m.gradient_shards])
+}
+
+type Res<T> = Result<T, Box<dyn std::error::Error>>;
+
+/// WARMUP + STEPS steps on seeded batches (inputs in `kind`), each after a barrier; `one` runs forward,
+/// backward and the optimizer and returns when forward and backward ended (seconds since `start`).
+/// `BENCH_TRACE=1` prints each step's times and memory (rank 0). Returns the median step time.
+fn timed_steps(
+    pg: &ProcessGroup,
+    kind: Kind,
+    mut one: impl FnMut(&Tensor, &Tensor, &Instant) -> Res<(f64, f64)>,
+) -> Res<f64> {
+    let rank = pg.rank() as i64;
+    let mut times = Vec::new();
+    for step in 0..WARMUP + STEPS {
+        tch::manual_seed(1000 + step as i64 * 10 + rank);
+        let x = Tensor::randn([BATCH, WIDTH], (Kind::Float, Device::Cpu)).to_kind(kind);
+        let y = Tensor::randn([BATCH, WIDTH], (Kind::Float, Device::Cpu));
+        pg.barrier()?;
+        let start = Instant::now();
+        let (forward_done, backward_done) = one(&x, &y, &start)?;
+        let t = start.elapsed().as_secs_f64();
+        if std::env::var_os("BENCH_TRACE").is_some() && rank == 0 {
             eprintln!(
                 "step {step}: allocated {} peak {} forward {forward_done:.3}s backward {:.3}s step {:.3}s",
                 memory::allocated(Device::Cpu)?,
@@ -197,25 +184,22 @@ fn zero3(args: &Args, pg: Arc<ProcessGroup>) -> Result<(), Box<dyn std::error::E
             );
         }
         if step >= WARMUP {
-            times.push(start.elapsed().as_secs_f64());
+            times.push(t);
         }
     }
     times.sort_by(|a, b| a.total_cmp(b));
+    Ok(times[times.len() / 2])
+}
+
+/// Rank 0 prints `median_step_s peak_rank0 peak_rank1 ... parameters gradients state master shards`.
+fn report(pg: &ProcessGroup, median: f64, bytes: [i64; 5]) -> Res<()> {
     let peak = memory::peak(Device::Cpu)?;
-    let m = model.memory_breakdown_with(&opt)?;
     let mut peaks: Vec<Tensor> = (0..pg.size()).map(|_| Tensor::zeros([1], (Kind::Int64, Device::Cpu))).collect();
     pg.all_gather(&mut peaks, &Tensor::from_slice(&[peak]))?;
     if pg.rank() == 0 {
         let peaks: Vec<String> = peaks.iter().map(|t| t.int64_value(&[0]).to_string()).collect();
-        println!(
-            "{:.6} {} {} {} {} 0 {}",
-            times[times.len() / 2],
-            peaks.join(" "),
-            m.sharded_parameters + m.gathered_parameters,
-            m.unsharded_gradients,
-            m.optimizer_state,
-            m.gradient_shards
-        );
+        let bytes: Vec<String> = bytes.iter().map(|b| b.to_string()).collect();
+        println!("{median:.6} {} {}", peaks.join(" "), bytes.join(" "));
     }
     Ok(())
 }

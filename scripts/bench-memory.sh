@@ -5,7 +5,7 @@
 # rank. Peak = the CPU ruler's peak (tch-dist's counting allocator, loaded by PyTorch through ctypes) from
 # start to end of each process, the larger of the two ranks; step time = median of 5 steps after 2 warm-up
 # steps, median over rounds. Prints a Markdown table; writes docs/bench-memory.png (PNG=... to change).
-#   scripts/bench-memory.sh        # ROUNDS=3 by default
+#   scripts/bench-memory.sh        # ROUNDS=3 by default; KEEP=DIR keeps each run's raw lines in DIR
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
@@ -14,8 +14,12 @@ cargo build -q --release --example bench_memory --bin tchrun
 export TCH_DIST_MEMORY_LIB=$PWD/target/release/libtch_dist_memory.so
 ROUNDS=${ROUNDS:-3}
 PNG=${PNG:-docs/bench-memory.png}
-out=$(mktemp -d)
-trap 'rm -rf "$out"' EXIT
+if [ -n "${KEEP:-}" ]; then
+  out=$KEEP && mkdir -p "$out" && rm -f "$out"/*
+else
+  out=$(mktemp -d)
+  trap 'rm -rf "$out"' EXIT
+fi
 run() { # run NAME CMD...: two ranks, rank 0's output to $out/NAME
   local name=$1; shift
   ranks 2 "$@" >>"$out/$name"
