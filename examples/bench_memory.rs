@@ -94,11 +94,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         Ok((forward_done, backward_done))
     })?;
     let m = ddp.memory_breakdown_with(opt.as_ref())?;
-    report(
-        &pg,
-        median,
-        [m.parameters, m.buckets + m.gradients, m.optimizer_state, m.master_params, m.gradient_shards],
-    )
+    report(&pg, median, [m.parameters, m.buckets + m.gradients, m.optimizer_state, m.master_params, m.gradient_shards])
 }
 
 /// The same training under FSDP: every Linear a unit (built and sharded one at a time), AdamW over the
