@@ -27,6 +27,7 @@ pub mod hooks;
 pub mod init;
 pub mod launch;
 pub mod memory;
+pub mod mesh;
 pub mod optim;
 pub mod pipeline;
 pub mod recompute;

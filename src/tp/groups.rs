@@ -19,9 +19,11 @@ impl TpDpGroups {
                 format!("world size {n} is not divisible by the tensor-parallel size {tp_size}"),
             ));
         }
+        // the mesh [("dp", n / t), ("tp", t)]: TP groups are consecutive ranks, as Megatron and PyTorch lay them
+        let layout = crate::mesh::MeshLayout::new(&[("dp", n / tp_size), ("tp", tp_size)])?;
         let r = world.rank();
-        let tp_ranks: Vec<usize> = (r / tp_size * tp_size..(r / tp_size + 1) * tp_size).collect();
-        let dp_ranks: Vec<usize> = (r % tp_size..n).step_by(tp_size).collect();
+        let tp_ranks = layout.group_ranks(r, "tp")?;
+        let dp_ranks = layout.group_ranks(r, "dp")?;
         let missing = || Error::invalid("TpDpGroups::new", "this rank is not in its own group");
         let tp = world.new_subgroup(&tp_ranks, "tp")?.ok_or_else(missing)?;
         let dp = world.new_subgroup(&dp_ranks, "dp")?.ok_or_else(missing)?;
