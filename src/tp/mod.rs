@@ -16,5 +16,7 @@
 pub mod groups;
 pub mod layers;
 pub mod ops;
+pub mod vocab;
 
 pub use layers::{ColumnParallelLinear, ParallelMlp, RowParallelLinear};
+pub use vocab::{vocab_parallel_cross_entropy, VocabParallelEmbedding};
