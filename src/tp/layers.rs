@@ -179,17 +179,6 @@ impl ParallelMlp {
     }
 }
 
-// tch's convention: `forward` is infallible (it panics with the error), `f_forward` returns it. As
-// `nn::Module`s the layers go wherever tch expects one: `nn::seq()`, `Checkpointed`, DDP, FSDP units.
-macro_rules! module {
-    ($t:ty) => {
-        impl nn::Module for $t {
-            fn forward(&self, x: &Tensor) -> Tensor {
-                self.f_forward(x).unwrap_or_else(|e| panic!("{e}"))
-            }
-        }
-    };
-}
 module!(ColumnParallelLinear);
 module!(RowParallelLinear);
 module!(ParallelMlp);

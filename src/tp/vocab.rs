@@ -71,11 +71,7 @@ impl VocabParallelEmbedding {
     }
 }
 
-impl nn::Module for VocabParallelEmbedding {
-    fn forward(&self, ids: &Tensor) -> Tensor {
-        self.f_forward(ids).unwrap_or_else(|e| panic!("{e}"))
-    }
-}
+module!(VocabParallelEmbedding);
 
 /// Per-token cross-entropy (`torch.nn.functional.cross_entropy(..., reduction="none")`) of logits split
 /// over `pg` along the vocabulary: `logits` is this rank's slice `[..., V / t]` (rank r's is vocabulary

@@ -1,0 +1,116 @@
+//! Multi-head self-attention split by heads across the tensor-parallel group (Megatron's
+//! `ParallelAttention`): a column-parallel QKV projection gives rank r the queries, keys and values of
+//! heads `[r·h/t, (r+1)·h/t)`, each rank attends over its own heads, and a row-parallel output
+//! projection sums the ranks' parts. One allreduce forward (after the output projection), one backward
+//! (before the QKV projection), as the MLP.
+use std::sync::Arc;
+
+use tch::{nn, Kind, Tensor};
+
+use super::layers::{ColumnParallelLinear, RowParallelLinear};
+use crate::error::{Error, Result};
+use crate::group::ProcessGroup;
+
+/// Self-attention over `[batch, seq, d]` with `heads` heads split across the group.
+#[derive(Debug)]
+pub struct ParallelAttention {
+    /// `d → 3d/t`: this rank's heads' queries, keys and values, in that order.
+    pub qkv: ColumnParallelLinear,
+    /// `d/t → d`, summed across the group.
+    pub out: RowParallelLinear,
+    local_heads: i64,
+    head_dim: i64,
+    causal: bool,
+}
+
+impl ParallelAttention {
+    /// From the full layer's weights: `w_qkv: [3d, d]` (queries, then keys, then values, head by head
+    /// within each, as `torch.nn.MultiheadAttention`'s `in_proj_weight`), `b_qkv: [3d]`, `w_out: [d, d]`,
+    /// `b_out: [d]`. `causal` masks the future (a decoder's attention).
+    #[allow(clippy::too_many_arguments)]
+    pub fn from_full(
+        path: &nn::Path,
+        w_qkv: &Tensor,
+        b_qkv: &Tensor,
+        w_out: &Tensor,
+        b_out: &Tensor,
+        heads: i64,
+        causal: bool,
+        pg: Arc<ProcessGroup>,
+    ) -> Result<Self> {
+        let what = "ParallelAttention";
+        let (d, t) = (w_out.size()[0], pg.size() as i64);
+        if heads <= 0 || d % heads != 0 {
+            return Err(Error::invalid(what, format!("d_model {d} is not divisible by {heads} heads")));
+        }
+        if heads % t != 0 {
+            return Err(Error::invalid(
+                what,
+                format!("{heads} heads are not divisible by the tensor-parallel size {t}"),
+            ));
+        }
+        if w_qkv.size() != [3 * d, d] || b_qkv.size() != [3 * d] {
+            return Err(Error::invalid(
+                what,
+                format!(
+                    "w_qkv {:?} and b_qkv {:?} must be [{}, {d}] and [{}]",
+                    w_qkv.size(),
+                    b_qkv.size(),
+                    3 * d,
+                    3 * d
+                ),
+            ));
+        }
+        // rows [q; k; v] → [rank 0's q, k, v; rank 1's ...], so that the column-parallel split's
+        // contiguous chunk r holds rank r's heads of all three
+        let by_rank = |x: &Tensor| -> Result<Tensor> {
+            let rest: Vec<i64> = x.size()[1..].to_vec();
+            let grouped: Vec<i64> = [vec![3, t, d / t], rest.clone()].concat();
+            let flat: Vec<i64> = [vec![3 * d], rest].concat();
+            Ok(x.f_reshape(grouped.as_slice())?.f_transpose(0, 1)?.f_contiguous()?.f_reshape(flat.as_slice())?)
+        };
+        let qkv = ColumnParallelLinear::from_full(
+            &(path / "qkv"),
+            &by_rank(w_qkv)?,
+            Some(&by_rank(b_qkv)?),
+            pg.clone(),
+            false,
+        )?;
+        let out = RowParallelLinear::from_full(&(path / "out"), w_out, Some(b_out), pg, true)?;
+        Ok(ParallelAttention { qkv, out, local_heads: heads / t, head_dim: d / heads, causal })
+    }
+
+    /// The parameters of which each rank holds a slice.
+    pub fn sharded_parameters(&self) -> Vec<Tensor> {
+        let mut v = self.qkv.sharded_parameters();
+        v.extend(self.out.sharded_parameters());
+        v
+    }
+
+    /// The parameters every rank holds whole (the output bias).
+    pub fn replicated_parameters(&self) -> Vec<Tensor> {
+        self.out.replicated_parameters()
+    }
+
+    /// The attention's output `[batch, seq, d]`, the same on every rank; errors returned.
+    pub fn f_forward(&self, x: &Tensor) -> Result<Tensor> {
+        let size = x.size();
+        let [b, s, _] = size[..] else {
+            return Err(Error::invalid("ParallelAttention", format!("input must be [batch, seq, d], not {size:?}")));
+        };
+        let (h, hd) = (self.local_heads, self.head_dim);
+        // [b, s, 3·h·hd] → three [b, h, s, hd]
+        let qkv = self.qkv.f_forward(x)?.f_view([b, s, 3, h, hd])?.f_permute([2, 0, 3, 1, 4])?;
+        let (q, k, v) = (qkv.f_select(0, 0)?, qkv.f_select(0, 1)?, qkv.f_select(0, 2)?);
+        let mut scores = q.f_matmul(&k.f_transpose(-2, -1)?)?.f_div_scalar((hd as f64).sqrt())?;
+        if self.causal {
+            let future = Tensor::f_ones([s, s], (Kind::Bool, x.device()))?.f_triu(1)?;
+            scores = scores.f_masked_fill(&future, f64::NEG_INFINITY)?;
+        }
+        let ctx = scores.f_softmax(-1, scores.kind())?.f_matmul(&v)?; // [b, h, s, hd]
+        let ctx = ctx.f_transpose(1, 2)?.f_contiguous()?.f_view([b, s, h * hd])?;
+        self.out.f_forward(&ctx)
+    }
+}
+
+module!(ParallelAttention);
