@@ -93,7 +93,9 @@ int tdx_ref_bucket_assignment(const int64_t* numels, const int* dtypes, const in
 
 // ---- tensor parallelism: Megatron's conjugate operators as autograd ops on group pg.
 // op 0 copy_to (identity, allreduce in backward), 1 reduce_from (allreduce, identity in backward),
-// 2 gather_from (all_gather on the last dim, own slice in backward), 3 scatter_to (the reverse).
+// 2 gather_from (all_gather on the last dim, own slice in backward), 3 scatter_to (the reverse);
+// sequence parallelism, on dim 0: 4 gather_from_sequence (all_gather, reduce-scatter in backward),
+// 5 reduce_scatter_to_sequence (the reverse), 6 scatter_to_sequence (own part, all_gather in backward).
 // *out receives a new at::Tensor* owned by the caller.
 int tdx_tp_op(tdx_pg* pg, int op, tdx_tensor x, tdx_tensor* out);
 

@@ -14,21 +14,28 @@ at::Tensor allreduce_sum(const c10::intrusive_ptr<Backend>& pg, const at::Tensor
   return r;
 }
 
-at::Tensor gather_last(const c10::intrusive_ptr<Backend>& pg, const at::Tensor& t) {
+// all_gather along `dim` (-1: the hidden dimension; 0: the sequence, sequence parallelism's layout [s, b, h])
+at::Tensor gather(const c10::intrusive_ptr<Backend>& pg, const at::Tensor& t, int64_t dim) {
   auto in = t.contiguous();
   std::vector<at::Tensor> parts;
   for (int i = 0; i < pg->getSize(); i++) parts.push_back(at::empty_like(in));
   std::vector<std::vector<at::Tensor>> outs{parts};
   std::vector<at::Tensor> ins{in};
   pg->allgather(outs, ins)->wait();
-  return at::cat(outs[0], -1);
+  return at::cat(outs[0], dim);
 }
 
-at::Tensor own_chunk(const c10::intrusive_ptr<Backend>& pg, const at::Tensor& t) {
-  auto n = t.size(-1);
-  TORCH_CHECK_VALUE(n % pg->getSize() == 0, "last dimension ", n, " is not divisible by the tensor-parallel size ",
-                    pg->getSize());
-  return t.chunk(pg->getSize(), -1)[pg->getRank()].contiguous();
+at::Tensor own_chunk(const c10::intrusive_ptr<Backend>& pg, const at::Tensor& t, int64_t dim) {
+  auto n = t.size(dim);
+  TORCH_CHECK_VALUE(n % pg->getSize() == 0, (dim == 0 ? "sequence" : "last"), " dimension ", n,
+                    " is not divisible by the tensor-parallel size ", pg->getSize());
+  return t.chunk(pg->getSize(), dim)[pg->getRank()].contiguous();
+}
+
+// Reduce-scatter along dim 0 as an allreduce and this rank's chunk: twice the bytes of a ring
+// reduce-scatter, but one path on every backend and libtorch version.
+at::Tensor reduce_scatter_seq(const c10::intrusive_ptr<Backend>& pg, const at::Tensor& t) {
+  return own_chunk(pg, allreduce_sum(pg, t), 0);
 }
 } // namespace
 
@@ -42,16 +49,22 @@ extern "C" int tdx_tp_op(tdx_pg* g, int op, tdx_tensor xt, tdx_tensor* out) {
       switch (op) {
         case 0: y = x.detach(); break;                 // copy_to: identity
         case 1: y = allreduce_sum(pg, x); break;       // reduce_from: allreduce
-        case 2: y = gather_last(pg, x); break;         // gather_from: all_gather on the last dim
-        case 3: y = own_chunk(pg, x); break;           // scatter_to: this rank's slice
+        case 2: y = gather(pg, x, -1); break;          // gather_from: all_gather on the last dim
+        case 3: y = own_chunk(pg, x, -1); break;       // scatter_to: this rank's slice
+        case 4: y = gather(pg, x, 0); break;           // gather_from_sequence: all_gather on dim 0
+        case 5: y = reduce_scatter_seq(pg, x); break;  // reduce_scatter_to_sequence
+        case 6: y = own_chunk(pg, x, 0); break;        // scatter_to_sequence: this rank's part of dim 0
         default: return tdx::set_error(TDX_EINVALID, "unknown tensor-parallel op " + std::to_string(op));
       }
     }
     switch (op) {
       case 0: y = with_backward(x, y, "CopyToParallelRegionBackward", [pg](const at::Tensor& g) { return allreduce_sum(pg, g); }); break;
       case 1: y = with_backward(x, y, "ReduceFromParallelRegionBackward", [](const at::Tensor& g) { return g; }); break;
-      case 2: y = with_backward(x, y, "GatherFromParallelRegionBackward", [pg](const at::Tensor& g) { return own_chunk(pg, g); }); break;
-      case 3: y = with_backward(x, y, "ScatterToParallelRegionBackward", [pg](const at::Tensor& g) { return gather_last(pg, g); }); break;
+      case 2: y = with_backward(x, y, "GatherFromParallelRegionBackward", [pg](const at::Tensor& g) { return own_chunk(pg, g, -1); }); break;
+      case 3: y = with_backward(x, y, "ScatterToParallelRegionBackward", [pg](const at::Tensor& g) { return gather(pg, g, -1); }); break;
+      case 4: y = with_backward(x, y, "GatherFromSequenceParallelRegionBackward", [pg](const at::Tensor& g) { return reduce_scatter_seq(pg, g); }); break;
+      case 5: y = with_backward(x, y, "ReduceScatterToSequenceParallelRegionBackward", [pg](const at::Tensor& g) { return gather(pg, g, 0); }); break;
+      case 6: y = with_backward(x, y, "ScatterToSequenceParallelRegionBackward", [pg](const at::Tensor& g) { return gather(pg, g, 0); }); break;
     }
     *out = new at::Tensor(y);
     return TDX_OK;

@@ -5,7 +5,8 @@ use std::sync::Arc;
 use tch::{nn, Kind, Tensor};
 
 use super::ops::{
-    copy_to_parallel_region, gather_from_parallel_region, reduce_from_parallel_region, scatter_to_parallel_region,
+    copy_to_parallel_region, gather_from_parallel_region, gather_from_sequence_parallel_region,
+    reduce_from_parallel_region, reduce_scatter_to_sequence_parallel_region, scatter_to_parallel_region,
 };
 use crate::error::{Error, Result};
 use crate::group::ProcessGroup;
@@ -30,6 +31,9 @@ pub struct ColumnParallelLinear {
     /// `[out / t]`
     pub bs: Option<Tensor>,
     pub gather_output: bool,
+    /// The input is this rank's part of the sequence (`[s / t, b, in]`, Megatron's sequence
+    /// parallelism): gathered along the sequence on entry, reduce-scattered in backward.
+    pub sequence_parallel: bool,
     pg: Arc<ProcessGroup>,
 }
 
@@ -45,7 +49,7 @@ impl ColumnParallelLinear {
         let what = "ColumnParallelLinear";
         let ws = path.f_var_copy("weight", &shard(what, weight, 0, &pg)?)?;
         let bs = bias.map(|b| Ok::<_, Error>(path.f_var_copy("bias", &shard(what, b, 0, &pg)?)?)).transpose()?;
-        Ok(ColumnParallelLinear { ws, bs, gather_output, pg })
+        Ok(ColumnParallelLinear { ws, bs, gather_output, sequence_parallel: false, pg })
     }
 
     /// The parameters of which each rank holds a slice (both): their gradients are summed over the TP
@@ -59,9 +63,19 @@ impl ColumnParallelLinear {
         Vec::new()
     }
 
+    /// Takes sequence-parallel input (see [`sequence_parallel`](Self::sequence_parallel)).
+    pub fn with_sequence_parallel(mut self, on: bool) -> Self {
+        self.sequence_parallel = on;
+        self
+    }
+
     /// Output features of this rank (all of them with `gather_output`); errors returned.
     pub fn f_forward(&self, x: &Tensor) -> Result<Tensor> {
-        let x = copy_to_parallel_region(x, &self.pg)?;
+        let x = if self.sequence_parallel {
+            gather_from_sequence_parallel_region(x, &self.pg)?
+        } else {
+            copy_to_parallel_region(x, &self.pg)?
+        };
         let y = x.f_linear(&self.ws, self.bs.as_ref())?;
         if self.gather_output {
             gather_from_parallel_region(&y, &self.pg)
@@ -81,6 +95,9 @@ pub struct RowParallelLinear {
     pub bs: Option<Tensor>,
     /// The input arrives already split (from a column-parallel layer); otherwise it is split on entry.
     pub input_is_parallel: bool,
+    /// The output is this rank's part of the sequence (`[s / t, b, out]`): the partial products are
+    /// reduce-scattered along the sequence instead of allreduced (the bias added to the part).
+    pub sequence_parallel: bool,
     pg: Arc<ProcessGroup>,
 }
 
@@ -94,7 +111,13 @@ impl RowParallelLinear {
     ) -> Result<Self> {
         let ws = path.f_var_copy("weight", &shard("RowParallelLinear", weight, 1, &pg)?)?;
         let bs = bias.map(|b| path.f_var_copy("bias", b)).transpose()?;
-        Ok(RowParallelLinear { ws, bs, input_is_parallel, pg })
+        Ok(RowParallelLinear { ws, bs, input_is_parallel, sequence_parallel: false, pg })
+    }
+
+    /// Gives sequence-parallel output (see [`sequence_parallel`](Self::sequence_parallel)).
+    pub fn with_sequence_parallel(mut self, on: bool) -> Self {
+        self.sequence_parallel = on;
+        self
     }
 
     /// The parameters of which each rank holds a slice (the weight).
@@ -111,7 +134,11 @@ impl RowParallelLinear {
     pub fn f_forward(&self, x: &Tensor) -> Result<Tensor> {
         let x = if self.input_is_parallel { x.shallow_clone() } else { scatter_to_parallel_region(x, &self.pg)? };
         let partial = x.f_linear::<&Tensor>(&self.ws, None)?;
-        let y = reduce_from_parallel_region(&partial, &self.pg)?;
+        let y = if self.sequence_parallel {
+            reduce_scatter_to_sequence_parallel_region(&partial, &self.pg)?
+        } else {
+            reduce_from_parallel_region(&partial, &self.pg)?
+        };
         match &self.bs {
             Some(b) => Ok(y.f_add(b)?),
             None => Ok(y),

@@ -40,3 +40,32 @@ pub fn gather_from_parallel_region(x: &Tensor, pg: &ProcessGroup) -> Result<Tens
 pub fn scatter_to_parallel_region(x: &Tensor, pg: &ProcessGroup) -> Result<Tensor> {
     op(3, "scatter_to_parallel_region", x, pg)
 }
+
+/// Sequence parallelism's entry to a tensor-parallel region (Megatron's): all_gather along the sequence
+/// (dimension 0 of `[s / t, b, h]`) forward; reduce-scatter of the gradient along it backward.
+pub fn gather_from_sequence_parallel_region(x: &Tensor, pg: &ProcessGroup) -> Result<Tensor> {
+    op(4, "gather_from_sequence_parallel_region", x, pg)
+}
+
+/// Sequence parallelism's exit from a tensor-parallel region: reduce-scatter along the sequence
+/// (the sum of the ranks' partial outputs, this rank's part of dimension 0) forward; all_gather backward.
+pub fn reduce_scatter_to_sequence_parallel_region(x: &Tensor, pg: &ProcessGroup) -> Result<Tensor> {
+    op(5, "reduce_scatter_to_sequence_parallel_region", x, pg)
+}
+
+/// This rank's part of the sequence (dimension 0) forward; all_gather of the gradient backward.
+pub fn scatter_to_sequence_parallel_region(x: &Tensor, pg: &ProcessGroup) -> Result<Tensor> {
+    op(6, "scatter_to_sequence_parallel_region", x, pg)
+}
+
+/// Sums, over the TP group, the gradients of parameters that sequence-parallel regions use whole
+/// (LayerNorm's weight and bias, a row-parallel layer's bias): each rank's gradient covers only its part of
+/// the sequence. Call after backward, before clipping and the optimizer (Megatron's
+/// `allreduce_sequence_parallel_gradients`). Parameters without a gradient are skipped.
+pub fn allreduce_sequence_parallel_grads(params: &[Tensor], pg: &ProcessGroup) -> Result<()> {
+    for g in crate::optim::grads_of(params) {
+        let mut g = g;
+        pg.allreduce(&mut g, crate::group::ReduceOp::Sum)?;
+    }
+    Ok(())
+}
