@@ -24,8 +24,15 @@ struct Args {
     report_at: usize,
 }
 
-/// Resident set size of this process, from /proc.
+/// Resident set size of this process, from /proc, after handing free heap pages back to the system:
+/// glibc keeps freed memory in per-thread arenas and returns it when it pleases, which moved the
+/// pipeline's RSS by ±2-4% between readings with nothing leaking; trimmed, RSS follows live memory.
 fn rss() -> u64 {
+    #[cfg(target_env = "gnu")]
+    // SAFETY: malloc_trim has no preconditions; it only releases free memory.
+    unsafe {
+        libc::malloc_trim(0);
+    }
     let statm = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();
     let pages: u64 = statm.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
     // SAFETY: sysconf has no preconditions.
