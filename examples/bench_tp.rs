@@ -1,6 +1,7 @@
 //! One rank of the tensor-parallel benchmark (scripts/bench-tp.sh runs it with WORLD_SIZE 1 and 2):
 //! Megatron MLP d=1024, h=8192, batch 64, SGD. Rank 0 prints
-//! `tp <size> param_bytes <per-rank bytes of parameters> step <median seconds>`.
+//! `tp <size> param_bytes <per-rank bytes of parameters> step <median seconds> peak <peak bytes>`
+//! (scripts/bench_tp.py prints the same for PyTorch's DTensor TP).
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -37,7 +38,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     times.sort_by(|a, b| a.total_cmp(b));
     if pg.rank() == 0 {
-        println!("tp {} param_bytes {param_bytes} step {:.6}", pg.size(), times[times.len() / 2]);
+        let peak = memory::peak(Device::Cpu)?;
+        println!("tp {} param_bytes {param_bytes} step {:.6} peak {peak}", pg.size(), times[times.len() / 2]);
     }
     Ok(())
 }

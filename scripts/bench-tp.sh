@@ -1,21 +1,48 @@
 #!/usr/bin/env bash
 # Tensor-parallel benchmark: Megatron MLP (d=1024, h=8192: 16.8M parameters), batch 64, SGD, one thread
-# per rank, at TP size 1 and 2 in the same run. Parameter bytes per rank come from the memory module.
+# per rank: ours at TP 1 and 2, and PyTorch's DTensor TP (parallelize_module with ColwiseParallel /
+# RowwiseParallel, scripts/bench_tp.py) at TP 2, alternating, ROUNDS times (default 3), in the same run.
+# Memory: parameter bytes per rank, and the peak of tch-dist's counting allocator (PyTorch loads the same
+# one through ctypes). Step: the median of 8 steps, median over rounds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 source scripts/env.sh
 cargo build -q --release --example bench_tp --bin tchrun
+export TCH_DIST_MEMORY_LIB=$PWD/target/release/libtch_dist_memory.so
 bin=target/release/examples/bench_tp
-one=$(ranks 1 $bin)
-two=$(ranks 2 $bin)
-python3 - "$one" "$two" <<'PY'
+ROUNDS=${ROUNDS:-3}
+out=$(mktemp -d)
+trap 'rm -rf "$out"' EXIT
+for r in $(seq "$ROUNDS"); do
+  echo "round $r/$ROUNDS" >&2
+  ranks 1 $bin >>"$out/ours1"
+  ranks 2 $bin >>"$out/ours2"
+  ranks 2 "$TCH_DIST_PYTHON_BIN" scripts/bench_tp.py >>"$out/torch2"
+done
+"$TCH_DIST_PYTHON_BIN" - "$out" <<'PY'
+import statistics
 import sys
-rows = [l.split() for l in sys.argv[1:]]
-base_b, base_t = int(rows[0][3]), float(rows[0][5])
-print("| TP size | parameter MB per rank | vs TP 1 | step (s) | vs TP 1 |")
-print("|---:|---:|---:|---:|---:|")
-for r in rows:
-    b, t = int(r[3]), float(r[5])
-    print(f"| {r[1]} | {b / 1e6:.1f} | {b / base_b:.3f} | {t:.4f} | {t / base_t:.2f} |")
+
+out = sys.argv[1]
+
+
+def load(name):
+    rows = [l.split() for l in open(f"{out}/{name}") if l.strip()]
+    # "tp N param_bytes B step S peak P"
+    return (int(rows[0][1]), int(rows[0][3]), statistics.median(float(r[5]) for r in rows),
+            max(int(r[7]) for r in rows), len(rows))
+
+
+R = {n: load(n) for n in ("ours1", "ours2", "torch2")}
+print(f"Megatron MLP d=1024, h=8192, batch 64, SGD; {R['ours2'][4]} rounds\n")
+print("| run | TP size | parameter MB per rank | peak MB per rank | step (s) |")
+print("|---|---:|---:|---:|---:|")
+for n, label in (("ours1", "tch-dist"), ("ours2", "tch-dist"), ("torch2", "PyTorch DTensor TP")):
+    tp, b, t, peak, _ = R[n]
+    print(f"| {label} | {tp} | {b / 1e6:.1f} | {peak / 1e6:.1f} | {t:.4f} |")
+o, p = R["ours2"], R["torch2"]
+print(f"\nTP 2, ours / PyTorch DTensor: parameters {o[1] / p[1]:.3f}, peak {o[3] / p[3]:.3f} (goal <= 1), "
+      f"step {o[2] / p[2]:.2f} (goal <= 1); ours TP 2 / TP 1: step {o[2] / R['ours1'][2]:.2f}, "
+      f"parameters {o[1] / R['ours1'][1]:.3f}")
 PY
