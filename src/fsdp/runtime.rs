@@ -276,15 +276,23 @@ impl Runtime {
 
     /// One parameter of unit `u` has its gradient (called from its accumulator's hook).
     pub fn grad_arrived(self: &Arc<Self>, u: usize) {
-        let r = self.ensure_end_callback().and_then(|()| {
-            {
-                let mut st = self.lock();
-                if !st.sync {
-                    return Ok(());
-                }
+        // one lock per gradient on this hot path: the end-of-backward flag (normally set by the root's
+        // marker already) and the arrival count together
+        let (queue, sync) = {
+            let mut st = self.lock();
+            let queue = !st.in_backward;
+            st.in_backward = true;
+            if st.sync {
                 st.units[u].arrived += 1;
             }
-            self.reduce_ready(false)
+            (queue, st.sync)
+        };
+        let r = if queue { self.queue_end_callback() } else { Ok(()) }.and_then(|()| {
+            if sync {
+                self.reduce_ready(false)
+            } else {
+                Ok(())
+            }
         });
         if let Err(e) = r {
             self.record(e.to_string());
@@ -306,6 +314,11 @@ impl Runtime {
             }
             st.in_backward = true;
         }
+        self.queue_end_callback()
+    }
+
+    /// Queues the end-of-backward step in the running backward (the caller has set `in_backward`).
+    fn queue_end_callback(self: &Arc<Self>) -> Result<()> {
         let weak: Weak<Runtime> = Arc::downgrade(self);
         hooks::queue_backward_callback(move || match weak.upgrade() {
             Some(rt) => rt.end_backward().map_err(|e| e.to_string()),
