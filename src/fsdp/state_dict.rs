@@ -158,3 +158,40 @@ impl<M> FullyShardedDataParallel<M> {
         Ok(())
     }
 }
+
+impl crate::checkpoint::StateDict<'_> {
+    /// `fsdp`'s parameters for a sharded checkpoint: this rank's shard of each (`{prefix}.{name}`, the
+    /// flat slice it owns; an optimizer built over [`FullyShardedDataParallel::parameters`] follows it),
+    /// and the buffers, whole. Reshards gathered units first.
+    pub fn fsdp<M>(&mut self, prefix: &str, fsdp: &FullyShardedDataParallel<M>) -> Result<&mut Self> {
+        fsdp.reshard()?;
+        let rank = fsdp.rt.pg.rank() as i64;
+        fsdp.rt.for_each(|_, _, fp| {
+            for s in &fp.slots {
+                self.flat_shard(
+                    format!("{prefix}.{}", s.name),
+                    Some(s.name.clone()),
+                    &s.shape,
+                    rank * s.chunk,
+                    &s.shard,
+                )?;
+            }
+            Ok(())
+        })?;
+        let vars = fsdp.vars.lock().unwrap_or_else(|e| e.into_inner());
+        let trainable: Vec<&Tensor> = vars.trainable_variables.iter().map(|v| &v.tensor).collect();
+        let mut buffers: Vec<(&String, &Tensor)> = vars
+            .named_variables
+            .iter()
+            .filter(|(_, t)| t.numel() > 0 && !trainable.iter().any(|p| p.data_ptr() == t.data_ptr()))
+            .collect();
+        buffers.sort_by(|a, b| a.0.cmp(b.0));
+        for (name, t) in buffers {
+            if !fsdp.rt.for_each(|_, _, fp| Ok(fp.slots.iter().any(|s| &s.name == name)))?.contains(&true) {
+                self.tensor(&format!("{prefix}.{name}"), t);
+            }
+        }
+        self.describe("zero_stage", 3);
+        Ok(self)
+    }
+}

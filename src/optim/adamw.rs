@@ -137,6 +137,10 @@ impl Optimizer for AdamW {
         super::memory_of(&self.state_dict(), &self.params)
     }
 
+    fn state_slots(&self) -> Vec<super::StateSlot> {
+        super::whole_slots("adamw", &self.params)
+    }
+
     fn load_state_dict(&mut self, state: &[(String, Tensor)]) -> Result<()> {
         for i in 0..self.params.len() {
             let p = &self.params[i];

@@ -96,6 +96,10 @@ impl Optimizer for Sgd {
         super::memory_of(&self.state_dict(), &self.params)
     }
 
+    fn state_slots(&self) -> Vec<super::StateSlot> {
+        super::whole_slots("sgd", &self.params)
+    }
+
     fn load_state_dict(&mut self, state: &[(String, Tensor)]) -> Result<()> {
         for (i, p) in self.params.iter().enumerate() {
             let key = format!("sgd.{i}.momentum_buffer");

@@ -38,6 +38,14 @@ pub struct ColumnParallelLinear {
 }
 
 impl ColumnParallelLinear {
+    pub(crate) fn tp_rank(&self) -> i64 {
+        self.pg.rank() as i64
+    }
+
+    pub(crate) fn tp_size(&self) -> i64 {
+        self.pg.size() as i64
+    }
+
     /// This rank's slice of `weight` (`[out, in]`) and `bias` (`[out]`), as variables under `path`.
     pub fn from_full(
         path: &nn::Path,
@@ -102,6 +110,14 @@ pub struct RowParallelLinear {
 }
 
 impl RowParallelLinear {
+    pub(crate) fn tp_rank(&self) -> i64 {
+        self.pg.rank() as i64
+    }
+
+    pub(crate) fn tp_size(&self) -> i64 {
+        self.pg.size() as i64
+    }
+
     pub fn from_full(
         path: &nn::Path,
         weight: &Tensor,

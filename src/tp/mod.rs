@@ -30,6 +30,7 @@ pub mod attention;
 pub mod groups;
 pub mod layers;
 pub mod ops;
+mod shards;
 pub mod vocab;
 
 pub use attention::ParallelAttention;

@@ -51,6 +51,10 @@ impl VocabParallelEmbedding {
         Ok(VocabParallelEmbedding { ws, start, end, pg })
     }
 
+    pub(crate) fn tp_size(&self) -> i64 {
+        self.pg.size() as i64
+    }
+
     /// The token ids this rank holds rows for: `[start, end)`.
     pub fn vocab_range(&self) -> (i64, i64) {
         (self.start, self.end)

@@ -254,6 +254,40 @@ impl Optimizer for ShardedOptimizer {
         Ok(())
     }
 
+    /// Each shard's inner slots, keyed under `zero.{bucket}.`: the parameter slices of this rank's part of
+    /// the bucket, and the bucket's first parameter as the anchor of per-tensor state.
+    fn state_slots(&self) -> Vec<super::StateSlot> {
+        let rank = self.pg.rank() as i64;
+        let mut out = Vec::new();
+        for (b, sh) in self.shards.iter().enumerate() {
+            let (lo, hi) = (rank * sh.params.len, rank * sh.params.len + sh.params.own);
+            for inner in sh.opt.state_slots() {
+                let segments = sh
+                    .members
+                    .iter()
+                    .filter_map(|(i, off, shape)| {
+                        let n: i64 = shape.iter().product();
+                        let (s, e) = (lo.max(*off), hi.min(off + n));
+                        (e > s).then(|| super::Segment {
+                            param: self.params[*i].shallow_clone(),
+                            start: s - off,
+                            len: e - s,
+                            at: s - lo,
+                        })
+                    })
+                    .collect();
+                out.push(super::StateSlot {
+                    prefix: format!("zero.{b}.{}", inner.prefix),
+                    master_key: sh.master.then(|| format!("zero.{b}.master")),
+                    stepped: sh.stepped.shallow_clone(),
+                    segments,
+                    anchor: sh.members.first().map(|m| self.params[m.0].shallow_clone()),
+                });
+            }
+        }
+        out
+    }
+
     fn memory(&self) -> OptimizerMemory {
         let mut m = OptimizerMemory::default();
         for s in &self.shards {

@@ -1,8 +1,9 @@
-//! Checkpoints that lose nothing: rank 0 writes a safetensors file (readable by PyTorch's
+//! Single-file checkpoints: rank 0 writes a safetensors file (readable by PyTorch's
 //! `safetensors.torch.load_file`) to a temporary name, syncs it, and renames it over the old one, so a
 //! crash mid-write leaves the previous checkpoint intact; a checksum inside it catches a damaged file;
 //! every rank learns whether the write succeeded. Loading: rank 0 reads and checks, and broadcasts, so
-//! every rank resumes from the same values.
+//! every rank resumes from the same values. For models every rank holds whole; sharded state uses
+//! [`super::Checkpointer`].
 //!
 //! ```no_run
 //! # let (pg, vs) = (tch_dist::ProcessGroup::from_env()?, tch::nn::VarStore::new(tch::Device::Cpu));

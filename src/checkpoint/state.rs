@@ -1,0 +1,302 @@
+//! What a sharded checkpoint saves and loads: the live tensors of the model and the optimizers, each with
+//! its place in a global tensor, so that a checkpoint saved from one layout loads into another.
+//!
+//! Names are global and independent of the layout: `{prefix}.{variable}` for the model (`model.l1.weight`),
+//! `{prefix}.state.{variable}.{field}` for optimizer state (`optim.state.l1.weight.exp_avg`), as
+//! `torch.distributed.checkpoint` flattens `{"model": ..., "optim": ...}`.
+use std::collections::BTreeMap;
+
+use tch::{nn, Tensor};
+
+use super::region::{Bx, Region};
+use crate::error::{Error, Result};
+use crate::optim::{Optimizer, StateSlot};
+
+/// Where one local tensor lies in its global tensor: `tensor`, viewed as `local_shape`, is the box of
+/// the global tensor (`global_shape`) starting at `offsets`.
+#[derive(Debug)]
+pub struct TensorShard {
+    pub tensor: Tensor,
+    pub global_shape: Vec<i64>,
+    pub offsets: Vec<i64>,
+    pub local_shape: Vec<i64>,
+}
+
+impl TensorShard {
+    /// `tensor` is part `index` of `parts` equal slices of its global tensor along `dim`.
+    pub fn along(tensor: &Tensor, dim: usize, index: i64, parts: i64) -> TensorShard {
+        let local = tensor.size();
+        let mut global = local.clone();
+        let mut offsets = vec![0; local.len()];
+        if dim < local.len() {
+            global[dim] *= parts;
+            offsets[dim] = index * local[dim];
+        }
+        TensorShard { tensor: tensor.shallow_clone(), global_shape: global, offsets, local_shape: local }
+    }
+}
+
+/// Modules whose parameters are slices of larger tensors (tensor parallelism) say where each lies, so a
+/// checkpoint holds the global tensors and loads onto another tensor-parallel degree.
+pub trait Sharded {
+    fn shards(&self) -> Vec<TensorShard>;
+}
+
+/// One local tensor and its place.
+pub(crate) struct Item {
+    pub name: String,
+    /// The variable's name without the prefix, for a model variable (optimizer state is named after it).
+    pub param: Option<String>,
+    pub global: Vec<i64>,
+    pub region: Region,
+    pub local: Tensor,
+}
+
+impl Item {
+    /// The item's boxes, each with the local tensor's part that holds it (a view).
+    pub fn pieces(&self) -> Result<Vec<(Bx, Tensor)>> {
+        match &self.region {
+            Region::Box(b) => Ok(vec![(b.clone(), self.local.shallow_clone())]),
+            Region::Flat { .. } => {
+                let flat = self.local.f_reshape([-1])?;
+                self.region
+                    .boxes(&self.global)
+                    .into_iter()
+                    .map(|(b, at)| Ok((b.clone(), flat.f_narrow(0, at, b.volume())?.f_view(b.lengths.as_slice())?)))
+                    .collect()
+            }
+        }
+    }
+}
+
+/// The state a sharded checkpoint saves, or loads in place: tensors by global name with their place in
+/// the global tensor, and optimizers whose state follows their parameters.
+///
+/// ```no_run
+/// # let (vs, mut opt) = (tch::nn::VarStore::new(tch::Device::Cpu), tch_dist::optim::AdamW::new(vec![], 1e-3));
+/// use tch_dist::checkpoint::StateDict;
+/// let mut sd = StateDict::new();
+/// sd.var_store("model", &vs).optimizer("optim", &mut opt);
+/// # Ok::<(), tch_dist::Error>(())
+/// ```
+#[derive(Default)]
+pub struct StateDict<'a> {
+    pub(crate) items: Vec<Item>,
+    pub(crate) optimizers: Vec<(String, &'a mut dyn Optimizer)>,
+    pub(crate) layout: BTreeMap<String, i64>,
+}
+
+impl<'a> StateDict<'a> {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Every variable of `vs` (parameters and buffers), whole, as `{prefix}.{name}`: a model as a single
+    /// process, DDP, ZeRO-1/2 or a pipeline stage holds it. Mark tensor-parallel slices with
+    /// [`sharded`](Self::sharded).
+    pub fn var_store(&mut self, prefix: &str, vs: &nn::VarStore) -> &mut Self {
+        let mut vars: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+        vars.sort_by(|a, b| a.0.cmp(&b.0));
+        for (name, t) in vars {
+            self.items.push(Item {
+                name: format!("{prefix}.{name}"),
+                param: Some(name),
+                global: t.size(),
+                region: Region::Box(Bx::whole(&t.size())),
+                local: t,
+            });
+        }
+        self
+    }
+
+    /// A tensor held whole by every rank that adds it.
+    pub fn tensor(&mut self, name: &str, t: &Tensor) -> &mut Self {
+        self.items.push(Item {
+            name: name.to_string(),
+            param: None,
+            global: t.size(),
+            region: Region::Box(Bx::whole(&t.size())),
+            local: t.shallow_clone(),
+        });
+        self
+    }
+
+    /// `t` is the box of the global tensor `name` (of `global_shape`) at `offsets`.
+    pub fn shard(&mut self, name: &str, global_shape: &[i64], offsets: &[i64], t: &Tensor) -> Result<&mut Self> {
+        let bx = Bx { offsets: offsets.to_vec(), lengths: t.size() };
+        if !bx.fits(global_shape) {
+            return Err(Error::invalid(
+                "StateDict::shard",
+                format!("{name}: a {:?} tensor at {offsets:?} does not fit in {global_shape:?}", t.size()),
+            ));
+        }
+        self.items.push(Item {
+            name: name.to_string(),
+            param: None,
+            global: global_shape.to_vec(),
+            region: Region::Box(bx),
+            local: t.shallow_clone(),
+        });
+        Ok(self)
+    }
+
+    /// `t` (flat) is elements `start..start + t.numel()` of the row-major flattening of the global tensor
+    /// `name` (ZeRO's and FSDP's shards). `param`: the variable it shards, for optimizer state.
+    pub(crate) fn flat_shard(
+        &mut self,
+        name: String,
+        param: Option<String>,
+        global_shape: &[i64],
+        start: i64,
+        t: &Tensor,
+    ) -> Result<&mut Self> {
+        let (len, total) = (t.numel() as i64, global_shape.iter().product::<i64>());
+        if start < 0 || start + len > total {
+            return Err(Error::invalid(
+                "StateDict",
+                format!("{name}: elements {start}..{} of a {global_shape:?} tensor", start + len),
+            ));
+        }
+        if len > 0 {
+            let region = Region::Flat { start, len };
+            self.items.push(Item { name, param, global: global_shape.to_vec(), region, local: t.shallow_clone() });
+        }
+        Ok(self)
+    }
+
+    /// Marks `module`'s tensor-parallel slices (added whole by [`var_store`](Self::var_store)) as the
+    /// parts of global tensors they are.
+    pub fn sharded(&mut self, module: &dyn Sharded) -> Result<&mut Self> {
+        for s in module.shards() {
+            let item =
+                self.items.iter_mut().find(|i| i.param.is_some() && same(&i.local, &s.tensor)).ok_or_else(|| {
+                    Error::invalid(
+                        "StateDict::sharded",
+                        format!(
+                            "a {:?} slice is not among the state's tensors: add its VarStore first",
+                            s.tensor.size()
+                        ),
+                    )
+                })?;
+            let bx = Bx { offsets: s.offsets.clone(), lengths: s.local_shape.clone() };
+            if !bx.fits(&s.global_shape) || bx.volume() != s.tensor.numel() as i64 {
+                return Err(Error::invalid(
+                    "StateDict::sharded",
+                    format!("{}: a {:?} slice at {:?} of {:?}", item.name, s.local_shape, s.offsets, s.global_shape),
+                ));
+            }
+            item.local = s.tensor.f_view(s.local_shape.as_slice())?;
+            item.global = s.global_shape;
+            item.region = Region::Box(bx);
+        }
+        Ok(self)
+    }
+
+    /// `opt`'s state, named after the parameters it steps as `{prefix}.state.{variable}.{field}` (the
+    /// parameters must be in this state dict: add the model first). Loading fills it in the layout `opt`
+    /// has now, whatever the layout it was saved from.
+    pub fn optimizer(&mut self, prefix: &str, opt: &'a mut dyn Optimizer) -> &mut Self {
+        self.optimizers.push((prefix.to_string(), opt));
+        self
+    }
+
+    /// Records a fact about the layout in the checkpoint's metadata (`zero_stage`, `tp`, `pp`, ...).
+    pub fn describe(&mut self, key: &str, value: i64) -> &mut Self {
+        self.layout.insert(key.to_string(), value);
+        self
+    }
+
+    /// The model item of an optimizer's parameter.
+    pub(crate) fn param_item(&self, opt: &str, p: &Tensor) -> Result<&Item> {
+        self.items.iter().find(|i| i.param.is_some() && same(&i.local, p)).ok_or_else(|| {
+            Error::invalid(
+                format!("checkpoint: optimizer {opt:?}"),
+                format!("a {:?} parameter it steps is not in the state dict: add the model's tensors first", p.size()),
+            )
+        })
+    }
+
+    /// The optimizers' state as items (for saving).
+    pub(crate) fn optimizer_items(&self) -> Result<Vec<Item>> {
+        let mut out = Vec::new();
+        for (prefix, opt) in &self.optimizers {
+            let state = opt.state_dict();
+            let slots = opt.state_slots();
+            if slots.is_empty() && !state.is_empty() {
+                return Err(Error::invalid(
+                    format!("checkpoint: optimizer {prefix:?}"),
+                    "it does not say how its state maps onto parameters (Optimizer::state_slots)",
+                ));
+            }
+            for slot in &slots {
+                for (key, t) in &state {
+                    let Some(field) = field_of(slot, key) else { continue };
+                    if elementwise(slot, t) {
+                        let flat = t.f_contiguous()?.f_reshape([-1])?;
+                        for seg in slot.segments.iter().filter(|s| s.len > 0) {
+                            let item = self.param_item(prefix, &seg.param)?;
+                            let region = item.region.part(&item.global, seg.start, seg.len).ok_or_else(|| {
+                                Error::invalid(
+                                    format!("checkpoint: optimizer {prefix:?}"),
+                                    format!("{}: part of a tensor-parallel slice is not supported", item.name),
+                                )
+                            })?;
+                            let mut local = flat.f_narrow(0, seg.at, seg.len)?;
+                            if let Region::Box(b) = &region {
+                                local = local.f_view(b.lengths.as_slice())?;
+                            }
+                            let name = state_name(prefix, item, field);
+                            out.push(Item { name, param: None, global: item.global.clone(), region, local });
+                        }
+                    } else {
+                        for p in owners(slot) {
+                            let item = self.param_item(prefix, &p)?;
+                            let name = state_name(prefix, item, field);
+                            out.push(Item {
+                                name,
+                                param: None,
+                                global: t.size(),
+                                region: Region::Box(Bx::whole(&t.size())),
+                                local: t.shallow_clone(),
+                            });
+                        }
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// Whether two handles are the same parameter (tensors of one storage at one place and size).
+pub(crate) fn same(a: &Tensor, b: &Tensor) -> bool {
+    a.numel() > 0 && a.numel() == b.numel() && a.data_ptr() == b.data_ptr()
+}
+
+/// The field a state key of `slot` holds (`exp_avg`, `master`), if it is one of its keys.
+pub(crate) fn field_of<'k>(slot: &StateSlot, key: &'k str) -> Option<&'k str> {
+    if slot.master_key.as_deref() == Some(key) {
+        return Some("master");
+    }
+    key.strip_prefix(slot.prefix.as_str()).filter(|f| !f.contains('.') && !f.is_empty())
+}
+
+/// Elementwise state (moments, momentum, master weights) has the stepped tensor's shape and dtype;
+/// anything else (a step count) belongs to the tensor as a whole.
+pub(crate) fn elementwise(slot: &StateSlot, t: &Tensor) -> bool {
+    t.kind() == slot.stepped.kind() && t.size() == slot.stepped.size()
+}
+
+/// The parameters whose per-tensor state a slot holds: those it has a part of, or its anchor.
+pub(crate) fn owners(slot: &StateSlot) -> Vec<Tensor> {
+    let v: Vec<Tensor> = slot.segments.iter().filter(|s| s.len > 0).map(|s| s.param.shallow_clone()).collect();
+    if v.is_empty() {
+        slot.anchor.iter().map(|a| a.shallow_clone()).collect()
+    } else {
+        v
+    }
+}
+
+pub(crate) fn state_name(prefix: &str, param: &Item, field: &str) -> String {
+    format!("{prefix}.state.{}.{field}", param.param.as_deref().unwrap_or(&param.name))
+}
