@@ -398,3 +398,43 @@ fn tp2_dp2_to_tp1_dp3() {
 fn pipeline_of_2_stages_to_unsplit() {
     reshard(Layout::Pipe, 2, Layout::PipePlain, 1, Layout::PipePlain);
 }
+
+/// PyTorch reads what ZeRO-3 on 2 ranks saved (through `scripts/ckpt_to_torch.py`), loads it into a
+/// torch module and `torch.optim.AdamW`, and its next step equals the one tch-dist took.
+#[test]
+fn pytorch_loads_a_sharded_checkpoint_and_continues_alike() {
+    let tmp = std::env::temp_dir().join(format!("tch-dist-to-torch-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    let (a, b) = (tmp.join("a"), tmp.join("b"));
+    phase(Layout::Zero3, 2, None, None, 0..3, a.clone());
+    phase(Layout::Zero3, 2, Some(a.clone()), None, 3..4, b.clone());
+    let root = env!("CARGO_MANIFEST_DIR");
+    let out = std::process::Command::new(common::python())
+        .arg(format!("{root}/tests/py/ckpt_torch_check.py"))
+        .arg(checkpoint::step_dir(&a, 3))
+        .arg(checkpoint::step_dir(&b, 4))
+        .args([D.to_string(), H.to_string(), BATCH.to_string(), LR.to_string()])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    eprintln!("PyTorch's step from our checkpoint vs ours: {v}");
+    assert_eq!(v["parameters"], 4);
+    assert!(v["max_diff"].as_f64().unwrap() < TOL, "{v}");
+    // the command-line form: one safetensors file of the model, as a module's state_dict names it
+    let file = tmp.join("model.safetensors");
+    let cli = std::process::Command::new(common::python())
+        .arg(format!("{root}/scripts/ckpt_to_torch.py"))
+        .arg(checkpoint::step_dir(&b, 4))
+        .arg("--out")
+        .arg(&file)
+        .output()
+        .unwrap();
+    assert!(cli.status.success(), "{}", String::from_utf8_lossy(&cli.stderr));
+    let mut written = Tensor::read_safetensors(&file).unwrap();
+    written.sort_by(|x, y| x.0.cmp(&y.0));
+    let model: Vec<(String, Tensor)> =
+        full(&b).1.into_iter().filter_map(|(n, t)| n.strip_prefix("model.").map(|n| (n.to_string(), t))).collect();
+    assert_eq!(max_diff(&written, &model), 0.0);
+    let _ = std::fs::remove_dir_all(&tmp);
+}
