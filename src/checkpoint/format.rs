@@ -255,6 +255,33 @@ pub(crate) fn read_rows(
     Ok(data.f_view(shape.as_slice())?)
 }
 
+/// Reads a whole stored chunk straight into `dst` and checks it, when `dst` can take its bytes as they
+/// are (contiguous on the CPU, of the stored size). Returns false, having done nothing, when not.
+pub(crate) fn read_into(f: &File, file: &str, name: &str, c: &ChunkMeta, kind: Kind, dst: &Tensor) -> Result<bool> {
+    let n = (dst.numel() * dst.kind().elt_size_in_bytes()) as u64;
+    if dst.kind() != kind || dst.device() != tch::Device::Cpu || !dst.is_contiguous() || n != c.end - c.begin || n == 0
+    {
+        return Ok(false);
+    }
+    // SAFETY: `dst` is a contiguous CPU tensor of exactly n bytes at data_ptr; loading writes the state
+    // dict's tensors in place by contract, while no other code uses them (loading is collective and
+    // synchronous); the slice lives only for this read.
+    let bytes = unsafe { std::slice::from_raw_parts_mut(dst.data_ptr() as *mut u8, n as usize) };
+    let what = || format!("checkpoint file {file}");
+    f.read_exact_at(bytes, c.begin)
+        .map_err(|e| Error::invalid(what(), format!("{name}: cannot read bytes {}..{}: {e}", c.begin, c.end)))?;
+    for (k, block) in bytes.chunks(BLOCK as usize).enumerate() {
+        if c.block_crc32.get(k).copied() != Some(crc32fast::hash(block)) {
+            let at = c.begin + k as u64 * BLOCK;
+            return Err(Error::mismatch(
+                what(),
+                format!("{name}: bytes {at}..{} fail their checksum: the file is damaged", at + block.len() as u64),
+            ));
+        }
+    }
+    Ok(true)
+}
+
 /// Reads and checks a checkpoint directory's metadata.
 pub(crate) fn read_metadata(dir: &Path) -> Result<Metadata> {
     let path = dir.join(METADATA);

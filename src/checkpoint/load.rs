@@ -74,6 +74,8 @@ pub fn load_dir(dir: &Path, sd: &mut StateDict) -> Result<LoadedInfo> {
     // the optimizers' state: built in each optimizer's layout, then loaded by it
     let mut states: Vec<Vec<(String, Tensor)>> = Vec::new();
     for (prefix, opt) in &sd.optimizers {
+        // elementwise state the optimizer has already is loaded in place
+        let live = opt.state_dict();
         let mut state = Vec::new();
         for slot in opt.state_slots() {
             let Some(anchor) = owners(&slot).into_iter().next() else { continue };
@@ -105,8 +107,20 @@ pub fn load_dir(dir: &Path, sd: &mut StateDict) -> Result<LoadedInfo> {
                 );
                 if is_float && saved.shape == anchor.global {
                     // elementwise: the stepped tensor's layout, piece by piece
-                    let local =
-                        Tensor::f_zeros(slot.stepped.size().as_slice(), (slot.stepped.kind(), slot.stepped.device()))?;
+                    let current = live.iter().find(|(k, _)| *k == key).map(|(_, t)| t);
+                    let local = match current {
+                        Some(t)
+                            if t.size() == slot.stepped.size()
+                                && t.kind() == slot.stepped.kind()
+                                && t.is_contiguous() =>
+                        {
+                            t.shallow_clone()
+                        }
+                        _ => Tensor::f_zeros(
+                            slot.stepped.size().as_slice(),
+                            (slot.stepped.kind(), slot.stepped.device()),
+                        )?,
+                    };
                     let flat = local.f_reshape([-1])?;
                     for seg in slot.segments.iter().filter(|s| s.len > 0) {
                         let item = sd.param_item(prefix, &seg.param)?;
@@ -212,6 +226,10 @@ impl Reader<'_> {
                     _ => (0, 1),
                 };
                 let (f, fname) = self.file(c.file)?;
+                if common == c.bx() && common == bx && format::read_into(f, &fname, &t.source, c, kind, &dst)? {
+                    covered += common.volume();
+                    continue;
+                }
                 let mut src = format::read_rows(f, &fname, &t.source, c, kind, r0, r1)?;
                 let mut d = dst.shallow_clone();
                 for dim in 0..common.lengths.len() {

@@ -147,8 +147,10 @@ impl Optimizer for AdamW {
             let key = format!("adamw.{i}.step");
             if let Some((_, s)) = state.iter().find(|(n, _)| *n == key) {
                 self.step[i] = s.f_int64_value(&[0])?;
-                self.exp_avg[i] = Some(find(state, &format!("adamw.{i}.exp_avg"), p)?.f_detach_copy()?);
-                self.exp_avg_sq[i] = Some(find(state, &format!("adamw.{i}.exp_avg_sq"), p)?.f_detach_copy()?);
+                let m = find(state, &format!("adamw.{i}.exp_avg"), p)?;
+                let v = find(state, &format!("adamw.{i}.exp_avg_sq"), p)?;
+                self.exp_avg[i] = Some(super::restore(self.exp_avg[i].as_ref(), m)?);
+                self.exp_avg_sq[i] = Some(super::restore(self.exp_avg_sq[i].as_ref(), v)?);
             } else {
                 self.step[i] = 0;
                 self.exp_avg[i] = None;

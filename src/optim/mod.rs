@@ -119,6 +119,22 @@ pub(crate) fn memory_of(state: &[(String, Tensor)], params: &[Tensor]) -> Optimi
     }
 }
 
+/// The restored value of a state tensor: `saved` copied into the `current` tensor when it has the same
+/// shape and dtype (nothing to copy when it is `saved` itself, as a checkpoint loaded in place leaves
+/// it), else a copy of its own.
+pub(crate) fn restore(current: Option<&Tensor>, saved: &Tensor) -> Result<Tensor> {
+    match current {
+        Some(c) if c.size() == saved.size() && c.kind() == saved.kind() => {
+            if c.data_ptr() != saved.data_ptr() || c.numel() == 0 {
+                let _g = tch::no_grad_guard();
+                c.shallow_clone().f_copy_(saved)?;
+            }
+            Ok(c.shallow_clone())
+        }
+        _ => Ok(saved.f_detach_copy()?),
+    }
+}
+
 pub(crate) fn find<'a>(state: &'a [(String, Tensor)], key: &str, like: &Tensor) -> Result<&'a Tensor> {
     let t = state
         .iter()

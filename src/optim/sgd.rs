@@ -103,8 +103,11 @@ impl Optimizer for Sgd {
     fn load_state_dict(&mut self, state: &[(String, Tensor)]) -> Result<()> {
         for (i, p) in self.params.iter().enumerate() {
             let key = format!("sgd.{i}.momentum_buffer");
-            self.buffers[i] =
-                if state.iter().any(|(n, _)| *n == key) { Some(find(state, &key, p)?.f_detach_copy()?) } else { None };
+            self.buffers[i] = if state.iter().any(|(n, _)| *n == key) {
+                Some(super::restore(self.buffers[i].as_ref(), find(state, &key, p)?)?)
+            } else {
+                None
+            };
         }
         Ok(())
     }

@@ -243,7 +243,9 @@ impl Optimizer for ShardedOptimizer {
             let prefix = format!("zero.{b}.");
             if sh.master {
                 let saved = super::find(state, &format!("{prefix}master"), &sh.stepped)?;
-                sh.stepped.detach().f_copy_(saved)?;
+                if saved.data_ptr() != sh.stepped.data_ptr() {
+                    sh.stepped.detach().f_copy_(saved)?;
+                }
             }
             let mine: Vec<(String, Tensor)> = state
                 .iter()
