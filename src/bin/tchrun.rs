@@ -2,6 +2,11 @@
 //!
 //!   tchrun --standalone --nproc-per-node 2 -- ./target/release/examples/train_ddp --epochs 5
 //!   tchrun --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --master-port 29500 --nproc-per-node 4 -- prog
+//!   tchrun --nnodes 2:4 --rdzv-endpoint 10.0.0.1:29400 --nproc-per-node 4 --max-restarts 3 -- prog
+//!
+//! The last form is elastic (torchrun's c10d rendezvous): run it on every node; nodes form rounds of
+//! 2 to 4 through the store at the endpoint, and when a worker or a node fails, or a node joins, all
+//! restart together as the next round.
 //!
 //! Each worker gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR,
 //! MASTER_PORT, TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS and TORCHELASTIC_RUN_ID, and
@@ -27,12 +32,27 @@ struct Cli {
     /// Workers on this node.
     #[arg(long, default_value_t = 1)]
     nproc_per_node: usize,
-    /// Number of nodes (machines, or launchers on one machine).
-    #[arg(long, default_value_t = 1)]
-    nnodes: usize,
-    /// This node's index, 0..nnodes.
+    /// Number of nodes (machines, or launchers on one machine): N, or MIN:MAX with --rdzv-endpoint.
+    #[arg(long, default_value = "1")]
+    nnodes: String,
+    /// This node's index, 0..nnodes (without --rdzv-endpoint; the rendezvous assigns it otherwise).
     #[arg(long, default_value_t = 0)]
     node_rank: usize,
+    /// Elastic: HOST:PORT of the rendezvous store (hosted by the first launcher that binds it).
+    #[arg(long, value_name = "HOST:PORT", conflicts_with_all = ["node_rank", "master_addr", "master_port"])]
+    rdzv_endpoint: Option<String>,
+    /// Elastic: seconds a round stays open for more nodes once MIN have joined.
+    #[arg(long, default_value_t = 5.0)]
+    rdzv_last_call: f64,
+    /// Elastic: seconds to wait for a round to form (then fail).
+    #[arg(long, default_value_t = 900.0)]
+    rdzv_timeout: f64,
+    /// Elastic: seconds without a heartbeat after which a node is taken as lost.
+    #[arg(long, default_value_t = 15.0)]
+    rdzv_heartbeat_timeout: f64,
+    /// Elastic: the address this node's workers are reached at (default: the route to the endpoint).
+    #[arg(long)]
+    local_addr: Option<String>,
     /// Address of rank 0's node, where the TCPStore listens.
     #[arg(long, default_value = "127.0.0.1")]
     master_addr: String,
@@ -88,12 +108,41 @@ fn main() {
             }
         }
     }
-    let grace = match Duration::try_from_secs_f64(cli.grace_secs) {
-        Ok(g) => g,
+    let secs = |flag: &str, v: f64| match Duration::try_from_secs_f64(v) {
+        Ok(d) => d,
         Err(_) => {
-            eprintln!("tchrun: --grace-secs {} is not a number of seconds from 0 up", cli.grace_secs);
+            eprintln!("tchrun: --{flag} {v} is not a number of seconds from 0 up");
             std::process::exit(2);
         }
+    };
+    let grace = secs("grace-secs", cli.grace_secs);
+    let (min_nodes, max_nodes) = launch::parse_nnodes(&cli.nnodes).unwrap_or_else(|e| {
+        eprintln!("{e}");
+        std::process::exit(2);
+    });
+    let elastic = match &cli.rdzv_endpoint {
+        Some(ep) => {
+            let Some((host, port)) = ep.rsplit_once(':').and_then(|(h, p)| p.parse::<u16>().ok().map(|p| (h, p)))
+            else {
+                eprintln!("tchrun: --rdzv-endpoint {ep:?} is not HOST:PORT");
+                std::process::exit(2);
+            };
+            Some(launch::ElasticConfig {
+                min_nodes,
+                max_nodes,
+                endpoint_host: host.to_string(),
+                endpoint_port: port,
+                last_call: secs("rdzv-last-call", cli.rdzv_last_call),
+                timeout: secs("rdzv-timeout", cli.rdzv_timeout),
+                heartbeat_timeout: secs("rdzv-heartbeat-timeout", cli.rdzv_heartbeat_timeout),
+                local_addr: cli.local_addr.clone(),
+            })
+        }
+        None if min_nodes != max_nodes => {
+            eprintln!("tchrun: --nnodes {} (MIN:MAX) needs --rdzv-endpoint", cli.nnodes);
+            std::process::exit(2);
+        }
+        None => None,
     };
     let trace_dir = cli
         .trace_dir
@@ -113,7 +162,7 @@ fn main() {
     };
     let cfg = LaunchConfig {
         nproc_per_node: cli.nproc_per_node,
-        nnodes: if cli.standalone { 1 } else { cli.nnodes },
+        nnodes: if cli.standalone { 1 } else { min_nodes },
         node_rank: if cli.standalone { 0 } else { cli.node_rank },
         master_addr,
         master_port,
@@ -126,6 +175,7 @@ fn main() {
         args: cli.command[1..].to_vec(),
         libtorch_dir: launch::libtorch_dir(),
         trace_dir: Some(trace_dir),
+        elastic,
     };
     match launch::run(&cfg) {
         Ok(code) => std::process::exit(code),

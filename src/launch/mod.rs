@@ -1,6 +1,12 @@
 //! The launcher behind `tchrun`: starts `nproc_per_node` workers with torchrun's environment, prefixes
 //! their output with their rank, and when one fails stops the others (SIGTERM, then SIGKILL after a grace
 //! period), reports which rank failed, how, and its last lines, and restarts the group if allowed.
+//! With a rendezvous endpoint ([`ElasticConfig`]) the nodes form their membership through a TCPStore and
+//! restart together ([`elastic`]).
+mod elastic;
+mod rendezvous;
+
+pub use elastic::{parse_nnodes, ElasticConfig};
 use std::collections::VecDeque;
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::process::{CommandExt, ExitStatusExt};
@@ -35,6 +41,9 @@ pub struct LaunchConfig {
     /// Where workers dump their flight recorders on failure (`TCH_DIST_TRACE_DIR`, one subdirectory per
     /// restart), read back after a failure to name the culprit. A `TCH_DIST_TRACE_DIR` of the caller wins.
     pub trace_dir: Option<PathBuf>,
+    /// Elastic membership through a rendezvous (`--rdzv-endpoint`); `nnodes` and `node_rank` are then
+    /// decided by each round.
+    pub elastic: Option<ElasticConfig>,
 }
 
 /// libtorch's lib directory: the one this crate was built against while it exists, else that of the
@@ -80,6 +89,9 @@ impl LaunchConfig {
         }
         if self.program.is_empty() {
             return bad("no program to run (tchrun [OPTIONS] -- PROGRAM [ARGS...])".into());
+        }
+        if let Some(e) = &self.elastic {
+            e.validate()?;
         }
         Ok(())
     }
@@ -197,6 +209,15 @@ fn spawn(cfg: &LaunchConfig, restart: usize) -> Result<Vec<Worker>> {
             .stderr(Stdio::piped())
             // its own process group, so stopping it reaches its children too
             .process_group(0);
+        // SAFETY: runs in the child between fork and exec, calling only prctl(2), which is
+        // async-signal-safe: the worker is killed if this launcher dies (even by SIGKILL), so no worker
+        // outlives its node's launcher.
+        unsafe {
+            c.pre_exec(|| {
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                Ok(())
+            });
+        }
         if let Some(dir) = &cfg.libtorch_dir {
             c.env("LD_LIBRARY_PATH", with_lib_dir(std::env::var_os("LD_LIBRARY_PATH"), dir));
         }
@@ -284,17 +305,37 @@ fn poll(workers: &mut [Worker]) {
 /// Outcome of one attempt.
 enum Attempt {
     Succeeded,
-    Failed { rank: usize, status: ExitStatus, tail: Vec<String>, exits: std::collections::BTreeMap<usize, String> },
+    Failed {
+        rank: usize,
+        status: ExitStatus,
+        tail: Vec<String>,
+        exits: std::collections::BTreeMap<usize, String>,
+    },
     Interrupted,
+    /// `watch` asked to stop (another node failed, membership changed), with its reason.
+    Stopped(String),
 }
 
-fn attempt(cfg: &LaunchConfig, restart: usize) -> Result<Attempt> {
+/// Runs one attempt of this node's workers; `watch`, called as the workers are polled, may stop them
+/// (returning the reason) or fail (the workers are stopped first).
+fn attempt(cfg: &LaunchConfig, restart: usize, watch: &mut dyn FnMut() -> Result<Option<String>>) -> Result<Attempt> {
     let mut workers = spawn(cfg, restart)?;
     let outcome = loop {
         poll(&mut workers);
         if INTERRUPTED.load(Ordering::SeqCst) {
             stop(&mut workers, cfg.grace);
             break Attempt::Interrupted;
+        }
+        match watch() {
+            Ok(None) => {}
+            Ok(Some(reason)) => {
+                stop(&mut workers, cfg.grace);
+                break Attempt::Stopped(reason);
+            }
+            Err(e) => {
+                stop(&mut workers, cfg.grace);
+                return Err(e);
+            }
         }
         // The first worker to fail is the cause; the others usually fail after it.
         if let Some(w) = workers.iter().find(|w| matches!(w.status, Some(s) if !s.success())) {
@@ -358,6 +399,9 @@ fn report_flight(cfg: &LaunchConfig, restart: usize, exits: &std::collections::B
 pub fn run(cfg: &LaunchConfig) -> Result<i32> {
     cfg.validate()?;
     install_signal_handlers();
+    if let Some(e) = &cfg.elastic {
+        return elastic::run(cfg, e);
+    }
     for restart in 0..=cfg.max_restarts {
         if restart > 0 {
             eprintln!(
@@ -365,25 +409,15 @@ pub fn run(cfg: &LaunchConfig) -> Result<i32> {
                 cfg.nproc_per_node, cfg.max_restarts
             );
         }
-        match attempt(cfg, restart)? {
+        match attempt(cfg, restart, &mut || Ok(None))? {
             Attempt::Succeeded => return Ok(0),
             Attempt::Interrupted => {
                 eprintln!("tchrun: interrupted; workers stopped");
                 return Ok(130);
             }
+            Attempt::Stopped(_) => return Ok(1),
             Attempt::Failed { rank, status, tail, exits } => {
-                eprintln!(
-                    "tchrun: rank {rank} (local rank {}) failed with {}; stopped the other workers",
-                    rank - cfg.node_rank * cfg.nproc_per_node,
-                    describe_status(&status)
-                );
-                if !tail.is_empty() {
-                    eprintln!("tchrun: last {} lines of rank {rank}:", tail.len());
-                    for l in &tail {
-                        eprintln!("tchrun:   {l}");
-                    }
-                }
-                report_flight(cfg, restart, &exits);
+                report_failure(cfg, restart, rank, &status, &tail, &exits);
                 if restart == cfg.max_restarts {
                     return Ok(1);
                 }
@@ -391,6 +425,29 @@ pub fn run(cfg: &LaunchConfig) -> Result<i32> {
         }
     }
     Ok(1)
+}
+
+/// What a failed attempt prints: the rank, how it ended, its last lines, the flight recorder's findings.
+fn report_failure(
+    cfg: &LaunchConfig,
+    restart: usize,
+    rank: usize,
+    status: &ExitStatus,
+    tail: &[String],
+    exits: &std::collections::BTreeMap<usize, String>,
+) {
+    eprintln!(
+        "tchrun: rank {rank} (local rank {}) failed with {}; stopped the other workers",
+        rank - cfg.node_rank * cfg.nproc_per_node,
+        describe_status(status)
+    );
+    if !tail.is_empty() {
+        eprintln!("tchrun: last {} lines of rank {rank}:", tail.len());
+        for l in tail {
+            eprintln!("tchrun:   {l}");
+        }
+    }
+    report_flight(cfg, restart, exits);
 }
 
 #[cfg(test)]
