@@ -2,7 +2,7 @@
 //! their output with their rank, and when one fails stops the others (SIGTERM, then SIGKILL after a grace
 //! period), reports which rank failed, how, and its last lines, and restarts the group if allowed.
 //! With a rendezvous endpoint ([`ElasticConfig`]) the nodes form their membership through a TCPStore and
-//! restart together ([`elastic`]).
+//! restart together (`tchrun --nnodes MIN:MAX --rdzv-endpoint HOST:PORT`, see docs/tchrun.md).
 mod elastic;
 mod rendezvous;
 
