@@ -13,6 +13,13 @@ use tch_dist::checkpoint;
 
 const STEPS: &str = "24";
 
+/// One job at a time: they time heartbeats, and this machine has two cores.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 fn tchrun() -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_tchrun"));
     c.env("TCH_DIST_TIMEOUT_SECS", "20").stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
@@ -101,6 +108,7 @@ fn max_diff(a: &[f32], b: &[f32]) -> f32 {
 
 #[test]
 fn a_killed_node_leaves_two_that_resume_from_the_checkpoint_and_finish() {
+    let _one = serial();
     let d = tmp("kill");
     let port = common::free_port();
     let a = node(port, "kill", &d, "a", "2");
@@ -131,6 +139,7 @@ fn a_killed_node_leaves_two_that_resume_from_the_checkpoint_and_finish() {
 
 #[test]
 fn a_node_arriving_late_joins_at_the_next_round_without_using_a_restart() {
+    let _one = serial();
     let d = tmp("join");
     let port = common::free_port();
     let a = node(port, "join", &d, "a", "0");
@@ -155,6 +164,7 @@ fn a_node_arriving_late_joins_at_the_next_round_without_using_a_restart() {
 
 #[test]
 fn fewer_than_min_nodes_is_an_error_after_the_timeout_not_a_hang() {
+    let _one = serial();
     let d = tmp("alone");
     let port = common::free_port();
     let mut c = tchrun();
@@ -167,5 +177,30 @@ fn fewer_than_min_nodes_is_an_error_after_the_timeout_not_a_hang() {
     assert_eq!(o.status.code(), Some(2), "{err}");
     assert!(err.contains("1 of at least 2 nodes joined round 0 within 3s"), "{err}");
     assert!(took < Duration::from_secs(20), "took {took:?}");
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+#[test]
+fn a_launcher_that_stops_heartbeating_is_taken_as_lost() {
+    let _one = serial();
+    let d = tmp("silent");
+    let port = common::free_port();
+    let a = node(port, "silent", &d, "a", "2");
+    std::thread::sleep(Duration::from_millis(500));
+    let b = node(port, "silent", &d, "b", "2");
+    let mut c = node(port, "silent", &d, "c", "2");
+    until_checkpoint(&d.join("ckpt"), 4);
+    // frozen, not dead: its worker's connections stay open, only the heartbeats stop
+    // SAFETY: kill(2) with a pid this test spawned and still holds.
+    unsafe { libc::kill(c.id() as i32, libc::SIGSTOP) };
+    let outs = common::wait_all(vec![a, b], Duration::from_secs(120));
+    let _ = c.kill();
+    let _ = c.wait();
+    for o in &outs {
+        assert!(o.status.success(), "{}", text(o));
+    }
+    let all: String = outs.iter().map(text).collect();
+    assert!(all.contains("lost (no heartbeat for 3s)"), "{all}");
+    assert!(resumed_at(&outs, 2) >= 4);
     let _ = std::fs::remove_dir_all(&d);
 }
