@@ -162,6 +162,16 @@ impl<'a> Watch<'a> {
     }
 }
 
+/// Leaves the job with `code` once it ended: the host keeps its store up until the round's nodes saw
+/// the end (each acknowledges), so none of them finds it gone.
+fn leave(rdzv: &Rendezvous, nodes: usize, code: i32) -> Result<i32> {
+    let _ = rdzv.ack_end();
+    if rdzv.hosting {
+        rdzv.await_acks(nodes, Duration::from_secs(30));
+    }
+    Ok(code)
+}
+
 pub(super) fn run(cfg: &LaunchConfig, e: &ElasticConfig) -> Result<i32> {
     e.validate()?;
     let rdzv = Arc::new(Rendezvous::connect(e, &cfg.run_id)?);
@@ -176,7 +186,7 @@ pub(super) fn run(cfg: &LaunchConfig, e: &ElasticConfig) -> Result<i32> {
             Ok(r) => r,
             Err(NoRound::JobEnded(why)) => {
                 eprintln!("tchrun: the job ended before this node could join ({why})");
-                return Ok(if why == "finished" { 0 } else { 1 });
+                return Ok(if why == "finished" { 0 } else { 1 }); // not a member: no one waits for it
             }
             Err(NoRound::Failed(err)) => return Err(err),
         };
@@ -227,7 +237,7 @@ pub(super) fn run(cfg: &LaunchConfig, e: &ElasticConfig) -> Result<i32> {
                 loop {
                     if rdzv.done(&round, 0)? >= round.nodes {
                         rdzv.end_job("finished")?;
-                        return Ok(0);
+                        return leave(&rdzv, round.nodes, 0);
                     }
                     if let Some(why) = watch.check()? {
                         eprintln!("tchrun: round {}: {why} after this node's workers finished", round.index);
@@ -238,7 +248,7 @@ pub(super) fn run(cfg: &LaunchConfig, e: &ElasticConfig) -> Result<i32> {
             }
         };
         if let Some(rest) = ended.strip_prefix("job ended: ") {
-            return Ok(if rest == "finished" { 0 } else { 1 });
+            return leave(&rdzv, round.nodes, if rest == "finished" { 0 } else { 1 });
         }
         if ended.starts_with("failure") {
             failures += 1;
@@ -246,7 +256,7 @@ pub(super) fn run(cfg: &LaunchConfig, e: &ElasticConfig) -> Result<i32> {
                 let why = format!("aborted after {failures} failure(s), --max-restarts {}: {ended}", cfg.max_restarts);
                 eprintln!("tchrun: {why}");
                 rdzv.end_job(&why)?;
-                return Ok(1);
+                return leave(&rdzv, round.nodes, 1);
             }
         }
         eprintln!("tchrun: forming round {next} ({} failure(s) of {} allowed so far)", failures, cfg.max_restarts);

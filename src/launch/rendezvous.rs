@@ -8,7 +8,8 @@
 //!
 //! Keys, under `tchrun/{run_id}/`: `round` (the newest closed round), `r{k}/joined` (a counter),
 //! `r{k}/closed` (the member count, or why it failed), `r{k}/master` (where rank 0's store listens),
-//! `r{k}/hb/{node}`, `r{k}/waiting`, `r{k}/end` (why it ended), `r{k}/done`, `job/end`.
+//! `r{k}/hb/{node}`, `r{k}/waiting`, `r{k}/end` (why it ended), `r{k}/done`, `job/end`, `job/acks`
+//! (nodes that saw the end: the host keeps the store up until all have).
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
@@ -98,6 +99,23 @@ impl Rendezvous {
             self.store.set("job/end", why.as_bytes())?;
         }
         Ok(())
+    }
+
+    /// Says this node has seen the job's end (the host waits for every node's before its store goes).
+    pub fn ack_end(&self) -> Result<()> {
+        self.store.add("job/acks", 1).map(|_| ())
+    }
+
+    /// The host: waits until `nodes` nodes have seen the end, at most `limit`.
+    pub fn await_acks(&self, nodes: usize, limit: Duration) {
+        let start = Instant::now();
+        while start.elapsed() < limit {
+            match self.count("job/acks") {
+                Ok(n) if n as usize >= nodes => return,
+                Err(_) => return,
+                _ => std::thread::sleep(POLL),
+            }
+        }
     }
 
     /// Joins round `first` or a later one, and waits for it to close. `local_addr`: where this node's
