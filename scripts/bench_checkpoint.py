@@ -10,7 +10,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from pyutil import exit_now  # noqa: E402
+from pyutil import bench_mlp, exit_now  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
@@ -35,13 +35,7 @@ def main():
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    torch.manual_seed(0)
-    layers = []
-    for i in range(LAYERS):
-        layers.append(torch.nn.Linear(WIDTH, WIDTH))
-        if i + 1 < LAYERS:
-            layers.append(torch.nn.ReLU())
-    net = torch.nn.Sequential(*layers)
+    net = bench_mlp(WIDTH, LAYERS)
     if a.mode == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 

@@ -12,3 +12,16 @@ def exit_now(code=0):
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def bench_mlp(width, layers):
+    """The benchmarks' model: `layers` Linear(width, width) with ReLU between them (seed 0)."""
+    import torch
+
+    torch.manual_seed(0)
+    mods = []
+    for i in range(layers):
+        mods.append(torch.nn.Linear(width, width))
+        if i + 1 < layers:
+            mods.append(torch.nn.ReLU())
+    return torch.nn.Sequential(*mods)
