@@ -164,6 +164,7 @@ fn worker(a: &Args) -> Result<(), Box<dyn std::error::Error>> {
     memory::reset_peak(Device::Cpu)?;
     pg.barrier()?;
     let start = Instant::now();
+    let cpu0 = cpu_seconds();
     let mut inflight = 0;
     for s in 0..a.steps {
         let (x, y) = batch(s, a.batch);
@@ -182,8 +183,21 @@ fn worker(a: &Args) -> Result<(), Box<dyn std::error::Error>> {
     }
     pg.barrier()?;
     let secs = start.elapsed().as_secs_f64();
-    println!("stage {} seconds {secs} base {base} peak {} inflight {inflight}", pg.rank(), memory::peak(Device::Cpu)?);
+    let cpu = cpu_seconds() - cpu0;
+    println!(
+        "stage {} seconds {secs} base {base} peak {} inflight {inflight} cpu {cpu}",
+        pg.rank(),
+        memory::peak(Device::Cpu)?
+    );
     Ok(())
+}
+
+/// This process's CPU time, all threads (a stage has one intra-op thread, so its CPU time is its busy time).
+fn cpu_seconds() -> f64 {
+    let mut t = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: clock_gettime writes the timespec it is given.
+    unsafe { libc::clock_gettime(libc::CLOCK_PROCESS_CPUTIME_ID, &mut t) };
+    t.tv_sec as f64 + t.tv_nsec as f64 * 1e-9
 }
 
 struct Outcome {
@@ -191,6 +205,8 @@ struct Outcome {
     spans: Vec<Span>,
     seconds: f64,
     per_stage: Vec<(i64, i64, usize)>, // base, peak, in flight
+    /// Each stage's idle fraction, 1 - CPU time / wall time (processes only).
+    idle: Vec<f64>,
 }
 
 /// One process per stage, started through tchrun (built beside this example); their lines come back
@@ -214,7 +230,13 @@ fn run_processes(a: &Args) -> Result<Outcome, Box<dyn std::error::Error>> {
     if !o.status.success() {
         return Err(format!("the stage processes failed ({})", o.status).into());
     }
-    let mut out = Outcome { losses: Vec::new(), spans: Vec::new(), seconds: 0.0, per_stage: vec![(0, 0, 0); a.stages] };
+    let mut out = Outcome {
+        losses: Vec::new(),
+        spans: Vec::new(),
+        seconds: 0.0,
+        per_stage: vec![(0, 0, 0); a.stages],
+        idle: vec![0.0; a.stages],
+    };
     for line in String::from_utf8_lossy(&o.stdout).lines() {
         let Some((r, line)) = line.strip_prefix("[rank").and_then(|l| l.split_once("]: ")) else { continue };
         let r: usize = r.parse()?;
@@ -232,6 +254,8 @@ fn run_processes(a: &Args) -> Result<Outcome, Box<dyn std::error::Error>> {
             Some(&"stage") => {
                 out.seconds = out.seconds.max(w[3].parse()?);
                 out.per_stage[r] = (w[5].parse()?, w[7].parse()?, w[9].parse()?);
+                let (secs, cpu): (f64, f64) = (w[3].parse()?, w[11].parse()?);
+                out.idle[r] = 1.0 - cpu / secs;
             }
             _ => {}
         }
@@ -281,6 +305,12 @@ fn report(a: &Args, o: &Outcome) -> Result<(), Box<dyn std::error::Error>> {
         bubble,
         formula
     );
+    if !o.idle.is_empty() {
+        println!(
+            "    idle {:.4} (1 - CPU time / wall time, mean over the stages)",
+            o.idle.iter().sum::<f64>() / o.idle.len() as f64
+        );
+    }
     for (s, (base, peak, inflight)) in o.per_stage.iter().enumerate() {
         if *peak > 0 {
             println!("    stage {s}: peak {:.2} MB ({:.2} MB above its parameters), {inflight} microbatch-chunks in flight at most", *peak as f64 / 1e6, (peak - base) as f64 / 1e6);
@@ -302,7 +332,8 @@ fn report(a: &Args, o: &Outcome) -> Result<(), Box<dyn std::error::Error>> {
 fn run(a: &Args) -> Result<Outcome, Box<dyn std::error::Error>> {
     if a.threads_form {
         let (losses, spans, seconds, inflight) = run_threads(a)?;
-        Ok(Outcome { losses, spans, seconds, per_stage: inflight.into_iter().map(|f| (0, 0, f)).collect() })
+        let per_stage = inflight.into_iter().map(|f| (0, 0, f)).collect();
+        Ok(Outcome { losses, spans, seconds, per_stage, idle: Vec::new() })
     } else {
         run_processes(a)
     }

@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
 # Pipeline benchmark: 2 stage processes on this machine (one intra-op thread each, so stages do not fight
-# for the 2 cores), GPipe and 1F1B, m in {2, 4, 8, 16}, against the unsplit model in the same run.
-# Model: examples/pipeline.rs's MLP (16 x Linear(1024, 1024) + tanh), batch 256, SGD, 8 steps.
-# Per-stage memory is each stage process's peak from the memory module, above its parameters (gradients,
-# one parameter-size, plus activations).
+# for the 2 cores), GPipe and 1F1B, m in {2, 4, 8, 16}, against PyTorch's torch.distributed.pipelining
+# (ScheduleGPipe, Schedule1F1B: scripts/bench_pipeline.py) with the same model, batch, m and steps, and
+# against the unsplit model, in the same run; ROUNDS rounds (default 3) alternate ours and PyTorch's, and
+# every figure is the median over rounds.
+# Model: examples/pipeline.rs's MLP (16 x Linear(1024, 1024) + tanh), batch 256, SGD, STEPS steps (8).
+# Idle = 1 - CPU time / wall time of each stage process (one thread each), mean over the stages: the same
+# ruler for both (PyTorch's schedules record no timeline); our span-measured bubble is shown too.
+# Per-stage memory is each stage process's peak from the memory module, above its parameters.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
@@ -11,24 +15,52 @@ source scripts/env.sh
 cargo build -q --release --example pipeline --bin tchrun
 bin=target/release/examples/pipeline
 STEPS=${STEPS:-8}
-u1=$($bin --unsplit --threads 1 --steps "$STEPS" | awk '{print $2}')
-u2=$($bin --unsplit --threads 2 --steps "$STEPS" | awk '{print $2}')
-echo "unsplit model, one process: $u1 samples/s with 1 thread, $u2 samples/s with 2 threads"
-echo
-echo "| schedule | m | samples/s | vs unsplit, 1 thread | vs unsplit, 2 threads | bubble measured | bubble formula | stage 0 MB above params | stage 1 MB above params | in flight (stage 0 / 1) |"
-echo "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"
-for sched in gpipe 1f1b; do
-  for m in 2 4 8 16; do
-    out=$($bin --schedule $sched --microbatches $m --steps "$STEPS")
-    python3 - "$sched" "$m" "$u1" "$u2" <<PY
-import re, sys
-sched, m, u1, u2 = sys.argv[1], sys.argv[2], float(sys.argv[3]), float(sys.argv[4])
-out = """$out"""
-head = out.splitlines()[0]
-tput = float(re.search(r"([\d.]+) samples/s", head).group(1))
-bub, form = re.search(r"bubble ([\d.]+) \(formula ([\d.]+)\)", head).groups()
-st = re.findall(r"stage (\d): peak [\d.]+ MB \(([\d.]+) MB above its parameters\), (\d+) microbatch", out)
-print(f"| {sched} | {m} | {tput:.0f} | {tput / u1:.2f} | {tput / u2:.2f} | {bub} | {form} | {st[0][1]} | {st[1][1]} | {st[0][2]} / {st[1][2]} |")
-PY
+ROUNDS=${ROUNDS:-3}
+out=$(mktemp -d)
+trap 'rm -rf "$out"' EXIT
+for r in $(seq "$ROUNDS"); do
+  echo "round $r/$ROUNDS" >&2
+  $bin --unsplit --threads 1 --steps "$STEPS" | awk '{print $2}' >>"$out/unsplit1"
+  $bin --unsplit --threads 2 --steps "$STEPS" | awk '{print $2}' >>"$out/unsplit2"
+  for sched in gpipe 1f1b; do
+    for m in 2 4 8 16; do
+      $bin --schedule $sched --microbatches $m --steps "$STEPS" >"$out/ours_${sched}_${m}_$r"
+      ranks 2 "$TCH_DIST_PYTHON_BIN" scripts/bench_pipeline.py --schedule $sched --microbatches $m \
+        --steps "$STEPS" >>"$out/torch_${sched}_${m}"
+    done
   done
 done
+"$TCH_DIST_PYTHON_BIN" - "$out" "$ROUNDS" <<'PY'
+import glob, os, re, statistics as st, sys
+out, rounds = sys.argv[1], int(sys.argv[2])
+med = st.median
+nums = lambda f: [float(l) for l in open(os.path.join(out, f)) if l.strip()]
+u1, u2 = med(nums("unsplit1")), med(nums("unsplit2"))
+print(f"unsplit model, one process: {u1:.1f} samples/s with 1 thread, {u2:.1f} samples/s with 2 threads\n")
+rows = []
+for sched in ("gpipe", "1f1b"):
+    for m in (2, 4, 8, 16):
+        ours = []
+        for f in sorted(glob.glob(os.path.join(out, f"ours_{sched}_{m}_*"))):
+            text = open(f).read()
+            head = text.splitlines()[0]
+            tput = float(re.search(r"([\d.]+) samples/s", head).group(1))
+            bub, form = map(float, re.search(r"bubble ([\d.]+) \(formula ([\d.]+)\)", head).groups())
+            idle = float(re.search(r"idle ([\d.]+)", text).group(1))
+            sts = re.findall(r"stage (\d): peak [\d.]+ MB \(([\d.]+) MB above its parameters\), (\d+) microbatch", text)
+            ours.append((tput, bub, form, idle, float(sts[0][1]), float(sts[1][1]), f"{sts[0][2]} / {sts[1][2]}"))
+        torch = [tuple(map(float, l.split())) for l in open(os.path.join(out, f"torch_{sched}_{m}")) if l.strip()]
+        col = lambda v, i: med([x[i] for x in v])
+        rows.append((sched, m, col(ours, 0), col(ours, 1), ours[0][2], col(ours, 3), col(ours, 4), col(ours, 5),
+                     ours[0][6], col(torch, 0), col(torch, 1)))
+print("| schedule | m | samples/s | vs unsplit, 1 thread | vs unsplit, 2 threads | bubble (spans) | bubble formula | stage 0 MB above params | stage 1 MB above params | in flight (stage 0 / 1) |")
+print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+for s, m, t, b, f, _, s0, s1, fl, _, _ in rows:
+    print(f"| {s} | {m} | {t:.0f} | {t / u1:.2f} | {t / u2:.2f} | {b:.3f} | {f:.3f} | {s0:.2f} | {s1:.2f} | {fl} |")
+print("\nAgainst torch.distributed.pipelining, same run:\n")
+print("| schedule | m | ours samples/s | PyTorch samples/s | **ours / PyTorch** | ours idle | PyTorch idle | idle difference |")
+print("|---|---:|---:|---:|---:|---:|---:|---:|")
+for s, m, t, _, _, idle, _, _, _, tt, ti in rows:
+    print(f"| {s} | {m} | {t:.0f} | {tt:.0f} | **{t / tt:.2f}** | {idle:.3f} | {ti:.3f} | {idle - ti:+.3f} |")
+print(f"\n({rounds} rounds; medians)")
+PY

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Tensor-parallel benchmark: Megatron MLP (d=1024, h=8192: 16.8M parameters), batch 64, SGD, one thread
-# per rank: ours at TP 1 and 2, and PyTorch's DTensor TP (parallelize_module with ColwiseParallel /
+# Tensor-parallel benchmark: Megatron MLP (d=1024, h=8192: 16.8M parameters), batch 64, and one
+# self-attention block (d=1024, 16 heads: 4.2M parameters), batch 8 x sequence 128; SGD, one thread per
+# rank: ours at TP 1 and 2, and PyTorch's DTensor TP (parallelize_module with ColwiseParallel /
 # RowwiseParallel, scripts/bench_tp.py) at TP 2, alternating, ROUNDS times (default 3), in the same run.
 # Memory: parameter bytes per rank, and the peak of tch-dist's counting allocator (PyTorch loads the same
 # one through ctypes). Step: the median of 8 steps, median over rounds.
@@ -16,9 +17,11 @@ out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 for r in $(seq "$ROUNDS"); do
   echo "round $r/$ROUNDS" >&2
-  ranks 1 $bin >>"$out/ours1"
-  ranks 2 $bin >>"$out/ours2"
-  ranks 2 "$TCH_DIST_PYTHON_BIN" scripts/bench_tp.py >>"$out/torch2"
+  for block in mlp attention; do
+    ranks 1 $bin --block $block >>"$out/ours1_$block"
+    ranks 2 $bin --block $block >>"$out/ours2_$block"
+    ranks 2 "$TCH_DIST_PYTHON_BIN" scripts/bench_tp.py --block $block >>"$out/torch2_$block"
+  done
 done
 "$TCH_DIST_PYTHON_BIN" - "$out" <<'PY'
 import statistics
@@ -34,15 +37,17 @@ def load(name):
             max(int(r[7]) for r in rows), len(rows))
 
 
-R = {n: load(n) for n in ("ours1", "ours2", "torch2")}
-print(f"Megatron MLP d=1024, h=8192, batch 64, SGD; {R['ours2'][4]} rounds\n")
-print("| run | TP size | parameter MB per rank | peak MB per rank | step (s) |")
-print("|---|---:|---:|---:|---:|")
-for n, label in (("ours1", "tch-dist"), ("ours2", "tch-dist"), ("torch2", "PyTorch DTensor TP")):
-    tp, b, t, peak, _ = R[n]
-    print(f"| {label} | {tp} | {b / 1e6:.1f} | {peak / 1e6:.1f} | {t:.4f} |")
-o, p = R["ours2"], R["torch2"]
-print(f"\nTP 2, ours / PyTorch DTensor: parameters {o[1] / p[1]:.3f}, peak {o[3] / p[3]:.3f} (goal <= 1), "
-      f"step {o[2] / p[2]:.2f} (goal <= 1); ours TP 2 / TP 1: step {o[2] / R['ours1'][2]:.2f}, "
-      f"parameters {o[1] / R['ours1'][1]:.3f}")
+for block, title in (("mlp", "Megatron MLP d=1024, h=8192, batch 64"),
+                     ("attention", "self-attention d=1024, 16 heads, batch 8 x sequence 128")):
+    R = {n: load(f"{n}_{block}") for n in ("ours1", "ours2", "torch2")}
+    print(f"{title}, SGD; {R['ours2'][4]} rounds\n")
+    print("| run | TP size | parameter MB per rank | peak MB per rank | step (s) |")
+    print("|---|---:|---:|---:|---:|")
+    for n, label in (("ours1", "tch-dist"), ("ours2", "tch-dist"), ("torch2", "PyTorch DTensor TP")):
+        tp, b, t, peak, _ = R[n]
+        print(f"| {label} | {tp} | {b / 1e6:.1f} | {peak / 1e6:.1f} | {t:.4f} |")
+    o, p = R["ours2"], R["torch2"]
+    print(f"\nTP 2, ours / PyTorch DTensor: parameters {o[1] / p[1]:.3f}, peak {o[3] / p[3]:.3f} (goal <= 1), "
+          f"step {o[2] / p[2]:.2f} (goal <= 1); ours TP 2 / TP 1: step {o[2] / R['ours1'][2]:.2f}, "
+          f"parameters {o[1] / R['ours1'][1]:.3f}\n")
 PY

@@ -61,21 +61,17 @@ impl ParallelAttention {
                 ),
             ));
         }
-        // rows [q; k; v] → [rank 0's q, k, v; rank 1's ...], so that the column-parallel split's
-        // contiguous chunk r holds rank r's heads of all three
-        let by_rank = |x: &Tensor| -> Result<Tensor> {
-            let rest: Vec<i64> = x.size()[1..].to_vec();
-            let grouped: Vec<i64> = [vec![3, t, d / t], rest.clone()].concat();
-            let flat: Vec<i64> = [vec![3 * d], rest].concat();
-            Ok(x.f_reshape(grouped.as_slice())?.f_transpose(0, 1)?.f_contiguous()?.f_reshape(flat.as_slice())?)
+        // this rank's heads of the queries, keys and values: rows [r·d/t, (r+1)·d/t) of each third, one
+        // after the other (only this rank's rows are copied, never a reordered full matrix)
+        let r = pg.rank() as i64;
+        let mine = |x: &Tensor| -> Result<Tensor> {
+            let parts = (0..3)
+                .map(|p| x.f_narrow(0, p * d + r * (d / t), d / t))
+                .collect::<std::result::Result<Vec<_>, _>>()?;
+            Ok(Tensor::f_cat(&parts, 0)?)
         };
-        let qkv = ColumnParallelLinear::from_full(
-            &(path / "qkv"),
-            &by_rank(w_qkv)?,
-            Some(&by_rank(b_qkv)?),
-            pg.clone(),
-            false,
-        )?;
+        let qkv =
+            ColumnParallelLinear::from_local(&(path / "qkv"), &mine(w_qkv)?, Some(&mine(b_qkv)?), pg.clone(), false)?;
         let out = RowParallelLinear::from_full(&(path / "out"), w_out, Some(b_out), pg, true)?;
         Ok(ParallelAttention { qkv, out, local_heads: heads / t, head_dim: d / heads, causal })
     }

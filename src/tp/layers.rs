@@ -60,6 +60,19 @@ impl ColumnParallelLinear {
         Ok(ColumnParallelLinear { ws, bs, gather_output, sequence_parallel: false, pg })
     }
 
+    /// From this rank's slices as they are (`[out / t, in]`, `[out / t]`).
+    pub(crate) fn from_local(
+        path: &nn::Path,
+        ws: &Tensor,
+        bs: Option<&Tensor>,
+        pg: Arc<ProcessGroup>,
+        gather_output: bool,
+    ) -> Result<Self> {
+        let ws = path.f_var_copy("weight", ws)?;
+        let bs = bs.map(|b| path.f_var_copy("bias", b)).transpose()?;
+        Ok(ColumnParallelLinear { ws, bs, gather_output, sequence_parallel: false, pg })
+    }
+
     /// The parameters of which each rank holds a slice (both): their gradients are summed over the TP
     /// group when clipping ([`crate::optim::GradNorm::sharded`]).
     pub fn sharded_parameters(&self) -> Vec<Tensor> {
