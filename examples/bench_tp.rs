@@ -15,6 +15,9 @@ const H: i64 = 8192;
 const HEADS: i64 = 16;
 const SEQ: i64 = 128;
 
+/// The block's forward.
+type Block = Box<dyn Fn(&Tensor) -> tch_dist::Result<Tensor>>;
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     tch::set_num_threads(1); // one core per rank on this 2-core machine
     memory::install_cpu_counter()?;
@@ -23,7 +26,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let vs = nn::VarStore::new(Device::Cpu);
     let before = memory::allocated(Device::Cpu)?;
     // full matrices drawn (the same on every rank), then sliced
-    let block: Box<dyn Fn(&Tensor) -> tch_dist::Result<Tensor>> = if attention {
+    let block: Block = if attention {
         tch::manual_seed(0);
         let u = |shape: &[i64]| Tensor::empty(shape, (Kind::Float, Device::Cpu)).uniform_(-0.03, 0.03);
         let a = ParallelAttention::from_full(
