@@ -555,13 +555,31 @@ fn checkpoint_round_trip(device: Device) -> Res<Outcome> {
         let diff = max_diff(&by_name(&vs), &by_name(&other))?;
         ensure(diff == 0.0, || format!("loaded values differ by {diff:e}"))?;
         ensure(other.variables().values().all(|t| t.device() == device), || "loaded onto the wrong device".into())?;
+        // sharded: saved in the background from this device (pinned staging for CUDA), loaded onto
+        // this device and onto the CPU
+        let root = dir.join(format!("sharded-{}", lines.len()));
+        let mut ck = checkpoint::Checkpointer::new(pg.clone(), &root)?;
+        ck.async_save(7, checkpoint::StateDict::new().var_store("model", &vs))?;
+        ensure(ck.wait()? == Some(7), || "the async save did not commit".into())?;
+        for target in [device, Device::Cpu] {
+            tch::manual_seed(98);
+            let back = nn::VarStore::new(target);
+            let _ = mlp(&back.root(), false);
+            let step = ck.load(checkpoint::StateDict::new().var_store("model", &back))?;
+            ensure(step == Some(7), || format!("sharded: loaded step {step:?} onto {target:?}, saved 7"))?;
+            let diff = max_diff(&by_name(&vs), &by_name(&back))?; // both read back to the CPU
+            ensure(diff == 0.0, || format!("sharded: values loaded onto {target:?} differ by {diff:e}"))?;
+        }
         lines.push(pg.backend_config().to_string());
         if device == Device::Cpu {
             break;
         }
     }
     std::fs::remove_dir_all(&dir)?;
-    Ok(Pass(format!("save/load bit-exact, step kept, over {}", lines.join(" and "))))
+    Ok(Pass(format!(
+        "save/load bit-exact, step kept, single-file and sharded (async, loaded onto {device:?} and the CPU), over {}",
+        lines.join(" and ")
+    )))
 }
 
 fn split_layers() -> LayerList {

@@ -7,12 +7,14 @@
 # Model: examples/pipeline.rs's MLP (16 x Linear(1024, 1024) + tanh), batch 256, SGD, STEPS steps (8).
 # Idle = 1 - CPU time / wall time of each stage process (one thread each), mean over the stages: the same
 # ruler for both (PyTorch's schedules record no timeline); our span-measured bubble is shown too.
-# Per-stage memory is each stage process's peak from the memory module, above its parameters.
+# Per-stage memory is each stage process's peak during the steps (tch-dist's counting allocator, loaded by
+# PyTorch too), absolute and above its parameters.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 source scripts/env.sh
 cargo build -q --release --example pipeline --bin tchrun
+export TCH_DIST_MEMORY_LIB=$PWD/target/release/libtch_dist_memory.so
 bin=target/release/examples/pipeline
 STEPS=${STEPS:-8}
 ROUNDS=${ROUNDS:-3}
@@ -47,20 +49,23 @@ for sched in ("gpipe", "1f1b"):
             tput = float(re.search(r"([\d.]+) samples/s", head).group(1))
             bub, form = map(float, re.search(r"bubble ([\d.]+) \(formula ([\d.]+)\)", head).groups())
             idle = float(re.search(r"idle ([\d.]+)", text).group(1))
-            sts = re.findall(r"stage (\d): peak [\d.]+ MB \(([\d.]+) MB above its parameters\), (\d+) microbatch", text)
-            ours.append((tput, bub, form, idle, float(sts[0][1]), float(sts[1][1]), f"{sts[0][2]} / {sts[1][2]}"))
+            sts = re.findall(r"stage (\d): peak ([\d.]+) MB \(([\d.]+) MB above its parameters\), (\d+) microbatch", text)
+            ours.append((tput, bub, form, idle, float(sts[0][2]), float(sts[1][2]), f"{sts[0][3]} / {sts[1][3]}",
+                         max(float(sts[0][1]), float(sts[1][1]))))
         torch = [tuple(map(float, l.split())) for l in open(os.path.join(out, f"torch_{sched}_{m}")) if l.strip()]
         col = lambda v, i: med([x[i] for x in v])
         rows.append((sched, m, col(ours, 0), col(ours, 1), ours[0][2], col(ours, 3), col(ours, 4), col(ours, 5),
-                     ours[0][6], col(torch, 0), col(torch, 1)))
+                     ours[0][6], col(torch, 0), col(torch, 1), col(ours, 7), med([max(x[2:]) / 1e6 for x in torch])))
 print("| schedule | m | samples/s | vs unsplit, 1 thread | vs unsplit, 2 threads | bubble (spans) | bubble formula | stage 0 MB above params | stage 1 MB above params | in flight (stage 0 / 1) |")
 print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
-for s, m, t, b, f, _, s0, s1, fl, _, _ in rows:
+for s, m, t, b, f, _, s0, s1, fl, *_ in rows:
     print(f"| {s} | {m} | {t:.0f} | {t / u1:.2f} | {t / u2:.2f} | {b:.3f} | {f:.3f} | {s0:.2f} | {s1:.2f} | {fl} |")
 print("\nAgainst torch.distributed.pipelining, same run:\n")
-print("| schedule | m | ours samples/s | PyTorch samples/s | **ours / PyTorch** | ours idle | PyTorch idle | idle difference |")
-print("|---|---:|---:|---:|---:|---:|---:|---:|")
-for s, m, t, _, _, idle, _, _, _, tt, ti in rows:
-    print(f"| {s} | {m} | {t:.0f} | {tt:.0f} | **{t / tt:.2f}** | {idle:.3f} | {ti:.3f} | {idle - ti:+.3f} |")
+print("| schedule | m | ours samples/s | PyTorch samples/s | **samples/s ours / PyTorch** | ours idle | PyTorch idle | idle difference | ours peak MB | PyTorch peak MB | **peak ours / PyTorch** |")
+print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+for s, m, t, _, _, idle, _, _, _, tt, ti, pk, tpk in rows:
+    print(f"| {s} | {m} | {t:.0f} | {tt:.0f} | **{t / tt:.2f}** | {idle:.3f} | {ti:.3f} | {idle - ti:+.3f} | "
+          f"{pk:.1f} | {tpk:.1f} | **{pk / tpk:.2f}** |")
+print("(peaks: the larger stage's, during the steps)")
 print(f"\n({rounds} rounds; medians)")
 PY

@@ -2,8 +2,10 @@
 16 x (Linear(1024, 1024) + tanh), 8 per stage on 2 stage processes over Gloo, the same batch, microbatches
 and steps, SGD; ScheduleGPipe or Schedule1F1B.
 Usage: bench_pipeline.py --schedule gpipe|1f1b --microbatches M [--steps 8] [--batch 256]
-Rank 0 prints `samples_per_s idle`: samples per second over all steps, and the stages' idle fraction,
-1 - process CPU time / wall time, averaged over the stages (each stage has one intra-op thread)."""
+Rank 0 prints `samples_per_s idle peak0 peak1 ...`: samples per second over all steps; the stages' idle
+fraction, 1 - process CPU time / wall time, averaged over the stages (each stage has one intra-op thread);
+and each stage's peak bytes during the steps (tch-dist's counting allocator, reset once the stage is built,
+as examples/pipeline.rs does)."""
 import argparse
 import os
 import sys
@@ -11,6 +13,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from pyutil import exit_now  # noqa: E402
+import memory_ruler  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe  # noqa: E402
@@ -26,6 +29,7 @@ def main():
     ap.add_argument("--batch", type=int, default=256)
     a = ap.parse_args()
     torch.set_num_threads(1)
+    memory_ruler.install()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     per = DEPTH // world
@@ -41,6 +45,7 @@ def main():
     opt = torch.optim.SGD(mod.parameters(), lr=LR)
     g = torch.Generator().manual_seed(10_000)
     w = torch.randn(WIDTH, WIDTH, generator=g) / WIDTH**0.5
+    memory_ruler.reset_peak()
     dist.barrier()
     wall, cpu = time.perf_counter(), time.process_time()
     for s in range(a.steps):
@@ -56,12 +61,13 @@ def main():
         opt.zero_grad()
     dist.barrier()
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-    idle = torch.tensor([1.0 - cpu / wall], dtype=torch.float64)
-    all_idle = [torch.zeros(1, dtype=torch.float64) for _ in range(world)]
-    dist.all_gather(all_idle, idle)
+    mine = torch.tensor([1.0 - cpu / wall, float(memory_ruler.peak())], dtype=torch.float64)
+    every = [torch.zeros(2, dtype=torch.float64) for _ in range(world)]
+    dist.all_gather(every, mine)
     if rank == 0:
-        mean_idle = sum(t.item() for t in all_idle) / world
-        print(f"{a.batch * a.steps / wall:.1f} {mean_idle:.4f}", flush=True)
+        mean_idle = sum(t[0].item() for t in every) / world
+        peaks = " ".join(str(int(t[1].item())) for t in every)
+        print(f"{a.batch * a.steps / wall:.1f} {mean_idle:.4f} {peaks}", flush=True)
     dist.barrier()
     exit_now()
 

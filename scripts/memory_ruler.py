@@ -49,4 +49,9 @@ def peak():
 
 
 def reset_peak():
+    """The peak from now on starts at what is allocated now."""
+    _load().tdx_cpu_reset_peak()
+
+
+def reset_peak():
     _load().tdx_cpu_reset_peak()
