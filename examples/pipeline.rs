@@ -268,6 +268,7 @@ fn sched_name(k: Sched) -> &'static str {
         Sched::GPipe => "gpipe",
         Sched::OneFOneB => "1f1b",
         Sched::Interleaved1F1B => "interleaved",
+        Sched::ZeroBubbleH1 => "zb-h1",
     }
 }
 

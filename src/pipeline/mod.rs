@@ -141,6 +141,12 @@ impl Pipeline {
 /// The schedule for `p` stages, checking that the partition has one part per virtual stage.
 fn plan(what: &str, partition: &Partition, kind: schedule::Kind, p: usize, m: usize, v: usize) -> Result<Schedule> {
     let schedule = Schedule::new(kind, p, m, v)?;
+    if schedule.splits_backward() {
+        return Err(Error::invalid(
+            what.to_string(),
+            format!("{kind:?} is schedule data for simulation: this runtime does not split backward into input and weight gradients yet (use 1F1B or interleaved 1F1B)"),
+        ));
+    }
     if partition.stages() != p * v {
         return Err(Error::invalid(
             what.to_string(),

@@ -139,6 +139,12 @@ pub fn run_rank(step: &RankStep, net: &mut dyn Transport) -> Result<RankReport> 
                     report.spans.push(Span { stage: rank, forward: false, mb, chunk, start, end: now() });
                 }
                 Action::SendActivation { .. } | Action::SendGrad { .. } => {} // done right after the compute
+                Action::BackwardWeight { .. } => {
+                    return Err(Error::invalid(
+                        format!("pipeline stage {rank}"),
+                        "weight-gradient actions (zero-bubble schedules) are not run by this runtime",
+                    ))
+                }
             }
             Ok(())
         }))

@@ -23,6 +23,11 @@ pub enum Kind {
     OneFOneB,
     /// 1F1B over v model chunks per stage (Megatron-LM): bubble shrinks by v; needs m % p == 0.
     Interleaved1F1B,
+    /// ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism"): backward split into the input gradient (B,
+    /// on the critical path) and the weight gradient (W, deferred into what would be bubbles). With
+    /// equal times for F, B and W, a third of 1F1B's bubble, and no stage holds more activations than
+    /// 1F1B's first. Schedule data and simulation only: the runtime does not split backward yet.
+    ZeroBubbleH1,
 }
 
 impl std::str::FromStr for Kind {
@@ -32,7 +37,8 @@ impl std::str::FromStr for Kind {
             "gpipe" => Ok(Kind::GPipe),
             "1f1b" => Ok(Kind::OneFOneB),
             "interleaved" | "interleaved1f1b" | "interleaved-1f1b" => Ok(Kind::Interleaved1F1B),
-            _ => Err(Error::invalid("schedule", format!("unknown schedule {s:?} (gpipe, 1f1b, interleaved)"))),
+            "zbh1" | "zb-h1" | "zerobubble" => Ok(Kind::ZeroBubbleH1),
+            _ => Err(Error::invalid("schedule", format!("unknown schedule {s:?} (gpipe, 1f1b, interleaved, zb-h1)"))),
         }
     }
 }
@@ -59,7 +65,13 @@ pub enum Action {
         mb: usize,
         chunk: usize,
     },
+    /// The backward (the input's gradient only, in a schedule with [`Action::BackwardWeight`]).
     Backward {
+        mb: usize,
+        chunk: usize,
+    },
+    /// The weight gradients of a backward whose input gradient was computed before (zero-bubble schedules).
+    BackwardWeight {
         mb: usize,
         chunk: usize,
     },
@@ -78,6 +90,15 @@ pub struct Schedule {
     pub microbatches: usize,
     pub chunks: usize,
     pub actions: Vec<Vec<Action>>,
+}
+
+/// Time units of each compute action in a simulation. A backward that is not split into input and weight
+/// gradients costs `input_grad + weight_grad`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Costs {
+    pub forward: usize,
+    pub input_grad: usize,
+    pub weight_grad: usize,
 }
 
 /// What a simulation with unit-time forwards and backwards found.
@@ -102,7 +123,7 @@ impl Schedule {
             return Err(Error::invalid(what, "stages, microbatches and chunks must all be at least 1"));
         }
         match kind {
-            Kind::GPipe | Kind::OneFOneB if v != 1 => {
+            Kind::GPipe | Kind::OneFOneB | Kind::ZeroBubbleH1 if v != 1 => {
                 return Err(Error::invalid(what, "only the interleaved schedule takes more than one chunk per stage"))
             }
             Kind::Interleaved1F1B if v < 2 => {
@@ -122,13 +143,16 @@ impl Schedule {
             }
             _ => {}
         }
-        let compute: Vec<Vec<Action>> = (0..p)
-            .map(|s| match kind {
-                Kind::GPipe => gpipe(m),
-                Kind::OneFOneB => one_f_one_b(p, m, s),
-                Kind::Interleaved1F1B => interleaved(p, m, v, s),
-            })
-            .collect();
+        let compute: Vec<Vec<Action>> = match kind {
+            Kind::ZeroBubbleH1 => zb_h1(p, m),
+            _ => (0..p)
+                .map(|s| match kind {
+                    Kind::GPipe => gpipe(m),
+                    Kind::OneFOneB => one_f_one_b(p, m, s),
+                    _ => interleaved(p, m, v, s),
+                })
+                .collect(),
+        };
         let actions = compute.into_iter().enumerate().map(|(s, list)| with_comm(&list, s, p, v)).collect();
         Ok(Schedule { kind, stages: p, microbatches: m, chunks: v, actions })
     }
@@ -142,7 +166,8 @@ impl Schedule {
     pub fn in_flight_bound(&self) -> usize {
         match self.kind {
             Kind::GPipe => self.microbatches,
-            Kind::OneFOneB => self.stages,
+            // ZB-H1: every stage up to 1F1B's first stage (activations held until the weight gradient)
+            Kind::OneFOneB | Kind::ZeroBubbleH1 => self.stages.min(self.microbatches),
             // Megatron's warm-up: (p - 1) * 2 + (v - 1) * p forwards, plus the one in the steady state.
             Kind::Interleaved1F1B => {
                 ((self.stages - 1) * 2 + (self.chunks - 1) * self.stages + 1).min(self.microbatches * self.chunks)
@@ -150,16 +175,33 @@ impl Schedule {
         }
     }
 
-    /// The bubble fraction theory predicts with unit-time forward and backward per chunk.
+    /// The bubble fraction theory predicts with unit-time compute actions: forward and backward per
+    /// chunk, or forward, input gradient and weight gradient for ZB-H1 (whose bubble is (p - 1) units
+    /// per stage, against 3 (p - 1) for 1F1B with the same costs).
     pub fn ideal_bubble_fraction(&self) -> f64 {
         let (p, m, v) = (self.stages as f64, self.microbatches as f64, self.chunks as f64);
-        (p - 1.0) / (v * m + p - 1.0)
+        match self.kind {
+            Kind::ZeroBubbleH1 => (p - 1.0) / (3.0 * m + p - 1.0),
+            _ => (p - 1.0) / (v * m + p - 1.0),
+        }
     }
 
-    /// Runs the schedule with unit-time compute and free communication. Fails on a deadlock, naming the
-    /// stages that are stuck and what they wait for.
+    /// Runs the schedule with unit-time compute actions and free communication. Fails on a deadlock,
+    /// naming the stages that are stuck and what they wait for.
     pub fn simulate(&self) -> Result<Simulation> {
-        simulate(self)
+        let weight_grad = if self.splits_backward() { 1 } else { 0 };
+        simulate(self, Costs { forward: 1, input_grad: 1, weight_grad })
+    }
+
+    /// As [`simulate`](Self::simulate), with the given costs (to compare split and unsplit backwards
+    /// doing the same work).
+    pub fn simulate_with(&self, costs: Costs) -> Result<Simulation> {
+        simulate(self, costs)
+    }
+
+    /// Whether backward is split into input and weight gradients.
+    pub fn splits_backward(&self) -> bool {
+        self.kind == Kind::ZeroBubbleH1
     }
 }
 
@@ -216,6 +258,48 @@ fn interleaved(p: usize, m: usize, v: usize, s: usize) -> Vec<Action> {
     a
 }
 
+/// ZB-H1 by list scheduling with unit-time F, B and W: at each step a stage runs the first of F, B, W
+/// that is ready, F only while it holds fewer than 1F1B's share of forwards not yet through B
+/// (`p - s`) and fewer than `p` microbatches not yet through W (1F1B's first stage's peak). W thus fills
+/// the time a stage would wait, and the idle time per stage drops from 1F1B's 3 (p - 1) units to p - 1.
+fn zb_h1(p: usize, m: usize) -> Vec<Vec<Action>> {
+    let (mut f, mut b, mut w) = (vec![0; p], vec![0; p], vec![0; p]);
+    let mut f_end: Vec<Vec<usize>> = vec![vec![usize::MAX; m]; p];
+    let mut b_end: Vec<Vec<usize>> = vec![vec![usize::MAX; m]; p];
+    let mut out: Vec<Vec<Action>> = vec![Vec::with_capacity(3 * m); p];
+    let mut t = 0;
+    while (0..p).any(|s| w[s] < m) {
+        let mut picks = Vec::with_capacity(p);
+        for s in 0..p {
+            let f_ready = f[s] < m && f[s] - b[s] < p - s && f[s] - w[s] < p && (s == 0 || f_end[s - 1][f[s]] <= t);
+            let b_ready = b[s] < f[s] && f_end[s][b[s]] <= t && (s == p - 1 || b_end[s + 1][b[s]] <= t);
+            if f_ready {
+                picks.push((s, Action::Forward { mb: f[s], chunk: 0 }));
+            } else if b_ready {
+                picks.push((s, Action::Backward { mb: b[s], chunk: 0 }));
+            } else if w[s] < b[s] {
+                picks.push((s, Action::BackwardWeight { mb: w[s], chunk: 0 }));
+            }
+        }
+        for (s, a) in picks {
+            match a {
+                Action::Forward { mb, .. } => {
+                    f_end[s][mb] = t + 1;
+                    f[s] += 1;
+                }
+                Action::Backward { mb, .. } => {
+                    b_end[s][mb] = t + 1;
+                    b[s] += 1;
+                }
+                _ => w[s] += 1,
+            }
+            out[s].push(a);
+        }
+        t += 1;
+    }
+    out
+}
+
 /// Adds the receives before and sends after each compute action.
 fn with_comm(list: &[Action], s: usize, p: usize, v: usize) -> Vec<Action> {
     let last = p * v - 1;
@@ -248,7 +332,14 @@ fn with_comm(list: &[Action], s: usize, p: usize, v: usize) -> Vec<Action> {
     out
 }
 
-fn simulate(sch: &Schedule) -> Result<Simulation> {
+fn simulate(sch: &Schedule, costs: Costs) -> Result<Simulation> {
+    let split = sch.splits_backward();
+    let cost = |a: Action| match a {
+        Action::Forward { .. } => costs.forward,
+        Action::Backward { .. } if split => costs.input_grad,
+        Action::Backward { .. } => costs.input_grad + costs.weight_grad,
+        _ => costs.weight_grad,
+    };
     use std::collections::HashMap;
     let (p, v) = (sch.stages, sch.chunks);
     let vstage = |s: usize, chunk: usize| chunk * p + s;
@@ -290,22 +381,33 @@ fn simulate(sch: &Schedule) -> Result<Simulation> {
                             own.and(bwd_done.get(&(mb, vs + 1)).copied())
                         }
                     }
+                    Action::BackwardWeight { mb, chunk } => bwd_done.get(&(mb, vstage(s, chunk))).copied(),
                     Action::SendActivation { .. } | Action::SendGrad { .. } => Some(0),
                 };
                 let Some(t) = ready_at else { break };
                 match a {
-                    Action::Forward { mb, chunk } | Action::Backward { mb, chunk } => {
+                    Action::Forward { mb, chunk }
+                    | Action::Backward { mb, chunk }
+                    | Action::BackwardWeight { mb, chunk } => {
                         let start = t.max(free_at[s]);
-                        free_at[s] = start + 1;
-                        busy[s] += 1;
+                        let end = start + cost(a);
+                        free_at[s] = end;
+                        busy[s] += cost(a);
                         timeline.push((s, a, start));
-                        if matches!(a, Action::Forward { .. }) {
-                            fwd_done.insert((mb, vstage(s, chunk)), start + 1);
-                            in_flight[s] += 1;
-                            max_in_flight[s] = max_in_flight[s].max(in_flight[s]);
-                        } else {
-                            bwd_done.insert((mb, vstage(s, chunk)), start + 1);
-                            in_flight[s] -= 1;
+                        match a {
+                            Action::Forward { .. } => {
+                                fwd_done.insert((mb, vstage(s, chunk)), end);
+                                in_flight[s] += 1;
+                                max_in_flight[s] = max_in_flight[s].max(in_flight[s]);
+                            }
+                            Action::Backward { .. } => {
+                                bwd_done.insert((mb, vstage(s, chunk)), end);
+                                if !split {
+                                    in_flight[s] -= 1;
+                                }
+                            }
+                            // the activations are kept until the weight gradient is computed
+                            _ => in_flight[s] -= 1,
                         }
                     }
                     _ => {}
