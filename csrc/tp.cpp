@@ -14,6 +14,15 @@ at::Tensor allreduce_sum(const c10::intrusive_ptr<Backend>& pg, const at::Tensor
   return r;
 }
 
+// The sum over the group into `t` itself when it is contiguous (a partial result the caller owns and no
+// one else reads: Megatron's in-place _reduce), else into a contiguous copy.
+at::Tensor allreduce_sum_into(const c10::intrusive_ptr<Backend>& pg, const at::Tensor& t) {
+  auto r = t.contiguous();
+  std::vector<at::Tensor> v{r};
+  pg->allreduce(v)->wait();
+  return r;
+}
+
 // all_gather along `dim` (-1: the hidden dimension; 0: the sequence, sequence parallelism's layout [s, b, h])
 at::Tensor gather(const c10::intrusive_ptr<Backend>& pg, const at::Tensor& t, int64_t dim) {
   auto in = t.contiguous();
@@ -54,12 +63,14 @@ extern "C" int tdx_tp_op(tdx_pg* g, int op, tdx_tensor xt, tdx_tensor* out) {
         case 4: y = gather(pg, x, 0); break;           // gather_from_sequence: all_gather on dim 0
         case 5: y = reduce_scatter_seq(pg, x); break;  // reduce_scatter_to_sequence
         case 6: y = own_chunk(pg, x, 0); break;        // scatter_to_sequence: this rank's part of dim 0
+        case 7: y = allreduce_sum_into(pg, x).detach(); break;  // reduce_from, in place on an owned input
         default: return tdx::set_error(TDX_EINVALID, "unknown tensor-parallel op " + std::to_string(op));
       }
     }
     switch (op) {
       case 0: y = with_backward(x, y, "CopyToParallelRegionBackward", [pg](const at::Tensor& g) { return allreduce_sum(pg, g); }); break;
-      case 1: y = with_backward(x, y, "ReduceFromParallelRegionBackward", [](const at::Tensor& g) { return g; }); break;
+      case 1:
+      case 7: y = with_backward(x, y, "ReduceFromParallelRegionBackward", [](const at::Tensor& g) { return g; }); break;
       case 2: y = with_backward(x, y, "GatherFromParallelRegionBackward", [pg](const at::Tensor& g) { return own_chunk(pg, g, -1); }); break;
       case 3: y = with_backward(x, y, "ScatterToParallelRegionBackward", [pg](const at::Tensor& g) { return gather(pg, g, -1); }); break;
       case 4: y = with_backward(x, y, "GatherFromSequenceParallelRegionBackward", [pg](const at::Tensor& g) { return reduce_scatter_seq(pg, g); }); break;

@@ -45,6 +45,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         Box::new(move |x| mlp.f_forward(x))
     };
     let param_bytes = memory::allocated(Device::Cpu)? - before;
+    if std::env::var_os("BENCH_PHASES").is_some() {
+        eprintln!("built: allocated {} peak {}", memory::allocated(Device::Cpu)?, memory::peak(Device::Cpu)?);
+    }
     let shape: &[i64] = if attention { &[8, SEQ, D] } else { &[64, D] };
     let mut opt = nn::Sgd::default().build(&vs, 0.01)?;
     let mut times = Vec::new();
@@ -54,8 +57,18 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let y = Tensor::randn(shape, (Kind::Float, Device::Cpu));
         pg.barrier()?;
         let t = Instant::now();
+        let phases = std::env::var_os("BENCH_PHASES").is_some() && step == 3;
+        if phases {
+            memory::reset_peak(Device::Cpu)?;
+        }
         let out = block(&x)?;
+        if phases {
+            eprintln!("forward: allocated {} peak {}", memory::allocated(Device::Cpu)?, memory::peak(Device::Cpu)?);
+        }
         out.mse_loss(&y, tch::Reduction::Mean).f_backward()?;
+        if phases {
+            eprintln!("backward: allocated {} peak {}", memory::allocated(Device::Cpu)?, memory::peak(Device::Cpu)?);
+        }
         opt.step();
         tch_dist::hooks::zero_grads(&vs.trainable_variables())?;
         if step >= 2 {

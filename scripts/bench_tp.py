@@ -60,7 +60,15 @@ def main():
         y = torch.randn(*shape)
         dist.barrier()
         t = time.perf_counter()
-        torch.nn.functional.mse_loss(mlp(x), y).backward()
+        phases = os.environ.get("BENCH_PHASES") and step == 3
+        if phases:
+            memory_ruler.reset_peak()
+        out = mlp(x)
+        if phases:
+            print(f"forward: allocated {memory_ruler.allocated()} peak {memory_ruler.peak()}", file=sys.stderr)
+        torch.nn.functional.mse_loss(out, y).backward()
+        if phases:
+            print(f"backward: allocated {memory_ruler.allocated()} peak {memory_ruler.peak()}", file=sys.stderr)
         opt.step()
         opt.zero_grad(set_to_none=False)
         if step >= 2:

@@ -6,7 +6,7 @@ use tch::{nn, Kind, Tensor};
 
 use super::ops::{
     copy_to_parallel_region, gather_from_parallel_region, gather_from_sequence_parallel_region,
-    reduce_from_parallel_region, reduce_scatter_to_sequence_parallel_region, scatter_to_parallel_region,
+    reduce_from_parallel_region_owned, reduce_scatter_to_sequence_parallel_region, scatter_to_parallel_region,
 };
 use crate::error::{Error, Result};
 use crate::group::ProcessGroup;
@@ -166,7 +166,8 @@ impl RowParallelLinear {
         let y = if self.sequence_parallel {
             reduce_scatter_to_sequence_parallel_region(&partial, &self.pg)?
         } else {
-            reduce_from_parallel_region(&partial, &self.pg)?
+            // the partial product is ours alone (a linear does not save its output): summed in place
+            reduce_from_parallel_region_owned(&partial, &self.pg)?
         };
         match &self.bs {
             Some(b) => Ok(y.f_add(b)?),

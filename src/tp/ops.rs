@@ -31,6 +31,12 @@ pub fn reduce_from_parallel_region(x: &Tensor, pg: &ProcessGroup) -> Result<Tens
     op(1, "reduce_from_parallel_region", x, pg)
 }
 
+/// [`reduce_from_parallel_region`] summing into `x` itself (Megatron's in-place reduce): for a partial
+/// result the caller owns and nothing else reads (not saved for backward), to save a copy of it.
+pub(crate) fn reduce_from_parallel_region_owned(x: &Tensor, pg: &ProcessGroup) -> Result<Tensor> {
+    op(7, "reduce_from_parallel_region", x, pg)
+}
+
 /// all_gather along the last dimension forward; backward keeps this rank's slice of the gradient.
 pub fn gather_from_parallel_region(x: &Tensor, pg: &ProcessGroup) -> Result<Tensor> {
     op(2, "gather_from_parallel_region", x, pg)
