@@ -107,10 +107,17 @@ fn layers() -> LayerList {
     l
 }
 
+thread_local! {
+    /// The fixed W of the synthetic data, drawn once per thread (as scripts/bench_pipeline.py draws it).
+    static TARGET_W: Tensor = {
+        tch::manual_seed(10_000);
+        Tensor::randn([WIDTH, WIDTH], (Kind::Float, Device::Cpu)) / (WIDTH as f64).sqrt()
+    };
+}
+
 /// Synthetic regression data: y = sin(x W) for a fixed W; each step a fresh batch of `rows`.
 fn batch(step: usize, rows: i64) -> (Tensor, Tensor) {
-    tch::manual_seed(10_000);
-    let w = Tensor::randn([WIDTH, WIDTH], (Kind::Float, Device::Cpu)) / (WIDTH as f64).sqrt();
+    let w = TARGET_W.with(|w| w.shallow_clone());
     tch::manual_seed(step as i64);
     let x = Tensor::randn([rows, WIDTH], (Kind::Float, Device::Cpu));
     let y = x.matmul(&w).sin();
