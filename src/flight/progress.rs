@@ -164,7 +164,8 @@ pub(crate) fn blame(seq: Option<u64>, group: &str, peers: &[PeerProgress]) -> St
         } else if stale {
             format!("its process has shown no sign of life for {:.1}s (stopped, dead, or cut off)", t - p.heartbeat)
         } else {
-            "its process is alive".to_string()
+            // a heartbeat is a claim about the past: a process killed a moment ago still looks fresh
+            format!("its process showed signs of life {:.1}s ago", t - p.heartbeat)
         };
         if let Some(seq) = seq.filter(|&s| p.seq < s) {
             let last = if p.seq == 0 {
