@@ -183,7 +183,7 @@ impl Checkpointer {
         let mut all: Vec<Vec<Desc>> = Vec::with_capacity(world);
         let mut failed = None;
         for r in 0..world {
-            match self.fetch::<Vec<Desc>>(&format!("{seq}/desc/{r}"), r)? {
+            match fetch::<Vec<Desc>>(&self.store, &format!("{seq}/desc/{r}"), r)? {
                 Posted::Ok(v) => all.push(v),
                 Posted::Failed(msg) => {
                     failed.get_or_insert((r, msg));
@@ -242,8 +242,7 @@ impl Checkpointer {
 
     /// A CPU copy of `t` in a buffer of the pool, or a new one.
     fn stage(&mut self, t: &Tensor) -> Result<Tensor> {
-        let key = format!("{:?}{:?}", t.kind(), t.size());
-        let buf = match self.pool.get_mut(&key).and_then(|v| v.pop()) {
+        let buf = match self.pool.get_mut(&pool_key(t)).and_then(|v| v.pop()) {
             Some(b) => b,
             None => {
                 let b = Tensor::f_empty(t.size().as_slice(), (t.kind(), Device::Cpu))?;
@@ -268,10 +267,6 @@ impl Checkpointer {
     fn post<T: Serialize>(&self, key: &str, v: &T) -> Result<()> {
         let bytes = serde_json::to_vec(v).map_err(|e| Error::invalid("checkpoint save", e.to_string()))?;
         self.store.set(key, &bytes)
-    }
-
-    fn fetch<T: for<'de> Deserialize<'de>>(&self, key: &str, rank: usize) -> Result<Posted<T>> {
-        fetch(&self.store, key, rank)
     }
 }
 
