@@ -7,9 +7,10 @@
 //! elements rather than freed memory. Gathering fills `full` again and points the parameters at views of
 //! it; tensors autograd saved during forward share that storage and see the data again.
 //!
-//! While a unit is gathered, its shards live inside `full` (their own storage is given up and taken back
-//! when the unit is freed), so a gathered unit costs its full size, not full size plus shards. Not with
-//! mixed precision or offload, where shard and buffer differ in dtype or device.
+//! While a unit is gathered, from the start of its gather, its shards live inside `full` (their own
+//! storage is given up and taken back when the unit is freed), so a gathered or prefetched unit costs its
+//! full size, not full size plus shards. Not with mixed precision or offload, where shard and buffer
+//! differ in dtype or device.
 use std::collections::VecDeque;
 
 use tch::{Device, Kind, Tensor};
@@ -184,7 +185,13 @@ impl FlatParam {
         storage::allocate(&self.full)?;
         for s in &self.slots {
             if s.own > 0 {
-                self.own_chunk(s)?.f_copy_(&s.shard)?;
+                let chunk = self.own_chunk(s)?;
+                chunk.shallow_clone().f_copy_(&s.shard)?;
+                if self.home {
+                    // moved in now, not when the gather is waited for: a prefetched unit then costs its
+                    // full size too, not full size plus shards
+                    s.shard.shallow_clone().f_set_data(&chunk)?;
+                }
             }
         }
         let mut pending = VecDeque::new();
