@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::pipe::{self, data, layers, STEPS};
+use common::pipe::{self, data, data_rows, layers, BATCH, STEPS};
 use tch::{nn, nn::Module, nn::OptimizerConfig, Device, Kind, Tensor};
 use tch_dist::pipeline::schedule::Kind as Sched;
 use tch_dist::pipeline::split::SplitModel;
@@ -81,8 +81,10 @@ fn worker_pipeline_stage() {
     let mut stage = PipelineRank::new(pg.clone(), &l, &part, Device::Cpu, kind, m, v).unwrap().recompute(recompute);
     let mut opts: Vec<_> =
         stage.var_stores().iter().map(|vs| nn::Sgd::default().build(vs, pipe::LR).unwrap()).collect();
-    for s in 0..STEPS {
-        let (x, y) = data(s);
+    let rows =
+        std::env::var("PIPE_ROWS").map_or(vec![BATCH; STEPS], |r| r.split(',').map(|x| x.parse().unwrap()).collect());
+    for (s, &n) in rows.iter().enumerate() {
+        let (x, y) = data_rows(s, n);
         let r = stage.step(&x, &y, &pipe::loss).unwrap();
         if let Some(l) = r.loss {
             println!("loss {s} {l:.12}");
@@ -102,46 +104,71 @@ fn processes_match_the_unsplit_model() {
     let (ref_losses, ref_params) = pipe::reference();
     for (kind, p, m, v, sizes) in settings() {
         for recompute in [false, true] {
-            let sizes_s = sizes.iter().map(|s| s.to_string()).collect::<Vec<_>>().join(",");
-            let env = [
-                (
-                    "PIPE_SCHEDULE",
-                    format!("{kind:?}").replace("OneFOneB", "1f1b").replace("Interleaved1F1B", "interleaved"),
-                ),
-                ("PIPE_M", m.to_string()),
-                ("PIPE_V", v.to_string()),
-                ("PIPE_RECOMPUTE", (recompute as u8).to_string()),
-                ("PIPE_SIZES", sizes_s),
-                ("TCH_DIST_TIMEOUT_SECS", "60".to_string()),
-            ];
-            let outs = common::run_ranks_ok("worker_pipeline_stage", p, &env, Duration::from_secs(120));
-            let mut params = BTreeMap::new();
-            let mut losses = Vec::new();
-            for o in &outs {
-                for line in String::from_utf8_lossy(&o.stdout).lines() {
-                    // libtest prints "test worker_pipeline_stage ... " without a newline before our output
-                    let line = ["param ", "loss "].iter().filter_map(|k| line.find(k)).min().map_or("", |i| &line[i..]);
-                    let mut it = line.split_whitespace();
-                    match it.next() {
-                        Some("param") => {
-                            let name = it.next().unwrap().to_string();
-                            let vals: Vec<f64> = it.map(|x| x.parse().unwrap()).collect();
-                            params.insert(name, Tensor::from_slice(&vals));
-                        }
-                        Some("loss") => losses.push(it.nth(1).unwrap().parse::<f64>().unwrap()),
-                        _ => {}
-                    }
+            check_processes(kind, p, m, v, &sizes, recompute, None, &ref_losses, &ref_params);
+        }
+    }
+}
+
+/// Batches that shrink and grow between steps: receives are posted ahead for the shapes of the step
+/// before, so a changed shape goes through the transport's placeholder path, both ways (activations
+/// and gradients), and training still equals the unsplit model on the same batches.
+#[test]
+fn processes_carry_shapes_that_change_between_steps() {
+    let rows = [BATCH, BATCH / 2, BATCH];
+    let (ref_losses, ref_params) = pipe::reference_rows(&rows);
+    for (kind, sizes) in [(Sched::OneFOneB, vec![3, 5]), (Sched::GPipe, vec![4, 4])] {
+        check_processes(kind, 2, 2, 1, &sizes, false, Some(&rows), &ref_losses, &ref_params);
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn check_processes(
+    kind: Sched,
+    p: usize,
+    m: usize,
+    v: usize,
+    sizes: &[usize],
+    recompute: bool,
+    rows: Option<&[i64]>,
+    ref_losses: &[f64],
+    ref_params: &BTreeMap<String, Tensor>,
+) {
+    let sizes_s = sizes.iter().map(|s| s.to_string()).collect::<Vec<_>>().join(",");
+    let env = [
+        ("PIPE_SCHEDULE", format!("{kind:?}").replace("OneFOneB", "1f1b").replace("Interleaved1F1B", "interleaved")),
+        ("PIPE_M", m.to_string()),
+        ("PIPE_V", v.to_string()),
+        ("PIPE_RECOMPUTE", (recompute as u8).to_string()),
+        ("PIPE_SIZES", sizes_s),
+        ("TCH_DIST_TIMEOUT_SECS", "60".to_string()),
+        ("PIPE_ROWS", rows.unwrap_or(&[BATCH; STEPS]).iter().map(|r| r.to_string()).collect::<Vec<_>>().join(",")),
+    ];
+    let outs = common::run_ranks_ok("worker_pipeline_stage", p, &env, Duration::from_secs(120));
+    let mut params = BTreeMap::new();
+    let mut losses = Vec::new();
+    for o in &outs {
+        for line in String::from_utf8_lossy(&o.stdout).lines() {
+            // libtest prints "test worker_pipeline_stage ... " without a newline before our output
+            let line = ["param ", "loss "].iter().filter_map(|k| line.find(k)).min().map_or("", |i| &line[i..]);
+            let mut it = line.split_whitespace();
+            match it.next() {
+                Some("param") => {
+                    let name = it.next().unwrap().to_string();
+                    let vals: Vec<f64> = it.map(|x| x.parse().unwrap()).collect();
+                    params.insert(name, Tensor::from_slice(&vals));
                 }
-            }
-            let reference: BTreeMap<String, Tensor> =
-                ref_params.iter().map(|(k, t)| (k.clone(), t.to_kind(Kind::Double).flatten(0, -1))).collect();
-            let d = pipe::max_diff(&params, &reference);
-            assert!(d < TOL, "{kind:?} p={p} m={m} v={v} recompute={recompute}: params differ by {d:e}");
-            assert_eq!(losses.len(), STEPS);
-            for (a, b) in losses.iter().zip(&ref_losses) {
-                assert!((a - b).abs() < TOL, "{kind:?}: losses {losses:?} vs {ref_losses:?}");
+                Some("loss") => losses.push(it.nth(1).unwrap().parse::<f64>().unwrap()),
+                _ => {}
             }
         }
+    }
+    let reference: BTreeMap<String, Tensor> =
+        ref_params.iter().map(|(k, t)| (k.clone(), t.to_kind(Kind::Double).flatten(0, -1))).collect();
+    let d = pipe::max_diff(&params, &reference);
+    assert!(d < TOL, "{kind:?} p={p} m={m} v={v} recompute={recompute}: params differ by {d:e}");
+    assert_eq!(losses.len(), ref_losses.len());
+    for (a, b) in losses.iter().zip(ref_losses) {
+        assert!((a - b).abs() < TOL, "{kind:?}: losses {losses:?} vs {ref_losses:?}");
     }
 }
 

@@ -113,7 +113,8 @@ impl Pipeline {
         &self.ranks
     }
 
-    /// Zeroes every stage's gradients.
+    /// Drops every stage's gradients (PyTorch's `zero_grad()`, `set_to_none=True`): their memory is free
+    /// until the next backward, so the next step's forwards do not run beside last step's gradients.
     pub fn zero_grad(&self) -> Result<()> {
         zero_grads(&self.var_stores())
     }
@@ -158,7 +159,9 @@ fn plan(what: &str, partition: &Partition, kind: schedule::Kind, p: usize, m: us
 
 fn zero_grads(stores: &[&nn::VarStore]) -> Result<()> {
     for vs in stores {
-        crate::hooks::zero_grads(&vs.trainable_variables())?;
+        for v in vs.trainable_variables() {
+            crate::hooks::set_grad(&v, None)?;
+        }
     }
     Ok(())
 }
@@ -178,6 +181,8 @@ pub struct PipelineRank {
     schedule: Schedule,
     pg: Arc<ProcessGroup>,
     recompute: bool,
+    /// Kept from step to step: it remembers the shapes each key carried, to post receives early.
+    net: transport::GroupTransport,
 }
 
 impl PipelineRank {
@@ -197,7 +202,8 @@ impl PipelineRank {
         let chunks = (0..chunks)
             .map(|c| layers.build_stage(ranges[c * p + pg.rank()].clone(), device))
             .collect::<Result<Vec<_>>>()?;
-        Ok(PipelineRank { chunks, schedule, pg, recompute: false })
+        let net = transport::GroupTransport::new(pg.clone(), microbatches, p * chunks.len(), device);
+        Ok(PipelineRank { chunks, schedule, pg, recompute: false, net })
     }
 
     pub fn recompute(mut self, on: bool) -> Self {
@@ -209,6 +215,7 @@ impl PipelineRank {
         self.chunks.iter().map(|s| &s.vs).collect()
     }
 
+    /// Drops this rank's gradients, as [`Pipeline::zero_grad`].
     pub fn zero_grad(&self) -> Result<()> {
         zero_grads(&self.var_stores())
     }
@@ -219,9 +226,6 @@ impl PipelineRank {
         let m = self.schedule.microbatches;
         let inputs = microbatch::split(x, m, "inputs")?;
         let targets = microbatch::split(y, m, "targets")?;
-        let device = self.chunks[0].device;
-        let mut net =
-            transport::GroupTransport::new(self.pg.clone(), m, self.schedule.stages * self.schedule.chunks, device);
         let step = runtime::RankStep {
             rank: self.pg.rank(),
             schedule: &self.schedule,
@@ -231,6 +235,6 @@ impl PipelineRank {
             loss,
             recompute: self.recompute,
         };
-        runtime::run_rank(&step, &mut net)
+        runtime::run_rank(&step, &mut self.net)
     }
 }

@@ -46,6 +46,11 @@ pub fn now() -> f64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64())
 }
 
+/// Receives posted before the schedule reaches them (besides the one waited for): enough to have the
+/// next message's receive waiting while this rank computes, few enough that GPipe's and 1F1B's stages do
+/// not hold buffers for microbatches far ahead.
+const RECV_AHEAD: usize = 2;
+
 struct Saved {
     input: Tensor,
     output: Option<Tensor>,
@@ -67,17 +72,34 @@ pub fn run_rank(step: &RankStep, net: &mut dyn Transport) -> Result<RankReport> 
     let mut grads_in: HashMap<(usize, usize), Tensor> = HashMap::new();
     let mut report = RankReport::default();
     let mut loss_sum = 0.0;
+    // this rank's receives in schedule order, posted up to RECV_AHEAD ahead of the one it waits for
+    let recvs: Vec<(usize, transport::Key)> = sch.actions[rank]
+        .iter()
+        .filter_map(|&a| match a {
+            Action::RecvActivation { mb, chunk } => Some((prev_rank, (Payload::Activation, mb, vs_of(chunk)))),
+            Action::RecvGrad { mb, chunk } => Some((next_rank, (Payload::Grad, mb, vs_of(chunk)))),
+            _ => None,
+        })
+        .collect();
+    let (mut recvs_done, mut recvs_posted) = (0, 0);
     for (i, &a) in sch.actions[rank].iter().enumerate() {
         // tch's infallible ops (layers, loss functions) panic on bad shapes: that is this stage's error too
         let done = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| -> Result<()> {
+            while recvs_posted < recvs.len() && recvs_posted < recvs_done + RECV_AHEAD {
+                let (from, key) = recvs[recvs_posted];
+                net.prepost(from, key)?;
+                recvs_posted += 1;
+            }
             match a {
                 Action::RecvActivation { mb, chunk } => {
                     let t = net.recv(prev_rank, (Payload::Activation, mb, vs_of(chunk)))?;
                     received.insert((mb, chunk), t);
+                    recvs_done += 1;
                 }
                 Action::RecvGrad { mb, chunk } => {
                     let t = net.recv(next_rank, (Payload::Grad, mb, vs_of(chunk)))?;
                     grads_in.insert((mb, chunk), t);
+                    recvs_done += 1;
                 }
                 Action::Forward { mb, chunk } => {
                     let stage = &step.chunks[chunk];

@@ -28,6 +28,10 @@ pub trait Transport {
     fn send(&mut self, to_rank: usize, key: Key, t: &Tensor) -> Result<()>;
     /// Blocks until the tensor for `key` arrives from `from_rank`.
     fn recv(&mut self, from_rank: usize, key: Key) -> Result<Tensor>;
+    /// Posts the receive of `key` from `from_rank` ahead of [`Transport::recv`], where that helps.
+    fn prepost(&mut self, _from_rank: usize, _key: Key) -> Result<()> {
+        Ok(())
+    }
     /// Completes outstanding sends (end of a step).
     fn flush(&mut self) -> Result<()>;
     /// This rank failed (`origin` is the rank where the failure began, this one or an earlier one whose
@@ -112,8 +116,16 @@ impl Transport for ChannelTransport {
 }
 
 /// Send/recv over a process group (one process per stage). Each tensor is preceded by a small header
-/// with its dtype and shape, so receivers need not know shapes in advance. Headers travel where the
-/// group's metadata does; tensors go to the engine for their device (through the CPU for Gloo).
+/// with its dtype and shape, so receivers need not know shapes in advance; headers travel where the
+/// group's metadata does, tensors go to the engine for their device (through the CPU for Gloo).
+///
+/// Receives are posted ahead of the schedule ([`Transport::prepost`]), header and body together once a
+/// key's shape is known from the step before, as torch.distributed.pipelining posts its receives early:
+/// Gloo moves a message only once its receive is posted, so a receive posted late costs a round trip
+/// through the sender's I/O thread, which on a busy machine waits for a core (about 4 ms per message
+/// measured here). A shape that changes between steps (a smaller last batch) is announced in its header,
+/// and the sender first sends a placeholder of the old shape to complete the receive posted for it.
+/// Keep one transport for a rank's steps: both sides' shape caches must see the same history.
 pub struct GroupTransport {
     pub(crate) pg: Arc<ProcessGroup>,
     pub(crate) microbatches: usize,
@@ -122,11 +134,35 @@ pub struct GroupTransport {
     pub(crate) device: Device,
     // The engine keeps the sent tensors alive until their work completes.
     pending: Vec<Work>,
+    /// Header last sent to each (rank, key), and last received from each.
+    sent: HashMap<(usize, Key), [i64; tensor_meta::LEN]>,
+    expected: HashMap<(usize, Key), [i64; tensor_meta::LEN]>,
+    /// Receives posted ahead.
+    posted: HashMap<(usize, Key), Posted>,
+}
+
+/// Header integers: the tensor's encoding, then whether a placeholder of the old shape comes first.
+const HEADER: usize = tensor_meta::LEN + 1;
+
+struct Posted {
+    header: Tensor,
+    header_work: Work,
+    /// The body's receive, posted when its shape was known.
+    body: Option<(Tensor, Work)>,
 }
 
 impl GroupTransport {
     pub fn new(pg: Arc<ProcessGroup>, microbatches: usize, virtual_stages: usize, device: Device) -> Self {
-        GroupTransport { pg, microbatches, virtual_stages, device, pending: Vec::new() }
+        GroupTransport {
+            pg,
+            microbatches,
+            virtual_stages,
+            device,
+            pending: Vec::new(),
+            sent: HashMap::new(),
+            expected: HashMap::new(),
+            posted: HashMap::new(),
+        }
     }
 
     fn tag(&self, key: Key) -> i32 {
@@ -136,6 +172,30 @@ impl GroupTransport {
         };
         // two tags per message: header (even) and payload (odd)
         (((kind * self.microbatches + key.1) * self.virtual_stages + key.2) * 2) as i32
+    }
+
+    fn recv_body(&self, meta: &[i64], from_rank: usize, tag: i32) -> Result<(Tensor, Work)> {
+        let mut t = tensor_meta::empty(meta, self.device).ok_or_else(|| {
+            Error::invalid("pipeline recv", format!("stage {from_rank} announced {}", tensor_meta::render(meta)))
+        })?;
+        let w = self.pg.recv_raw(&mut t, from_rank, tag + 1)?;
+        Ok((t, w))
+    }
+
+    /// The failure a stage announced instead of its tensor.
+    fn aborted(&self, h: &[i64], key: Key) -> Error {
+        let origin = h[1].max(0) as usize;
+        let msg = self
+            .pg
+            .store()
+            .get(&abort_key(origin))
+            .map(|m| String::from_utf8_lossy(&m).to_string())
+            .unwrap_or_else(|e| format!("(its message could not be read: {e})"));
+        Error::RankFailed {
+            op: format!("pipeline stage {} waiting for {:?} of microbatch {}", self.pg.rank(), key.0, key.1),
+            rank: origin,
+            msg,
+        }
     }
 }
 
@@ -148,7 +208,12 @@ impl Transport for GroupTransport {
                 format!("{}: at most {} dims of a known dtype", tensor_meta::render(&m), tensor_meta::MAX_DIMS),
             ));
         }
-        let header = Tensor::from_slice(&m).f_to_device(self.pg.meta_device())?;
+        // the receiver posted its body for the shape sent last time: a new shape completes that first
+        let stale = self.sent.get(&(to_rank, key)).filter(|prev| **prev != m).copied();
+        let mut h = [0i64; HEADER];
+        h[..tensor_meta::LEN].copy_from_slice(&m);
+        h[tensor_meta::LEN] = i64::from(stale.is_some());
+        let header = Tensor::from_slice(&h).f_to_device(self.pg.meta_device())?;
         let body = t.f_contiguous()?;
         let tag = self.tag(key);
         let _l = crate::flight::label(format!(
@@ -157,7 +222,28 @@ impl Transport for GroupTransport {
         ));
         // Our header already tells the receiver what comes, so the group's own checks are skipped.
         self.pending.push(self.pg.send_raw(&header, to_rank, tag)?);
+        if let Some(prev) = stale {
+            let placeholder = tensor_meta::empty(&prev, body.device())
+                .ok_or_else(|| Error::invalid("pipeline send", "the previous shape cannot be rebuilt"))?;
+            self.pending.push(self.pg.send_raw(&placeholder, to_rank, tag + 1)?);
+        }
         self.pending.push(self.pg.send_raw(&body, to_rank, tag + 1)?);
+        self.sent.insert((to_rank, key), m);
+        Ok(())
+    }
+
+    fn prepost(&mut self, from_rank: usize, key: Key) -> Result<()> {
+        if self.posted.contains_key(&(from_rank, key)) {
+            return Ok(());
+        }
+        let tag = self.tag(key);
+        let mut header = Tensor::f_zeros([HEADER as i64], (Kind::Int64, self.pg.meta_device()))?;
+        let header_work = self.pg.recv_raw(&mut header, from_rank, tag)?;
+        let body = match self.expected.get(&(from_rank, key)) {
+            Some(m) => Some(self.recv_body(m, from_rank, tag)?),
+            None => None,
+        };
+        self.posted.insert((from_rank, key), Posted { header, header_work, body });
         Ok(())
     }
 
@@ -167,27 +253,46 @@ impl Transport for GroupTransport {
             "pipeline recv {:?} of microbatch {} for virtual stage {}",
             key.0, key.1, key.2
         ));
-        let mut h = Tensor::f_zeros([tensor_meta::LEN as i64], (Kind::Int64, self.pg.meta_device()))?;
-        self.pg.recv_raw(&mut h, from_rank, tag)?.wait()?;
-        let h = Vec::<i64>::try_from(h.f_to_device(Device::Cpu)?)?;
+        self.prepost(from_rank, key)?;
+        let Some(posted) = self.posted.remove(&(from_rank, key)) else {
+            return Err(Error::invalid("pipeline recv", format!("no receive posted for {key:?}")));
+        };
+        posted.header_work.wait()?;
+        let h = Vec::<i64>::try_from(posted.header.f_to_device(Device::Cpu)?)?;
         if h[0] == ABORT {
-            let origin = h[1].max(0) as usize;
-            let msg = self
-                .pg
-                .store()
-                .get(&abort_key(origin))
-                .map(|m| String::from_utf8_lossy(&m).to_string())
-                .unwrap_or_else(|e| format!("(its message could not be read: {e})"));
-            return Err(Error::RankFailed {
-                op: format!("pipeline stage {} waiting for {:?} of microbatch {}", self.pg.rank(), key.0, key.1),
-                rank: origin,
-                msg,
-            });
+            return Err(self.aborted(&h, key));
         }
-        let mut t = tensor_meta::empty(&h, self.device).ok_or_else(|| {
-            Error::invalid("pipeline recv", format!("stage {from_rank} announced {}", tensor_meta::render(&h)))
-        })?;
-        self.pg.recv_raw(&mut t, from_rank, tag + 1)?.wait()?;
+        let meta = &h[..tensor_meta::LEN];
+        let stale = h[tensor_meta::LEN] != 0;
+        let (t, work) = match posted.body {
+            Some((old, w)) if stale => {
+                w.wait()?; // the placeholder
+                drop(old);
+                self.recv_body(meta, from_rank, tag)?
+            }
+            Some((t, w)) if tensor_meta::encode(&t)[..] == *meta => (t, w),
+            Some((t, _)) => {
+                return Err(Error::invalid(
+                    "pipeline recv",
+                    format!(
+                        "stage {from_rank} announced {} for {key:?} where {} was posted, without a placeholder",
+                        tensor_meta::render(meta),
+                        tensor_meta::render(&tensor_meta::encode(&t))
+                    ),
+                ))
+            }
+            None if stale => {
+                return Err(Error::invalid(
+                    "pipeline recv",
+                    format!("stage {from_rank} sent a placeholder for {key:?} where nothing was posted"),
+                ))
+            }
+            None => self.recv_body(meta, from_rank, tag)?,
+        };
+        work.wait()?;
+        let mut m = [0i64; tensor_meta::LEN];
+        m.copy_from_slice(meta);
+        self.expected.insert((from_rank, key), m);
         Ok(t)
     }
 
@@ -202,7 +307,7 @@ impl Transport for GroupTransport {
         if origin == self.pg.rank() {
             self.pg.store().set(&abort_key(origin), msg.as_bytes())?;
         }
-        let mut h = [0i64; tensor_meta::LEN];
+        let mut h = [0i64; HEADER];
         h[0] = ABORT;
         h[1] = origin as i64;
         let header = Tensor::from_slice(&h).f_to_device(self.pg.meta_device())?;

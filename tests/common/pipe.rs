@@ -23,7 +23,12 @@ pub fn layers() -> LayerList {
 }
 
 pub fn data(step: usize) -> (Tensor, Tensor) {
-    let rows = Tensor::arange(BATCH, (Kind::Float, Device::Cpu)).unsqueeze(1) + (step as f64) * 100.0;
+    data_rows(step, BATCH)
+}
+
+/// `data` with `rows` rows (the first `rows` of a larger batch).
+pub fn data_rows(step: usize, rows: i64) -> (Tensor, Tensor) {
+    let rows = Tensor::arange(rows, (Kind::Float, Device::Cpu)).unsqueeze(1) + (step as f64) * 100.0;
     let x = (&rows * 0.21 + Tensor::arange(6, (Kind::Float, Device::Cpu)).unsqueeze(0) * 0.4).sin();
     let y = (&rows * 0.07 - Tensor::arange(3, (Kind::Float, Device::Cpu)).unsqueeze(0)).cos();
     (x, y)
@@ -39,12 +44,17 @@ pub fn named(stores: &[&nn::VarStore]) -> BTreeMap<String, Tensor> {
 
 /// The unsplit model trained on the full batch: (losses per step, final parameters by name).
 pub fn reference() -> (Vec<f64>, BTreeMap<String, Tensor>) {
+    reference_rows(&[BATCH; STEPS])
+}
+
+/// `reference` with `rows[s]` rows at step s.
+pub fn reference_rows(rows: &[i64]) -> (Vec<f64>, BTreeMap<String, Tensor>) {
     let l = layers();
     let stage = l.build_stage(0..l.len(), Device::Cpu).unwrap();
     let mut opt = nn::Sgd::default().build(&stage.vs, LR).unwrap();
     let mut losses = Vec::new();
-    for s in 0..STEPS {
-        let (x, y) = data(s);
+    for (s, &r) in rows.iter().enumerate() {
+        let (x, y) = data_rows(s, r);
         opt.zero_grad();
         let lo = loss(&stage.forward(&x), &y);
         losses.push(lo.double_value(&[]));
