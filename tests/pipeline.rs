@@ -48,6 +48,9 @@ fn train_threads(
         losses.push(r.loss);
         opts.iter_mut().for_each(|o| o.step());
         pipe.zero_grad().unwrap();
+        let kept =
+            pipe.var_stores().iter().flat_map(|vs| vs.trainable_variables()).filter(|v| v.grad().defined()).count();
+        assert_eq!(kept, 0, "zero_grad drops the gradients (set_to_none)");
     }
     (losses, pipe::named(&pipe.var_stores()))
 }
