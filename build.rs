@@ -17,6 +17,7 @@ const SOURCES: &[&str] = &[
     "csrc/marker.cpp",
     "csrc/recompute.cpp",
     "csrc/storage.cpp",
+    "csrc/optim.cpp",
 ];
 
 fn libtorch_lib() -> PathBuf {

@@ -123,6 +123,12 @@ int tdx_checkpoint(tdx_forward_fn fn, tdx_drop_fn drop, void* ctx, const tdx_ten
 int tdx_storage_resize(tdx_tensor t, int64_t nbytes);
 int tdx_storage_nbytes(tdx_tensor t, int64_t* out);
 
+// ---- optim.cpp: ATen's fused AdamW over n parameters, in place (torch.optim.AdamW(fused=True)); steps[i] is
+// parameter i's step count after this step, a float32 scalar tensor.
+int tdx_fused_adamw(const tdx_tensor* params, const tdx_tensor* grads, const tdx_tensor* exp_avgs,
+                    const tdx_tensor* exp_avg_sqs, const tdx_tensor* steps, size_t n, double lr, double beta1,
+                    double beta2, double weight_decay, double eps);
+
 // ---- random.cpp: a permutation of 0..n from a CPU generator seeded with `seed` (the global one untouched).
 int tdx_randperm(int64_t n, uint64_t seed, tdx_tensor* out);
 // Standard normal tensors drawn in turn from one CPU generator seeded with `seed` (dtype: a c10::ScalarType

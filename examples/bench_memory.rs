@@ -8,6 +8,7 @@
 //!   --bucket-mb X            DDP bucket cap (25 by default)
 //!   --keep                   ZeRO-3: keep units gathered from forward to backward
 //!   --checkpoint             ZeRO-3: each Linear + ReLU recomputed in backward
+//!   --fused                  AdamW's fused kernel (PyTorch's twin: AdamW(fused=True))
 //! Rank 0 prints `median_step_s peak_rank0 peak_rank1 params grads state master grad_shards` (bytes).
 use std::sync::Arc;
 use std::time::Instant;
@@ -41,6 +42,9 @@ struct Args {
     /// ZeRO-3: activation checkpointing of each layer
     #[arg(long)]
     checkpoint: bool,
+    /// AdamW's fused kernel
+    #[arg(long)]
+    fused: bool,
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -71,7 +75,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     if std::env::var_os("BENCH_TRACE").is_some() && pg.rank() == 0 {
         eprintln!("built: allocated {} peak {}", memory::allocated(Device::Cpu)?, memory::peak(Device::Cpu)?);
     }
-    let adamw = |p: Vec<Tensor>| -> Box<dyn Optimizer + Send> { Box::new(AdamW::new(p, 1e-3)) };
+    let fused = args.fused;
+    let adamw = move |p: Vec<Tensor>| -> Box<dyn Optimizer + Send> { Box::new(AdamW::new(p, 1e-3).fused(fused)) };
     let mut opt: Box<dyn Optimizer> = match mode.as_str() {
         "ddp" if !bf16 => adamw(vs.trainable_variables()),
         "zero1" => Box::new(ShardedOptimizer::new(&ddp, ZeroStage::One, adamw)?),
@@ -123,7 +128,7 @@ fn zero3(args: &Args, pg: Arc<ProcessGroup>) -> Result<(), Box<dyn std::error::E
         };
     }
     let model = fsdp.finish(net)?;
-    let mut opt = AdamW::new(model.parameters(), 1e-3);
+    let mut opt = AdamW::new(model.parameters(), 1e-3).fused(args.fused);
     let phases = std::env::var_os("BENCH_PHASES").is_some() && pg.rank() == 0;
     let mark = |what: &str| -> Res<()> {
         if phases {

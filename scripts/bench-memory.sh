@@ -43,5 +43,7 @@ for r in $(seq "$ROUNDS"); do
   run ours_zero3_keep $rust --mode zero3 --keep
   run ours_zero3_ckpt $rust --mode zero3 --checkpoint
   run ours_zero3_bf16 $rust --mode zero3 --bf16
+  run torch_fsdp2_fused $py --mode fsdp2 --fused
+  run ours_zero3_fused $rust --mode zero3 --fused
 done
 "$TCH_DIST_PYTHON_BIN" scripts/bench_memory_report.py "$out" "$PNG"

@@ -1,12 +1,13 @@
 """PyTorch twin of examples/bench_memory.rs: same model, batch, steps and output, measured with tch-dist's
 counting allocator (scripts/memory_ruler.py).
-Usage: bench_memory.py --mode default|views|zero|zero_views|fsdp2|fsdp2_keep
+Usage: bench_memory.py --mode default|views|zero|zero_views|fsdp2|fsdp2_keep [--fused]
   default     DDP as constructed by default, AdamW, opt.zero_grad()
   views       DDP(gradient_as_bucket_view=True)
   zero        DDP + ZeroRedundancyOptimizer(AdamW)
   zero_views  both
   fsdp2       FSDP2: fully_shard(each Linear), then fully_shard(model); AdamW over the DTensor shards
   fsdp2_keep  the same with reshard_after_forward=False
+  --fused     AdamW(fused=True)
 Rank 0 prints `median_step_s peak_rank0 peak_rank1`."""
 import os
 import sys
@@ -44,7 +45,7 @@ def main():
     if mode.startswith("zero"):
         opt = ZeroRedundancyOptimizer(net.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3)
     else:
-        opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-3, fused=True if "--fused" in sys.argv else None)
     times = []
     for step in range(WARMUP + STEPS):
         torch.manual_seed(1000 + step * 10 + rank)

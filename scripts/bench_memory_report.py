@@ -29,6 +29,8 @@ RUNS = {
     "ours_zero3_keep": ("tch-dist ZeRO-3, reshard_after_forward(false)", 4 * PSI + 8 * PSI / N + U + A, "4Ψ + 8Ψ/N + U + A"),
     "ours_zero3_ckpt": ("tch-dist ZeRO-3, each unit checkpointed", 16 * PSI / N + U + A, "16Ψ/N + U + A"),
     "ours_zero3_bf16": ("tch-dist ZeRO-3, bf16 compute, fp32 shards", 16 * PSI / N + U / 2 + A / 2, "16Ψ/N + U/2 + A/2"),
+    "torch_fsdp2_fused": ("PyTorch FSDP2, AdamW(fused=True)", 16 * PSI / N + U + A, "16Ψ/N + U + A"),
+    "ours_zero3_fused": ("tch-dist ZeRO-3, AdamW fused", 16 * PSI / N + U + A, "16Ψ/N + U + A"),
 }
 
 
@@ -62,7 +64,8 @@ print(f"ZeRO-3 formulas: U = one Linear gathered = {U / MB:.2f} MB, A = the {L} 
       "with resharding off all parameters stay gathered from forward to backward (4Ψ), and the gradient shards "
       "are not yet there when backward starts")
 for ours, theirs in (("ours_zero3", "torch_fsdp2"), ("ours_zero3_keep", "torch_fsdp2_keep"),
-                     ("ours_zero3_ckpt", "torch_fsdp2"), ("ours_zero3_bf16", "torch_fsdp2")):
+                     ("ours_zero3_ckpt", "torch_fsdp2"), ("ours_zero3_bf16", "torch_fsdp2"),
+                     ("ours_zero3_fused", "torch_fsdp2_fused")):
     print(f"{RUNS[ours][0]}: peak / {RUNS[theirs][0]} {R[ours][1] / R[theirs][1]:.3f} (goal <= 0.95), "
           f"peak / formula {R[ours][1] / RUNS[ours][1]:.3f} (goal <= 1.10); step / FSDP2 {R[ours][0] / R[theirs][0]:.2f} (goal <= 0.5)")
 

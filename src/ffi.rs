@@ -171,6 +171,21 @@ extern "C" {
     pub fn tdx_storage_resize(t: tdx_tensor, nbytes: i64) -> c_int;
     pub fn tdx_storage_nbytes(t: tdx_tensor, out: *mut i64) -> c_int;
 
+    #[allow(clippy::too_many_arguments)]
+    pub fn tdx_fused_adamw(
+        params: *const tdx_tensor,
+        grads: *const tdx_tensor,
+        exp_avgs: *const tdx_tensor,
+        exp_avg_sqs: *const tdx_tensor,
+        steps: *const tdx_tensor,
+        n: usize,
+        lr: f64,
+        beta1: f64,
+        beta2: f64,
+        weight_decay: f64,
+        eps: f64,
+    ) -> c_int;
+
     pub fn tdx_randperm(n: i64, seed: u64, out: *mut tdx_tensor) -> c_int;
     pub fn tdx_randn_seq(
         seed: u64,

