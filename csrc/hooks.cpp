@@ -57,6 +57,13 @@ int tdx_queue_backward_callback(tdx_callback_fn fn, tdx_drop_fn drop, void* ctx)
   })
 }
 
+int tdx_backward_with_grad(tdx_tensor output, tdx_tensor grad) {
+  TDX_TRY({
+    torch::autograd::backward({tdx::tensor(output)}, {tdx::tensor(grad)});
+    return TDX_OK;
+  })
+}
+
 int tdx_tensor_set_grad(tdx_tensor var, tdx_tensor grad) {
   TDX_TRY({
     auto& v = tdx::tensor(var);

@@ -77,6 +77,8 @@ void tdx_hook_free(tdx_hook* h);  // removes the hook
 typedef int (*tdx_callback_fn)(void* ctx, char* err, size_t errlen);
 typedef void (*tdx_drop_fn)(void* ctx);
 int tdx_queue_backward_callback(tdx_callback_fn fn, tdx_drop_fn drop, void* ctx);
+// Backward from `output` with `grad` as its gradient (torch.autograd.backward(output, grad)).
+int tdx_backward_with_grad(tdx_tensor output, tdx_tensor grad);
 int tdx_tensor_set_grad(tdx_tensor var, tdx_tensor grad);  // grad NULL: undefine .grad
 int tdx_tensor_grad_data_ptr(tdx_tensor var, uint64_t* out);  // 0 when undefined
 

@@ -91,8 +91,9 @@ const CHECKS: &[(&str, Check)] = &[
     ("checkpoint", checkpoint_round_trip),
     ("split-one-gpu", split),
     ("pipeline-1f1b", pipeline_1f1b),
-    ("fsdp", |d| fsdp_step(d, false)),
-    ("fsdp-offload", |d| fsdp_step(d, true)),
+    ("fsdp", |d| fsdp_step(d, false, false)),
+    ("fsdp-offload", |d| fsdp_step(d, true, false)),
+    ("fsdp-fused-adamw", |d| fsdp_step(d, false, true)),
     ("recompute-dropout", recompute_dropout),
 ];
 
@@ -333,7 +334,8 @@ fn zero_step(device: Device, stage: ZeroStage) -> Res<Outcome> {
 /// FSDP with each Linear a unit, clipping (max norm 0.5) and AdamW, against the same on the CPU
 /// unsharded; `offload`: shards, their gradients and AdamW's state on the CPU, units computing on `device`
 /// (DeepSpeed's offload_optimizer; on the CPU, distinct buffers all the same).
-fn fsdp_step(device: Device, offload: bool) -> Res<Outcome> {
+/// FSDP against the unsharded model on the CPU; `fused`: the GPU side steps with AdamW's fused kernel.
+fn fsdp_step(device: Device, offload: bool, fused: bool) -> Res<Outcome> {
     const MAX_NORM: f64 = 0.5;
     let config = if offload { BackendConfig::CPU_GLOO_CUDA_NCCL } else { BackendConfig::NCCL };
     let pg = group(device, config)?;
@@ -366,7 +368,7 @@ fn fsdp_step(device: Device, offload: bool) -> Res<Outcome> {
         };
     }
     let model = f.finish(net)?;
-    let mut opt = AdamW::new(model.parameters(), 1e-2);
+    let mut opt = AdamW::new(model.parameters(), 1e-2).fused(fused);
     let mut ref_opt = AdamW::new(cpu_vs.trainable_variables(), 1e-2);
     let mut norms = (0.0, 0.0);
     for s in 0..STEPS {
@@ -396,7 +398,8 @@ fn fsdp_step(device: Device, offload: bool) -> Res<Outcome> {
         ensure(m.offloaded == 0, || format!("nothing offloaded, yet {} bytes", m.offloaded))?;
     }
     Ok(Pass(format!(
-        "{STEPS} clipped AdamW steps over {}, max |diff| vs CPU {diff:.1e}, norm {:.4} (CPU {:.4}); offloaded {} of {held} bytes",
+        "{STEPS} clipped AdamW{} steps over {}, max |diff| vs CPU {diff:.1e}, norm {:.4} (CPU {:.4}); offloaded {} of {held} bytes",
+        if fused { " (fused)" } else { "" },
         pg.backend_config(),
         norms.0,
         norms.1,

@@ -119,6 +119,7 @@ extern "C" {
     ) -> c_int;
     pub fn tdx_hook_free(h: *mut tdx_hook);
     pub fn tdx_queue_backward_callback(f: tdx_callback_fn, drop: tdx_drop_fn, ctx: *mut c_void) -> c_int;
+    pub fn tdx_backward_with_grad(output: tdx_tensor, grad: tdx_tensor) -> c_int;
     pub fn tdx_tensor_set_grad(var: tdx_tensor, grad: tdx_tensor) -> c_int;
     pub fn tdx_tensor_grad_data_ptr(var: tdx_tensor, out: *mut u64) -> c_int;
 

@@ -79,6 +79,17 @@ impl Drop for GradHook {
     }
 }
 
+/// Runs backward from `output` with `grad` as its gradient (PyTorch's `output.backward(grad)`; tch's
+/// `backward` takes none): what a pipeline stage does with the gradient the next stage sent back.
+pub fn backward_with_grad(output: &Tensor, grad: &Tensor) -> Result<()> {
+    // SAFETY: both tensors are live for the call; the shim reads them and returns.
+    let code =
+        unsafe { ffi::tdx_backward_with_grad(output.as_ptr() as ffi::tdx_tensor, grad.as_ptr() as ffi::tdx_tensor) };
+    check(code, std::time::Duration::ZERO, || {
+        format!("backward from {:?} with a gradient of {:?}", output.size(), grad.size())
+    })
+}
+
 /// Sets `var.grad` to `grad` (which may be a view, e.g. into a flat bucket), or clears it with `None`.
 pub fn set_grad(var: &Tensor, grad: Option<&Tensor>) -> Result<()> {
     let g = grad.map_or(std::ptr::null_mut(), |g| g.as_ptr() as ffi::tdx_tensor);

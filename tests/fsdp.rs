@@ -295,6 +295,14 @@ fn fp32_equals_single_process_on_2_and_3_ranks() {
     }
 }
 
+/// One rank: nothing to reduce, the gradient is the shard's gradient (and no other rank's chunk of the
+/// gathered buffer is free to receive into).
+#[test]
+fn one_rank_equals_single_process() {
+    check(Setup { world: 1, ..Default::default() }, TOL);
+    check(Setup { world: 1, keep_after_forward: true, ..Default::default() }, TOL);
+}
+
 #[test]
 fn resharding_off_and_no_prefetch_change_nothing() {
     check(Setup { world: 2, keep_after_forward: true, ..Default::default() }, TOL);

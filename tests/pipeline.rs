@@ -18,7 +18,7 @@ use tch_dist::ProcessGroup;
 const TOL: f64 = 1e-6;
 
 /// (schedule, stages, microbatches, chunks, partition sizes over p*v parts)
-fn settings() -> Vec<(Sched, usize, usize, usize, Vec<usize>)> {
+fn settings() -> Vec<Setting> {
     vec![
         (Sched::GPipe, 2, 4, 1, vec![4, 4]),
         (Sched::OneFOneB, 2, 4, 1, vec![3, 5]),
@@ -104,10 +104,10 @@ fn worker_pipeline_stage() {
 
 #[test]
 fn processes_match_the_unsplit_model() {
-    let (ref_losses, ref_params) = pipe::reference();
-    for (kind, p, m, v, sizes) in settings() {
+    let reference = pipe::reference();
+    for setting in settings() {
         for recompute in [false, true] {
-            check_processes(kind, p, m, v, &sizes, recompute, None, &ref_losses, &ref_params);
+            check_processes(&setting, recompute, None, &reference);
         }
     }
 }
@@ -118,24 +118,25 @@ fn processes_match_the_unsplit_model() {
 #[test]
 fn processes_carry_shapes_that_change_between_steps() {
     let rows = [BATCH, BATCH / 2, BATCH];
-    let (ref_losses, ref_params) = pipe::reference_rows(&rows);
-    for (kind, sizes) in [(Sched::OneFOneB, vec![3, 5]), (Sched::GPipe, vec![4, 4])] {
-        check_processes(kind, 2, 2, 1, &sizes, false, Some(&rows), &ref_losses, &ref_params);
+    let reference = pipe::reference_rows(&rows);
+    for setting in [(Sched::OneFOneB, 2, 2, 1, vec![3, 5]), (Sched::GPipe, 2, 2, 1, vec![4, 4])] {
+        check_processes(&setting, false, Some(&rows), &reference);
     }
 }
 
-#[allow(clippy::too_many_arguments)]
+/// (schedule, stages, microbatches, chunks, partition sizes), as `settings` gives them.
+type Setting = (Sched, usize, usize, usize, Vec<usize>);
+
+/// Stage processes train `setting` on batches of `rows[s]` rows (8 each by default) and must end as the
+/// unsplit model did (`reference`: its losses and parameters).
 fn check_processes(
-    kind: Sched,
-    p: usize,
-    m: usize,
-    v: usize,
-    sizes: &[usize],
+    setting: &Setting,
     recompute: bool,
     rows: Option<&[i64]>,
-    ref_losses: &[f64],
-    ref_params: &BTreeMap<String, Tensor>,
+    reference: &(Vec<f64>, BTreeMap<String, Tensor>),
 ) {
+    let (kind, p, m, v, sizes) = setting;
+    let (ref_losses, ref_params) = reference;
     let sizes_s = sizes.iter().map(|s| s.to_string()).collect::<Vec<_>>().join(",");
     let env = [
         ("PIPE_SCHEDULE", format!("{kind:?}").replace("OneFOneB", "1f1b").replace("Interleaved1F1B", "interleaved")),
@@ -146,7 +147,7 @@ fn check_processes(
         ("TCH_DIST_TIMEOUT_SECS", "60".to_string()),
         ("PIPE_ROWS", rows.unwrap_or(&[BATCH; STEPS]).iter().map(|r| r.to_string()).collect::<Vec<_>>().join(",")),
     ];
-    let outs = common::run_ranks_ok("worker_pipeline_stage", p, &env, Duration::from_secs(120));
+    let outs = common::run_ranks_ok("worker_pipeline_stage", *p, &env, Duration::from_secs(120));
     let mut params = BTreeMap::new();
     let mut losses = Vec::new();
     for o in &outs {

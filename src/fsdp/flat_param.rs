@@ -250,9 +250,24 @@ impl FlatParam {
     /// (accumulating into one already there), and drops the parameter's gradient. In place on the
     /// gradient when it has the reduction's dtype and no padding; a parameter without a gradient counts
     /// as zeros.
-    pub fn reduce_grads(&self, pg: &ProcessGroup, index: usize, reduce: Kind, divisor: f64) -> Result<()> {
+    ///
+    /// `in_full`: the unit is still gathered and its backward is over, so the other ranks' chunks of
+    /// `full` are free: the reduction receives there, the gradient goes, and only then does the shard's
+    /// gradient get memory of its own. Then a rank never holds more than the gathered unit and its
+    /// gradient. Only with other ranks, where `full` holds the shards and has the reduction's dtype, and only once nothing
+    /// else holds the gradient (autograd does while the gradient's hook runs).
+    pub fn reduce_grads(
+        &self,
+        pg: &ProcessGroup,
+        index: usize,
+        reduce: Kind,
+        divisor: f64,
+        in_full: bool,
+    ) -> Result<()> {
         let _g = tch::no_grad_guard();
         let device = self.full.device();
+        let in_full =
+            in_full && self.world > 1 && self.home && reduce == self.full.kind() && self.gathered_bytes()? > 0;
         let scale = Tensor::from(1.0 / divisor);
         for s in &self.slots {
             let padded = self.world * s.chunk;
@@ -278,14 +293,21 @@ impl FlatParam {
             };
             drop(g);
             hooks::set_grad(&s.param, None)?; // `buf` keeps it alive for the reduction when in place
-            let out = Tensor::f_empty([s.chunk], (reduce, device))?;
-            RingReduce::start(pg, buf, out.shallow_clone(), Ring::FsdpReduce, index)?.finish(pg)?;
+            let (out, scratch) = if in_full {
+                let chunk = |k: i64| self.full.f_narrow(0, s.offset + (self.rank + k) % self.world * s.chunk, s.chunk);
+                (chunk(1)?, if self.world > 2 { Some(chunk(2)?) } else { None })
+            } else {
+                (Tensor::f_empty([s.chunk], (reduce, device))?, None)
+            };
+            // `finish` consumes the ring and with it `buf`: the gradient is gone before anything new is made
+            RingReduce::start_with(pg, buf, out.shallow_clone(), scratch, Ring::FsdpReduce, index)?.finish(pg)?;
             let mine = out.f_narrow(0, 0, s.own)?;
             let sg = s.shard.grad();
             if sg.defined() {
                 let _ = sg.shallow_clone().f_add_(&mine.f_to_device(s.shard.device())?)?;
-            } else if self.offloaded || mine.kind() != s.shard.kind() {
-                // a buffer of its own on the shard's device (with offload, even when that is the same device)
+            } else if in_full || self.offloaded || mine.kind() != s.shard.kind() {
+                // a buffer of its own on the shard's device (with offload, even when that is the same
+                // device; from `full`, since that is freed next)
                 let own = Tensor::f_empty([s.own], (s.shard.kind(), s.shard.device()))?;
                 own.shallow_clone().f_copy_(&mine)?;
                 hooks::set_grad(&s.shard, Some(&own))?;

@@ -4,10 +4,13 @@
 //! Every step takes what it needs under the lock, lets go, runs its collectives, and comes back to record
 //! the result: no lock is held across a collective.
 //!
-//! Gradients are reduce-scattered unit by unit in the reverse order of the forwards, as soon as a unit's
-//! last gradient has arrived (FSDP's post-backward). The order is the same on every rank, so the ring's
-//! messages pair up even where ranks' gradients arrive in different orders; a unit some of whose
-//! parameters got no gradient waits for the end of backward and is reduced there, with zeros for them.
+//! Gradients are reduce-scattered unit by unit in the reverse order of the forwards, once a unit's last
+//! gradient has arrived (FSDP's post-backward): at the next unit's pre-backward, or at the end of
+//! backward. Not from the gradient's hook itself: autograd holds the gradient until its hook returns, and
+//! the reduction frees it before the shard's gradient takes memory of its own. The order is the same on
+//! every rank, so the ring's messages pair up even where ranks' gradients arrive in different orders; a
+//! unit some of whose parameters got no gradient waits for the end of backward and is reduced there, with
+//! zeros for them.
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 use tch::{Kind, Tensor};
@@ -259,14 +262,18 @@ impl Runtime {
         self.ensure_end_callback()
     }
 
-    /// Just before unit `u`'s backward (its output's gradient is complete): gathers it again and
-    /// prefetches the units whose backward comes next.
+    /// Just before unit `u`'s backward (its output's gradient is complete): reduces the units whose
+    /// gradients are in (before anything is gathered), gathers `u` again and prefetches the units whose
+    /// backward comes next.
     pub fn pre_backward(self: &Arc<Self>, u: usize) -> Result<()> {
-        let next: Vec<usize> = {
+        let (next, sync): (Vec<usize>, bool) = {
             let st = self.lock();
             let at = st.order.iter().position(|&x| x == u).unwrap_or(0);
-            st.order[..at].iter().rev().take(self.cfg.prefetch).copied().collect()
+            (st.order[..at].iter().rev().take(self.cfg.prefetch).copied().collect(), st.sync)
         };
+        if sync {
+            self.reduce_ready(false)?;
+        }
         self.unshard(u)?;
         for v in next {
             self.prefetch(v)?;
@@ -274,28 +281,24 @@ impl Runtime {
         Ok(())
     }
 
-    /// One parameter of unit `u` has its gradient (called from its accumulator's hook).
+    /// One parameter of unit `u` has its gradient (called from its accumulator's hook). Counted only: the
+    /// reduction waits until autograd lets go of the gradient (see the module's note).
     pub fn grad_arrived(self: &Arc<Self>, u: usize) {
         // one lock per gradient on this hot path: the end-of-backward flag (normally set by the root's
         // marker already) and the arrival count together
-        let (queue, sync) = {
+        let queue = {
             let mut st = self.lock();
             let queue = !st.in_backward;
             st.in_backward = true;
             if st.sync {
                 st.units[u].arrived += 1;
             }
-            (queue, st.sync)
+            queue
         };
-        let r = if queue { self.queue_end_callback() } else { Ok(()) }.and_then(|()| {
-            if sync {
-                self.reduce_ready(false)
-            } else {
-                Ok(())
+        if queue {
+            if let Err(e) = self.queue_end_callback() {
+                self.record(e.to_string());
             }
-        });
-        if let Err(e) = r {
-            self.record(e.to_string());
         }
     }
 
@@ -346,11 +349,29 @@ impl Runtime {
                 }
                 (u, st.units[u].flat.handles())
             };
-            // the gathered parameters go first: the reduction's buffer takes their place
-            self.reshard(u)?;
-            let _l = crate::flight::label(format!("FSDP reduce-scatter of unit {u}"));
-            let reduce = self.cfg.reduce_dtype.unwrap_or(flat.compute_kind());
-            flat.reduce_grads(&self.pg, u, reduce, self.pg.size() as f64)?;
+            // A gathered unit lends the reduction the other ranks' chunks and is freed after it;
+            // otherwise the gathered parameters go first, so the reduction's buffer takes their place.
+            let gathered = {
+                let mut st = self.lock();
+                let g = matches!(st.units[u].phase, Phase::Gathered);
+                if g {
+                    st.units[u].phase = Phase::Busy;
+                }
+                g
+            };
+            if !gathered {
+                self.reshard(u)?;
+            }
+            let reduced = {
+                let _l = crate::flight::label(format!("FSDP reduce-scatter of unit {u}"));
+                let reduce = self.cfg.reduce_dtype.unwrap_or(flat.compute_kind());
+                flat.reduce_grads(&self.pg, u, reduce, self.pg.size() as f64, gathered)
+            };
+            if gathered {
+                self.lock().units[u].phase = Phase::Gathered;
+                self.reshard(u)?;
+            }
+            reduced?;
         }
     }
 

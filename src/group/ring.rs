@@ -68,8 +68,25 @@ fn chunk_of(rank: i64, step: i64, world: i64) -> (i64, i64) {
 impl RingReduce {
     /// Posts the first step of reducing `buf` (`world * out.numel()` elements) into `out`.
     pub fn start(pg: &ProcessGroup, buf: Tensor, out: Tensor, ring: Ring, index: usize) -> Result<RingReduce> {
+        Self::start_with(pg, buf, out, None, ring, index)
+    }
+
+    /// [`RingReduce::start`] with the receive buffer of the intermediate steps (more than two ranks; like
+    /// `out`, apart from `buf`) given rather than allocated.
+    pub fn start_with(
+        pg: &ProcessGroup,
+        buf: Tensor,
+        out: Tensor,
+        scratch: Option<Tensor>,
+        ring: Ring,
+        index: usize,
+    ) -> Result<RingReduce> {
         let len = out.numel() as i64;
-        let recv = if pg.size() > 2 { Some(out.f_empty_like()?) } else { None };
+        let recv = match scratch {
+            _ if pg.size() <= 2 => None,
+            Some(t) => Some(t),
+            None => Some(out.f_empty_like()?),
+        };
         let mut r = RingReduce { buf, out, recv, len, ring, index, step: 0, pending: Vec::new() };
         if pg.size() == 1 {
             r.out.shallow_clone().f_copy_(&r.buf)?;

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use tch::{nn::Module, Kind, Tensor};
+use tch::{nn::Module, Tensor};
 
 use super::layers::Stage;
 use super::schedule::{Action, Schedule};
@@ -145,8 +145,7 @@ pub fn run_rank(step: &RankStep, net: &mut dyn Transport) -> Result<RankReport> 
                         loss.f_backward()?;
                     } else {
                         let g = grads_in.remove(&(mb, chunk)).ok_or_else(|| missing(rank, a))?;
-                        // backward of `output` with incoming gradient g (tch's backward takes no gradient)
-                        output.f_mul(&g.f_to_device(output.device())?)?.f_sum(Kind::Float)?.f_backward()?;
+                        crate::hooks::backward_with_grad(&output, &g.f_to_device(output.device())?)?;
                     }
                     if vs > 0 {
                         let gin = s.input.grad();
