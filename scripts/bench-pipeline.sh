@@ -2,7 +2,7 @@
 # Pipeline benchmark: 2 stage processes on this machine (one intra-op thread each, so stages do not fight
 # for the 2 cores), GPipe and 1F1B, m in {2, 4, 8, 16}, against PyTorch's torch.distributed.pipelining
 # (ScheduleGPipe, Schedule1F1B: scripts/bench_pipeline.py) with the same model, batch, m and steps, and
-# against the unsplit model, in the same run; ROUNDS rounds (default 3) alternate ours and PyTorch's, and
+# against the unsplit model, in the same run; ROUNDS rounds (default 5) alternate ours and PyTorch's, and
 # every figure is the median over rounds.
 # Model: examples/pipeline.rs's MLP (16 x Linear(1024, 1024) + tanh), batch 256, SGD, STEPS steps (8).
 # Idle = 1 - CPU time / wall time of each stage process (one thread each), mean over the stages: the same
@@ -17,7 +17,7 @@ cargo build -q --release --example pipeline --bin tchrun
 export TCH_DIST_MEMORY_LIB=$PWD/target/release/libtch_dist_memory.so
 bin=target/release/examples/pipeline
 STEPS=${STEPS:-8}
-ROUNDS=${ROUNDS:-3}
+ROUNDS=${ROUNDS:-5}
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 for r in $(seq "$ROUNDS"); do
@@ -65,7 +65,7 @@ print("| schedule | m | ours samples/s | PyTorch samples/s | **samples/s ours / 
 print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 for s, m, t, _, _, idle, _, _, _, tt, ti, pk, tpk in rows:
     print(f"| {s} | {m} | {t:.0f} | {tt:.0f} | **{t / tt:.2f}** | {idle:.3f} | {ti:.3f} | {idle - ti:+.3f} | "
-          f"{pk:.1f} | {tpk:.1f} | **{pk / tpk:.2f}** |")
+          f"{pk:.2f} | {tpk:.2f} | **{pk / tpk:.3f}** |")
 print("(peaks: the larger stage's, during the steps)")
 print(f"\n({rounds} rounds; medians)")
 PY

@@ -2,7 +2,7 @@
 # Tensor-parallel benchmark: Megatron MLP (d=1024, h=8192: 16.8M parameters), batch 64, and one
 # self-attention block (d=1024, 16 heads: 4.2M parameters), batch 8 x sequence 128; SGD, one thread per
 # rank: ours at TP 1 and 2, and PyTorch's DTensor TP (parallelize_module with ColwiseParallel /
-# RowwiseParallel, scripts/bench_tp.py) at TP 2, alternating, ROUNDS times (default 3), in the same run.
+# RowwiseParallel, scripts/bench_tp.py) at TP 2, alternating, ROUNDS times (default 5), in the same run.
 # Memory: parameter bytes per rank, and the peak of tch-dist's counting allocator (PyTorch loads the same
 # one through ctypes). Step: the median of 8 steps, median over rounds.
 set -euo pipefail
@@ -12,7 +12,7 @@ source scripts/env.sh
 cargo build -q --release --example bench_tp --bin tchrun
 export TCH_DIST_MEMORY_LIB=$PWD/target/release/libtch_dist_memory.so
 bin=target/release/examples/bench_tp
-ROUNDS=${ROUNDS:-3}
+ROUNDS=${ROUNDS:-5}
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 for r in $(seq "$ROUNDS"); do
