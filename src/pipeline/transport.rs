@@ -125,7 +125,9 @@ impl Transport for ChannelTransport {
 /// through the sender's I/O thread, which on a busy machine waits for a core (about 4 ms per message
 /// measured here). A shape that changes between steps (a smaller last batch) is announced in its header,
 /// and the sender first sends a placeholder of the old shape to complete the receive posted for it.
-/// Keep one transport for a rank's steps: both sides' shape caches must see the same history.
+/// Keep one transport for a rank's steps: both sides' shape caches must see the same history. A step
+/// that fails can leave receives posted in the group; recover with a new group, as after any failed
+/// collective.
 pub struct GroupTransport {
     pub(crate) pg: Arc<ProcessGroup>,
     pub(crate) microbatches: usize,
