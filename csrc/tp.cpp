@@ -7,13 +7,6 @@ namespace {
 using c10d::Backend;
 using tdx::with_backward;
 
-at::Tensor allreduce_sum(const c10::intrusive_ptr<Backend>& pg, const at::Tensor& t) {
-  auto r = t.contiguous().clone();
-  std::vector<at::Tensor> v{r};
-  pg->allreduce(v)->wait();
-  return r;
-}
-
 // The sum over the group into `t` itself when it is contiguous (a partial result the caller owns and no
 // one else reads: Megatron's in-place _reduce), else into a contiguous copy.
 at::Tensor allreduce_sum_into(const c10::intrusive_ptr<Backend>& pg, const at::Tensor& t) {
@@ -21,6 +14,11 @@ at::Tensor allreduce_sum_into(const c10::intrusive_ptr<Backend>& pg, const at::T
   std::vector<at::Tensor> v{r};
   pg->allreduce(v)->wait();
   return r;
+}
+
+// The sum over the group in a new tensor (`t` is left as it is).
+at::Tensor allreduce_sum(const c10::intrusive_ptr<Backend>& pg, const at::Tensor& t) {
+  return allreduce_sum_into(pg, t.clone(at::MemoryFormat::Contiguous));
 }
 
 // all_gather along `dim` (-1: the hidden dimension; 0: the sequence, sequence parallelism's layout [s, b, h])

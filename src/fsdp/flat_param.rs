@@ -254,8 +254,8 @@ impl FlatParam {
     /// `in_full`: the unit is still gathered and its backward is over, so the other ranks' chunks of
     /// `full` are free: the reduction receives there, the gradient goes, and only then does the shard's
     /// gradient get memory of its own. Then a rank never holds more than the gathered unit and its
-    /// gradient. Only with other ranks, where `full` holds the shards and has the reduction's dtype, and only once nothing
-    /// else holds the gradient (autograd does while the gradient's hook runs).
+    /// gradient. Only with other ranks, where `full` holds the shards and has the reduction's dtype, and
+    /// only once nothing else holds the gradient (autograd does while the gradient's hook runs).
     pub fn reduce_grads(
         &self,
         pg: &ProcessGroup,
