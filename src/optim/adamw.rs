@@ -48,9 +48,9 @@ impl AdamW {
     }
 
     /// ATen's fused kernel (PyTorch's `AdamW(fused=True)`): one pass over each parameter, its gradient
-    /// and its moments, no temporaries; about 3x faster here on a CPU shard. Results equal PyTorch's fused
-    /// path, and the default path's within float32 rounding. Floating-point parameters on CPU or CUDA, a
-    /// gradient of the parameter's dtype.
+    /// and its moments, no temporaries (`scripts/bench-memory.sh` shows the step time). Results equal
+    /// PyTorch's fused path, and the default path's within float32 rounding. Floating-point parameters on
+    /// CPU or CUDA, a gradient of the parameter's dtype.
     ///
     /// ```no_run
     /// # use tch_dist::optim::AdamW;
