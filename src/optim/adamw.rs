@@ -108,7 +108,10 @@ impl AdamW {
 /// Parameters one fused call updates: (device, dtype), their indices, their gradients.
 type FusedGroup = ((tch::Device, Kind), Vec<usize>, Vec<Tensor>);
 
-/// Elements updated at a time.
+/// Elements updated at a time. On the CPU few enough that the update's tensors stay in a core's L2 cache
+/// across its passes (with two processes on two cores, about 2x faster than 2^18); elsewhere enough to
+/// keep kernel launches few while still bounding the temporaries.
+const CPU_CHUNK: i64 = 1 << 16;
 const CHUNK: i64 = 1 << 18;
 
 struct Coefs {
@@ -170,11 +173,12 @@ impl Optimizer for AdamW {
             // In chunks, so the update's temporaries stay small next to the tensor (a ZeRO shard can be
             // a whole bucket); elementwise, so the result is the same as in one piece.
             let n = p.numel() as i64;
-            if n > CHUNK && p.is_contiguous() && g.is_contiguous() {
+            let chunk = if p.device() == tch::Device::Cpu { CPU_CHUNK } else { CHUNK };
+            if n > chunk && p.is_contiguous() && g.is_contiguous() {
                 let (pf, gf, mf, vf) = (p.f_view([-1])?, g.f_view([-1])?, m.f_view([-1])?, v.f_view([-1])?);
                 let mut start = 0;
                 while start < n {
-                    let k = CHUNK.min(n - start);
+                    let k = chunk.min(n - start);
                     update(
                         &pf.f_narrow(0, start, k)?,
                         &gf.f_narrow(0, start, k)?,
