@@ -31,7 +31,7 @@ class Attention(torch.nn.Module):
         b, s, _ = x.shape
         hd = D // HEADS
         q, k, v = (w(x).view(b, s, -1, hd).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
-        ctx = torch.softmax(q @ k.transpose(-2, -1) / hd**0.5, dim=-1) @ v
+        ctx = torch.nn.functional.scaled_dot_product_attention(q, k, v)
         return self.wo(ctx.transpose(1, 2).reshape(b, s, -1))
 
 

@@ -1,11 +1,12 @@
 //! Multi-head self-attention split by heads across the tensor-parallel group (Megatron's
 //! `ParallelAttention`): a column-parallel QKV projection gives rank r the queries, keys and values of
-//! heads `[r·h/t, (r+1)·h/t)`, each rank attends over its own heads, and a row-parallel output
+//! heads `[r·h/t, (r+1)·h/t)`, each rank attends over its own heads (ATen's fused
+//! `scaled_dot_product_attention`, which keeps no `[seq, seq]` scores for backward), and a row-parallel output
 //! projection sums the ranks' parts. One allreduce forward (after the output projection), one backward
 //! (before the QKV projection), as the MLP.
 use std::sync::Arc;
 
-use tch::{nn, Kind, Tensor};
+use tch::{nn, Tensor};
 
 use super::layers::{ColumnParallelLinear, RowParallelLinear};
 use crate::error::{Error, Result};
@@ -98,12 +99,7 @@ impl ParallelAttention {
         // [b, s, 3·h·hd] → three [b, h, s, hd]
         let qkv = self.qkv.f_forward(x)?.f_view([b, s, 3, h, hd])?.f_permute([2, 0, 3, 1, 4])?;
         let (q, k, v) = (qkv.f_select(0, 0)?, qkv.f_select(0, 1)?, qkv.f_select(0, 2)?);
-        let mut scores = q.f_matmul(&k.f_transpose(-2, -1)?)?.f_div_scalar((hd as f64).sqrt())?;
-        if self.causal {
-            let future = Tensor::f_ones([s, s], (Kind::Bool, x.device()))?.f_triu(1)?;
-            scores = scores.f_masked_fill(&future, f64::NEG_INFINITY)?;
-        }
-        let ctx = scores.f_softmax(-1, scores.kind())?.f_matmul(&v)?; // [b, h, s, hd]
+        let ctx = Tensor::f_scaled_dot_product_attention(&q, &k, &v, None::<Tensor>, 0.0, self.causal, None, false)?;
         let ctx = ctx.f_transpose(1, 2)?.f_contiguous()?.f_view([b, s, h * hd])?;
         self.out.f_forward(&ctx)
     }
