@@ -130,6 +130,11 @@ int tdx_storage_nbytes(tdx_tensor t, int64_t* out);
 int tdx_fused_adamw(const tdx_tensor* params, const tdx_tensor* grads, const tdx_tensor* exp_avgs,
                     const tdx_tensor* exp_avg_sqs, const tdx_tensor* steps, size_t n, double lr, double beta1,
                     double beta2, double weight_decay, double eps);
+// One parameter's AdamW update, in place, by torch.optim.AdamW's single-tensor path (its ATen calls and
+// scalars); `step` is the parameter's step count after this one. Contiguous tensors go `chunk` elements at a
+// time (0: in one piece), which bounds the temporaries and keeps the passes in cache.
+int tdx_adamw_step(tdx_tensor param, tdx_tensor grad, tdx_tensor exp_avg, tdx_tensor exp_avg_sq, double lr,
+                   double beta1, double beta2, double weight_decay, double eps, int64_t step, int64_t chunk);
 
 // ---- random.cpp: a permutation of 0..n from a CPU generator seeded with `seed` (the global one untouched).
 int tdx_randperm(int64_t n, uint64_t seed, tdx_tensor* out);

@@ -187,6 +187,21 @@ extern "C" {
         eps: f64,
     ) -> c_int;
 
+    #[allow(clippy::too_many_arguments)]
+    pub fn tdx_adamw_step(
+        param: tdx_tensor,
+        grad: tdx_tensor,
+        exp_avg: tdx_tensor,
+        exp_avg_sq: tdx_tensor,
+        lr: f64,
+        beta1: f64,
+        beta2: f64,
+        weight_decay: f64,
+        eps: f64,
+        step: i64,
+        chunk: i64,
+    ) -> c_int;
+
     pub fn tdx_randperm(n: i64, seed: u64, out: *mut tdx_tensor) -> c_int;
     pub fn tdx_randn_seq(
         seed: u64,

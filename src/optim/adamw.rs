@@ -114,34 +114,30 @@ type FusedGroup = ((tch::Device, Kind), Vec<usize>, Vec<Tensor>);
 const CPU_CHUNK: i64 = 1 << 16;
 const CHUNK: i64 = 1 << 18;
 
-struct Coefs {
+/// One AdamW update of `p` in place, as torch.optim.AdamW's single-tensor path (in the shim: its ATen
+/// calls and scalars, chunk by chunk).
+#[allow(clippy::too_many_arguments)]
+fn update(
+    p: &Tensor,
+    g: &Tensor,
+    m: &Tensor,
+    v: &Tensor,
     lr: f64,
     wd: f64,
-    b1: f64,
-    b2: f64,
+    (b1, b2): (f64, f64),
     eps: f64,
-    t: f64,
-}
-
-/// One AdamW update of `p` in place, as torch.optim.AdamW's single-tensor path.
-fn update(p: &Tensor, g: &Tensor, m: &Tensor, v: &Tensor, c: &Coefs) -> Result<()> {
-    let (mut p, mut m, mut v) = (p.shallow_clone(), m.shallow_clone(), v.shallow_clone());
-    let _ = p.f_mul_scalar_(1.0 - c.lr * c.wd)?;
-    let _ = m.f_lerp_(g, 1.0 - c.b1)?;
-    let _ = v.f_mul_scalar_(c.b2)?;
-    let _ = v.f_addcmul_(&g.f_mul_scalar(1.0 - c.b2)?, g)?;
-    let bias_correction1 = 1.0 - c.b1.powf(c.t);
-    let bias_correction2 = 1.0 - c.b2.powf(c.t);
-    let step_size = c.lr / bias_correction1;
-    let denom = v.f_sqrt()?.f_div_scalar(bias_correction2.sqrt())?.f_add_scalar(c.eps)?;
-    let _ = p.f_addcdiv_(&m.f_mul_scalar(-step_size)?, &denom)?;
-    Ok(())
+    step: i64,
+) -> Result<()> {
+    let chunk = if p.device() == tch::Device::Cpu { CPU_CHUNK } else { CHUNK };
+    let ptr = |t: &Tensor| t.as_ptr() as ffi::tdx_tensor;
+    // SAFETY: the four handles point to tensors alive for the call.
+    let code = unsafe { ffi::tdx_adamw_step(ptr(p), ptr(g), ptr(m), ptr(v), lr, b1, b2, wd, eps, step, chunk) };
+    check(code, std::time::Duration::ZERO, || format!("AdamW step of a {:?} {:?} parameter", p.size(), p.kind()))
 }
 
 impl Optimizer for AdamW {
     fn step(&mut self) -> Result<()> {
         let _g = tch::no_grad_guard();
-        let (b1, b2) = self.betas;
         let mut fused: Vec<FusedGroup> = Vec::new();
         for i in 0..self.params.len() {
             let p = self.params[i].shallow_clone();
@@ -166,31 +162,9 @@ impl Optimizer for AdamW {
                 }
                 continue;
             }
-            let (Some(m), Some(v)) = (self.exp_avg[i].as_mut(), self.exp_avg_sq[i].as_mut()) else { continue };
+            let (Some(m), Some(v)) = (&self.exp_avg[i], &self.exp_avg_sq[i]) else { continue };
             self.step[i] += 1;
-            let t = self.step[i] as f64;
-            let c = Coefs { lr: self.lr, wd: self.weight_decay, b1, b2, eps: self.eps, t };
-            // In chunks, so the update's temporaries stay small next to the tensor (a ZeRO shard can be
-            // a whole bucket); elementwise, so the result is the same as in one piece.
-            let n = p.numel() as i64;
-            let chunk = if p.device() == tch::Device::Cpu { CPU_CHUNK } else { CHUNK };
-            if n > chunk && p.is_contiguous() && g.is_contiguous() {
-                let (pf, gf, mf, vf) = (p.f_view([-1])?, g.f_view([-1])?, m.f_view([-1])?, v.f_view([-1])?);
-                let mut start = 0;
-                while start < n {
-                    let k = chunk.min(n - start);
-                    update(
-                        &pf.f_narrow(0, start, k)?,
-                        &gf.f_narrow(0, start, k)?,
-                        &mf.f_narrow(0, start, k)?,
-                        &vf.f_narrow(0, start, k)?,
-                        &c,
-                    )?;
-                    start += k;
-                }
-            } else {
-                update(&p, &g, m, v, &c)?;
-            }
+            update(&p, &g, m, v, self.lr, self.weight_decay, self.betas, self.eps, self.step[i])?;
         }
         for (_, idx, grads) in fused {
             self.step_fused(&idx, &grads)?;

@@ -163,16 +163,17 @@ impl RowParallelLinear {
     pub fn f_forward(&self, x: &Tensor) -> Result<Tensor> {
         let x = if self.input_is_parallel { x.shallow_clone() } else { scatter_to_parallel_region(x, &self.pg)? };
         let partial = x.f_linear::<&Tensor>(&self.ws, None)?;
-        let y = if self.sequence_parallel {
+        let mut y = if self.sequence_parallel {
             reduce_scatter_to_sequence_parallel_region(&partial, &self.pg)?
         } else {
             // the partial product is ours alone (a linear does not save its output): summed in place
             reduce_from_parallel_region_owned(&partial, &self.pg)?
         };
-        match &self.bs {
-            Some(b) => Ok(y.f_add(b)?),
-            None => Ok(y),
+        if let Some(b) = &self.bs {
+            // in place too (no backward saves the sum), so the output costs one buffer, not two
+            let _ = y.f_add_(b)?;
         }
+        Ok(y)
     }
 }
 
