@@ -4,7 +4,8 @@
 # layers with ReLU (25.2M parameters), AdamW, batch 16 per rank, 2 ranks over Gloo, one intra-op thread per
 # rank. Peak = the CPU ruler's peak (tch-dist's counting allocator, loaded by PyTorch through ctypes) from
 # start to end of each process, the larger of the two ranks; step time = median of 5 steps after 2 warm-up
-# steps, median over rounds. Prints a Markdown table; writes docs/bench-memory.png (PNG=... to change).
+# steps, median over rounds; a ratio of step times is the median of the rounds' own ratios (the ratio of
+# the medians beside it). Prints a Markdown table; writes docs/bench-memory.png (PNG=... to change).
 #   scripts/bench-memory.sh        # ROUNDS=3 by default; KEEP=DIR keeps each run's raw lines in DIR
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -26,24 +27,37 @@ run() { # run NAME CMD...: two ranks, rank 0's output to $out/NAME
 }
 rust=target/release/examples/bench_memory
 py="$TCH_DIST_PYTHON_BIN scripts/bench_memory.py"
+# NAME SIDE ARGS...: in this order in odd rounds, in reverse in even ones (so neither side always goes first)
+runs=(
+  "torch_default py --mode default"
+  "torch_views py --mode views"
+  "torch_zero py --mode zero"
+  "torch_zero_views py --mode zero_views"
+  "ours_ddp rust --mode ddp"
+  "ours_zero1 rust --mode zero1"
+  "ours_zero2_25 rust --mode zero2"
+  "ours_zero2 rust --mode zero2 --bucket-mb 4"
+  "ours_zero2_bf16 rust --mode zero2 --bf16 --bucket-mb 4"
+  "torch_fsdp2 py --mode fsdp2"
+  "ours_zero3 rust --mode zero3"
+  "torch_fsdp2_keep py --mode fsdp2_keep"
+  "ours_zero3_keep rust --mode zero3 --keep"
+  "ours_zero3_ckpt rust --mode zero3 --checkpoint"
+  "ours_zero3_bf16 rust --mode zero3 --bf16"
+  "torch_fsdp2_fused py --mode fsdp2 --fused"
+  "ours_zero3_fused rust --mode zero3 --fused"
+)
 for r in $(seq "$ROUNDS"); do
   echo "round $r/$ROUNDS" >&2
-  run torch_default $py --mode default
-  run torch_views $py --mode views
-  run torch_zero $py --mode zero
-  run torch_zero_views $py --mode zero_views
-  run ours_ddp $rust --mode ddp
-  run ours_zero1 $rust --mode zero1
-  run ours_zero2_25 $rust --mode zero2
-  run ours_zero2 $rust --mode zero2 --bucket-mb 4
-  run ours_zero2_bf16 $rust --mode zero2 --bf16 --bucket-mb 4
-  run torch_fsdp2 $py --mode fsdp2
-  run ours_zero3 $rust --mode zero3
-  run torch_fsdp2_keep $py --mode fsdp2_keep
-  run ours_zero3_keep $rust --mode zero3 --keep
-  run ours_zero3_ckpt $rust --mode zero3 --checkpoint
-  run ours_zero3_bf16 $rust --mode zero3 --bf16
-  run torch_fsdp2_fused $py --mode fsdp2 --fused
-  run ours_zero3_fused $rust --mode zero3 --fused
+  order=("${runs[@]}")
+  if ((r % 2 == 0)); then
+    order=()
+    for ((i = ${#runs[@]} - 1; i >= 0; i--)); do order+=("${runs[$i]}"); done
+  fi
+  for spec in "${order[@]}"; do
+    read -r name side args <<<"$spec"
+    # shellcheck disable=SC2086  # args are words
+    if [ "$side" = py ]; then run "$name" $py $args; else run "$name" $rust $args; fi
+  done
 done
 "$TCH_DIST_PYTHON_BIN" scripts/bench_memory_report.py "$out" "$PNG"
