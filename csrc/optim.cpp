@@ -20,7 +20,8 @@ void adamw_single(at::Tensor p, const at::Tensor& g, at::Tensor m, at::Tensor v,
   const double bias_correction1 = 1 - std::pow(b1, step);
   const double bias_correction2 = 1 - std::pow(b2, step);
   const double step_size = lr / bias_correction1;
-  const double bias_correction2_sqrt = std::sqrt(bias_correction2);
+  // Python's `** 0.5` is pow, which differs from sqrt in the last bit now and then
+  const double bias_correction2_sqrt = std::pow(bias_correction2, 0.5);
   at::Tensor denom = (v.sqrt() / bias_correction2_sqrt).add_(eps);
   p.addcdiv_(m, denom, -step_size);
 }
