@@ -7,7 +7,7 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts"))
 import torch  # noqa: E402
 
-SHAPES = [(4, 3), (5,), (2, 2, 2)]
+SHAPES = [(4, 3), (5,), (2, 2, 2), (300, 500)]  # as tests/optim.rs
 
 
 def formula(n, k):
@@ -27,7 +27,9 @@ def main():
                                 foreach=None if fused else False, fused=fused or None)
     for step in range(steps):
         for i, p in enumerate(params):
-            p.grad = formula(p.numel(), step * 0.7 + i + 10).view(p.shape)
+            g = formula(p.numel(), step * 0.7 + i + 10)
+            g[::3] = 0  # as tests/optim.rs: every third element exactly zero (a dead unit)
+            p.grad = g.view(p.shape)
         opt.step()
     for p in params:
         print(" ".join(f"{v:.9e}" for v in p.detach().reshape(-1).tolist()))
