@@ -9,6 +9,7 @@
 //!   --keep                   ZeRO-3: keep units gathered from forward to backward
 //!   --checkpoint             ZeRO-3: each Linear + ReLU recomputed in backward
 //!   --fused                  AdamW's fused kernel (PyTorch's twin: AdamW(fused=True))
+//!   --gather-once-below N    ZeRO-3: FsdpOptions::gather_once_below (0: each bias gathered with its layer)
 //! Rank 0 prints `median_step_s peak_rank0 peak_rank1 params grads state master grad_shards` (bytes).
 use std::sync::Arc;
 use std::time::Instant;
@@ -16,6 +17,7 @@ use std::time::Instant;
 use clap::Parser;
 use tch::{nn, Device, Kind, Tensor};
 use tch_dist::ddp::{DdpOptions, DistributedDataParallel};
+use tch_dist::fsdp::FsdpOptions;
 use tch_dist::optim::{AdamW, Optimizer, ShardedOptimizer, ZeroStage};
 use tch_dist::{memory, ProcessGroup};
 
@@ -45,6 +47,9 @@ struct Args {
     /// AdamW's fused kernel
     #[arg(long)]
     fused: bool,
+    /// ZeRO-3: FsdpOptions::gather_once_below (elements; 0 turns it off)
+    #[arg(long, default_value_t = FsdpOptions::default().gather_once_below)]
+    gather_once_below: usize,
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -106,11 +111,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 /// shards, gradients set to none after each step (PyTorch's `zero_grad()`).
 fn zero3(args: &Args, pg: Arc<ProcessGroup>) -> Result<(), Box<dyn std::error::Error>> {
     use tch::nn::Module;
-    use tch_dist::fsdp::{FsdpBuilder, FsdpOptions};
+    use tch_dist::fsdp::FsdpBuilder;
     use tch_dist::recompute::Checkpointed;
     tch::manual_seed(0);
     let vs = nn::VarStore::new(Device::Cpu);
-    let mut opts = FsdpOptions::default().process_group(pg.clone()).reshard_after_forward(!args.keep);
+    let mut opts = FsdpOptions::default()
+        .process_group(pg.clone())
+        .reshard_after_forward(!args.keep)
+        .gather_once_below(args.gather_once_below);
     if args.bf16 {
         opts = opts.param_dtype(Kind::BFloat16);
     }

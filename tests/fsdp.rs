@@ -72,6 +72,8 @@ struct Setup {
     /// l3 a unit too (the root holds no parameter) and every unit checkpointed around
     all_checkpointed: bool,
     auto_wrap: bool,
+    /// the biases (5 elements) gathered once per iteration, in a unit of their own
+    small: bool,
 }
 
 /// The model, its layers wrapped as units when `fsdp` is given: l1 (25 parameters), l2 (6→5: 35),
@@ -213,6 +215,9 @@ fn train(s: Setup) -> Vec<Out> {
             opts = opts.offload(Device::Cpu);
         }
         opts = opts.reshard_after_forward(!s.keep_after_forward).prefetch(if s.no_prefetch { 0 } else { 1 });
+        // 6: under l1's and l2's weights (20, 30), over their biases (5); `unused` and `scale` hold one
+        // parameter of 1 element each and keep it
+        opts = opts.gather_once_below(if s.small { 6 } else { 0 });
         let fsdp = FsdpBuilder::new(&vs, opts).unwrap();
         let net = build(&vs, Some(&fsdp), rank as f64, s);
         let model = fsdp.finish(net).unwrap();
@@ -352,6 +357,20 @@ fn every_unit_checkpointed_around_with_a_root_without_parameters() {
 fn auto_wrap_by_size() {
     let outs = check(Setup { world: 2, auto_wrap: true, ..Default::default() }, TOL);
     assert_eq!(outs[0].units, ["l1+l2", "unused", "scale", "root"]);
+}
+
+#[test]
+fn small_parameters_are_gathered_once_per_iteration() {
+    for world in [2, 3] {
+        let outs = check(Setup { world, small: true, ..Default::default() }, TOL);
+        assert_eq!(outs[0].units, ["l1", "l2", "unused", "scale", "small", "root"]);
+    }
+    check(Setup { world: 2, small: true, bf16: true, reduce_f32: true, ..Default::default() }, TOL);
+    check(Setup { world: 3, small: true, bf16: true, ..Default::default() }, 2e-2);
+    check(Setup { world: 2, small: true, accumulate: 3, ..Default::default() }, TOL);
+    check(Setup { world: 2, small: true, checkpointed: true, ..Default::default() }, TOL);
+    check(Setup { world: 3, small: true, keep_after_forward: true, no_prefetch: true, ..Default::default() }, TOL);
+    check(Setup { world: 2, small: true, offload: true, unused: true, ..Default::default() }, TOL);
 }
 
 #[test]

@@ -11,6 +11,11 @@
 //! storage is given up and taken back when the unit is freed), so a gathered or prefetched unit costs its
 //! full size, not full size plus shards. Not with mixed precision or offload, where shard and buffer
 //! differ in dtype or device.
+//!
+//! A unit of small parameters (FsdpOptions::gather_once_below) is gathered and reduced in one message,
+//! not one per parameter: its rank-major copy (`stage`: rank 0's chunks of every parameter, then rank
+//! 1's, ...) travels, and is copied into place after. The copies cost little where every parameter is
+//! small; the messages saved are round trips.
 use std::collections::VecDeque;
 
 use tch::{Device, Kind, Tensor};
@@ -72,6 +77,10 @@ pub(crate) struct FlatParam {
     pub offloaded: bool,
     /// The shards move into `full` while the unit is gathered.
     home: bool,
+    /// Gathered and reduced in one message through `stage` (more than one rank only).
+    coalesced: bool,
+    /// The rank-major copy of `full` that travels when `coalesced`; storage freed between uses.
+    stage: Tensor,
 }
 
 impl FlatParam {
@@ -84,6 +93,7 @@ impl FlatParam {
         compute: Option<Kind>,
         shard_device: Option<Device>,
         sync: bool,
+        coalesced: bool,
     ) -> Result<FlatParam> {
         let _g = tch::no_grad_guard();
         let first = named.first().ok_or_else(|| Error::invalid("FSDP", format!("unit {unit} has no parameters")))?;
@@ -150,7 +160,10 @@ impl FlatParam {
         let full = if compute == kind { full } else { full.f_to_kind(compute)? };
         let placeholder = Tensor::f_empty([0], (compute, device))?;
         let home = compute == kind && !offloaded;
-        let f = FlatParam { slots, full, placeholder, rank, world, trainable, offloaded, home };
+        let coalesced = coalesced && world > 1;
+        let stage = Tensor::f_empty([if coalesced { total } else { 0 }], (compute, device))?;
+        storage::free(&stage)?;
+        let f = FlatParam { slots, full, placeholder, rank, world, trainable, offloaded, home, coalesced, stage };
         f.use_full()?;
         Ok(f)
     }
@@ -166,6 +179,8 @@ impl FlatParam {
             trainable: self.trainable,
             offloaded: self.offloaded,
             home: self.home,
+            coalesced: self.coalesced,
+            stage: self.stage.shallow_clone(),
         }
     }
 
@@ -178,8 +193,25 @@ impl FlatParam {
         Ok(self.full.f_narrow(0, s.offset + self.rank * s.chunk, s.own)?)
     }
 
+    /// Elements per rank of the rank-major layout, and each slot's place in a rank's row.
+    fn rows(&self) -> (i64, Vec<i64>) {
+        let mut at = Vec::with_capacity(self.slots.len());
+        let mut per = 0;
+        for s in &self.slots {
+            at.push(per);
+            per += s.chunk;
+        }
+        (per, at)
+    }
+
+    /// Slot `s`'s padded region of a flat buffer laid out as `full`, as `world` rows of its chunk.
+    fn by_rank(&self, flat: &Tensor, s: &Slot) -> Result<Tensor> {
+        Ok(flat.f_narrow(0, s.offset, self.world * s.chunk)?.f_view([self.world, s.chunk])?)
+    }
+
     /// Allocates `full`, puts this rank's chunks in it and starts the all-gathers (rings of sends into
-    /// place, one per parameter, on the unit's tag); returns what is still running.
+    /// place, one per parameter, or one for a coalesced unit, on the unit's tag); returns what is still
+    /// running.
     pub fn start_gather(&self, pg: &ProcessGroup, index: usize) -> Result<Vec<Work>> {
         let _g = tch::no_grad_guard();
         storage::allocate(&self.full)?;
@@ -195,13 +227,37 @@ impl FlatParam {
             }
         }
         let mut pending = VecDeque::new();
-        if self.world > 1 {
+        if self.coalesced {
+            storage::allocate(&self.stage)?;
+            let (per, at) = self.rows();
+            let row = self.stage.f_narrow(0, self.rank * per, per)?;
+            for (s, &a) in self.slots.iter().zip(&at) {
+                if s.own > 0 {
+                    row.f_narrow(0, a, s.own)?.f_copy_(&self.own_chunk(s)?)?;
+                }
+            }
+            all_gather_in_place(pg, &self.stage, per, Ring::FsdpGather, index, &mut pending, usize::MAX)?;
+        } else if self.world > 1 {
             for s in &self.slots {
                 let region = self.full.f_narrow(0, s.offset, self.world * s.chunk)?;
                 all_gather_in_place(pg, &region, s.chunk, Ring::FsdpGather, index, &mut pending, usize::MAX)?;
             }
         }
         Ok(pending.into_iter().flatten().collect())
+    }
+
+    /// After the gather's messages have arrived: a coalesced unit's rank-major copy goes into place.
+    pub fn finish_gather(&self) -> Result<()> {
+        if !self.coalesced {
+            return Ok(());
+        }
+        let _g = tch::no_grad_guard();
+        let (per, at) = self.rows();
+        let rows = self.stage.f_view([self.world, per])?;
+        for (s, &a) in self.slots.iter().zip(&at) {
+            self.by_rank(&self.full, s)?.f_copy_(&rows.f_narrow(1, a, s.chunk)?)?;
+        }
+        storage::free(&self.stage)
     }
 
     /// Points the parameters at their views of `full` (which must be gathered), and the shards too when
@@ -228,6 +284,7 @@ impl FlatParam {
             }
             s.param.shallow_clone().f_set_data(&self.placeholder)?;
         }
+        storage::free(&self.stage)?; // a gather waited for by a release only
         storage::free(&self.full)
     }
 
@@ -251,6 +308,8 @@ impl FlatParam {
     /// gradient when it has the reduction's dtype and no padding; a parameter without a gradient counts
     /// as zeros.
     ///
+    /// Divided where [`Divide`] says: mostly after the sum, on this rank's chunk.
+    ///
     /// `in_full`: the unit is still gathered and its backward is over, so the other ranks' chunks of
     /// `full` are free: the reduction receives there, the gradient goes, and only then does the shard's
     /// gradient get memory of its own. Then a rank never holds more than the gathered unit and its
@@ -266,16 +325,17 @@ impl FlatParam {
     ) -> Result<()> {
         let _g = tch::no_grad_guard();
         let device = self.full.device();
+        let scale = Divide::new(reduce, divisor);
+        if self.coalesced {
+            return self.reduce_coalesced(pg, index, reduce, &scale);
+        }
         let in_full =
             in_full && self.world > 1 && self.home && reduce == self.full.kind() && self.gathered_bytes()? > 0;
-        let scale = Tensor::from(1.0 / divisor);
         for s in &self.slots {
             let padded = self.world * s.chunk;
             let g = s.param.grad();
             let buf = if g.defined() && g.kind() == reduce && s.numel == padded && g.is_contiguous() {
-                let b = g.f_view([-1])?;
-                let _ = b.shallow_clone().f_mul_(&scale)?;
-                b
+                g.f_view([-1])?
             } else {
                 let b = Tensor::f_empty([padded], (reduce, device))?;
                 if padded > s.numel {
@@ -285,12 +345,12 @@ impl FlatParam {
                 if g.defined() {
                     // cast first: a product in the gradient's dtype would round before the wider sum
                     head.f_copy_(&g.f_reshape([-1])?)?;
-                    let _ = head.f_mul_(&scale)?;
                 } else {
                     let _ = head.f_zero_()?;
                 }
                 b
             };
+            scale.before(&buf)?;
             drop(g);
             hooks::set_grad(&s.param, None)?; // `buf` keeps it alive for the reduction when in place
             let (out, scratch) = if in_full {
@@ -301,19 +361,114 @@ impl FlatParam {
             };
             // `finish` consumes the ring and with it `buf`: the gradient is gone before anything new is made
             RingReduce::start_with(pg, buf, out.shallow_clone(), scratch, Ring::FsdpReduce, index)?.finish(pg)?;
-            let mine = out.f_narrow(0, 0, s.own)?;
-            let sg = s.shard.grad();
-            if sg.defined() {
-                let _ = sg.shallow_clone().f_add_(&mine.f_to_device(s.shard.device())?)?;
-            } else if in_full || self.offloaded || mine.kind() != s.shard.kind() {
-                // a buffer of its own on the shard's device (with offload, even when that is the same
-                // device; from `full`, since that is freed next)
-                let own = Tensor::f_empty([s.own], (s.shard.kind(), s.shard.device()))?;
-                own.shallow_clone().f_copy_(&mine)?;
-                hooks::set_grad(&s.shard, Some(&own))?;
-            } else {
-                hooks::set_grad(&s.shard, Some(&mine))?;
+            // from `full` (freed next), a buffer of its own
+            self.set_shard_grad(s, &out.f_narrow(0, 0, s.own)?, in_full, &scale)?;
+        }
+        Ok(())
+    }
+
+    /// [`reduce_grads`](Self::reduce_grads) of a coalesced unit: every gradient into one rank-major
+    /// buffer, one reduction, each shard's part out of its result.
+    fn reduce_coalesced(&self, pg: &ProcessGroup, index: usize, reduce: Kind, scale: &Divide) -> Result<()> {
+        let (per, at) = self.rows();
+        let buf = Tensor::f_zeros([self.world * per], (reduce, self.full.device()))?;
+        let rows = buf.f_view([self.world, per])?;
+        for (s, &a) in self.slots.iter().zip(&at) {
+            let g = s.param.grad();
+            if g.defined() {
+                let g = g.f_reshape([-1])?;
+                for r in 0..self.world {
+                    let n = (s.numel - r * s.chunk).clamp(0, s.chunk);
+                    if n > 0 {
+                        rows.f_select(0, r)?.f_narrow(0, a, n)?.f_copy_(&g.f_narrow(0, r * s.chunk, n)?)?;
+                    }
+                }
             }
+            hooks::set_grad(&s.param, None)?;
+        }
+        scale.before(&buf)?;
+        let out = Tensor::f_empty([per], (reduce, self.full.device()))?;
+        RingReduce::start(pg, buf, out.shallow_clone(), Ring::FsdpReduce, index)?.finish(pg)?;
+        for (s, &a) in self.slots.iter().zip(&at) {
+            // views of one buffer would keep all of it while any lives
+            self.set_shard_grad(s, &out.f_narrow(0, a, s.own)?, true, scale)?;
+        }
+        Ok(())
+    }
+
+    /// Makes `mine`, this rank's part of slot `s`'s summed gradient, the shard's gradient (added to one
+    /// already there), divided as `scale` says; in a buffer of its own when `copy` (or where it must be:
+    /// offload, another dtype).
+    fn set_shard_grad(&self, s: &Slot, mine: &Tensor, copy: bool, scale: &Divide) -> Result<()> {
+        let sg = s.shard.grad();
+        if sg.defined() {
+            let _ = sg.shallow_clone().f_add_(&scale.after(&mine.f_to_device(s.shard.device())?)?)?;
+        } else if copy || self.offloaded || mine.kind() != s.shard.kind() {
+            // with offload, even when the shard's device is the same one
+            let own = Tensor::f_empty([s.own], (s.shard.kind(), s.shard.device()))?;
+            scale.after_into(mine, &own)?;
+            hooks::set_grad(&s.shard, Some(&own))?;
+        } else {
+            scale.after_in_place(mine)?;
+            hooks::set_grad(&s.shard, Some(mine))?;
+        }
+        Ok(())
+    }
+}
+
+/// The division of summed gradients by the world size: after the reduction, on this rank's chunk only, in
+/// the pass that moves it into the shard's gradient (half the memory traffic of dividing whole gradients
+/// first, with 2 ranks); except in float16, whose sums of N gradients can overflow, where each gradient is
+/// divided first (PyTorch's pre-divide).
+struct Divide {
+    by: Option<Tensor>,
+    first: bool,
+}
+
+impl Divide {
+    fn new(reduce: Kind, divisor: f64) -> Divide {
+        let by = (divisor != 1.0).then(|| Tensor::from(1.0 / divisor));
+        Divide { by, first: reduce == Kind::Half }
+    }
+
+    /// On the gradient, before the reduction.
+    fn before(&self, buf: &Tensor) -> Result<()> {
+        if let (Some(by), true) = (&self.by, self.first) {
+            let _ = buf.shallow_clone().f_mul_(by)?;
+        }
+        Ok(())
+    }
+
+    fn late(&self) -> Option<&Tensor> {
+        self.by.as_ref().filter(|_| !self.first)
+    }
+
+    /// A divided copy of `t` (or `t` itself when there is nothing to divide).
+    fn after(&self, t: &Tensor) -> Result<Tensor> {
+        Ok(match self.late() {
+            Some(by) => t.f_mul(by)?,
+            None => t.shallow_clone(),
+        })
+    }
+
+    /// `into` = `t` divided, in one pass where dtype and device agree.
+    fn after_into(&self, t: &Tensor, into: &Tensor) -> Result<()> {
+        match self.late() {
+            Some(by) if t.kind() == into.kind() && t.device() == into.device() => {
+                let _ = t.f_mul_out(into, by)?;
+            }
+            Some(by) => {
+                into.shallow_clone().f_copy_(t)?;
+                let _ = into.shallow_clone().f_mul_(by)?; // in the shard's (wider) dtype
+            }
+            None => into.shallow_clone().f_copy_(t)?,
+        }
+        Ok(())
+    }
+
+    fn after_in_place(&self, t: &Tensor) -> Result<()> {
+        if let Some(by) = self.late() {
+            let _ = t.shallow_clone().f_mul_(by)?;
         }
         Ok(())
     }

@@ -59,7 +59,7 @@ use crate::error::{Error, Result};
 use crate::group::ProcessGroup;
 use crate::hooks::{self, GradHook};
 use flat_param::FlatParam;
-use runtime::{Config, Runtime};
+use runtime::{Config, Role, Runtime};
 
 /// Options of FSDP, named after PyTorch's `fully_shard` arguments where they exist.
 #[derive(Clone, Debug)]
@@ -79,6 +79,15 @@ pub struct FsdpOptions {
     pub offload: Option<Device>,
     /// Start every rank from rank 0's parameters: one broadcast per unit when it is built (default true).
     pub sync_module_states: bool,
+    /// Parameters with fewer elements than this (default 2^14), in a unit that also holds larger ones,
+    /// leave it for one unit of small parameters that is gathered once per iteration, at the model's
+    /// forward, kept until the end of backward, and reduce-scattered then. A linear layer then costs one
+    /// all-gather, not one for its weight and one for its bias, and its backward one reduce-scatter: each
+    /// is a round trip however small, the bias's as slow as the weight's on a shared CPU. They stay
+    /// sharded between iterations, with their gradients and optimizer state; the cost is the small
+    /// parameters gathered through the iteration (a few per layer). 0 turns it off. DeepSpeed's
+    /// `stage3_param_persistence_threshold` (there they are not sharded at all).
+    pub gather_once_below: usize,
     /// The group; `None` uses the default one ([`crate::init_process_group`]).
     pub process_group: Option<Arc<ProcessGroup>>,
 }
@@ -92,6 +101,7 @@ impl Default for FsdpOptions {
             prefetch: 1,
             offload: None,
             sync_module_states: true,
+            gather_once_below: 1 << 14,
             process_group: None,
         }
     }
@@ -122,6 +132,10 @@ impl FsdpOptions {
         self.sync_module_states = on;
         self
     }
+    pub fn gather_once_below(mut self, numel: usize) -> Self {
+        self.gather_once_below = numel;
+        self
+    }
     pub fn process_group(mut self, pg: Arc<ProcessGroup>) -> Self {
         self.process_group = Some(pg);
         self
@@ -135,6 +149,9 @@ pub struct FsdpBuilder {
     opts: FsdpOptions,
     /// Variables already in a unit, by name.
     claimed: Mutex<HashSet<String>>,
+    /// Small parameters units left for the units of small parameters ([`FsdpOptions::gather_once_below`]),
+    /// sharded when the model is finished.
+    small: Mutex<Vec<(String, Tensor)>>,
 }
 
 fn floating(k: Kind) -> bool {
@@ -167,6 +184,7 @@ impl FsdpBuilder {
             vars: vs.variables_.clone(),
             opts,
             claimed: Mutex::new(HashSet::new()),
+            small: Mutex::new(Vec::new()),
         })
     }
 
@@ -193,7 +211,7 @@ impl FsdpBuilder {
     }
 
     /// Shards the variables in `named` as one unit; returns its index and the hooks on its parameters.
-    fn add_unit(&self, name: &str, named: Vec<(String, Tensor)>, is_root: bool) -> Result<(usize, Vec<GradHook>)> {
+    fn add_unit(&self, name: &str, named: Vec<(String, Tensor)>, role: Role) -> Result<(usize, Vec<GradHook>)> {
         let pg = &self.rt.pg;
         let numel: i64 = named.iter().map(|(_, t)| t.numel() as i64).sum();
         let mine = [named.len() as i64, numel];
@@ -202,13 +220,20 @@ impl FsdpBuilder {
                 crate::group::meta::by_rank(rows, |r| format!("{} parameters, {} elements", r[0], r[1]), "; ");
             format!("ranks built different units here ({listing}){}", crate::group::meta::odd_ones_out(rows))
         })?;
-        let flat =
-            FlatParam::new(pg, name, named, self.opts.param_dtype, self.opts.offload, self.opts.sync_module_states)?;
+        let flat = FlatParam::new(
+            pg,
+            name,
+            named,
+            self.opts.param_dtype,
+            self.opts.offload,
+            self.opts.sync_module_states,
+            role == Role::Small,
+        )?;
         let params: Vec<Tensor> = flat.slots.iter().map(|s| s.param.shallow_clone()).collect();
-        let id = self.rt.add_unit(name.to_string(), flat, is_root);
+        let id = self.rt.add_unit(name.to_string(), flat, role);
         // registered while the parameters have their shapes and compute dtype (their accumulators keep them)
         let hooks = unit::grad_hooks(&self.rt, id, &params)?;
-        if !is_root {
+        if role == Role::Layer {
             self.rt.reshard(id)?;
         }
         Ok((id, hooks))
@@ -235,7 +260,15 @@ impl FsdpBuilder {
                 format!("no parameters under {name} (none were created there, or another unit has them)"),
             ));
         }
-        let (id, hooks) = self.add_unit(&name, named, false)?;
+        let below = self.opts.gather_once_below;
+        let (small, big): (Vec<_>, Vec<_>) = named.into_iter().partition(|(_, t)| t.numel() < below);
+        let named = if big.is_empty() {
+            small // a unit of small parameters only stays as it is
+        } else {
+            self.small.lock().unwrap_or_else(|e| e.into_inner()).extend(small);
+            big
+        };
+        let (id, hooks) = self.add_unit(&name, named, Role::Layer)?;
         Ok(FsdpUnit::new(module, self.rt.clone(), id, hooks))
     }
 
@@ -247,19 +280,51 @@ impl FsdpBuilder {
 
     /// PyTorch's `fully_shard(model)` on the whole model: the variables no unit took form the root unit,
     /// whose parameters stay gathered from forward to backward. Returns the model to train.
+    ///
+    /// The small parameters units left ([`FsdpOptions::gather_once_below`]) form units of their own here,
+    /// named `small` (`small.1`, ... when they differ in dtype, device or trainability), before the root.
     pub fn finish<M>(self, module: M) -> Result<FullyShardedDataParallel<M>> {
+        let mut hooks = Vec::new();
+        let small = std::mem::take(&mut *self.small.lock().unwrap_or_else(|e| e.into_inner()));
+        for (i, group) in group_alike(small).into_iter().enumerate() {
+            let name = if i == 0 { "small".to_string() } else { format!("small.{i}") };
+            let (_, h) = self.add_unit(&name, group, Role::Small)?;
+            hooks.extend(h);
+        }
         let rest = self.take(None);
-        let (root, hooks) = if rest.is_empty() {
-            (None, Vec::new())
+        let root = if rest.is_empty() {
+            None
         } else {
-            let (id, hooks) = self.add_unit("root", rest, true)?;
-            (Some(id), hooks)
+            let (id, h) = self.add_unit("root", rest, Role::Root)?;
+            hooks.extend(h);
+            Some(id)
         };
         if self.rt.len() == 0 {
             return Err(Error::invalid("FsdpBuilder::finish", "the VarStore has no trainable variables"));
         }
         Ok(FullyShardedDataParallel { _hooks: hooks, module, rt: self.rt, root, vars: self.vars })
     }
+}
+
+/// `named` in groups that can share a unit (one dtype, device and trainability), in order of first
+/// appearance, each sorted by name.
+fn group_alike(named: Vec<(String, Tensor)>) -> Vec<Vec<(String, Tensor)>> {
+    type Key = (Kind, Device, bool);
+    let mut groups: Vec<(Key, Vec<(String, Tensor)>)> = Vec::new();
+    for (n, t) in named {
+        let key = (t.kind(), t.device(), t.requires_grad());
+        match groups.iter_mut().find(|(k, _)| *k == key) {
+            Some((_, g)) => g.push((n, t)),
+            None => groups.push((key, vec![(n, t)])),
+        }
+    }
+    groups
+        .into_iter()
+        .map(|(_, mut g)| {
+            g.sort_by(|a, b| a.0.cmp(&b.0));
+            g
+        })
+        .collect()
 }
 
 /// A sequence of layers grouped into units by size (see [`FsdpBuilder::auto_wrap`]).

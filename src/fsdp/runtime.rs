@@ -36,11 +36,23 @@ enum Phase {
     Busy,
 }
 
+/// What a unit is to the model.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Role {
+    /// A layer or block: gathered for its forward and again for its backward.
+    Layer,
+    /// The root: gathered by the model's forward, kept until the end of backward.
+    Root,
+    /// Small parameters of the layers: gathered with the first forward of an iteration, kept until the
+    /// end of backward.
+    Small,
+}
+
 struct Unit {
     name: String,
     flat: FlatParam,
     phase: Phase,
-    is_root: bool,
+    role: Role,
     /// Parameters that get gradients, and how many have this backward.
     expected: usize,
     arrived: usize,
@@ -98,10 +110,10 @@ impl Runtime {
     }
 
     /// Registers a unit (gathered, as FlatParam::new leaves it) and returns its index.
-    pub fn add_unit(&self, name: String, flat: FlatParam, is_root: bool) -> usize {
+    pub fn add_unit(&self, name: String, flat: FlatParam, role: Role) -> usize {
         let expected = if flat.trainable { flat.slots.len() } else { 0 };
         let mut st = self.lock();
-        st.units.push(Unit { name, flat, phase: Phase::Gathered, is_root, expected, arrived: 0 });
+        st.units.push(Unit { name, flat, phase: Phase::Gathered, role, expected, arrived: 0 });
         st.units.len() - 1
     }
 
@@ -144,8 +156,8 @@ impl Runtime {
         };
         let done = match job {
             Job::Nothing => Ok(()),
-            Job::Wait(w) => wait_all(w),
-            Job::Start => flat.start_gather(&self.pg, u).and_then(wait_all),
+            Job::Wait(w) => wait_all(w).and_then(|()| flat.finish_gather()),
+            Job::Start => flat.start_gather(&self.pg, u).and_then(wait_all).and_then(|()| flat.finish_gather()),
         }
         .and_then(|()| flat.use_full());
         self.lock().units[u].phase = if done.is_ok() { Phase::Gathered } else { Phase::Sharded };
@@ -223,18 +235,27 @@ impl Runtime {
         Ok(())
     }
 
-    /// Before unit `u`'s forward: records the order, gathers `u` and prefetches the units that followed it
-    /// last iteration. A forward inside backward (a checkpointed block recomputed) prefetches nothing:
-    /// the backward's own prefetching looks the other way.
+    /// Before unit `u`'s forward: records the order, gathers `u` (and, the first time in an iteration, the
+    /// units of small parameters) and prefetches the units that followed it last iteration. A forward
+    /// inside backward (a checkpointed block recomputed) prefetches nothing: the backward's own
+    /// prefetching looks the other way.
     pub fn begin_forward(&self, u: usize) -> Result<()> {
-        let next: Vec<usize> = {
+        let (small, next): (Vec<usize>, Vec<usize>) = {
             let mut st = self.lock();
+            let small: Vec<usize> = (0..st.units.len())
+                .filter(|&v| st.units[v].role == Role::Small && v != u && !st.order.contains(&v))
+                .collect();
+            st.order.extend(&small);
             if !st.order.contains(&u) {
                 st.order.push(u);
             }
             let at = st.last_order.iter().position(|&x| x == u).filter(|_| !st.in_backward);
-            at.map(|i| st.last_order.iter().skip(i + 1).take(self.cfg.prefetch).copied().collect()).unwrap_or_default()
+            let next = at.map(|i| st.last_order.iter().skip(i + 1).take(self.cfg.prefetch).copied().collect());
+            (small, next.unwrap_or_default())
         };
+        for v in small {
+            self.unshard(v)?;
+        }
         self.unshard(u)?;
         for v in next {
             self.prefetch(v)?;
@@ -247,7 +268,7 @@ impl Runtime {
     pub fn end_forward(&self, u: usize) -> Result<()> {
         let keep = {
             let st = self.lock();
-            st.units[u].is_root || st.in_backward
+            st.units[u].role != Role::Layer || st.in_backward
         };
         if self.cfg.reshard_after_forward && !keep {
             self.reshard(u)?;
