@@ -96,9 +96,14 @@ impl ParallelAttention {
             return Err(Error::invalid("ParallelAttention", format!("input must be [batch, seq, d], not {size:?}")));
         };
         let (h, hd) = (self.local_heads, self.head_dim);
-        // [b, s, 3·h·hd] → three [b, h, s, hd]
-        let qkv = self.qkv.f_forward(x)?.f_view([b, s, 3, h, hd])?.f_permute([2, 0, 3, 1, 4])?;
-        let (q, k, v) = (qkv.f_select(0, 0)?, qkv.f_select(0, 1)?, qkv.f_select(0, 2)?);
+        // [b, s, 3·h·hd] → three [b, h, s, hd]; unbound, not selected three times: the backward of one
+        // unbind is one stack of the three gradients, where each select's would be a zero-filled
+        // [3, ...] buffer and the three summed
+        let qkv = self.qkv.f_forward(x)?.f_view([b, s, 3, h, hd])?.f_unbind(2)?;
+        let [q, k, v] = &qkv[..] else {
+            return Err(Error::invalid("ParallelAttention", "unbind of the QKV projection gave not three parts"));
+        };
+        let (q, k, v) = (q.f_transpose(1, 2)?, k.f_transpose(1, 2)?, v.f_transpose(1, 2)?);
         let ctx = Tensor::f_scaled_dot_product_attention(&q, &k, &v, None::<Tensor>, 0.0, self.causal, None, false)?;
         let ctx = ctx.f_transpose(1, 2)?.f_contiguous()?.f_view([b, s, h * hd])?;
         self.out.f_forward(&ctx)
