@@ -361,7 +361,7 @@ impl FlatParam {
             };
             // `finish` consumes the ring and with it `buf`: the gradient is gone before anything new is made
             RingReduce::start_with(pg, buf, out.shallow_clone(), scratch, Ring::FsdpReduce, index)?.finish(pg)?;
-            // from `full` (freed next), a buffer of its own
+            // a buffer of its own when `out` lies in `full`, which is freed next
             self.set_shard_grad(s, &out.f_narrow(0, 0, s.own)?, in_full, &scale)?;
         }
         Ok(())

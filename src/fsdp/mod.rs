@@ -149,7 +149,7 @@ pub struct FsdpBuilder {
     opts: FsdpOptions,
     /// Variables already in a unit, by name.
     claimed: Mutex<HashSet<String>>,
-    /// Small parameters units left for the units of small parameters ([`FsdpOptions::gather_once_below`]),
+    /// Parameters the units left for the units of small parameters ([`FsdpOptions::gather_once_below`]),
     /// sharded when the model is finished.
     small: Mutex<Vec<(String, Tensor)>>,
 }

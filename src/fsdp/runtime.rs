@@ -242,9 +242,12 @@ impl Runtime {
     pub fn begin_forward(&self, u: usize) -> Result<()> {
         let (small, next): (Vec<usize>, Vec<usize>) = {
             let mut st = self.lock();
-            let small: Vec<usize> = (0..st.units.len())
-                .filter(|&v| st.units[v].role == Role::Small && v != u && !st.order.contains(&v))
-                .collect();
+            // the first forward of an iteration (begin_iteration cleared the order) takes them along
+            let small: Vec<usize> = if st.order.is_empty() {
+                (0..st.units.len()).filter(|&v| st.units[v].role == Role::Small).collect()
+            } else {
+                Vec::new()
+            };
             st.order.extend(&small);
             if !st.order.contains(&u) {
                 st.order.push(u);
