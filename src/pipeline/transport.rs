@@ -115,17 +115,19 @@ impl Transport for ChannelTransport {
     }
 }
 
-/// Send/recv over a process group (one process per stage). Each tensor is preceded by a small header
-/// with its dtype and shape, so receivers need not know shapes in advance; headers travel where the
-/// group's metadata does, tensors go to the engine for their device (through the CPU for Gloo).
+/// Send/recv over a process group (one process per stage). Each tensor travels as one message: a
+/// header with its dtype and shape, then its bytes, so receivers need not know shapes in advance and a
+/// transfer costs one message, as torch.distributed.pipelining's body-only sends do (a separate header
+/// message doubled the latency of a 64 KB transfer over Gloo here: `scripts/bench_gloo_p2p.py`).
 ///
-/// Receives are posted ahead of the schedule ([`Transport::prepost`]), header and body together once a
-/// key's shape is known from the step before, as torch.distributed.pipelining posts its receives early:
-/// Gloo moves a message only once its receive is posted, so a receive posted late costs a round trip
-/// through the sender's I/O thread, which on a busy machine waits for a core (about 4 ms per message
-/// measured here). A shape that changes between steps (a smaller last batch) is announced in its header,
-/// and the sender first sends a placeholder of the old shape to complete the receive posted for it.
-/// Keep one transport for a rank's steps: both sides' shape caches must see the same history. A step
+/// Receives are posted ahead of the schedule ([`Transport::prepost`]), sized from the key's previous
+/// step, as torch.distributed.pipelining posts its receives early: Gloo moves a message only once its
+/// receive is posted, so a receive posted late costs a round trip through the sender's I/O thread, which
+/// on a busy machine waits for a core (about 4 ms per message measured here). A message must match its
+/// receive's size, so a tensor of another size (the first step, a smaller last batch) is preceded by a
+/// header-only message of the size posted, which tells the receiver what to post next. A failing stage
+/// sends an abort header the same way, so the receiver fails at once.
+/// Keep one transport for a rank's steps: both sides' size caches must see the same history. A step
 /// that fails can leave receives posted in the group; recover with a new group, as after any failed
 /// collective.
 pub struct GroupTransport {
@@ -134,23 +136,28 @@ pub struct GroupTransport {
     pub(crate) virtual_stages: usize,
     /// Where received tensors are put.
     pub(crate) device: Device,
-    // The engine keeps the sent tensors alive until their work completes.
+    // Sends in flight; each keeps its message alive until the engine is done with it.
     pending: Vec<Work>,
-    /// Header last sent to each (rank, key), and last received from each.
-    sent: HashMap<(usize, Key), [i64; tensor_meta::LEN]>,
-    expected: HashMap<(usize, Key), [i64; tensor_meta::LEN]>,
+    /// Body bytes of the last tensor sent to each (rank, key): the size its receiver posts next.
+    sent: HashMap<(usize, Key), i64>,
+    /// Body bytes of the last tensor received from each (rank, key).
+    expected: HashMap<(usize, Key), i64>,
     /// Receives posted ahead.
     posted: HashMap<(usize, Key), Posted>,
 }
 
-/// Header integers: the tensor's encoding, then whether a placeholder of the old shape comes first.
-const HEADER: usize = tensor_meta::LEN + 1;
+/// Header integers: the tensor's encoding, what the message holds, padding. 16 of them (128 bytes)
+/// keep the body aligned for every dtype, so the received tensor is a view of the message.
+const HEADER: usize = 16;
+const HEADER_BYTES: i64 = (HEADER * 8) as i64;
+/// `header[tensor_meta::LEN]`: the tensor's bytes follow the header.
+const BODY: i64 = 0;
+/// `header[tensor_meta::LEN]`: nothing follows; the tensor comes next in a message of its own size.
+const RESIZE: i64 = 1;
 
 struct Posted {
-    header: Tensor,
-    header_work: Work,
-    /// The body's receive, posted when its shape was known.
-    body: Option<(Tensor, Work)>,
+    message: Tensor,
+    work: Work,
 }
 
 impl GroupTransport {
@@ -172,16 +179,53 @@ impl GroupTransport {
             Payload::Activation => 0,
             Payload::Grad => 1,
         };
-        // two tags per message: header (even) and payload (odd)
-        (((kind * self.microbatches + key.1) * self.virtual_stages + key.2) * 2) as i32
+        ((kind * self.microbatches + key.1) * self.virtual_stages + key.2) as i32
     }
 
-    fn recv_body(&self, meta: &[i64], from_rank: usize, tag: i32) -> Result<(Tensor, Work)> {
-        let mut t = tensor_meta::empty(meta, self.device).ok_or_else(|| {
-            Error::invalid("pipeline recv", format!("stage {from_rank} announced {}", tensor_meta::render(meta)))
-        })?;
-        let w = self.pg.recv_raw(&mut t, from_rank, tag + 1)?;
-        Ok((t, w))
+    /// A message of `header` and `body_bytes` more bytes on `device`, holding `body` when given.
+    fn message(header: &[i64; HEADER], body_bytes: i64, body: Option<&Tensor>, device: Device) -> Result<Tensor> {
+        let msg = Tensor::f_empty([HEADER_BYTES + body_bytes], (Kind::Uint8, device))?;
+        msg.f_narrow(0, 0, HEADER_BYTES)?.f_copy_(&Tensor::from_slice(header).f_view_dtype(Kind::Uint8)?)?;
+        if let Some(t) = body {
+            Self::body(&msg, t.kind(), &t.size())?.f_copy_(t)?;
+        } else {
+            // the bytes after a header-only message's header are never read; keep them defined
+            let _ = msg.f_narrow(0, HEADER_BYTES, body_bytes)?.f_zero_()?;
+        }
+        Ok(msg)
+    }
+
+    /// The tensor a message holds after its header: a view of it.
+    fn body(msg: &Tensor, kind: Kind, shape: &[i64]) -> Result<Tensor> {
+        let bytes = msg.size()[0] - HEADER_BYTES;
+        Ok(msg.f_narrow(0, HEADER_BYTES, bytes)?.f_view_dtype(kind)?.f_view(shape)?)
+    }
+
+    fn header(msg: &Tensor) -> Result<Vec<i64>> {
+        let h = msg.f_narrow(0, 0, HEADER_BYTES)?.f_to_device(Device::Cpu)?.f_view_dtype(Kind::Int64)?;
+        Ok(Vec::<i64>::try_from(h)?)
+    }
+
+    fn post(&mut self, from_rank: usize, key: Key, body_bytes: i64) -> Result<()> {
+        let mut message = Tensor::f_empty([HEADER_BYTES + body_bytes], (Kind::Uint8, self.device))?;
+        let work = self.pg.recv_raw(&mut message, from_rank, self.tag(key))?;
+        self.posted.insert((from_rank, key), Posted { message, work });
+        Ok(())
+    }
+
+    /// Waits for sends that the engine has finished (so their messages are freed during the step, not
+    /// at its end), and reports their errors.
+    fn retire(&mut self) -> Result<()> {
+        let mut open = Vec::with_capacity(self.pending.len());
+        for w in self.pending.drain(..) {
+            if w.is_completed()? {
+                w.wait()?;
+            } else {
+                open.push(w);
+            }
+        }
+        self.pending = open;
+        Ok(())
     }
 
     /// The failure a stage announced instead of its tensor.
@@ -201,36 +245,45 @@ impl GroupTransport {
     }
 }
 
+/// The bytes of a tensor of encoding `m`, when it can be rebuilt from it.
+fn body_bytes(m: &[i64]) -> Option<(Kind, Vec<i64>, i64)> {
+    let (kind, shape) = tensor_meta::decode(m)?;
+    let bytes = shape.iter().product::<i64>() * kind.elt_size_in_bytes() as i64;
+    Some((kind, shape, bytes))
+}
+
+fn header_of(meta: &[i64; tensor_meta::LEN], holds: i64) -> [i64; HEADER] {
+    let mut h = [0i64; HEADER];
+    h[..tensor_meta::LEN].copy_from_slice(meta);
+    h[tensor_meta::LEN] = holds;
+    h
+}
+
 impl Transport for GroupTransport {
     fn send(&mut self, to_rank: usize, key: Key, t: &Tensor) -> Result<()> {
         let m = tensor_meta::encode(t);
-        if tensor_meta::decode(&m).is_none() {
+        let Some((_, _, bytes)) = body_bytes(&m) else {
             return Err(Error::invalid(
                 "pipeline send",
                 format!("{}: at most {} dims of a known dtype", tensor_meta::render(&m), tensor_meta::MAX_DIMS),
             ));
-        }
-        // the receiver posted its body for the shape sent last time: a new shape completes that first
-        let stale = self.sent.get(&(to_rank, key)).filter(|prev| **prev != m).copied();
-        let mut h = [0i64; HEADER];
-        h[..tensor_meta::LEN].copy_from_slice(&m);
-        h[tensor_meta::LEN] = i64::from(stale.is_some());
-        let header = Tensor::from_slice(&h).f_to_device(self.pg.meta_device())?;
-        let body = t.f_contiguous()?;
+        };
+        self.retire()?;
         let tag = self.tag(key);
         let _l = crate::flight::label(format!(
             "pipeline send {:?} of microbatch {} to virtual stage {}",
             key.0, key.1, key.2
         ));
+        let device = t.device();
+        let posted = self.sent.get(&(to_rank, key)).copied().unwrap_or(0);
         // Our header already tells the receiver what comes, so the group's own checks are skipped.
-        self.pending.push(self.pg.send_raw(&header, to_rank, tag)?);
-        if let Some(prev) = stale {
-            let placeholder = tensor_meta::empty(&prev, body.device())
-                .ok_or_else(|| Error::invalid("pipeline send", "the previous shape cannot be rebuilt"))?;
-            self.pending.push(self.pg.send_raw(&placeholder, to_rank, tag + 1)?);
+        if posted != bytes {
+            let resize = Self::message(&header_of(&m, RESIZE), posted, None, device)?;
+            self.pending.push(self.pg.send_raw(&resize, to_rank, tag)?);
         }
-        self.pending.push(self.pg.send_raw(&body, to_rank, tag + 1)?);
-        self.sent.insert((to_rank, key), m);
+        let msg = Self::message(&header_of(&m, BODY), bytes, Some(t), device)?;
+        self.pending.push(self.pg.send_raw(&msg, to_rank, tag)?);
+        self.sent.insert((to_rank, key), bytes);
         Ok(())
     }
 
@@ -238,64 +291,50 @@ impl Transport for GroupTransport {
         if self.posted.contains_key(&(from_rank, key)) {
             return Ok(());
         }
-        let tag = self.tag(key);
-        let mut header = Tensor::f_zeros([HEADER as i64], (Kind::Int64, self.pg.meta_device()))?;
-        let header_work = self.pg.recv_raw(&mut header, from_rank, tag)?;
-        let body = match self.expected.get(&(from_rank, key)) {
-            Some(m) => Some(self.recv_body(m, from_rank, tag)?),
-            None => None,
-        };
-        self.posted.insert((from_rank, key), Posted { header, header_work, body });
-        Ok(())
+        let bytes = self.expected.get(&(from_rank, key)).copied().unwrap_or(0);
+        self.post(from_rank, key, bytes)
     }
 
     fn recv(&mut self, from_rank: usize, key: Key) -> Result<Tensor> {
-        let tag = self.tag(key);
         let _l = crate::flight::label(format!(
             "pipeline recv {:?} of microbatch {} for virtual stage {}",
             key.0, key.1, key.2
         ));
         self.prepost(from_rank, key)?;
-        let Some(posted) = self.posted.remove(&(from_rank, key)) else {
-            return Err(Error::invalid("pipeline recv", format!("no receive posted for {key:?}")));
-        };
-        posted.header_work.wait()?;
-        let h = Vec::<i64>::try_from(posted.header.f_to_device(Device::Cpu)?)?;
-        if h[0] == ABORT {
-            return Err(self.aborted(&h, key));
+        loop {
+            let Some(Posted { message, work }) = self.posted.remove(&(from_rank, key)) else {
+                return Err(Error::invalid("pipeline recv", format!("no receive posted for {key:?}")));
+            };
+            work.wait()?;
+            let h = Self::header(&message)?;
+            if h[0] == ABORT {
+                return Err(self.aborted(&h, key));
+            }
+            let meta = &h[..tensor_meta::LEN];
+            let Some((kind, shape, bytes)) = body_bytes(meta) else {
+                return Err(Error::invalid(
+                    "pipeline recv",
+                    format!("stage {from_rank} announced {} for {key:?}", tensor_meta::render(meta)),
+                ));
+            };
+            match h[tensor_meta::LEN] {
+                RESIZE => self.post(from_rank, key, bytes)?,
+                BODY if message.size()[0] == HEADER_BYTES + bytes => {
+                    self.expected.insert((from_rank, key), bytes);
+                    return Self::body(&message, kind, &shape);
+                }
+                holds => {
+                    return Err(Error::invalid(
+                        "pipeline recv",
+                        format!(
+                            "stage {from_rank} sent {} for {key:?} in a message of {} bytes (holds = {holds})",
+                            tensor_meta::render(meta),
+                            message.size()[0]
+                        ),
+                    ))
+                }
+            }
         }
-        let meta = &h[..tensor_meta::LEN];
-        let stale = h[tensor_meta::LEN] != 0;
-        let (t, work) = match posted.body {
-            Some((old, w)) if stale => {
-                w.wait()?; // the placeholder
-                drop(old);
-                self.recv_body(meta, from_rank, tag)?
-            }
-            Some((t, w)) if tensor_meta::encode(&t)[..] == *meta => (t, w),
-            Some((t, _)) => {
-                return Err(Error::invalid(
-                    "pipeline recv",
-                    format!(
-                        "stage {from_rank} announced {} for {key:?} where {} was posted, without a placeholder",
-                        tensor_meta::render(meta),
-                        tensor_meta::render(&tensor_meta::encode(&t))
-                    ),
-                ))
-            }
-            None if stale => {
-                return Err(Error::invalid(
-                    "pipeline recv",
-                    format!("stage {from_rank} sent a placeholder for {key:?} where nothing was posted"),
-                ))
-            }
-            None => self.recv_body(meta, from_rank, tag)?,
-        };
-        work.wait()?;
-        let mut m = [0i64; tensor_meta::LEN];
-        m.copy_from_slice(meta);
-        self.expected.insert((from_rank, key), m);
-        Ok(t)
     }
 
     fn flush(&mut self) -> Result<()> {
@@ -312,10 +351,12 @@ impl Transport for GroupTransport {
         let mut h = [0i64; HEADER];
         h[0] = ABORT;
         h[1] = origin as i64;
-        let header = Tensor::from_slice(&h).f_to_device(self.pg.meta_device())?;
+        // sized for the receive the other side posted for this key
+        let posted = self.sent.get(&(to_rank, key)).copied().unwrap_or(0);
+        let message = Self::message(&h, posted, None, self.device)?;
         let _l = crate::flight::label(format!("pipeline abort to rank {to_rank}"));
-        // a small message: out within moments, whether or not the other side still listens
-        let work = self.pg.send_raw(&header, to_rank, self.tag(key))?;
+        // out within moments, whether or not the other side still listens
+        let work = self.pg.send_raw(&message, to_rank, self.tag(key))?;
         let _ = work.wait_timeout(Duration::from_secs(2));
         Ok(())
     }
