@@ -136,8 +136,8 @@ pub struct GroupTransport {
     pub(crate) virtual_stages: usize,
     /// Where received tensors are put.
     pub(crate) device: Device,
-    // Sends in flight; each keeps its message alive until the engine is done with it.
-    pending: Vec<Work>,
+    /// Sends in flight, by destination and key; each keeps its message alive until it is waited for.
+    pending: Vec<((usize, Key), Work)>,
     /// Body bytes of the last tensor sent to each (rank, key): the size its receiver posts next.
     sent: HashMap<(usize, Key), i64>,
     /// Body bytes of the last tensor received from each (rank, key).
@@ -213,18 +213,19 @@ impl GroupTransport {
         Ok(())
     }
 
-    /// Waits for sends that the engine has finished (so their messages are freed during the step, not
-    /// at its end), and reports their errors.
-    fn retire(&mut self) -> Result<()> {
-        let mut open = Vec::with_capacity(self.pending.len());
-        for w in self.pending.drain(..) {
-            if w.is_completed()? {
-                w.wait()?;
-            } else {
-                open.push(w);
-            }
-        }
+    /// A gradient for virtual stage `v` of microbatch `mb` came from `rank`, so `rank` has received the
+    /// activation it was computed from: that send is over, and waiting for it frees its message now
+    /// rather than at the end of the step. (Gloo's sends report completion only when waited for.)
+    fn acknowledged(&mut self, rank: usize, key: Key) -> Result<()> {
+        let (Payload::Grad, mb, v) = key else {
+            return Ok(());
+        };
+        let sent = (rank, (Payload::Activation, mb, v + 1));
+        let (done, open): (Vec<_>, Vec<_>) = self.pending.drain(..).partition(|(k, _)| *k == sent);
         self.pending = open;
+        for (_, w) in done {
+            w.wait()?;
+        }
         Ok(())
     }
 
@@ -268,7 +269,6 @@ impl Transport for GroupTransport {
                 format!("{}: at most {} dims of a known dtype", tensor_meta::render(&m), tensor_meta::MAX_DIMS),
             ));
         };
-        self.retire()?;
         let tag = self.tag(key);
         let _l = crate::flight::label(format!(
             "pipeline send {:?} of microbatch {} to virtual stage {}",
@@ -279,10 +279,10 @@ impl Transport for GroupTransport {
         // Our header already tells the receiver what comes, so the group's own checks are skipped.
         if posted != bytes {
             let resize = Self::message(&header_of(&m, RESIZE), posted, None, device)?;
-            self.pending.push(self.pg.send_raw(&resize, to_rank, tag)?);
+            self.pending.push(((to_rank, key), self.pg.send_raw(&resize, to_rank, tag)?));
         }
         let msg = Self::message(&header_of(&m, BODY), bytes, Some(t), device)?;
-        self.pending.push(self.pg.send_raw(&msg, to_rank, tag)?);
+        self.pending.push(((to_rank, key), self.pg.send_raw(&msg, to_rank, tag)?));
         self.sent.insert((to_rank, key), bytes);
         Ok(())
     }
@@ -321,6 +321,7 @@ impl Transport for GroupTransport {
                 RESIZE => self.post(from_rank, key, bytes)?,
                 BODY if message.size()[0] == HEADER_BYTES + bytes => {
                     self.expected.insert((from_rank, key), bytes);
+                    self.acknowledged(from_rank, key)?;
                     return Self::body(&message, kind, &shape);
                 }
                 holds => {
@@ -338,7 +339,7 @@ impl Transport for GroupTransport {
     }
 
     fn flush(&mut self) -> Result<()> {
-        for w in self.pending.drain(..) {
+        for (_, w) in self.pending.drain(..) {
             w.wait()?;
         }
         Ok(())
