@@ -232,3 +232,56 @@ fn an_early_error_leaves_no_worker_running() {
     assert!(!left.status.success(), "a worker is still running: {}", String::from_utf8_lossy(&left.stdout));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The default dump directory is named after tchrun's process id, which the system reuses: a dump an
+/// earlier job left there must not be read as this job's (it would hide the rank that left none).
+#[test]
+fn a_stale_flight_dump_is_not_read_as_this_jobs() {
+    use tch_dist::flight::{Dump, Entry, EntryState};
+    let dir = tmp("stale-dump");
+    let attempt = dir.join("restart0");
+    std::fs::create_dir_all(&attempt).unwrap();
+    let stale = Dump {
+        rank: 1,
+        pid: 1,
+        host: "elsewhere".into(),
+        time: 0.0,
+        reason: "an earlier job".into(),
+        peers: Vec::new(),
+        entries: vec![Entry {
+            id: 1,
+            group: "default".into(),
+            group_rank: 1,
+            group_size: 2,
+            seq: 7,
+            op: "allreduce(Sum) of Float[3] on Cpu".into(),
+            backend: "gloo".into(),
+            label: "stale label from an earlier job".into(),
+            enqueued: 0.0,
+            ended: None,
+            state: EntryState::Pending,
+            error: None,
+        }],
+    };
+    let path = attempt.join("rank1.json");
+    std::fs::write(&path, serde_json::to_string(&stale).unwrap()).unwrap();
+    // a dump of a rank this launcher does not start is not its to remove
+    let other = Dump { rank: 5, ..stale.clone() };
+    std::fs::write(attempt.join("rank5.json"), serde_json::to_string(&other).unwrap()).unwrap();
+    let mut c = tchrun();
+    c.args(["--standalone", "--nproc-per-node", "2", "--grace-secs", "1", "--trace-dir"]).arg(&dir).args([
+        "--",
+        "sh",
+        "-c",
+        "if [ \"$RANK\" = 1 ]; then exit 3; fi; sleep 60",
+    ]);
+    let (o, _) = run(c, Duration::from_secs(60));
+    let (_, err) = text(&o);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("rank 1 (local rank 1) failed with exit code 3"), "{err}");
+    assert!(!path.exists(), "the stale dump is still there");
+    assert!(attempt.join("rank5.json").exists(), "another launcher's rank's dump was removed");
+    // only rank 5's dump is left, so nothing is said of rank 1's collectives
+    assert!(!err.contains("rank 1 last recorded"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

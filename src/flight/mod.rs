@@ -21,4 +21,4 @@ pub use analyze::{analyze, Analysis};
 pub use record::{dump, entries, label, probe, Dump, Entry, EntryState, LabelGuard};
 
 pub(crate) use progress::GroupTrace;
-pub(crate) use record::Recording;
+pub(crate) use record::{clear_dumps, Recording};

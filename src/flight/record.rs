@@ -9,6 +9,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use serde::{Deserialize, Serialize};
 
 use super::progress::PeerProgress;
+use crate::error::{Error, Result};
 
 /// How an operation ended, as far as this rank knows.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -199,11 +200,31 @@ pub(crate) fn dump_with(reason: &str, peers: Vec<PeerProgress>, group_rank: Opti
     };
     let text = serde_json::to_string_pretty(&d).ok()?;
     std::fs::create_dir_all(&dir).ok()?;
-    let path = dir.join(format!("rank{rank}.json"));
+    let path = dump_path(&dir, rank);
     let tmp = dir.join(format!(".rank{rank}.json.tmp-{}", std::process::id()));
     std::fs::write(&tmp, text).ok()?;
     std::fs::rename(&tmp, &path).ok()?;
     Some(path)
+}
+
+fn dump_path(dir: &std::path::Path, rank: usize) -> PathBuf {
+    dir.join(format!("rank{rank}.json"))
+}
+
+/// Removes the dumps of `ranks` left in `dir` by an earlier job, before this job's workers start: a
+/// launcher's default directory is named after its process id, which the system reuses, and a stale
+/// dump read as this job's would hide the real culprit (the rank that left none).
+pub(crate) fn clear_dumps(dir: &std::path::Path, ranks: std::ops::Range<usize>) -> Result<()> {
+    for r in ranks {
+        let p = dump_path(dir, r);
+        match std::fs::remove_file(&p) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                return Err(Error::invalid(format!("stale flight dump {}", p.display()), e.to_string()))
+            }
+            _ => {}
+        }
+    }
+    Ok(())
 }
 
 fn hostname() -> String {

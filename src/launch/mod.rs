@@ -186,6 +186,10 @@ fn pump(
 }
 
 fn spawn(cfg: &LaunchConfig, restart: usize) -> Result<Vec<Worker>> {
+    if let Some(dir) = trace_dir(cfg, restart) {
+        let first = cfg.node_rank * cfg.nproc_per_node;
+        crate::flight::clear_dumps(&dir, first..first + cfg.nproc_per_node)?;
+    }
     let mut workers = Vec::with_capacity(cfg.nproc_per_node);
     for local in 0..cfg.nproc_per_node {
         let rank = cfg.node_rank * cfg.nproc_per_node + local;
