@@ -37,3 +37,11 @@ extern "C" int tdx_storage_nbytes(tdx_tensor t, int64_t* out) {
     return TDX_OK;
   })
 }
+
+extern "C" int tdx_storage_use_count(tdx_tensor t, int64_t* out) {
+  TDX_TRY({
+    auto& x = tdx::tensor(t);
+    *out = (x.defined() && x.has_storage()) ? static_cast<int64_t>(x.storage().use_count()) : 0;
+    return TDX_OK;
+  })
+}

@@ -124,6 +124,8 @@ int tdx_checkpoint(tdx_forward_fn fn, tdx_drop_fn drop, void* ctx, const tdx_ten
 // contents are undefined). Tensors sharing the storage see the change.
 int tdx_storage_resize(tdx_tensor t, int64_t nbytes);
 int tdx_storage_nbytes(tdx_tensor t, int64_t* out);
+// How many tensors (TensorImpls: views, autograd's saved copies) share t's storage, t included.
+int tdx_storage_use_count(tdx_tensor t, int64_t* out);
 
 // ---- optim.cpp: ATen's fused AdamW over n parameters, in place (torch.optim.AdamW(fused=True)); steps[i] is
 // parameter i's step count after this step, a float32 scalar tensor.

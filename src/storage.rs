@@ -31,3 +31,12 @@ pub(crate) fn nbytes(t: &Tensor) -> Result<i64> {
     check(code, std::time::Duration::ZERO, || "read a storage's size".into())?;
     Ok(out)
 }
+
+/// Whether no other tensor shares `t`'s storage: no view of it, no copy autograd saved for backward.
+pub(crate) fn sole_owner(t: &Tensor) -> Result<bool> {
+    let mut out = 0i64;
+    // SAFETY: t is live for the call.
+    let code = unsafe { ffi::tdx_storage_use_count(t.as_ptr() as ffi::tdx_tensor, &mut out) };
+    check(code, std::time::Duration::ZERO, || "read a storage's use count".into())?;
+    Ok(out == 1)
+}

@@ -121,6 +121,12 @@ pub fn run_rank(step: &RankStep, net: &mut dyn Transport) -> Result<RankReport> 
                     }
                     if vs != last_vs {
                         net.send(next_rank, (Payload::Activation, mb, vs + 1), &output.f_detach()?)?;
+                        // Backward needs the output's graph and shape, not its values (Megatron's
+                        // deallocate_output_tensor): sent, they go, unless a backward function saved
+                        // them (tanh keeps its result) or the transport still reads them (threads).
+                        if !step.recompute && crate::storage::sole_owner(&output)? {
+                            crate::storage::free(&output)?;
+                        }
                     }
                     let (output, loss) = if step.recompute { (None, None) } else { (Some(output), loss) };
                     saved.insert((mb, chunk), Saved { input, output, loss });
