@@ -45,3 +45,25 @@ extern "C" int tdx_storage_use_count(tdx_tensor t, int64_t* out) {
     return TDX_OK;
   })
 }
+
+extern "C" int tdx_storage_move(tdx_tensor dst, tdx_tensor src) {
+  TDX_TRY({
+    auto& d = tdx::tensor(dst);
+    auto& s = tdx::tensor(src);
+    if (!d.defined() || !d.has_storage() || !s.defined() || !s.has_storage())
+      return tdx::set_error(TDX_EINVALID, "storage move: a tensor has no storage");
+    c10::StorageImpl* di = d.storage().unsafeGetStorageImpl();
+    c10::StorageImpl* si = s.storage().unsafeGetStorageImpl();
+    if (di == si) return TDX_OK;
+    if (di->nbytes() != 0)
+      return tdx::set_error(TDX_EINVALID, "storage move: the destination holds " + std::to_string(di->nbytes()) + " bytes");
+    if (di->device() != si->device())
+      return tdx::set_error(TDX_EINVALID, "storage move: the storages are on different devices");
+    size_t n = si->nbytes();
+    at::DataPtr p = si->set_data_ptr(at::DataPtr(nullptr, si->device()));
+    si->set_nbytes(0);
+    di->set_data_ptr_noswap(std::move(p));
+    di->set_nbytes(n);
+    return TDX_OK;
+  })
+}

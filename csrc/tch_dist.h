@@ -126,6 +126,8 @@ int tdx_storage_resize(tdx_tensor t, int64_t nbytes);
 int tdx_storage_nbytes(tdx_tensor t, int64_t* out);
 // How many tensors (TensorImpls: views, autograd's saved copies) share t's storage, t included.
 int tdx_storage_use_count(tdx_tensor t, int64_t* out);
+// Moves src's memory into dst's freed storage (same device); src's storage is left freed.
+int tdx_storage_move(tdx_tensor dst, tdx_tensor src);
 
 // ---- optim.cpp: ATen's fused AdamW over n parameters, in place (torch.optim.AdamW(fused=True)); steps[i] is
 // parameter i's step count after this step, a float32 scalar tensor.

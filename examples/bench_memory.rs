@@ -11,6 +11,8 @@
 //!   --fused                  AdamW's fused kernel (PyTorch's twin: AdamW(fused=True))
 //!   --gather-once-below N    ZeRO-3: FsdpOptions::gather_once_below (0: each bias gathered with its layer)
 //! Rank 0 prints `median_step_s peak_rank0 peak_rank1 params grads state master grad_shards` (bytes).
+//! `BENCH_STEPS=N` times N steps instead of 5 (the page-fault counts per step in docs/bench-memory.md
+//! come from the difference of two runs); `BENCH_TRACE=1` prints each step's phases.
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -175,7 +177,8 @@ fn timed_steps(
 ) -> Res<f64> {
     let rank = pg.rank() as i64;
     let mut times = Vec::new();
-    for step in 0..WARMUP + STEPS {
+    let steps: usize = std::env::var("BENCH_STEPS").ok().and_then(|s| s.parse().ok()).unwrap_or(STEPS);
+    for step in 0..WARMUP + steps {
         tch::manual_seed(1000 + step as i64 * 10 + rank);
         let x = Tensor::randn([BATCH, WIDTH], (Kind::Float, Device::Cpu)).to_kind(kind);
         let y = Tensor::randn([BATCH, WIDTH], (Kind::Float, Device::Cpu));

@@ -172,6 +172,7 @@ extern "C" {
     pub fn tdx_storage_resize(t: tdx_tensor, nbytes: i64) -> c_int;
     pub fn tdx_storage_nbytes(t: tdx_tensor, out: *mut i64) -> c_int;
     pub fn tdx_storage_use_count(t: tdx_tensor, out: *mut i64) -> c_int;
+    pub fn tdx_storage_move(dst: tdx_tensor, src: tdx_tensor) -> c_int;
 
     #[allow(clippy::too_many_arguments)]
     pub fn tdx_fused_adamw(

@@ -40,3 +40,11 @@ pub(crate) fn sole_owner(t: &Tensor) -> Result<bool> {
     check(code, std::time::Duration::ZERO, || "read a storage's use count".into())?;
     Ok(out == 1)
 }
+
+/// Moves `src`'s memory into `dst`'s freed storage, leaving `src`'s freed: a buffer handed from one
+/// tensor to another without a trip through the allocator.
+pub(crate) fn move_into(dst: &Tensor, src: &Tensor) -> Result<()> {
+    // SAFETY: both are live for the call; the shim moves the DataPtr between the two StorageImpls.
+    let code = unsafe { ffi::tdx_storage_move(dst.as_ptr() as ffi::tdx_tensor, src.as_ptr() as ffi::tdx_tensor) };
+    check(code, std::time::Duration::ZERO, || "move a storage's memory".into())
+}

@@ -505,3 +505,52 @@ fn bad_units_are_refused_by_name() {
     });
     assert!(mixed[0].contains("mixes frozen and trainable parameters"), "{}", mixed[0]);
 }
+
+/// In backward, the unit reduced and freed just before a gather of the same size hands its memory to
+/// that gather instead of returning it to the allocator (whose 64-byte aligned blocks do not fit a
+/// request of their own size again: each gather would take fresh pages). Unit 2's backward runs first;
+/// at unit 1's pre-backward unit 2 is reduced and freed and unit 0 prefetched, into unit 2's memory.
+#[test]
+fn a_unit_freed_in_backward_hands_its_memory_to_the_next_gather() {
+    let out = common::run_threads(2, Duration::from_secs(60), |pg| {
+        let vs = nn::VarStore::new(Device::Cpu);
+        let opts = FsdpOptions::default().process_group(Arc::new(pg)).prefetch(1);
+        let fsdp = FsdpBuilder::new(&vs, opts).unwrap();
+        let nb = nn::LinearConfig { bias: false, ..Default::default() };
+        let units: Vec<_> = (0..3)
+            .map(|i| {
+                let p = vs.root() / format!("l{i}");
+                fsdp.fully_shard(&p, nn::linear(&p, 64, 64, nb)).unwrap()
+            })
+            .collect();
+        let model = fsdp.finish(nn::func(move |x| units[2].forward(&units[1].forward(&units[0].forward(x))))).unwrap();
+        let seen = Arc::new(std::sync::Mutex::new(std::collections::BTreeMap::new()));
+        let vars = vs.variables();
+        let _hooks: Vec<_> = (0..3)
+            .map(|i| {
+                let w = vars[&format!("l{i}.weight")].shallow_clone();
+                let (seen, probe) = (seen.clone(), std::sync::Mutex::new(w.shallow_clone()));
+                // runs in unit i's backward, while it is gathered
+                tch_dist::hooks::on_grad_accumulated(&w, move || {
+                    seen.lock().unwrap().insert(i, probe.lock().unwrap().data_ptr() as usize);
+                })
+                .unwrap()
+            })
+            .collect();
+        let x = Tensor::ones([4, 64], (Kind::Float, Device::Cpu));
+        let mut steps = Vec::new();
+        for _ in 0..3 {
+            // the first iteration records the order of units; later ones prefetch along it
+            model.forward(&x).sum(Kind::Float).backward();
+            model.zero_grad().unwrap();
+            steps.push(seen.lock().unwrap().clone());
+        }
+        steps
+    });
+    for (rank, steps) in out.iter().enumerate() {
+        for (s, ptrs) in steps.iter().enumerate().skip(1) {
+            assert_eq!(ptrs.len(), 3, "rank {rank} step {s}: {ptrs:?}");
+            assert_eq!(ptrs[&0], ptrs[&2], "rank {rank} step {s}: unit 0 was gathered into new memory: {ptrs:?}");
+        }
+    }
+}

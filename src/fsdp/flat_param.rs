@@ -209,12 +209,18 @@ impl FlatParam {
         Ok(flat.f_narrow(0, s.offset, self.world * s.chunk)?.f_view([self.world, s.chunk])?)
     }
 
-    /// Allocates `full`, puts this rank's chunks in it and starts the all-gathers (rings of sends into
-    /// place, one per parameter, or one for a coalesced unit, on the unit's tag); returns what is still
-    /// running.
-    pub fn start_gather(&self, pg: &ProcessGroup, index: usize) -> Result<Vec<Work>> {
+    /// Allocates `full` (with `spare`'s memory when it has the size: see [`release`](Self::release)),
+    /// puts this rank's chunks in it and starts the all-gathers (rings of sends into place, one per
+    /// parameter, or one for a coalesced unit, on the unit's tag); returns what is still running.
+    pub fn start_gather(&self, pg: &ProcessGroup, index: usize, spare: Option<Tensor>) -> Result<Vec<Work>> {
         let _g = tch::no_grad_guard();
-        storage::allocate(&self.full)?;
+        let want = self.full.numel() as i64 * self.full.kind().elt_size_in_bytes() as i64;
+        match spare {
+            Some(sp) if sp.device() == self.full.device() && storage::nbytes(&sp)? == want => {
+                storage::move_into(&self.full, &sp)?
+            }
+            _ => storage::allocate(&self.full)?,
+        }
         for s in &self.slots {
             if s.own > 0 {
                 let chunk = self.own_chunk(s)?;
@@ -274,8 +280,11 @@ impl FlatParam {
     }
 
     /// Takes the shards out of `full` (into storage of their own), points the parameters at the
-    /// placeholder and frees `full`'s memory.
-    pub fn release(&self) -> Result<()> {
+    /// placeholder and frees `full`'s memory, or with `keep` hands it back in a tensor of its own, for the
+    /// next unit's gather. (libtorch's CPU allocator asks glibc for 64-byte aligned blocks, and a freed
+    /// block is then a little too small for the next request of its own size: every gather would take
+    /// fresh pages, and the process's resident memory grow far past what it uses.)
+    pub fn release(&self, keep: bool) -> Result<Option<Tensor>> {
         let _g = tch::no_grad_guard();
         for s in &self.slots {
             let chunk = self.own_chunk(s)?;
@@ -285,7 +294,13 @@ impl FlatParam {
             s.param.shallow_clone().f_set_data(&self.placeholder)?;
         }
         storage::free(&self.stage)?; // a gather waited for by a release only
-        storage::free(&self.full)
+        if keep && storage::nbytes(&self.full)? > 0 {
+            let spare = Tensor::f_empty([0], (Kind::Uint8, self.full.device()))?;
+            storage::move_into(&spare, &self.full)?;
+            return Ok(Some(spare));
+        }
+        storage::free(&self.full)?;
+        Ok(None)
     }
 
     /// Bytes `full` holds now (0 while sharded).

@@ -69,6 +69,10 @@ struct State {
     in_backward: bool,
     sync: bool,
     error: Option<String>,
+    /// The memory of the unit reduced and freed last in backward, for the gather that follows in the same
+    /// pre-backward step: handed over, not returned to the allocator (see FlatParam::release); dropped
+    /// before the unit's backward computes.
+    spare: Option<Tensor>,
 }
 
 pub(crate) struct Runtime {
@@ -100,6 +104,7 @@ impl Runtime {
             in_backward: false,
             sync: true,
             error: None,
+            spare: None,
         };
         Runtime { pg, cfg, st: Mutex::new(st) }
     }
@@ -138,7 +143,7 @@ impl Runtime {
 
     /// Makes unit `u`'s parameters the gathered ones: finishes its prefetch, or gathers it now.
     pub fn unshard(&self, u: usize) -> Result<()> {
-        let (flat, job) = {
+        let (flat, job, spare) = {
             let mut st = self.lock();
             let unit = &mut st.units[u];
             let job = match std::mem::replace(&mut unit.phase, Phase::Busy) {
@@ -152,12 +157,14 @@ impl Runtime {
                     ))
                 }
             };
-            (unit.flat.handles(), job)
+            let flat = unit.flat.handles();
+            let spare = if matches!(job, Job::Start) { st.spare.take() } else { None };
+            (flat, job, spare)
         };
         let done = match job {
             Job::Nothing => Ok(()),
             Job::Wait(w) => wait_all(w).and_then(|()| flat.finish_gather()),
-            Job::Start => flat.start_gather(&self.pg, u).and_then(wait_all).and_then(|()| flat.finish_gather()),
+            Job::Start => flat.start_gather(&self.pg, u, spare).and_then(wait_all).and_then(|()| flat.finish_gather()),
         }
         .and_then(|()| flat.use_full());
         self.lock().units[u].phase = if done.is_ok() { Phase::Gathered } else { Phase::Sharded };
@@ -166,17 +173,18 @@ impl Runtime {
 
     /// Starts gathering unit `u` if it is sharded, and returns without waiting.
     fn prefetch(&self, u: usize) -> Result<()> {
-        let flat = {
+        let (flat, spare) = {
             let mut st = self.lock();
             let unit = &mut st.units[u];
             if !matches!(unit.phase, Phase::Sharded) {
                 return Ok(());
             }
             unit.phase = Phase::Busy;
-            unit.flat.handles()
+            let flat = unit.flat.handles();
+            (flat, st.spare.take())
         };
         let _l = crate::flight::label(format!("FSDP prefetch of unit {u}"));
-        let started = flat.start_gather(&self.pg, u);
+        let started = flat.start_gather(&self.pg, u, spare);
         let mut st = self.lock();
         match started {
             Ok(w) => {
@@ -192,6 +200,13 @@ impl Runtime {
 
     /// Frees unit `u`'s gathered parameters (after any gather of it still running).
     pub fn reshard(&self, u: usize) -> Result<()> {
+        self.reshard_keeping(u, false)
+    }
+
+    /// [`reshard`](Self::reshard); with `keep`, its memory is kept as the spare for the gather that
+    /// follows in the same step of backward (never across the user's code between units, where it
+    /// would count as memory in use).
+    fn reshard_keeping(&self, u: usize, keep: bool) -> Result<()> {
         let (flat, works) = {
             let mut st = self.lock();
             let unit = &mut st.units[u];
@@ -212,8 +227,14 @@ impl Runtime {
             (unit.flat.handles(), works)
         };
         let waited = wait_all(works);
-        let freed = flat.release();
-        self.lock().units[u].phase = Phase::Sharded;
+        let freed = flat.release(keep);
+        let mut st = self.lock();
+        st.units[u].phase = Phase::Sharded;
+        let freed = freed.map(|spare| {
+            if spare.is_some() {
+                st.spare = spare; // the one before, if unused, is freed here
+            }
+        });
         waited.and(freed)
     }
 
@@ -229,6 +250,7 @@ impl Runtime {
             self.reshard(u)?;
         }
         let mut st = self.lock();
+        st.spare = None;
         st.order.clear();
         st.reduced = 0;
         st.units.iter_mut().for_each(|x| x.arrived = 0);
@@ -296,13 +318,21 @@ impl Runtime {
             (st.order[..at].iter().rev().take(self.cfg.prefetch).copied().collect(), st.sync)
         };
         if sync {
-            self.reduce_ready(false)?;
+            self.reduce_ready(false, true)?;
         }
         self.unshard(u)?;
         for v in next {
             self.prefetch(v)?;
         }
+        self.drop_spare();
         Ok(())
+    }
+
+    /// The gathers that follow a release have taken its memory or will not: it goes back to the
+    /// allocator before the unit's compute allocates.
+    fn drop_spare(&self) {
+        let spare = self.lock().spare.take();
+        drop(spare); // outside the lock
     }
 
     /// One parameter of unit `u` has its gradient (called from its accumulator's hook). Counted only: the
@@ -354,8 +384,9 @@ impl Runtime {
     }
 
     /// Reduces, along the reversed forward order, each unit whose gradients are all in; with `force`,
-    /// every unit left (missing gradients count as zeros).
-    fn reduce_ready(&self, force: bool) -> Result<()> {
+    /// every unit left (missing gradients count as zeros). With `keep`, the last unit freed leaves its
+    /// memory as the spare, for the gather the caller starts next.
+    fn reduce_ready(&self, force: bool, keep: bool) -> Result<()> {
         loop {
             let (u, flat) = {
                 let mut st = self.lock();
@@ -373,8 +404,9 @@ impl Runtime {
                 }
                 (u, st.units[u].flat.handles())
             };
-            // A gathered unit lends the reduction the other ranks' chunks and is freed after it;
-            // otherwise the gathered parameters go first, so the reduction's buffer takes their place.
+            self.drop_spare(); // never beside a reduction's buffers
+                               // A gathered unit lends the reduction the other ranks' chunks and is freed after it;
+                               // otherwise the gathered parameters go first, so the reduction's buffer takes their place.
             let gathered = {
                 let mut st = self.lock();
                 let g = matches!(st.units[u].phase, Phase::Gathered);
@@ -393,7 +425,7 @@ impl Runtime {
             };
             if gathered {
                 self.lock().units[u].phase = Phase::Gathered;
-                self.reshard(u)?;
+                self.reshard_keeping(u, keep)?;
             }
             reduced?;
         }
@@ -403,7 +435,7 @@ impl Runtime {
     /// error of this backward (the backward fails with it).
     fn end_backward(&self) -> Result<()> {
         let sync = self.lock().sync;
-        let mut r = if sync { self.reduce_ready(true) } else { Ok(()) };
+        let mut r = if sync { self.reduce_ready(true, false) } else { Ok(()) };
         for u in 0..self.len() {
             let freed = self.reshard(u);
             if r.is_ok() {
@@ -411,6 +443,7 @@ impl Runtime {
             }
         }
         let mut st = self.lock();
+        st.spare = None;
         st.in_backward = false;
         st.last_order = st.order.clone();
         st.reduced = 0;
@@ -427,6 +460,7 @@ impl Runtime {
             let _ = self.reshard(u);
         }
         let mut st = self.lock();
+        st.spare = None;
         st.in_backward = false;
         st.error = None;
         st.reduced = 0;
