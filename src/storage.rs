@@ -1,6 +1,8 @@
 //! A tensor's storage freed and allocated again in place: FSDP frees a unit's gathered parameters between
 //! uses this way. The storage object stays, so every tensor sharing it (the parameters' views, the tensors
-//! autograd saved for backward) sees memory again once it is allocated and filled.
+//! autograd saved for backward) sees memory again once it is allocated and filled. Also: memory handed
+//! from one storage to another (FSDP's buffer handover), and whether a storage is shared (a pipeline
+//! stage frees its sent output only when nothing else reads it).
 use tch::Tensor;
 
 use crate::error::{check, Result};
