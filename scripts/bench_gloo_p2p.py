@@ -1,7 +1,8 @@
 """Gloo point-to-point latency between two processes, PyTorch's own Gloo: each rank sends to and receives
 from the other at once, 400 times per size, and rank 0 prints the mean time per exchange. With a
-72-byte header (9 int64s) posted beside the body, as tch-dist's pipeline transport does, for the 64 KB
-body (one microbatch's activation at m = 16 in scripts/bench-pipeline.sh).
+72-byte header (9 int64s) posted beside the body, as tch-dist's pipeline transport did until it sent
+header and body as one message, for the 64 KB body (one microbatch's activation at m = 16 in
+scripts/bench-pipeline.sh).
   source scripts/env.sh && ranks 2 $TCH_DIST_PYTHON_BIN scripts/bench_gloo_p2p.py"""
 import time
 
