@@ -22,7 +22,12 @@ pub(crate) fn free(t: &Tensor) -> Result<()> {
 /// Gives `t`'s freed storage memory for all of `t` (a tensor at offset 0 covering its storage), contents
 /// undefined.
 pub(crate) fn allocate(t: &Tensor) -> Result<()> {
-    resize(t, (t.numel() * t.kind().elt_size_in_bytes()) as i64)
+    resize(t, bytes_of(t))
+}
+
+/// The bytes all of `t` takes: what [`allocate`] gives its storage.
+pub(crate) fn bytes_of(t: &Tensor) -> i64 {
+    (t.numel() * t.kind().elt_size_in_bytes()) as i64
 }
 
 /// Bytes `t`'s storage holds now (0 when freed).

@@ -214,9 +214,8 @@ impl FlatParam {
     /// parameter, or one for a coalesced unit, on the unit's tag); returns what is still running.
     pub fn start_gather(&self, pg: &ProcessGroup, index: usize, spare: Option<Tensor>) -> Result<Vec<Work>> {
         let _g = tch::no_grad_guard();
-        let want = self.full.numel() as i64 * self.full.kind().elt_size_in_bytes() as i64;
         match spare {
-            Some(sp) if sp.device() == self.full.device() && storage::nbytes(&sp)? == want => {
+            Some(sp) if sp.device() == self.full.device() && storage::nbytes(&sp)? == storage::bytes_of(&self.full) => {
                 storage::move_into(&self.full, &sp)?
             }
             _ => storage::allocate(&self.full)?,

@@ -250,7 +250,6 @@ impl Runtime {
             self.reshard(u)?;
         }
         let mut st = self.lock();
-        st.spare = None;
         st.order.clear();
         st.reduced = 0;
         st.units.iter_mut().for_each(|x| x.arrived = 0);
@@ -404,9 +403,10 @@ impl Runtime {
                 }
                 (u, st.units[u].flat.handles())
             };
-            self.drop_spare(); // never beside a reduction's buffers
-                               // A gathered unit lends the reduction the other ranks' chunks and is freed after it;
-                               // otherwise the gathered parameters go first, so the reduction's buffer takes their place.
+            // never a spare beside a reduction's buffers
+            self.drop_spare();
+            // A gathered unit lends the reduction the other ranks' chunks and is freed after it;
+            // otherwise the gathered parameters go first, so the reduction's buffer takes their place.
             let gathered = {
                 let mut st = self.lock();
                 let g = matches!(st.units[u].phase, Phase::Gathered);
