@@ -18,6 +18,7 @@ const SOURCES: &[&str] = &[
     "csrc/recompute.cpp",
     "csrc/storage.cpp",
     "csrc/optim.cpp",
+    "csrc/adamw_single.cpp",
 ];
 
 fn libtorch_lib() -> PathBuf {
@@ -47,6 +48,8 @@ fn base_build(torch: &Path) -> cc::Build {
         .flag("-DGLOG_USE_GLOG_EXPORT")
         // Without it ProcessGroupGloo.hpp is silently empty.
         .flag("-DUSE_C10D_GLOO")
+        // each float operation rounds on its own, as written (adamw_single.cpp reproduces ATen's roundings)
+        .flag("-ffp-contract=off")
         .flag_if_supported("-Wno-c++20-extensions");
     b
 }
@@ -63,6 +66,7 @@ fn main() {
     println!("cargo:rerun-if-changed=csrc/tch_dist.h");
     println!("cargo:rerun-if-changed=csrc/common.h");
     println!("cargo:rerun-if-changed=csrc/node_ptr.h");
+    println!("cargo:rerun-if-changed=csrc/adamw_single.h");
     println!("cargo:rerun-if-changed=csrc/gloo_decl");
 
     let mut b = base_build(&torch);

@@ -134,11 +134,15 @@ int tdx_storage_move(tdx_tensor dst, tdx_tensor src);
 int tdx_fused_adamw(const tdx_tensor* params, const tdx_tensor* grads, const tdx_tensor* exp_avgs,
                     const tdx_tensor* exp_avg_sqs, const tdx_tensor* steps, size_t n, double lr, double beta1,
                     double beta2, double weight_decay, double eps);
-// One parameter's AdamW update, in place, by torch.optim.AdamW's single-tensor path (its ATen calls and
-// scalars); `step` is the parameter's step count after this one. Contiguous tensors go `chunk` elements at a
+// One parameter's AdamW update, in place, with the floats of torch.optim.AdamW's single-tensor path (its
+// ATen calls and scalars; on the CPU in two passes where that gives the same floats: adamw_single.cpp);
+// `step` is the parameter's step count after this one. Otherwise contiguous tensors go `chunk` elements at a
 // time (0: in one piece), which bounds the temporaries and keeps the passes in cache.
 int tdx_adamw_step(tdx_tensor param, tdx_tensor grad, tdx_tensor exp_avg, tdx_tensor exp_avg_sq, double lr,
                    double beta1, double beta2, double weight_decay, double eps, int64_t step, int64_t chunk);
+// Which variant of the two-pass CPU update matched ATen's floats when first used (>= 0), or -1 where none did
+// (or the CPU lacks AVX2 and FMA) and ATen's sequence runs.
+int tdx_adamw_two_pass_variant(void);
 
 // ---- random.cpp: a permutation of 0..n from a CPU generator seeded with `seed` (the global one untouched).
 int tdx_randperm(int64_t n, uint64_t seed, tdx_tensor* out);

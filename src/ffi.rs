@@ -203,6 +203,7 @@ extern "C" {
         step: i64,
         chunk: i64,
     ) -> c_int;
+    pub fn tdx_adamw_two_pass_variant() -> c_int;
 
     pub fn tdx_randperm(n: i64, seed: u64, out: *mut tdx_tensor) -> c_int;
     pub fn tdx_randn_seq(

@@ -194,3 +194,16 @@ fn adamw_in_chunks_equals_adamw_in_one_piece() {
     }
     assert_eq!(common::model::max_diff(&[a.detach()], &[b.detach().contiguous()]), 0.0);
 }
+
+/// The default path's two-pass kernel runs where the CPU has AVX2 and FMA, so the comparisons with PyTorch
+/// above test it (elsewhere they test ATen's calls, which it falls back to).
+#[test]
+fn adamw_runs_in_two_passes_where_the_cpu_allows() {
+    let variant = tch_dist::optim::two_pass_variant();
+    #[cfg(target_arch = "x86_64")]
+    if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+        assert!(variant.is_some(), "no variant of the two-pass AdamW gave ATen's floats on this CPU");
+        return;
+    }
+    eprintln!("skipped: no AVX2 and FMA on this CPU (variant {variant:?})");
+}

@@ -1,5 +1,6 @@
 //! AdamW (`torch.optim.AdamW`): decoupled weight decay, bias correction. By default the single-tensor
-//! path's arithmetic (in chunks); [`AdamW::fused`] runs ATen's fused kernel, as `fused=True` does.
+//! path's floats, bit for bit (on the CPU in two passes over memory where they were shown to give them,
+//! else its ATen calls in chunks); [`AdamW::fused`] runs ATen's fused kernel, as `fused=True` does.
 use tch::{Kind, Tensor};
 
 use super::{find, Optimizer};
@@ -107,6 +108,16 @@ impl AdamW {
 
 /// Parameters one fused call updates: (device, dtype), their indices, their gradients.
 type FusedGroup = ((tch::Device, Kind), Vec<usize>, Vec<Tensor>);
+
+/// Which variant of the shim's two-pass CPU update gave ATen's floats at its first use (0-3), or `None`
+/// where none did (or the CPU lacks AVX2 and FMA) and the default path runs ATen's calls instead. Runs the
+/// check on first use.
+#[doc(hidden)]
+pub fn two_pass_variant() -> Option<i32> {
+    // SAFETY: no arguments; the shim catches everything.
+    let v = unsafe { ffi::tdx_adamw_two_pass_variant() };
+    (v >= 0).then_some(v)
+}
 
 /// Elements updated at a time. On the CPU few enough that the update's tensors stay in a core's L2 cache
 /// across its passes (with two processes on two cores, about 2x faster than 2^18); elsewhere enough to

@@ -16,6 +16,8 @@ mod clip;
 mod sgd;
 mod zero;
 
+#[doc(hidden)]
+pub use adamw::two_pass_variant;
 pub use adamw::AdamW;
 pub use clip::{clip_grad_norm, GradNorm};
 pub use sgd::Sgd;
