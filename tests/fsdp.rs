@@ -554,3 +554,38 @@ fn a_unit_freed_in_backward_hands_its_memory_to_the_next_gather() {
         }
     }
 }
+
+/// The unit whose forward came last last iteration is not freed after its forward when a backward
+/// follows (its backward comes next and would gather it at once); without a backward (no_grad) it is.
+#[test]
+fn the_last_unit_of_the_forward_stays_gathered_for_its_backward() {
+    let out = common::run_threads(2, Duration::from_secs(60), |pg| {
+        let vs = nn::VarStore::new(Device::Cpu);
+        let fsdp = FsdpBuilder::new(&vs, FsdpOptions::default().process_group(Arc::new(pg))).unwrap();
+        let nb = nn::LinearConfig { bias: false, ..Default::default() };
+        let units: Vec<_> = (0..3)
+            .map(|i| {
+                let p = vs.root() / format!("l{i}");
+                fsdp.fully_shard(&p, nn::linear(&p, 64, 64, nb)).unwrap()
+            })
+            .collect();
+        let model = fsdp.finish(nn::func(move |x| units[2].forward(&units[1].forward(&units[0].forward(x))))).unwrap();
+        let x = Tensor::ones([4, 64], (Kind::Float, Device::Cpu));
+        let mut gathered = Vec::new();
+        for _ in 0..3 {
+            let y = model.forward(&x);
+            gathered.push(model.memory_breakdown().unwrap().gathered_parameters);
+            y.sum(Kind::Float).backward();
+            model.zero_grad().unwrap();
+        }
+        let y = tch::no_grad(|| model.forward(&x));
+        gathered.push(model.memory_breakdown().unwrap().gathered_parameters);
+        drop(y);
+        gathered
+    });
+    let unit = 64 * 64 * 4;
+    for (rank, g) in out.iter().enumerate() {
+        // the first iteration does not know the order yet
+        assert_eq!(g, &[0, unit, unit, 0], "rank {rank}: gathered bytes after each forward");
+    }
+}

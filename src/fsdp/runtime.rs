@@ -287,12 +287,16 @@ impl Runtime {
         Ok(())
     }
 
-    /// After unit `u`'s forward: frees its parameters, unless it is the root, resharding is off, or this
-    /// is a recomputation inside backward (the unit's backward comes right after).
-    pub fn end_forward(&self, u: usize) -> Result<()> {
+    /// After unit `u`'s forward: frees its parameters, unless it is the root, resharding is off, this is
+    /// a recomputation inside backward, or `u`'s forward came last in the last iteration and its output
+    /// `has_backward`: in each of the last two, the unit's backward comes next and would gather it again
+    /// at once (DeepSpeed's reuse distance; FSDP2 keeps the root only). Unused, it is freed when the next
+    /// iteration begins.
+    pub fn end_forward(&self, u: usize, has_backward: bool) -> Result<()> {
         let keep = {
             let st = self.lock();
-            st.units[u].role != Role::Layer || st.in_backward
+            let last = has_backward && st.last_order.last() == Some(&u);
+            st.units[u].role != Role::Layer || st.in_backward || last
         };
         if self.cfg.reshard_after_forward && !keep {
             self.reshard(u)?;

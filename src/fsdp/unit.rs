@@ -51,7 +51,7 @@ pub(crate) fn forward(rt: &Arc<Runtime>, id: usize, x: &Tensor, f: impl FnOnce(&
     let kind = rt.compute_kind(id);
     let x = if x.is_floating_point() && x.kind() != kind { x.f_to_kind(kind)? } else { x.shallow_clone() };
     let y = f(&x);
-    rt.end_forward(id)?;
+    rt.end_forward(id, y.requires_grad())?;
     if !y.requires_grad() {
         return Ok(y);
     }
