@@ -506,6 +506,19 @@ fn bad_units_are_refused_by_name() {
     assert!(mixed[0].contains("mixes frozen and trainable parameters"), "{}", mixed[0]);
 }
 
+/// Three 64x64 linear units in a row, without biases (prefetch 1, the default).
+fn three_units(vs: &nn::VarStore, pg: tch_dist::group::ProcessGroup) -> FullyShardedDataParallel<nn::Func<'static>> {
+    let fsdp = FsdpBuilder::new(vs, FsdpOptions::default().process_group(Arc::new(pg))).unwrap();
+    let nb = nn::LinearConfig { bias: false, ..Default::default() };
+    let units: Vec<_> = (0..3)
+        .map(|i| {
+            let p = vs.root() / format!("l{i}");
+            fsdp.fully_shard(&p, nn::linear(&p, 64, 64, nb)).unwrap()
+        })
+        .collect();
+    fsdp.finish(nn::func(move |x| units[2].forward(&units[1].forward(&units[0].forward(x))))).unwrap()
+}
+
 /// In backward, the unit reduced and freed just before a gather of the same size hands its memory to
 /// that gather instead of returning it to the allocator (whose 64-byte aligned blocks do not fit a
 /// request of their own size again: each gather would take fresh pages). Unit 2's backward runs first;
@@ -514,16 +527,7 @@ fn bad_units_are_refused_by_name() {
 fn a_unit_freed_in_backward_hands_its_memory_to_the_next_gather() {
     let out = common::run_threads(2, Duration::from_secs(60), |pg| {
         let vs = nn::VarStore::new(Device::Cpu);
-        let opts = FsdpOptions::default().process_group(Arc::new(pg)).prefetch(1);
-        let fsdp = FsdpBuilder::new(&vs, opts).unwrap();
-        let nb = nn::LinearConfig { bias: false, ..Default::default() };
-        let units: Vec<_> = (0..3)
-            .map(|i| {
-                let p = vs.root() / format!("l{i}");
-                fsdp.fully_shard(&p, nn::linear(&p, 64, 64, nb)).unwrap()
-            })
-            .collect();
-        let model = fsdp.finish(nn::func(move |x| units[2].forward(&units[1].forward(&units[0].forward(x))))).unwrap();
+        let model = three_units(&vs, pg);
         let seen = Arc::new(std::sync::Mutex::new(std::collections::BTreeMap::new()));
         let vars = vs.variables();
         let _hooks: Vec<_> = (0..3)
@@ -561,15 +565,7 @@ fn a_unit_freed_in_backward_hands_its_memory_to_the_next_gather() {
 fn the_last_unit_of_the_forward_stays_gathered_for_its_backward() {
     let out = common::run_threads(2, Duration::from_secs(60), |pg| {
         let vs = nn::VarStore::new(Device::Cpu);
-        let fsdp = FsdpBuilder::new(&vs, FsdpOptions::default().process_group(Arc::new(pg))).unwrap();
-        let nb = nn::LinearConfig { bias: false, ..Default::default() };
-        let units: Vec<_> = (0..3)
-            .map(|i| {
-                let p = vs.root() / format!("l{i}");
-                fsdp.fully_shard(&p, nn::linear(&p, 64, 64, nb)).unwrap()
-            })
-            .collect();
-        let model = fsdp.finish(nn::func(move |x| units[2].forward(&units[1].forward(&units[0].forward(x))))).unwrap();
+        let model = three_units(&vs, pg);
         let x = Tensor::ones([4, 64], (Kind::Float, Device::Cpu));
         let mut gathered = Vec::new();
         for _ in 0..3 {
