@@ -506,9 +506,15 @@ fn bad_units_are_refused_by_name() {
     assert!(mixed[0].contains("mixes frozen and trainable parameters"), "{}", mixed[0]);
 }
 
-/// Three 64x64 linear units in a row, without biases (prefetch 1, the default).
-fn three_units(vs: &nn::VarStore, pg: tch_dist::group::ProcessGroup) -> FullyShardedDataParallel<nn::Func<'static>> {
-    let fsdp = FsdpBuilder::new(vs, FsdpOptions::default().process_group(Arc::new(pg))).unwrap();
+/// Three 64x64 linear units in a row, without biases (prefetch 1, the default), resharding after forward
+/// or not.
+fn three_units(
+    vs: &nn::VarStore,
+    pg: tch_dist::group::ProcessGroup,
+    reshard: bool,
+) -> FullyShardedDataParallel<nn::Func<'static>> {
+    let opts = FsdpOptions::default().process_group(Arc::new(pg)).reshard_after_forward(reshard);
+    let fsdp = FsdpBuilder::new(vs, opts).unwrap();
     let nb = nn::LinearConfig { bias: false, ..Default::default() };
     let units: Vec<_> = (0..3)
         .map(|i| {
@@ -527,7 +533,7 @@ fn three_units(vs: &nn::VarStore, pg: tch_dist::group::ProcessGroup) -> FullySha
 fn a_unit_freed_in_backward_hands_its_memory_to_the_next_gather() {
     let out = common::run_threads(2, Duration::from_secs(60), |pg| {
         let vs = nn::VarStore::new(Device::Cpu);
-        let model = three_units(&vs, pg);
+        let model = three_units(&vs, pg, true);
         let seen = Arc::new(std::sync::Mutex::new(std::collections::BTreeMap::new()));
         let vars = vs.variables();
         let _hooks: Vec<_> = (0..3)
@@ -565,7 +571,7 @@ fn a_unit_freed_in_backward_hands_its_memory_to_the_next_gather() {
 fn the_last_unit_of_the_forward_stays_gathered_for_its_backward() {
     let out = common::run_threads(2, Duration::from_secs(60), |pg| {
         let vs = nn::VarStore::new(Device::Cpu);
-        let model = three_units(&vs, pg);
+        let model = three_units(&vs, pg, true);
         let x = Tensor::ones([4, 64], (Kind::Float, Device::Cpu));
         let mut gathered = Vec::new();
         for _ in 0..3 {
@@ -583,5 +589,41 @@ fn the_last_unit_of_the_forward_stays_gathered_for_its_backward() {
     for (rank, g) in out.iter().enumerate() {
         // the first iteration does not know the order yet
         assert_eq!(g, &[0, unit, unit, 0], "rank {rank}: gathered bytes after each forward");
+    }
+}
+
+/// With resharding off, a unit's reduce-scatter is left running through the next unit's backward (FSDP2's
+/// overlap): while unit 1's backward runs, unit 2's shard has no gradient yet. With resharding on it is
+/// waited for at once (its buffers would add to the peak), so the gradient is there.
+#[test]
+fn with_resharding_off_a_reduction_runs_through_the_next_units_backward() {
+    for reshard in [false, true] {
+        let out = common::run_threads(2, Duration::from_secs(60), move |pg| {
+            let vs = nn::VarStore::new(Device::Cpu);
+            let model = three_units(&vs, pg, reshard);
+            let shard2 = model.parameters()[2].shallow_clone();
+            let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+            let w1 = vs.variables()["l1.weight"].shallow_clone();
+            let (probe, shard) = (seen.clone(), std::sync::Mutex::new(shard2.shallow_clone()));
+            let _hook = tch_dist::hooks::on_grad_accumulated(&w1, move || {
+                probe.lock().unwrap().push(shard.lock().unwrap().grad().defined());
+            })
+            .unwrap();
+            let x = Tensor::ones([4, 64], (Kind::Float, Device::Cpu));
+            for _ in 0..2 {
+                model.forward(&x).sum(Kind::Float).backward();
+                assert!(shard2.grad().defined(), "unit 2's gradient after backward");
+                model.zero_grad().unwrap();
+            }
+            let seen = seen.lock().unwrap().clone();
+            seen
+        });
+        for (rank, seen) in out.iter().enumerate() {
+            assert_eq!(
+                seen,
+                &[reshard, reshard],
+                "rank {rank}, resharding {reshard}: unit 2 reduced during unit 1's backward"
+            );
+        }
     }
 }

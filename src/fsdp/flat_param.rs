@@ -78,7 +78,7 @@ pub(crate) struct FlatParam {
     /// The shards move into `full` while the unit is gathered.
     home: bool,
     /// Gathered and reduced in one message through `stage` (more than one rank only).
-    coalesced: bool,
+    pub coalesced: bool,
     /// The rank-major copy of `full` that travels when `coalesced`; storage freed between uses.
     stage: Tensor,
 }
@@ -338,47 +338,108 @@ impl FlatParam {
         in_full: bool,
     ) -> Result<()> {
         let _g = tch::no_grad_guard();
-        let device = self.full.device();
         let scale = Divide::new(reduce, divisor);
         if self.coalesced {
             return self.reduce_coalesced(pg, index, reduce, &scale);
         }
-        let in_full =
-            in_full && self.world > 1 && self.home && reduce == self.full.kind() && self.gathered_bytes()? > 0;
+        let in_full = self.can_reduce_in_full(reduce, in_full)?;
+        // one parameter at a time: each gradient is gone before the next reduction starts
         for s in &self.slots {
-            let padded = self.world * s.chunk;
-            let g = s.param.grad();
-            let buf = if g.defined() && g.kind() == reduce && s.numel == padded && g.is_contiguous() {
-                g.f_view([-1])?
-            } else {
-                let b = Tensor::f_empty([padded], (reduce, device))?;
-                if padded > s.numel {
-                    let _ = b.f_narrow(0, s.numel, padded - s.numel)?.f_zero_()?;
-                }
-                let mut head = b.f_narrow(0, 0, s.numel)?;
-                if g.defined() {
-                    // cast first: a product in the gradient's dtype would round before the wider sum
-                    head.f_copy_(&g.f_reshape([-1])?)?;
-                } else {
-                    let _ = head.f_zero_()?;
-                }
-                b
-            };
-            scale.before(&buf)?;
-            drop(g);
-            hooks::set_grad(&s.param, None)?; // `buf` keeps it alive for the reduction when in place
-            let (out, scratch) = if in_full {
-                let chunk = |k: i64| self.full.f_narrow(0, s.offset + (self.rank + k) % self.world * s.chunk, s.chunk);
-                (chunk(1)?, if self.world > 2 { Some(chunk(2)?) } else { None })
-            } else {
-                (Tensor::f_empty([s.chunk], (reduce, device))?, None)
-            };
-            // `finish` consumes the ring and with it `buf`: the gradient is gone before anything new is made
-            RingReduce::start_with(pg, buf, out.shallow_clone(), scratch, Ring::FsdpReduce, index)?.finish(pg)?;
-            // a buffer of its own when `out` lies in `full`, which is freed next
-            self.set_shard_grad(s, &out.f_narrow(0, 0, s.own)?, in_full, &scale)?;
+            let (ring, out) = self.start_slot(pg, index, s, reduce, &scale, in_full)?;
+            self.finish_slot(pg, s, ring, &out, in_full, &scale)?;
         }
         Ok(())
+    }
+
+    /// [`reduce_grads`](Self::reduce_grads) left running: every parameter's reduction is posted, and
+    /// [`finish_reduce`](Self::finish_reduce) completes them. Not for a coalesced unit.
+    pub fn start_reduce(
+        &self,
+        pg: &ProcessGroup,
+        index: usize,
+        reduce: Kind,
+        divisor: f64,
+        in_full: bool,
+    ) -> Result<ReduceInFlight> {
+        let _g = tch::no_grad_guard();
+        let scale = Divide::new(reduce, divisor);
+        let in_full = self.can_reduce_in_full(reduce, in_full)?;
+        let mut parts = Vec::with_capacity(self.slots.len());
+        for s in &self.slots {
+            parts.push(self.start_slot(pg, index, s, reduce, &scale, in_full)?);
+        }
+        Ok(ReduceInFlight { parts, in_full, scale })
+    }
+
+    /// Completes what [`start_reduce`](Self::start_reduce) posted.
+    pub fn finish_reduce(&self, pg: &ProcessGroup, r: ReduceInFlight) -> Result<()> {
+        let _g = tch::no_grad_guard();
+        for (s, (ring, out)) in self.slots.iter().zip(r.parts) {
+            self.finish_slot(pg, s, ring, &out, r.in_full, &r.scale)?;
+        }
+        Ok(())
+    }
+
+    fn can_reduce_in_full(&self, reduce: Kind, in_full: bool) -> Result<bool> {
+        Ok(in_full && self.world > 1 && self.home && reduce == self.full.kind() && self.gathered_bytes()? > 0)
+    }
+
+    /// Posts slot `s`'s reduction; returns it and where this rank's sum will be.
+    fn start_slot(
+        &self,
+        pg: &ProcessGroup,
+        index: usize,
+        s: &Slot,
+        reduce: Kind,
+        scale: &Divide,
+        in_full: bool,
+    ) -> Result<(RingReduce, Tensor)> {
+        let device = self.full.device();
+        let padded = self.world * s.chunk;
+        let g = s.param.grad();
+        let buf = if g.defined() && g.kind() == reduce && s.numel == padded && g.is_contiguous() {
+            g.f_view([-1])?
+        } else {
+            let b = Tensor::f_empty([padded], (reduce, device))?;
+            if padded > s.numel {
+                let _ = b.f_narrow(0, s.numel, padded - s.numel)?.f_zero_()?;
+            }
+            let mut head = b.f_narrow(0, 0, s.numel)?;
+            if g.defined() {
+                // cast first: a product in the gradient's dtype would round before the wider sum
+                head.f_copy_(&g.f_reshape([-1])?)?;
+            } else {
+                let _ = head.f_zero_()?;
+            }
+            b
+        };
+        scale.before(&buf)?;
+        drop(g);
+        hooks::set_grad(&s.param, None)?; // `buf` keeps it alive for the reduction when in place
+        let (out, scratch) = if in_full {
+            let chunk = |k: i64| self.full.f_narrow(0, s.offset + (self.rank + k) % self.world * s.chunk, s.chunk);
+            (chunk(1)?, if self.world > 2 { Some(chunk(2)?) } else { None })
+        } else {
+            (Tensor::f_empty([s.chunk], (reduce, device))?, None)
+        };
+        let ring = RingReduce::start_with(pg, buf, out.shallow_clone(), scratch, Ring::FsdpReduce, index)?;
+        Ok((ring, out))
+    }
+
+    /// Waits for slot `s`'s reduction and makes its result the shard's gradient.
+    fn finish_slot(
+        &self,
+        pg: &ProcessGroup,
+        s: &Slot,
+        ring: RingReduce,
+        out: &Tensor,
+        in_full: bool,
+        scale: &Divide,
+    ) -> Result<()> {
+        // `finish` consumes the ring and with it the gradient: gone before anything new is made
+        ring.finish(pg)?;
+        // a buffer of its own when `out` lies in `full`, which is freed next
+        self.set_shard_grad(s, &out.f_narrow(0, 0, s.own)?, in_full, scale)
     }
 
     /// [`reduce_grads`](Self::reduce_grads) of a coalesced unit: every gradient into one rank-major
@@ -428,6 +489,14 @@ impl FlatParam {
         }
         Ok(())
     }
+}
+
+/// A unit's reductions posted by [`FlatParam::start_reduce`]: one ring per parameter and where its sum
+/// lands.
+pub(crate) struct ReduceInFlight {
+    parts: Vec<(RingReduce, Tensor)>,
+    in_full: bool,
+    scale: Divide,
 }
 
 /// The division of summed gradients by the world size: after the reduction, on this rank's chunk only, in

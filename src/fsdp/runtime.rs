@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 use tch::{Kind, Tensor};
 
-use super::flat_param::FlatParam;
+use super::flat_param::{FlatParam, ReduceInFlight};
 use crate::error::{Error, Result};
 use crate::group::ProcessGroup;
 use crate::hooks;
@@ -73,6 +73,15 @@ struct State {
     /// pre-backward step: handed over, not returned to the allocator (see FlatParam::release); dropped
     /// before the unit's backward computes.
     spare: Option<Tensor>,
+    /// With resharding off: the reduction left running through the next unit's backward (FSDP2's
+    /// overlap, one at a time), its unit `Busy` until it is finished.
+    in_flight: Option<InFlight>,
+}
+
+struct InFlight {
+    unit: usize,
+    flat: FlatParam,
+    reduce: ReduceInFlight,
 }
 
 pub(crate) struct Runtime {
@@ -105,6 +114,7 @@ impl Runtime {
             sync: true,
             error: None,
             spare: None,
+            in_flight: None,
         };
         Runtime { pg, cfg, st: Mutex::new(st) }
     }
@@ -407,8 +417,10 @@ impl Runtime {
                 }
                 (u, st.units[u].flat.handles())
             };
-            // never a spare beside a reduction's buffers
+            // never a spare beside a reduction's buffers; one reduction running at a time, finished in
+            // the same order on every rank
             self.drop_spare();
+            self.finish_in_flight()?;
             // A gathered unit lends the reduction the other ranks' chunks and is freed after it;
             // otherwise the gathered parameters go first, so the reduction's buffer takes their place.
             let gathered = {
@@ -422,11 +434,26 @@ impl Runtime {
             if !gathered {
                 self.reshard(u)?;
             }
-            let reduced = {
-                let _l = crate::flight::label(format!("FSDP reduce-scatter of unit {u}"));
-                let reduce = self.cfg.reduce_dtype.unwrap_or(flat.compute_kind());
-                flat.reduce_grads(&self.pg, u, reduce, self.pg.size() as f64, gathered)
-            };
+            let _l = crate::flight::label(format!("FSDP reduce-scatter of unit {u}"));
+            let reduce = self.cfg.reduce_dtype.unwrap_or(flat.compute_kind());
+            let divisor = self.pg.size() as f64;
+            // With resharding off no gather follows in backward, so the unit's buffers may stay while the
+            // next unit's backward computes (4 MB more in the benchmark, far under FSDP2's peak there);
+            // with it on, they would add to the peak at every unit.
+            if gathered && !force && !self.cfg.reshard_after_forward && !flat.coalesced {
+                match flat.start_reduce(&self.pg, u, reduce, divisor, true) {
+                    Ok(r) => {
+                        self.lock().in_flight = Some(InFlight { unit: u, flat, reduce: r });
+                        continue;
+                    }
+                    Err(e) => {
+                        self.lock().units[u].phase = Phase::Gathered;
+                        self.reshard(u)?;
+                        return Err(e);
+                    }
+                }
+            }
+            let reduced = flat.reduce_grads(&self.pg, u, reduce, divisor, gathered);
             if gathered {
                 self.lock().units[u].phase = Phase::Gathered;
                 self.reshard_keeping(u, keep)?;
@@ -435,11 +462,27 @@ impl Runtime {
         }
     }
 
+    /// Waits for the reduction left running, and frees its unit.
+    fn finish_in_flight(&self) -> Result<()> {
+        let Some(f) = self.lock().in_flight.take() else { return Ok(()) };
+        let done = {
+            let _l = crate::flight::label(format!("FSDP reduce-scatter of unit {}", f.unit));
+            f.flat.finish_reduce(&self.pg, f.reduce)
+        };
+        self.lock().units[f.unit].phase = Phase::Gathered;
+        let freed = self.reshard(f.unit);
+        done.and(freed)
+    }
+
     /// The end of a backward: reduces what is left, frees every gathered unit, and reports the first
     /// error of this backward (the backward fails with it).
     fn end_backward(&self) -> Result<()> {
         let sync = self.lock().sync;
         let mut r = if sync { self.reduce_ready(true, false) } else { Ok(()) };
+        let finished = self.finish_in_flight();
+        if r.is_ok() {
+            r = finished;
+        }
         for u in 0..self.len() {
             let freed = self.reshard(u);
             if r.is_ok() {
@@ -460,6 +503,8 @@ impl Runtime {
 
     /// After a backward that failed before its end: free what is gathered, forget its bookkeeping.
     fn recover(&self) {
+        // waited for, not dropped: its receive writes into the unit's buffer, which is freed next
+        let _ = self.finish_in_flight();
         for u in 0..self.len() {
             let _ = self.reshard(u);
         }
