@@ -11,6 +11,8 @@
 //! every rank, so the ring's messages pair up even where ranks' gradients arrive in different orders; a
 //! unit some of whose parameters got no gradient waits for the end of backward and is reduced there, with
 //! zeros for them.
+//! With resharding off, each reduction is left running through the next unit's backward and finished
+//! before the next one starts (FSDP2's overlap).
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 use tch::{Kind, Tensor};
