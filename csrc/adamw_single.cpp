@@ -204,13 +204,14 @@ void adamw_single(const at::Tensor& p, const at::Tensor& g, const at::Tensor& m,
   const Scalars s(lr, wd, b1, b2, eps, static_cast<double>(step));
   const int64_t n = p.numel();
   const bool flat = p.is_contiguous() && g.is_contiguous() && m.is_contiguous() && v.is_contiguous();
-  bool fast = flat && p.device().is_cpu();
+  bool fast = flat;
   for (const at::Tensor* t : {&p, &g, &m, &v}) {
     fast = fast && t->device().is_cpu() && t->scalar_type() == at::kFloat && t->numel() == n;
   }
 #if defined(__x86_64__)
-  if (fast && adamw_two_pass_variant() >= 0) {
-    two_pass(adamw_two_pass_variant(), p, g, m, v, s);
+  const int variant = fast ? adamw_two_pass_variant() : -1;
+  if (variant >= 0) {
+    two_pass(variant, p, g, m, v, s);
     return;
   }
 #endif

@@ -338,15 +338,14 @@ impl FlatParam {
         in_full: bool,
     ) -> Result<()> {
         let _g = tch::no_grad_guard();
-        let scale = Divide::new(reduce, divisor);
+        let plan = self.plan_reduce(reduce, divisor, in_full)?;
         if self.coalesced {
-            return self.reduce_coalesced(pg, index, reduce, &scale);
+            return self.reduce_coalesced(pg, index, reduce, &plan.scale);
         }
-        let in_full = self.can_reduce_in_full(reduce, in_full)?;
         // one parameter at a time: each gradient is gone before the next reduction starts
         for s in &self.slots {
-            let (ring, out) = self.start_slot(pg, index, s, reduce, &scale, in_full)?;
-            self.finish_slot(pg, s, ring, &out, in_full, &scale)?;
+            let (ring, out) = self.start_slot(pg, index, s, reduce, &plan.scale, plan.in_full)?;
+            self.finish_slot(pg, s, ring, &out, plan.in_full, &plan.scale)?;
         }
         Ok(())
     }
@@ -362,13 +361,12 @@ impl FlatParam {
         in_full: bool,
     ) -> Result<ReduceInFlight> {
         let _g = tch::no_grad_guard();
-        let scale = Divide::new(reduce, divisor);
-        let in_full = self.can_reduce_in_full(reduce, in_full)?;
-        let mut parts = Vec::with_capacity(self.slots.len());
+        let mut r = self.plan_reduce(reduce, divisor, in_full)?;
         for s in &self.slots {
-            parts.push(self.start_slot(pg, index, s, reduce, &scale, in_full)?);
+            let part = self.start_slot(pg, index, s, reduce, &r.scale, r.in_full)?;
+            r.parts.push(part);
         }
-        Ok(ReduceInFlight { parts, in_full, scale })
+        Ok(r)
     }
 
     /// Completes what [`start_reduce`](Self::start_reduce) posted.
@@ -380,8 +378,12 @@ impl FlatParam {
         Ok(())
     }
 
-    fn can_reduce_in_full(&self, reduce: Kind, in_full: bool) -> Result<bool> {
-        Ok(in_full && self.world > 1 && self.home && reduce == self.full.kind() && self.gathered_bytes()? > 0)
+    /// A reduction with nothing posted yet: its division, and whether it receives into `full` (asked
+    /// for, and possible: see [`reduce_grads`](Self::reduce_grads)).
+    fn plan_reduce(&self, reduce: Kind, divisor: f64, in_full: bool) -> Result<ReduceInFlight> {
+        let in_full =
+            in_full && self.world > 1 && self.home && reduce == self.full.kind() && self.gathered_bytes()? > 0;
+        Ok(ReduceInFlight { parts: Vec::with_capacity(self.slots.len()), in_full, scale: Divide::new(reduce, divisor) })
     }
 
     /// Posts slot `s`'s reduction; returns it and where this rank's sum will be.
