@@ -143,6 +143,48 @@ int tdx_pg_recv(tdx_pg* pg, tdx_tensor t, int src, int tag, tdx_work** out) {
   })
 }
 
+int tdx_pg_allgather_base(tdx_pg* pg, tdx_tensor out_t, tdx_tensor in, tdx_work** out) {
+  TDX_TRY({
+    c10d::AllgatherOptions o;
+    return finish(pg->backend->_allgather_base(tdx::tensor(out_t), tdx::tensor(in), o), out);
+  })
+}
+
+int tdx_pg_reduce_scatter_base(tdx_pg* pg, tdx_tensor out_t, tdx_tensor in, int op, tdx_work** out) {
+  TDX_TRY({
+    if (op < 0 || op > 4) return bad_op(op);
+    c10d::ReduceScatterOptions o;
+    o.reduceOp = c10d::ReduceOp(static_cast<c10d::ReduceOp::RedOpType>(op));
+    return finish(pg->backend->_reduce_scatter_base(tdx::tensor(out_t), tdx::tensor(in), o), out);
+  })
+}
+
+int tdx_pg_batch_p2p(tdx_pg* pg, tdx_tensor* ts, const int* peers, const int* is_send, const int* tags, size_t n,
+                     tdx_work** out) {
+  TDX_TRY({
+    auto& b = *pg->backend;
+    b.startCoalescing();
+    try {
+      for (size_t i = 0; i < n; i++) {
+        std::vector<at::Tensor> v{tdx::tensor(ts[i])};
+        if (is_send[i]) {
+          b.send(v, peers[i], tags[i]);
+        } else {
+          b.recv(v, peers[i], tags[i]);
+        }
+      }
+    } catch (...) {
+      // close the group the backend opened, then report the first failure
+      try {
+        b.endCoalescing();
+      } catch (...) {
+      }
+      throw;
+    }
+    return finish(b.endCoalescing(), out);
+  })
+}
+
 int tdx_pg_barrier(tdx_pg* pg, tdx_work** out) {
   TDX_TRY({
     c10d::BarrierOptions o;

@@ -131,9 +131,33 @@ int tdx_cuda_device_count(int* out) {
 #endif
 }
 
+int tdx_cuda_set_device(int device) {
+#ifdef TDX_CUDA
+  try {
+    if (device < 0 || device >= static_cast<int>(c10::cuda::device_count())) return TDX_EINVALID;
+    c10::cuda::set_device(static_cast<c10::DeviceIndex>(device));
+    return TDX_OK;
+  } catch (...) {
+    return TDX_EUNAVAILABLE;
+  }
+#else
+  (void)device;
+  return TDX_EUNAVAILABLE;
+#endif
+}
+
 int tdx_cuda_memory(int device, int64_t* allocated, int64_t* peak) {
 #ifdef TDX_CUDA
   try {
+    if (device < 0 || device >= static_cast<int>(c10::cuda::device_count())) return TDX_EUNAVAILABLE;
+    // Before the first CUDA allocation the allocator has no per-device state and getDeviceStats throws;
+    // nothing is allocated then, which is what torch.cuda.memory_allocated reports.
+    auto* alloc = c10::cuda::CUDACachingAllocator::get();
+    if (alloc == nullptr || !alloc->initialized()) {
+      *allocated = 0;
+      *peak = 0;
+      return TDX_OK;
+    }
     auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(static_cast<c10::DeviceIndex>(device));
     const auto& s = stats.allocated_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)];
     *allocated = s.current;
@@ -151,6 +175,9 @@ int tdx_cuda_memory(int device, int64_t* allocated, int64_t* peak) {
 int tdx_cuda_reset_peak(int device) {
 #ifdef TDX_CUDA
   try {
+    if (device < 0 || device >= static_cast<int>(c10::cuda::device_count())) return TDX_EUNAVAILABLE;
+    auto* alloc = c10::cuda::CUDACachingAllocator::get();
+    if (alloc == nullptr || !alloc->initialized()) return TDX_OK;  // no peak to reset yet
     c10::cuda::CUDACachingAllocator::resetPeakStats(static_cast<c10::DeviceIndex>(device));
     return TDX_OK;
   } catch (...) {

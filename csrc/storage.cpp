@@ -3,6 +3,7 @@
 // autograd saved for backward) sees memory again once it is back.
 #include "common.h"
 
+#include <c10/core/DeviceGuard.h>
 #include <c10/core/StorageImpl.h>
 
 extern "C" int tdx_storage_resize(tdx_tensor t, int64_t nbytes) {
@@ -24,6 +25,10 @@ extern "C" int tdx_storage_resize(tdx_tensor t, int64_t nbytes) {
                                               " bytes over a live storage of " + std::to_string(have));
     at::Allocator* a = s->allocator();
     if (!a) return tdx::set_error(TDX_EINVALID, "storage resize: the storage has no allocator (borrowed memory)");
+    // The CUDA caching allocator allocates on the current device: make it the storage's own (a rank on
+    // cuda:3 would otherwise gather into cuda:0's memory).
+    c10::OptionalDeviceGuard guard;
+    if (s->device().is_cuda()) guard.reset_device(s->device());
     s->set_data_ptr_noswap(a->allocate(nbytes));
     s->set_nbytes(nbytes);
     return TDX_OK;
@@ -64,6 +69,14 @@ extern "C" int tdx_storage_move(tdx_tensor dst, tdx_tensor src) {
     si->set_nbytes(0);
     di->set_data_ptr_noswap(std::move(p));
     di->set_nbytes(n);
+    return TDX_OK;
+  })
+}
+
+extern "C" int tdx_storage_id(tdx_tensor t, int64_t* out) {
+  TDX_TRY({
+    auto& x = tdx::tensor(t);
+    *out = (x.defined() && x.has_storage()) ? reinterpret_cast<int64_t>(x.storage().unsafeGetStorageImpl()) : 0;
     return TDX_OK;
   })
 }

@@ -61,6 +61,14 @@ int tdx_pg_reduce_scatter(tdx_pg* pg, tdx_tensor out_t, tdx_tensor* ins, size_t 
 int tdx_pg_send(tdx_pg* pg, tdx_tensor t, int dst, int tag, tdx_work** out);
 int tdx_pg_recv(tdx_pg* pg, tdx_tensor t, int src, int tag, tdx_work** out);
 int tdx_pg_barrier(tdx_pg* pg, tdx_work** out);
+// c10d's _allgather_base / _reduce_scatter_base (torch's all_gather_into_tensor / reduce_scatter_tensor):
+// one flat output of size x input, rank r's part at r * input.numel().
+int tdx_pg_allgather_base(tdx_pg* pg, tdx_tensor out_t, tdx_tensor in, tdx_work** out);
+int tdx_pg_reduce_scatter_base(tdx_pg* pg, tdx_tensor out_t, tdx_tensor in, int op, tdx_work** out);
+// Sends (is_send[i] != 0) and receives posted as one coalesced group (startCoalescing .. endCoalescing,
+// torch's batch_isend_irecv): one work for all. For backends that coalesce (NCCL).
+int tdx_pg_batch_p2p(tdx_pg* pg, tdx_tensor* ts, const int* peers, const int* is_send, const int* tags, size_t n,
+                     tdx_work** out);
 
 // Waits at most timeout_ms (<0: the group's own timeout applies). Errors with TDX_ETIMEOUT when not done.
 int tdx_work_wait(tdx_work* w, int64_t timeout_ms);
@@ -85,6 +93,8 @@ int tdx_tensor_grad_data_ptr(tdx_tensor var, uint64_t* out);  // 0 when undefine
 // amp.cpp: autocast regions. device 0 CPU, 1 CUDA; dtype a c10::ScalarType code.
 int tdx_autocast_enter(int device, int enabled, int dtype, int* prev_enabled, int* prev_dtype);
 int tdx_autocast_exit(int device, int prev_enabled, int prev_dtype);
+// GradScaler's unscale (at::_amp_foreach_non_finite_check_and_unscale_): grads on found_inf's device.
+int tdx_amp_unscale(tdx_tensor* grads, size_t n, tdx_tensor found_inf, tdx_tensor inv_scale);
 
 // ---- DDP reference (libtorch's own c10d::compute_bucket_assignment_by_size)
 // sizes: numel per tensor; dtypes: c10::ScalarType codes; limits in bytes. out_bucket_of[i] receives the
@@ -128,6 +138,8 @@ int tdx_storage_nbytes(tdx_tensor t, int64_t* out);
 int tdx_storage_use_count(tdx_tensor t, int64_t* out);
 // Moves src's memory into dst's freed storage (same device); src's storage is left freed.
 int tdx_storage_move(tdx_tensor dst, tdx_tensor src);
+// An identity of t's storage (its StorageImpl's address; 0 for none), shared by every tensor viewing it.
+int tdx_storage_id(tdx_tensor t, int64_t* out);
 
 // ---- optim.cpp: ATen's fused AdamW over n parameters, in place (torch.optim.AdamW(fused=True)); steps[i] is
 // parameter i's step count after this step, a float32 scalar tensor.
@@ -159,6 +171,8 @@ void tdx_cpu_reset_peak(void);
 int tdx_cuda_memory(int device, int64_t* allocated, int64_t* peak);
 int tdx_cuda_reset_peak(int device);
 int tdx_cuda_device_count(int* out);
+// Makes cuda:device the calling thread's current device (torch.cuda.set_device).
+int tdx_cuda_set_device(int device);
 
 // ---- layout self-checks for the declaration-only gloo headers (see gloo_decl/README.md)
 int tdx_layout_check(char* buf, size_t len);

@@ -28,6 +28,7 @@ use tch_dist::pipeline::split::SplitModel;
 use tch_dist::pipeline::{LayerList, Partition, Pipeline};
 use tch_dist::recompute::Checkpointed;
 use tch_dist::tp::ParallelMlp;
+use tch_dist::P2pOp;
 use tch_dist::{checkpoint, memory, Backend, BackendConfig, GroupOptions, InitOptions, ProcessGroup, ReduceOp, Store};
 
 type Res<T> = Result<T, Box<dyn Error>>;
@@ -706,12 +707,10 @@ fn ddp_rank(device: Device) -> Res<Outcome> {
     ensure(diff < 1e-5, || format!("rank {rank}: parameters differ from plain CPU training by {diff:e}"))?;
     // Gloo's send/recv read host memory: CUDA tensors go through the CPU on the way
     let sent = Tensor::arange(1000, (Kind::Float, device)) * (rank + 1);
-    let mut got = Tensor::zeros([1000], (Kind::Float, device));
+    let got = Tensor::zeros([1000], (Kind::Float, device));
     let peer = (1 - rank) as usize;
-    let works = [pg.send_async(&sent, peer, 3)?, pg.recv_async(&mut got, peer, 3)?];
-    for w in works {
-        w.wait()?;
-    }
+    // one batch: a send and a receive between the same pair posted one by one would hang on NCCL
+    pg.batch_isend_irecv(vec![P2pOp::send(&sent, peer).tag(3), P2pOp::recv(&got, peer).tag(3)])?.wait()?;
     ensure(
         got.device() == device && got.equal(&(Tensor::arange(1000, (Kind::Float, device)) * (peer as i64 + 1))),
         || "send/recv of a CUDA tensor over gloo went wrong".into(),

@@ -105,6 +105,28 @@ extern "C" {
     pub fn tdx_pg_send(pg: *mut tdx_pg, t: tdx_tensor, dst: c_int, tag: c_int, out: *mut *mut tdx_work) -> c_int;
     pub fn tdx_pg_recv(pg: *mut tdx_pg, t: tdx_tensor, src: c_int, tag: c_int, out: *mut *mut tdx_work) -> c_int;
     pub fn tdx_pg_barrier(pg: *mut tdx_pg, out: *mut *mut tdx_work) -> c_int;
+    pub fn tdx_pg_allgather_base(
+        pg: *mut tdx_pg,
+        out_t: tdx_tensor,
+        input: tdx_tensor,
+        out: *mut *mut tdx_work,
+    ) -> c_int;
+    pub fn tdx_pg_reduce_scatter_base(
+        pg: *mut tdx_pg,
+        out_t: tdx_tensor,
+        input: tdx_tensor,
+        op: c_int,
+        out: *mut *mut tdx_work,
+    ) -> c_int;
+    pub fn tdx_pg_batch_p2p(
+        pg: *mut tdx_pg,
+        ts: *mut tdx_tensor,
+        peers: *const c_int,
+        is_send: *const c_int,
+        tags: *const c_int,
+        n: usize,
+        out: *mut *mut tdx_work,
+    ) -> c_int;
 
     pub fn tdx_work_wait(w: *mut tdx_work, timeout_ms: i64) -> c_int;
     pub fn tdx_work_is_completed(w: *mut tdx_work, out: *mut c_int) -> c_int;
@@ -131,6 +153,7 @@ extern "C" {
         prev_dtype: *mut c_int,
     ) -> c_int;
     pub fn tdx_autocast_exit(device: c_int, prev_enabled: c_int, prev_dtype: c_int) -> c_int;
+    pub fn tdx_amp_unscale(grads: *mut tdx_tensor, n: usize, found_inf: tdx_tensor, inv_scale: tdx_tensor) -> c_int;
 
     pub fn tdx_ref_bucket_assignment(
         numels: *const i64,
@@ -173,6 +196,7 @@ extern "C" {
     pub fn tdx_storage_nbytes(t: tdx_tensor, out: *mut i64) -> c_int;
     pub fn tdx_storage_use_count(t: tdx_tensor, out: *mut i64) -> c_int;
     pub fn tdx_storage_move(dst: tdx_tensor, src: tdx_tensor) -> c_int;
+    pub fn tdx_storage_id(t: tdx_tensor, out: *mut i64) -> c_int;
 
     #[allow(clippy::too_many_arguments)]
     pub fn tdx_fused_adamw(
@@ -223,6 +247,7 @@ extern "C" {
     pub fn tdx_cuda_memory(device: c_int, allocated: *mut i64, peak: *mut i64) -> c_int;
     pub fn tdx_cuda_reset_peak(device: c_int) -> c_int;
     pub fn tdx_cuda_device_count(out: *mut c_int) -> c_int;
+    pub fn tdx_cuda_set_device(device: c_int) -> c_int;
 
     pub fn tdx_layout_check(buf: *mut c_char, len: size_t) -> c_int;
 }

@@ -53,7 +53,8 @@ impl InitOptions {
     }
 
     /// Reads `RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT` as `torchrun` sets them. With `LOCAL_RANK`
-    /// set and CUDA available, the device is `cuda:LOCAL_RANK`; else CPU. `TCH_DIST_TIMEOUT_SECS` and
+    /// set and CUDA available, the device is `cuda:LOCAL_RANK`, which [`ProcessGroup::init`] makes the
+    /// current device; else CPU. `TCH_DIST_TIMEOUT_SECS` and
     /// `TCH_DIST_BACKEND` override the timeout and backend.
     pub fn from_env() -> Result<Self> {
         let rank: usize = env_num("RANK")?;
@@ -133,7 +134,12 @@ impl ProcessGroup {
         };
         let store = Store::tcp(&base.timeout(o.timeout))?;
         let cuda_device = match o.device {
-            tch::Device::Cuda(i) => Some(i),
+            tch::Device::Cuda(i) => {
+                // what torchrun users do with torch.cuda.set_device(local_rank): memory allocated without
+                // a device of its own (NCCL's, the caching allocator's) goes to this rank's GPU
+                crate::memory::set_cuda_device(i)?;
+                Some(i)
+            }
             _ => None,
         };
         let opts = GroupOptions {

@@ -38,7 +38,7 @@ pub mod tp;
 pub mod work;
 
 pub use error::{Error, Result};
-pub use group::{Backend, BackendConfig, GroupOptions, ProcessGroup, ReduceOp};
+pub use group::{Backend, BackendConfig, Collectives, GroupOptions, P2pOp, ProcessGroup, ReduceOp};
 pub use init::{default_group, destroy_process_group, init_process_group, InitOptions};
 pub use store::{Store, TcpStoreOptions};
 pub use work::Work;

@@ -110,6 +110,19 @@ pub fn cuda_device_count() -> usize {
     n.max(0) as usize
 }
 
+/// Makes `cuda:index` the current CUDA device of the calling thread (`torch.cuda.set_device`): where the
+/// caching allocator puts what is allocated without a device of its own.
+pub fn set_cuda_device(index: usize) -> Result<()> {
+    // SAFETY: plain call.
+    match unsafe { ffi::tdx_cuda_set_device(index as i32) } {
+        ffi::TDX_OK => Ok(()),
+        _ => Err(Error::Unavailable {
+            what: format!("cuda:{index}"),
+            msg: format!("cannot make it the current device ({} CUDA device(s) usable)", cuda_device_count()),
+        }),
+    }
+}
+
 /// Path of `libtch_dist_memory.so`, the CPU ruler for Python processes (ctypes), as built with this crate.
 pub fn ruler_library_path() -> &'static str {
     env!("TCH_DIST_MEMORY_LIB")

@@ -1,10 +1,9 @@
 //! Handles to collectives in flight, as `torch.distributed`'s `Work` objects.
 use std::ptr::NonNull;
-use std::time::Duration;
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
 
-use std::sync::Arc;
-
-use crate::error::{check, Result};
+use crate::error::{check, Error, Result};
 use crate::ffi;
 use crate::flight::{GroupTrace, Recording};
 use crate::store::millis;
@@ -16,7 +15,7 @@ pub(crate) type Finish = Box<dyn FnOnce() -> Result<()> + Send>;
 /// Dropping it without waiting is allowed: the operation still runs to completion in the background.
 #[must_use = "a collective's result is only valid after wait()"]
 pub struct Work {
-    ptr: NonNull<ffi::tdx_work>,
+    handle: Handle,
     timeout: Duration,
     desc: Box<dyn Fn() -> String + Send>,
     // Runs once after a successful wait (e.g. the division that turns SUM into AVG on Gloo).
@@ -25,6 +24,58 @@ pub struct Work {
     before: Vec<Work>,
     // Where the flight recorder keeps this operation (ended once, when waited for or dropped).
     trace: Option<WorkTrace>,
+    // The storages it uses, kept from being freed until it is waited for.
+    in_use: Option<crate::storage::InUse>,
+}
+
+/// What a work waits on: c10d's own handle, or a ticket that a queue of ours completes (the strict NCCL
+/// mode's point-to-point).
+pub(crate) enum Handle {
+    Engine { ptr: NonNull<ffi::tdx_work>, stream_wait: bool },
+    Ticket(Arc<Ticket>),
+}
+
+/// A completion that another thread reports once.
+#[derive(Default)]
+pub(crate) struct Ticket {
+    done: Mutex<Option<Result<()>>>,
+    cv: Condvar,
+}
+
+impl Ticket {
+    pub fn complete(&self, r: Result<()>) {
+        let mut d = self.done.lock().unwrap_or_else(|e| e.into_inner());
+        if d.is_none() {
+            *d = Some(r);
+        }
+        self.cv.notify_all();
+    }
+
+    fn is_done(&self) -> bool {
+        self.done.lock().unwrap_or_else(|e| e.into_inner()).is_some()
+    }
+
+    /// The result, once, or a timeout naming `what`.
+    fn wait(&self, timeout: Option<Duration>, what: &dyn Fn() -> String) -> Result<()> {
+        let deadline = timeout.map(|t| Instant::now() + t);
+        let mut d = self.done.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            if let Some(r) = d.take() {
+                // later waits (there are none: wait consumes the work) would see success
+                *d = Some(Ok(()));
+                return r;
+            }
+            let Some((deadline, timeout)) = deadline.zip(timeout) else {
+                d = self.cv.wait(d).unwrap_or_else(|e| e.into_inner());
+                continue;
+            };
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(Error::Timeout { op: what(), timeout, msg: "the operation did not complete".into() });
+            }
+            d = self.cv.wait_timeout(d, left).unwrap_or_else(|e| e.into_inner()).0;
+        }
+    }
 }
 
 /// A work's entry in the flight recorder, and its group's sequence number.
@@ -50,7 +101,23 @@ impl Work {
             // The shim only returns TDX_OK with a handle; a null here is a broken invariant, not input.
             None => std::process::abort(),
         };
-        Work { ptr, timeout, desc, finish, before: Vec::new(), trace: None }
+        Work::with_handle(Handle::Engine { ptr, stream_wait: false }, timeout, desc, finish)
+    }
+
+    pub(crate) fn with_handle(
+        handle: Handle,
+        timeout: Duration,
+        desc: Box<dyn Fn() -> String + Send>,
+        finish: Option<Finish>,
+    ) -> Work {
+        Work { handle, timeout, desc, finish, before: Vec::new(), trace: None, in_use: None }
+    }
+
+    /// Keeps the storages of `u` from being freed until this work is waited for (or for good, when it is
+    /// dropped unfinished: the engine may still write into them).
+    pub(crate) fn holding(mut self, u: crate::storage::InUse) -> Work {
+        self.in_use = Some(u);
+        self
     }
 
     pub(crate) fn traced(mut self, t: WorkTrace) -> Work {
@@ -58,20 +125,40 @@ impl Work {
         self
     }
 
-    /// Waits for completion, at most the group's timeout.
+    /// Waits for completion, at most the group's timeout. On NCCL this returns at once: the current CUDA
+    /// stream waits on the operation (as PyTorch's `work.wait()`), and NCCL's watchdog enforces the
+    /// timeout.
     pub fn wait(self) -> Result<()> {
         let t = self.timeout;
-        self.wait_timeout(t)
+        self.wait_for(t, true)
     }
 
-    /// Waits at most `timeout`; an operation still running then is an [`Error::Timeout`](crate::Error).
-    pub fn wait_timeout(mut self, timeout: Duration) -> Result<()> {
+    /// Waits at most `timeout`, on the host; an operation still running then is an
+    /// [`Error::Timeout`](crate::Error).
+    pub fn wait_timeout(self, timeout: Duration) -> Result<()> {
+        self.wait_for(timeout, false)
+    }
+
+    fn wait_for(mut self, timeout: Duration, plain: bool) -> Result<()> {
         for w in std::mem::take(&mut self.before) {
-            w.wait_timeout(timeout)?;
+            w.wait_for(timeout, plain)?;
         }
-        // SAFETY: we own the handle.
-        let code = unsafe { ffi::tdx_work_wait(self.ptr.as_ptr(), millis(timeout)) };
-        let waited = check(code, timeout, || (self.desc)());
+        let waited = match &self.handle {
+            Handle::Engine { ptr, stream_wait } => {
+                let ms = if plain && *stream_wait { -1 } else { millis(timeout) };
+                // SAFETY: we own the handle.
+                let code = unsafe { ffi::tdx_work_wait(ptr.as_ptr(), ms) };
+                check(code, timeout, || (self.desc)())
+            }
+            // the queue's worker holds each operation to the group's timeout (as NCCL's watchdog does)
+            // and reports why it failed: a plain wait leaves that to it
+            Handle::Ticket(t) if plain => t.wait(None, &|| (self.desc)()),
+            Handle::Ticket(t) => t.wait(Some(timeout), &|| (self.desc)()),
+        };
+        if waited.is_ok() {
+            // on NCCL the stream now waits on the operation: what runs next on it comes after
+            drop(self.in_use.take());
+        }
         if let Some(t) = self.trace.take() {
             match waited {
                 Ok(()) => {
@@ -101,11 +188,22 @@ impl Work {
 
     /// Whether the operation has finished (successfully or not), without blocking.
     pub fn is_completed(&self) -> Result<bool> {
-        let mut out = 0;
-        // SAFETY: we own the handle.
-        let code = unsafe { ffi::tdx_work_is_completed(self.ptr.as_ptr(), &mut out) };
-        check(code, self.timeout, || (self.desc)())?;
-        Ok(out != 0)
+        let mine = match &self.handle {
+            Handle::Engine { ptr, .. } => {
+                let mut out = 0;
+                // SAFETY: we own the handle.
+                let code = unsafe { ffi::tdx_work_is_completed(ptr.as_ptr(), &mut out) };
+                check(code, self.timeout, || (self.desc)())?;
+                out != 0
+            }
+            Handle::Ticket(t) => t.is_done(),
+        };
+        for w in &self.before {
+            if !w.is_completed()? {
+                return Ok(false);
+            }
+        }
+        Ok(mine)
     }
 }
 
@@ -117,8 +215,15 @@ impl Drop for Work {
                 r.end(None);
             }
         }
-        // SAFETY: we own the handle.
-        unsafe { ffi::tdx_work_free(self.ptr.as_ptr()) }
+        if let Some(u) = self.in_use.take() {
+            if !self.is_completed().unwrap_or(false) {
+                std::mem::forget(u);
+            }
+        }
+        if let Handle::Engine { ptr, .. } = &self.handle {
+            // SAFETY: we own the handle.
+            unsafe { ffi::tdx_work_free(ptr.as_ptr()) }
+        }
     }
 }
 

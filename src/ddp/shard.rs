@@ -7,7 +7,7 @@ use std::collections::VecDeque;
 use tch::Tensor;
 
 use crate::error::Result;
-use crate::group::ring::{Ring, RingReduce};
+use crate::group::flat::{self, Reduction};
 use crate::group::ProcessGroup;
 
 /// Reductions running while backward goes on. One: bucket b reduces while bucket b+1 fills, so at most
@@ -25,7 +25,7 @@ pub(crate) struct GradShards {
     pub shards: Vec<Tensor>,
     /// Per bucket being filled: its buffer.
     filling: Vec<Option<Tensor>>,
-    in_flight: VecDeque<RingReduce>,
+    in_flight: VecDeque<Reduction>,
 }
 
 impl GradShards {
@@ -86,8 +86,8 @@ impl GradShards {
                 ))
             }
         };
-        let _l = crate::flight::label(format!("ZeRO-2 reduce-scatter, bucket {b}"));
-        self.in_flight.push_back(RingReduce::start(pg, buf, self.shards[b].shallow_clone(), Ring::ZeroReduce, b)?);
+        let label = format!("ZeRO-2 reduce-scatter, bucket {b}");
+        self.in_flight.push_back(flat::reduce_scatter(pg, buf, self.shards[b].shallow_clone(), None, label)?);
         Ok(())
     }
 

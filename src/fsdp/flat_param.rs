@@ -21,7 +21,7 @@ use std::collections::VecDeque;
 use tch::{Device, Kind, Tensor};
 
 use crate::error::{Error, Result};
-use crate::group::ring::{all_gather_in_place, Ring, RingReduce};
+use crate::group::flat::{self, Reduction};
 use crate::group::ProcessGroup;
 use crate::work::Work;
 use crate::{hooks, storage};
@@ -232,6 +232,7 @@ impl FlatParam {
             }
         }
         let mut pending = VecDeque::new();
+        let label = format!("FSDP all-gather, unit {index}");
         if self.coalesced {
             storage::allocate(&self.stage)?;
             let (per, at) = self.rows();
@@ -241,11 +242,11 @@ impl FlatParam {
                     row.f_narrow(0, a, s.own)?.f_copy_(&self.own_chunk(s)?)?;
                 }
             }
-            all_gather_in_place(pg, &self.stage, per, Ring::FsdpGather, index, &mut pending, usize::MAX)?;
+            flat::all_gather(pg, &self.stage, per, &label, &mut pending, usize::MAX)?;
         } else if self.world > 1 {
             for s in &self.slots {
                 let region = self.full.f_narrow(0, s.offset, self.world * s.chunk)?;
-                all_gather_in_place(pg, &region, s.chunk, Ring::FsdpGather, index, &mut pending, usize::MAX)?;
+                flat::all_gather(pg, &region, s.chunk, &label, &mut pending, usize::MAX)?;
             }
         }
         Ok(pending.into_iter().flatten().collect())
@@ -395,7 +396,7 @@ impl FlatParam {
         reduce: Kind,
         scale: &Divide,
         in_full: bool,
-    ) -> Result<(RingReduce, Tensor)> {
+    ) -> Result<(Reduction, Tensor)> {
         let device = self.full.device();
         let padded = self.world * s.chunk;
         let g = s.param.grad();
@@ -424,7 +425,7 @@ impl FlatParam {
         } else {
             (Tensor::f_empty([s.chunk], (reduce, device))?, None)
         };
-        let ring = RingReduce::start_with(pg, buf, out.shallow_clone(), scratch, Ring::FsdpReduce, index)?;
+        let ring = flat::reduce_scatter(pg, buf, out.shallow_clone(), scratch, reduce_label(index))?;
         Ok((ring, out))
     }
 
@@ -433,7 +434,7 @@ impl FlatParam {
         &self,
         pg: &ProcessGroup,
         s: &Slot,
-        ring: RingReduce,
+        ring: Reduction,
         out: &Tensor,
         in_full: bool,
         scale: &Divide,
@@ -465,7 +466,7 @@ impl FlatParam {
         }
         scale.before(&buf)?;
         let out = Tensor::f_empty([per], (reduce, self.full.device()))?;
-        RingReduce::start(pg, buf, out.shallow_clone(), Ring::FsdpReduce, index)?.finish(pg)?;
+        flat::reduce_scatter(pg, buf, out.shallow_clone(), None, reduce_label(index))?.finish(pg)?;
         for (s, &a) in self.slots.iter().zip(&at) {
             // views of one buffer would keep all of it while any lives
             self.set_shard_grad(s, &out.f_narrow(0, a, s.own)?, true, scale)?;
@@ -496,7 +497,7 @@ impl FlatParam {
 /// A unit's reductions posted by [`FlatParam::start_reduce`]: one ring per parameter and where its sum
 /// lands.
 pub(crate) struct ReduceInFlight {
-    parts: Vec<(RingReduce, Tensor)>,
+    parts: Vec<(Reduction, Tensor)>,
     in_full: bool,
     scale: Divide,
 }
@@ -557,4 +558,8 @@ impl Divide {
         }
         Ok(())
     }
+}
+
+fn reduce_label(index: usize) -> String {
+    format!("FSDP reduce-scatter, unit {index}")
 }

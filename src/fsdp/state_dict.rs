@@ -7,7 +7,7 @@ use tch::{Device, Kind, Tensor};
 use super::flat_param::copied;
 use super::FullyShardedDataParallel;
 use crate::error::{Error, Result};
-use crate::group::ring::{all_gather_in_place, Ring};
+use crate::group::flat;
 
 impl<M> FullyShardedDataParallel<M> {
     /// The full parameters by their VarStore names, gathered one at a time and moved to the CPU, plus the
@@ -24,9 +24,14 @@ impl<M> FullyShardedDataParallel<M> {
                     all.f_narrow(0, rank * s.chunk, s.own)?.f_copy_(&s.shard)?;
                 }
                 let mut pending = VecDeque::new();
-                if world > 1 {
-                    all_gather_in_place(&pg, &all, s.chunk, Ring::FsdpState, u, &mut pending, usize::MAX)?;
-                }
+                flat::all_gather(
+                    &pg,
+                    &all,
+                    s.chunk,
+                    &format!("FSDP state-dict gather, unit {u}"),
+                    &mut pending,
+                    usize::MAX,
+                )?;
                 for w in pending.into_iter().flatten() {
                     w.wait()?;
                 }

@@ -3,8 +3,11 @@
 //! collective runs on the one for its tensors' device.
 mod backend;
 mod engine;
+pub(crate) mod flat;
 pub(crate) mod meta;
+mod p2p;
 pub(crate) mod ring;
+mod strict;
 pub(crate) mod tensor_meta;
 
 use std::sync::Arc;
@@ -14,12 +17,16 @@ use tch::{Device, Tensor};
 
 pub use backend::{Backend, BackendConfig};
 use engine::Engine;
+pub use flat::Collectives;
+pub use p2p::P2pOp;
+pub use strict::strict_default;
+use strict::Strict;
 
 use crate::error::{check, Error, Result};
 use crate::ffi;
 use crate::flight::GroupTrace;
 use crate::store::Store;
-use crate::work::{Finish, Work, WorkTrace};
+use crate::work::{Finish, Handle, Work, WorkTrace};
 
 /// PyTorch's default collective timeout for Gloo is 30 minutes; a stuck job should fail sooner by default.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(600);
@@ -66,6 +73,12 @@ pub struct GroupOptions {
     pub verify: bool,
     /// The GPU this rank's NCCL engine uses (PyTorch's `device_id`); `None`: rank modulo the GPU count.
     pub cuda_device: Option<usize>,
+    /// The strict NCCL mode of the Gloo engine (see the `strict` module): point-to-point follows NCCL's
+    /// ordering rules, so that code which would hang on several GPUs fails here with an error. For tests;
+    /// `TCH_DIST_STRICT_NCCL=1` turns it on for every group of the process.
+    pub strict_nccl: bool,
+    /// How flat all-gathers and reduce-scatters (ZeRO, FSDP) run; by default the engine's fastest.
+    pub collectives: Collectives,
 }
 
 impl Default for GroupOptions {
@@ -77,6 +90,8 @@ impl Default for GroupOptions {
             threads: 0,
             verify: verify_default(),
             cuda_device: None,
+            strict_nccl: strict_default(),
+            collectives: Collectives::default(),
         }
     }
 }
@@ -114,6 +129,11 @@ pub struct ProcessGroup {
     trace: Arc<GroupTrace>,
     /// Calls of `meta::outcome` so far (the same on every rank): keys their messages in the store.
     outcomes: std::sync::atomic::AtomicU64,
+    /// The Gloo engine's point-to-point under NCCL's rules, in the strict mode.
+    strict: Option<Strict>,
+    collectives: Collectives,
+    /// Flat collectives run as rings so far (the same on every rank): their message tags.
+    rings: std::sync::atomic::AtomicU64,
 }
 
 pub(crate) fn describe(t: &Tensor) -> String {
@@ -169,6 +189,12 @@ impl ProcessGroup {
                 cuda = Some(e);
             }
         }
+        let strict = match (&cpu, opts.strict_nccl) {
+            (Some(e), true) if e.backend == Backend::Gloo => {
+                Some(Strict::new(e.clone(), rank, store.prefixed("tdx-strict/")?, opts.timeout))
+            }
+            _ => None,
+        };
         Ok(ProcessGroup {
             cpu,
             cuda,
@@ -182,6 +208,9 @@ impl ProcessGroup {
             store: store.clone(),
             trace: GroupTrace::new(name, rank, size, store),
             outcomes: std::sync::atomic::AtomicU64::new(0),
+            strict,
+            collectives: opts.collectives,
+            rings: std::sync::atomic::AtomicU64::new(0),
         })
     }
 
@@ -230,6 +259,8 @@ impl ProcessGroup {
             threads: 0,
             verify: self.verify,
             cuda_device: self.cuda_device,
+            strict_nccl: self.strict.is_some(),
+            collectives: self.collectives,
         };
         let label = format!("{name} {:?}", ranks);
         ProcessGroup::new_named(&self.store.prefixed(&key)?, me, ranks.len(), &opts, &label).map(Some)
@@ -238,6 +269,11 @@ impl ProcessGroup {
     /// The group's store (its rendezvous; also where ranks leave messages for each other).
     pub(crate) fn store(&self) -> &Store {
         &self.store
+    }
+
+    /// Whether point-to-point follows NCCL's rules on the Gloo engine (see [`GroupOptions::strict_nccl`]).
+    pub fn is_strict_nccl(&self) -> bool {
+        self.strict.is_some()
     }
 
     /// Whether collectives check agreement across ranks first (see [`GroupOptions::verify`]).
@@ -318,20 +354,40 @@ impl ProcessGroup {
         start: impl FnOnce(*mut ffi::tdx_pg, *mut *mut ffi::tdx_work) -> libc::c_int,
         finish: Option<Finish>,
     ) -> Result<Work> {
+        let timeout = self.timeout;
+        let stream_wait = e.backend == Backend::Nccl;
+        self.launch_with(e, op, finish, |desc| {
+            let mut out = std::ptr::null_mut();
+            check(start(e.as_ptr(), &mut out), timeout, desc)?;
+            let ptr = std::ptr::NonNull::new(out).ok_or_else(|| Error::invalid(desc(), "shim returned no work"))?;
+            Ok(Handle::Engine { ptr, stream_wait })
+        })
+    }
+
+    /// Starts an operation through `start`, which returns what to wait on, recorded by the flight
+    /// recorder as `op`.
+    fn launch_with(
+        &self,
+        e: &Engine,
+        op: String,
+        finish: Option<Finish>,
+        start: impl FnOnce(&dyn Fn() -> String) -> Result<Handle>,
+    ) -> Result<Work> {
         let (seq, recording) = self.trace.enter(&op, e.backend.name());
-        let p2p = op.starts_with("send") || op.starts_with("recv");
-        let mut out = std::ptr::null_mut();
-        let code = start(e.as_ptr(), &mut out);
+        let p2p = op.starts_with("send") || op.starts_with("recv") || op.starts_with("batch");
         let ctx = format!("rank {} of {} ({}, #{seq} of group {})", self.rank, self.size, e.backend, self.trace.name);
         let desc = move || format!("{op} on {ctx}");
-        if let Err(err) = check(code, self.timeout, &desc) {
-            if let Some(r) = &recording {
-                r.end(Some(&err.to_string()));
+        let handle = match start(&desc) {
+            Ok(h) => h,
+            Err(err) => {
+                if let Some(r) = &recording {
+                    r.end(Some(&err.to_string()));
+                }
+                return Err(self.trace.on_failure(seq, p2p, err));
             }
-            return Err(self.trace.on_failure(seq, p2p, err));
-        }
+        };
         let traced = WorkTrace { group: self.trace.clone(), seq, p2p, recording };
-        Ok(Work::new(out, self.timeout, Box::new(desc), finish).traced(traced))
+        Ok(Work::with_handle(handle, self.timeout, Box::new(desc), finish).traced(traced))
     }
 
     fn check_peer(&self, what: &str, peer: usize) -> Result<()> {
@@ -465,7 +521,8 @@ impl ProcessGroup {
             return Err(Error::invalid("send", format!("rank {dst} cannot send to itself")));
         }
         self.engine(t.device(), &|| format!("send of {} to rank {dst}", describe(t)))?;
-        let header = if self.verify {
+        // the strict mode checks every message's size itself
+        let header = if self.verify && self.strict.is_none() {
             let h = Tensor::from_slice(&meta::fingerprint(5, t, 0)).f_to_device(self.meta_device())?;
             Some(self.send_raw(&h, dst, header_tag(tag))?)
         } else {
@@ -486,16 +543,37 @@ impl ProcessGroup {
     pub(crate) fn send_raw(&self, t: &Tensor, dst: usize, tag: i32) -> Result<Work> {
         let desc = || format!("send of {} to rank {dst} (tag {tag})", describe(t));
         let e = self.engine(t.device(), &desc)?;
-        let host;
-        let t = if self.staged(e, t) {
-            host = t.f_to_device(Device::Cpu)?;
-            &host
-        } else {
-            t
-        };
+        let (t, _) = self.stage(e, t, true)?;
+        if let Some(s) = self.strict_for(e) {
+            let op = strict::Op { send: true, peer: dst, tensor: t };
+            return self.launch_with(e, desc(), None, |d| Ok(Handle::Ticket(s.post_single(op, d())?)));
+        }
         let tp = t.as_ptr() as ffi::tdx_tensor;
         // SAFETY: as in launch_allreduce; c10d's send work keeps its own reference to the tensor.
         self.launch(e, desc(), |pg, out| unsafe { ffi::tdx_pg_send(pg, tp, dst as i32, tag, out) }, None)
+    }
+
+    /// The strict mode, for operations on engine `e`.
+    fn strict_for(&self, e: &Engine) -> Option<&Strict> {
+        self.strict.as_ref().filter(|_| e.backend == Backend::Gloo)
+    }
+
+    /// What Gloo's send or recv takes for `t`: the tensor itself, or a host copy (and for a receive, the
+    /// step that copies it back after the wait).
+    fn stage(&self, e: &Engine, t: &Tensor, send: bool) -> Result<(Tensor, Option<Finish>)> {
+        if !self.staged(e, t) {
+            return Ok((t.shallow_clone(), None));
+        }
+        if send {
+            return Ok((t.f_to_device(Device::Cpu)?, None));
+        }
+        let host = t.f_empty_like()?.f_to_device(Device::Cpu)?;
+        let (mut dst, src_host) = (t.shallow_clone(), host.shallow_clone());
+        let finish: Finish = Box::new(move || {
+            dst.f_copy_(&src_host)?;
+            Ok(())
+        });
+        Ok((host, Some(finish)))
     }
 
     /// Receives into `t` (which must have the sender's shape and dtype) from rank `src`.
@@ -511,7 +589,7 @@ impl ProcessGroup {
             return Err(Error::invalid("recv", format!("rank {src} cannot receive from itself")));
         }
         self.engine(t.device(), &|| format!("recv of {} from rank {src}", describe(t)))?;
-        if self.verify {
+        if self.verify && self.strict.is_none() {
             let mine = meta::fingerprint(5, t, 0);
             let mut h = Tensor::f_zeros([mine.len() as i64], (tch::Kind::Int64, self.meta_device()))?;
             self.recv_raw(&mut h, src, header_tag(tag))?.wait()?;
@@ -535,17 +613,11 @@ impl ProcessGroup {
     pub(crate) fn recv_raw(&self, t: &mut Tensor, src: usize, tag: i32) -> Result<Work> {
         let desc = || format!("recv of {} from rank {src} (tag {tag})", describe(t));
         let e = self.engine(t.device(), &desc)?;
-        let (mut into, finish) = if self.staged(e, t) {
-            let host = t.f_empty_like()?.f_to_device(Device::Cpu)?;
-            let (mut dst, src_host) = (t.shallow_clone(), host.shallow_clone());
-            let finish: Finish = Box::new(move || {
-                dst.f_copy_(&src_host)?;
-                Ok(())
-            });
-            (host, Some(finish))
-        } else {
-            (t.shallow_clone(), None)
-        };
+        let (mut into, finish) = self.stage(e, t, false)?;
+        if let Some(s) = self.strict_for(e) {
+            let op = strict::Op { send: false, peer: src, tensor: into };
+            return self.launch_with(e, desc(), finish, |d| Ok(Handle::Ticket(s.post_single(op, d())?)));
+        }
         let tp = into.as_mut_ptr() as ffi::tdx_tensor;
         // SAFETY: as in launch_allreduce; c10d's recv work keeps its own reference to the tensor.
         self.launch(e, desc(), |pg, out| unsafe { ffi::tdx_pg_recv(pg, tp, src as i32, tag, out) }, finish)
@@ -567,6 +639,9 @@ impl ProcessGroup {
     pub fn set_timeout(&mut self, timeout: Duration) -> Result<()> {
         for e in [&self.cpu, &self.cuda].into_iter().flatten() {
             e.set_timeout(timeout).map_err(|err| err.in_op(format!("set_timeout on {}", self.ctx())))?;
+        }
+        if let Some(s) = &self.strict {
+            s.set_timeout(timeout);
         }
         self.timeout = timeout;
         Ok(())

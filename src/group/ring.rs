@@ -1,49 +1,38 @@
-//! Reduce-scatter of one flat buffer as a ring of point-to-point messages. Gloo's own reduce_scatter
-//! copies its whole input into a second flat buffer and is no faster than an allreduce (measured: 5.6 ms
-//! for 4 MiB between two processes here, the allreduce 5.5 ms); the ring sends slices of the buffer in
-//! place and needs at most one shard-sized receive buffer.
+//! Reduce-scatter and all-gather of one flat buffer as a ring of point-to-point steps, Gloo's algorithm
+//! for the flat collectives (see `flat`). Gloo's own reduce_scatter copies its whole input into a second
+//! flat buffer and is no faster than an allreduce (measured: 5.6 ms for 4 MiB between two processes here,
+//! the allreduce 5.5 ms); the ring sends slices of the buffer in place and needs at most one shard-sized
+//! receive buffer.
 //!
 //! Rank r ends with chunk r. At step s (0..N-1), rank r sends chunk (r-s-1) mod N to rank r+1 and adds
 //! the chunk (r-s-2) mod N received from rank r-1 into its own copy; the last step receives into the
-//! output and adds its own copy there (so two ranks need no receive buffer at all). Both ranks of a pair
-//! post their send and receive before waiting, so no step can deadlock; messages use tags of their own,
-//! one per [`Ring`] user and bucket (or unit).
+//! output and adds its own copy there (so two ranks need no receive buffer at all). Each step's receive
+//! and send go out as one batch, as NCCL needs (posted one by one, the receive would hold the pair's
+//! stream before the send runs); Gloo matches them by the ring's own tag.
 use tch::Tensor;
 
 use crate::error::Result;
-use crate::group::ProcessGroup;
+use crate::group::{P2pOp, ProcessGroup};
 use crate::work::Work;
 
 /// Start of the ring collectives' tags, clear of the small tags users pick and of the verification
-/// headers at 2^30.
+/// headers at 2^30. Each ring takes the next of 2^24 tags, in the order every rank starts them.
 pub const TAG_BASE: i32 = 1 << 29;
 
-/// Who runs a ring collective: each has a range of 2^24 message tags, one per bucket or unit.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Ring {
-    ZeroReduce = 0,
-    ZeroGather = 1,
-    FsdpGather = 2,
-    FsdpReduce = 3,
-    FsdpState = 4,
+impl ProcessGroup {
+    /// The next ring's tag.
+    fn ring_tag(&self) -> i32 {
+        let n = self.rings.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        TAG_BASE + (n % (1 << 24)) as i32
+    }
 }
 
-impl Ring {
-    pub(crate) fn tag(self, index: usize) -> i32 {
-        TAG_BASE + ((self as i32) << 24) + (index as i32 & ((1 << 24) - 1))
-    }
-
-    /// The flight recorder's label of one step.
-    fn label(self, index: usize, step: i64) -> String {
-        let (what, of) = match self {
-            Ring::ZeroReduce => ("ZeRO-2 reduce-scatter", "bucket"),
-            Ring::ZeroGather => ("ZeRO gather", "bucket"),
-            Ring::FsdpGather => ("FSDP all-gather", "unit"),
-            Ring::FsdpReduce => ("FSDP reduce-scatter", "unit"),
-            Ring::FsdpState => ("FSDP state-dict gather", "unit"),
-        };
-        format!("{what}, {of} {index}, step {step}")
-    }
+/// One step: receive from the left neighbour into `into`, send `chunk` to the right one.
+fn step(pg: &ProcessGroup, into: &Tensor, chunk: &Tensor, tag: i32) -> Result<Work> {
+    let (world, rank) = (pg.size(), pg.rank());
+    let (right, left) = ((rank + 1) % world, (rank + world - 1) % world);
+    let held = crate::storage::in_use(&[into, chunk])?;
+    Ok(pg.batch_unverified(vec![P2pOp::recv(into, left).tag(tag), P2pOp::send(chunk, right).tag(tag)])?.holding(held))
 }
 
 pub(crate) struct RingReduce {
@@ -53,10 +42,10 @@ pub(crate) struct RingReduce {
     /// Receive buffer of the intermediate steps (more than two ranks only).
     recv: Option<Tensor>,
     len: i64,
-    ring: Ring,
-    index: usize,
+    label: String,
+    tag: i32,
     step: i64,
-    pending: Vec<Work>,
+    pending: Option<Work>,
 }
 
 fn chunk_of(rank: i64, step: i64, world: i64) -> (i64, i64) {
@@ -66,20 +55,15 @@ fn chunk_of(rank: i64, step: i64, world: i64) -> (i64, i64) {
 }
 
 impl RingReduce {
-    /// Posts the first step of reducing `buf` (`world * out.numel()` elements) into `out`.
-    pub fn start(pg: &ProcessGroup, buf: Tensor, out: Tensor, ring: Ring, index: usize) -> Result<RingReduce> {
-        Self::start_with(pg, buf, out, None, ring, index)
-    }
-
-    /// [`RingReduce::start`] with the receive buffer of the intermediate steps (more than two ranks; like
-    /// `out`, apart from `buf`) given rather than allocated.
-    pub fn start_with(
+    /// Posts the first step of reducing `buf` (`world * out.numel()` elements) into `out`, with the
+    /// receive buffer of the intermediate steps (more than two ranks; like `out`, apart from `buf`) given
+    /// or allocated. `label` names it in the flight recorder.
+    pub fn start(
         pg: &ProcessGroup,
         buf: Tensor,
         out: Tensor,
         scratch: Option<Tensor>,
-        ring: Ring,
-        index: usize,
+        label: String,
     ) -> Result<RingReduce> {
         let len = out.numel() as i64;
         let recv = match scratch {
@@ -87,7 +71,8 @@ impl RingReduce {
             Some(t) => Some(t),
             None => Some(out.f_empty_like()?),
         };
-        let mut r = RingReduce { buf, out, recv, len, ring, index, step: 0, pending: Vec::new() };
+        let tag = if pg.size() > 1 { pg.ring_tag() } else { 0 };
+        let mut r = RingReduce { buf, out, recv, len, label, tag, step: 0, pending: None };
         if pg.size() == 1 {
             r.out.shallow_clone().f_copy_(&r.buf)?;
         } else {
@@ -97,19 +82,16 @@ impl RingReduce {
     }
 
     fn post(&mut self, pg: &ProcessGroup) -> Result<()> {
-        let _l = crate::flight::label(self.ring.label(self.index, self.step));
-        let tag = self.ring.tag(self.index);
+        let _l = crate::flight::label(format!("{}, step {}", self.label, self.step));
         let (world, rank) = (pg.size() as i64, pg.rank() as i64);
         let (send, _) = chunk_of(rank, self.step, world);
-        let right = ((rank + 1) % world) as usize;
-        let left = ((rank + world - 1) % world) as usize;
         let last = self.step == world - 2;
-        let mut into = match (&self.recv, last) {
+        let into = match (&self.recv, last) {
             (Some(t), false) => t.shallow_clone(),
             _ => self.out.shallow_clone(),
         };
-        self.pending.push(pg.recv_raw(&mut into, left, tag)?);
-        self.pending.push(pg.send_raw(&self.buf.f_narrow(0, send * self.len, self.len)?, right, tag)?);
+        let chunk = self.buf.f_narrow(0, send * self.len, self.len)?;
+        self.pending = Some(step(pg, &into, &chunk, self.tag)?);
         Ok(())
     }
 
@@ -117,7 +99,7 @@ impl RingReduce {
     pub fn finish(mut self, pg: &ProcessGroup) -> Result<()> {
         let (world, rank) = (pg.size() as i64, pg.rank() as i64);
         while self.step < world - 1 {
-            for w in std::mem::take(&mut self.pending) {
+            if let Some(w) = self.pending.take() {
                 w.wait()?;
             }
             let (_, recv) = chunk_of(rank, self.step, world);
@@ -141,43 +123,30 @@ impl RingReduce {
 
 /// All-gathers `flat` (`world` chunks of `len`, chunk r this rank's) in place, as a ring: at step s rank r
 /// sends chunk (r-s) mod N to rank r+1 and receives chunk (r-s-1) mod N from rank r-1 straight into its
-/// place, so nothing is copied or allocated. With two ranks the one step is left running in `pending`
-/// (oldest first, at most `max_in_flight` steps); with more, each step but the last is waited for,
-/// since the next one forwards what it received.
-#[allow(clippy::too_many_arguments)]
+/// place, so nothing is copied or allocated. The last step is left running in `pending` (oldest first,
+/// at most `max_in_flight` entries); each step before it is waited for, since the next one forwards what
+/// it received.
 pub(crate) fn all_gather_in_place(
     pg: &ProcessGroup,
     flat: &Tensor,
     len: i64,
-    ring: Ring,
-    index: usize,
+    label: &str,
     pending: &mut std::collections::VecDeque<Vec<Work>>,
     max_in_flight: usize,
 ) -> Result<()> {
     let (world, rank) = (pg.size() as i64, pg.rank() as i64);
-    let right = ((rank + 1) % world) as usize;
-    let left = ((rank + world - 1) % world) as usize;
-    let tag = ring.tag(index);
-    for step in 0..world - 1 {
-        let _l = crate::flight::label(ring.label(index, step));
-        while pending.len() >= max_in_flight.max(1) {
-            if let Some(works) = pending.pop_front() {
-                for w in works {
-                    w.wait()?;
-                }
-            }
-        }
-        let send = (rank - step).rem_euclid(world);
-        let recv = (rank - step - 1).rem_euclid(world);
-        let mut into = flat.f_narrow(0, recv * len, len)?;
-        let works =
-            vec![pg.recv_raw(&mut into, left, tag)?, pg.send_raw(&flat.f_narrow(0, send * len, len)?, right, tag)?];
-        if step + 1 < world - 1 {
-            for w in works {
-                w.wait()?;
-            }
+    let tag = pg.ring_tag();
+    for s in 0..world - 1 {
+        let _l = crate::flight::label(format!("{label}, step {s}"));
+        super::flat::bound(pending, max_in_flight)?;
+        let send = (rank - s).rem_euclid(world);
+        let recv = (rank - s - 1).rem_euclid(world);
+        let into = flat.f_narrow(0, recv * len, len)?;
+        let w = step(pg, &into, &flat.f_narrow(0, send * len, len)?, tag)?;
+        if s + 1 < world - 1 {
+            w.wait()?;
         } else {
-            pending.push_back(works);
+            pending.push_back(vec![w]);
         }
     }
     Ok(())

@@ -25,6 +25,7 @@
 pub mod layers;
 pub(crate) mod microbatch;
 pub mod partition;
+pub(crate) mod plan;
 pub(crate) mod runtime;
 pub mod schedule;
 pub mod split;
@@ -181,7 +182,7 @@ pub struct PipelineRank {
     schedule: Schedule,
     pg: Arc<ProcessGroup>,
     recompute: bool,
-    /// Kept from step to step: it remembers the shapes each key carried, to post receives early.
+    /// Kept from step to step: it remembers the shapes each transfer carried.
     net: transport::GroupTransport,
 }
 
@@ -202,7 +203,7 @@ impl PipelineRank {
         let chunks = (0..chunks)
             .map(|c| layers.build_stage(ranges[c * p + pg.rank()].clone(), device))
             .collect::<Result<Vec<_>>>()?;
-        let net = transport::GroupTransport::new(pg.clone(), microbatches, p * chunks.len(), device);
+        let net = transport::GroupTransport::new(pg.clone(), device);
         Ok(PipelineRank { chunks, schedule, pg, recompute: false, net })
     }
 

@@ -9,9 +9,10 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tch::{nn::Module, Tensor};
 
 use super::layers::Stage;
+use super::plan::{self, Step};
 use super::schedule::{Action, Schedule};
 use super::trace::Span;
-use super::transport::{self, Payload, Transport};
+use super::transport::{self, Outgoing, Payload, Transport};
 use crate::error::{Error, Result};
 
 /// The loss of the last stage's output against the targets (a scalar).
@@ -46,61 +47,54 @@ pub fn now() -> f64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64())
 }
 
-/// Receives posted before the schedule reaches them (besides the one waited for): enough to have the
-/// next message's receive waiting while this rank computes, few enough that GPipe's and 1F1B's stages do
-/// not hold buffers for microbatches far ahead.
-const RECV_AHEAD: usize = 2;
-
 struct Saved {
     input: Tensor,
     output: Option<Tensor>,
     loss: Option<Tensor>,
 }
 
-/// Executes `step.schedule.actions[rank]` with `net` carrying tensors.
+/// Executes `step.schedule.actions[rank]` with `net` carrying tensors, batch by batch as the schedule's
+/// plan (`plan`) says.
 pub fn run_rank(step: &RankStep, net: &mut dyn Transport) -> Result<RankReport> {
     let sch = step.schedule;
-    let (p, m) = (sch.stages, sch.microbatches);
+    let p = sch.stages;
     let last_vs = p * sch.chunks - 1;
     let rank = step.rank;
     let vs_of = |chunk: usize| chunk * p + rank;
     let prev_rank = (rank + p - 1) % p;
     let next_rank = (rank + 1) % p;
-    let scale = 1.0 / m as f64;
-    let mut received: HashMap<(usize, usize), Tensor> = HashMap::new(); // (mb, chunk) -> activation or grad
+    let scale = 1.0 / sch.microbatches as f64;
+    let steps = plan::plan(sch)?.swap_remove(rank);
     let mut saved: HashMap<(usize, usize), Saved> = HashMap::new();
-    let mut grads_in: HashMap<(usize, usize), Tensor> = HashMap::new();
+    // what the last compute made, for the batch that follows it
+    let mut outbox: Vec<Outgoing> = Vec::new();
     let mut report = RankReport::default();
-    let mut loss_sum = 0.0;
-    // this rank's receives in schedule order, posted up to RECV_AHEAD ahead of the one it waits for
-    let recvs: Vec<(usize, transport::Key)> = sch.actions[rank]
-        .iter()
-        .filter_map(|&a| match a {
-            Action::RecvActivation { mb, chunk } => Some((prev_rank, (Payload::Activation, mb, vs_of(chunk)))),
-            Action::RecvGrad { mb, chunk } => Some((next_rank, (Payload::Grad, mb, vs_of(chunk)))),
-            _ => None,
-        })
-        .collect();
-    let (mut recvs_done, mut recvs_posted) = (0, 0);
-    for (i, &a) in sch.actions[rank].iter().enumerate() {
+    // summed where it is made; read once, at the end
+    let mut loss_sum: Option<Tensor> = None;
+    if let Some(x) = step.inputs.first() {
+        net.begin(x)?;
+    }
+    for (i, st) in steps.iter().enumerate() {
         // tch's infallible ops (layers, loss functions) panic on bad shapes: that is this stage's error too
         let done = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| -> Result<()> {
-            while recvs_posted < recvs.len() && recvs_posted < recvs_done + RECV_AHEAD {
-                let (from, key) = recvs[recvs_posted];
-                net.prepost(from, key)?;
-                recvs_posted += 1;
-            }
+            let a = match st {
+                Step::Exchange { sends, recvs } => {
+                    let mut out = Vec::with_capacity(sends.len());
+                    for &(to, key) in sends {
+                        let at = outbox.iter().position(|o| o.to == to && o.key == key);
+                        let o = at.map(|k| outbox.swap_remove(k)).ok_or_else(|| {
+                            Error::invalid(
+                                format!("pipeline stage {rank}"),
+                                format!("{key:?} is sent before it is made"),
+                            )
+                        })?;
+                        out.push(o);
+                    }
+                    return net.exchange(out, recvs);
+                }
+                Step::Compute(a) => *a,
+            };
             match a {
-                Action::RecvActivation { mb, chunk } => {
-                    let t = net.recv(prev_rank, (Payload::Activation, mb, vs_of(chunk)))?;
-                    received.insert((mb, chunk), t);
-                    recvs_done += 1;
-                }
-                Action::RecvGrad { mb, chunk } => {
-                    let t = net.recv(next_rank, (Payload::Grad, mb, vs_of(chunk)))?;
-                    grads_in.insert((mb, chunk), t);
-                    recvs_done += 1;
-                }
                 Action::Forward { mb, chunk } => {
                     let stage = &step.chunks[chunk];
                     let vs = vs_of(chunk);
@@ -108,7 +102,7 @@ pub fn run_rank(step: &RankStep, net: &mut dyn Transport) -> Result<RankReport> 
                     let input = if vs == 0 {
                         step.inputs[mb].f_to_device(stage.device)?
                     } else {
-                        let t = received.remove(&(mb, chunk)).ok_or_else(|| missing(rank, a))?;
+                        let t = net.recv(prev_rank, (Payload::Activation, mb, vs))?;
                         t.f_to_device(stage.device)?.f_detach()?.set_requires_grad(true)
                     };
                     // With recomputation the forward keeps no graph: only `input` is kept, and backward
@@ -117,16 +111,19 @@ pub fn run_rank(step: &RankStep, net: &mut dyn Transport) -> Result<RankReport> 
                     let output = stage.forward(&input);
                     let loss = if vs == last_vs { Some(last_loss(step, &output, mb, scale)?) } else { None };
                     if let Some(l) = &loss {
-                        loss_sum += l.f_double_value(&[])?;
+                        let l = l.f_detach()?;
+                        loss_sum = Some(match loss_sum.take() {
+                            Some(s) => s.f_add(&l)?,
+                            None => l,
+                        });
                     }
                     if vs != last_vs {
-                        net.send(next_rank, (Payload::Activation, mb, vs + 1), &output.f_detach()?)?;
                         // Backward needs the output's graph and shape, not its values (Megatron's
-                        // deallocate_output_tensor): sent, they go, unless a backward function saved
-                        // them (tanh keeps its result) or the transport still reads them (threads).
-                        if !step.recompute && crate::storage::sole_owner(&output)? {
-                            crate::storage::free(&output)?;
-                        }
+                        // deallocate_output_tensor): they go once sent, unless a backward function saved
+                        // them (tanh keeps its result).
+                        let release = (!step.recompute).then(|| output.shallow_clone());
+                        let key = (Payload::Activation, mb, vs + 1);
+                        outbox.push(Outgoing { to: next_rank, key, tensor: output.f_detach()?, release });
                     }
                     let (output, loss) = if step.recompute { (None, None) } else { (Some(output), loss) };
                     saved.insert((mb, chunk), Saved { input, output, loss });
@@ -150,7 +147,7 @@ pub fn run_rank(step: &RankStep, net: &mut dyn Transport) -> Result<RankReport> 
                         };
                         loss.f_backward()?;
                     } else {
-                        let g = grads_in.remove(&(mb, chunk)).ok_or_else(|| missing(rank, a))?;
+                        let g = net.recv(next_rank, (Payload::Grad, mb, vs))?;
                         crate::hooks::backward_with_grad(&output, &g.f_to_device(output.device())?)?;
                     }
                     if vs > 0 {
@@ -161,62 +158,57 @@ pub fn run_rank(step: &RankStep, net: &mut dyn Transport) -> Result<RankReport> 
                                 "the stage's output does not depend on its input, so no gradient flows back",
                             ));
                         }
-                        net.send(prev_rank, (Payload::Grad, mb, vs - 1), &gin)?;
+                        outbox.push(Outgoing {
+                            to: prev_rank,
+                            key: (Payload::Grad, mb, vs - 1),
+                            tensor: gin,
+                            release: None,
+                        });
                     }
                     report.spans.push(Span { stage: rank, forward: false, mb, chunk, start, end: now() });
                 }
-                Action::SendActivation { .. } | Action::SendGrad { .. } => {} // done right after the compute
                 Action::BackwardWeight { .. } => {
                     return Err(Error::invalid(
                         format!("pipeline stage {rank}"),
                         "weight-gradient actions (zero-bubble schedules) are not run by this runtime",
                     ))
                 }
+                // the plan holds computes only; transfers are its batches
+                _ => return Err(missing(rank, a)),
             }
             Ok(())
         }))
         .unwrap_or_else(|p| Err(Error::invalid(format!("pipeline stage {rank}"), panic_message(&*p))));
         if let Err(e) = done {
-            warn_neighbours(step, net, i, &e);
+            warn_neighbours(&steps[i..], net, rank, &e);
             return Err(e);
         }
     }
     net.flush()?;
     if rank == last_vs % p && step.chunks.len() * p > last_vs {
-        report.loss = Some(loss_sum);
+        report.loss = Some(match loss_sum {
+            Some(l) => l.f_double_value(&[])?,
+            None => 0.0,
+        });
     }
     Ok(report)
 }
 
-/// This rank failed at action `at`: each neighbour that will wait for a message from it gets an abort
-/// instead (the first such message in the schedule), so the failure travels down the pipeline at once.
-fn warn_neighbours(step: &RankStep, net: &mut dyn Transport, at: usize, e: &Error) {
-    let sch = step.schedule;
-    let p = sch.stages;
-    let last_vs = p * sch.chunks - 1;
-    let (rank, prev, next) = (step.rank, (step.rank + p - 1) % p, (step.rank + 1) % p);
+/// This rank failed before the batches of `rest`: they go out anyway, with placeholders, so the failure
+/// travels down the pipeline at once.
+fn warn_neighbours(rest: &[Step], net: &mut dyn Transport, rank: usize, e: &Error) {
     let origin = match e {
         Error::RankFailed { rank, .. } => *rank,
         _ => rank,
     };
-    let msg = e.to_string();
-    let mut warned = Vec::new();
-    for &a in &sch.actions[rank][at..] {
-        let out = match a {
-            Action::Forward { mb, chunk } if chunk * p + rank != last_vs => {
-                Some((next, (Payload::Activation, mb, chunk * p + rank + 1)))
-            }
-            Action::Backward { mb, chunk } if chunk * p + rank > 0 => {
-                Some((prev, (Payload::Grad, mb, chunk * p + rank - 1)))
-            }
-            _ => None,
-        };
-        // (not back to the rank the failure came from)
-        if let Some((to, key)) = out.filter(|(to, _)| *to != rank && *to != origin && !warned.contains(to)) {
-            let _ = net.abort(to, key, origin, &msg);
-            warned.push(to);
-        }
-    }
+    let batches: Vec<_> = rest
+        .iter()
+        .filter_map(|s| match s {
+            Step::Exchange { sends, recvs } => Some((sends.clone(), recvs.clone())),
+            Step::Compute(_) => None,
+        })
+        .collect();
+    let _ = net.abort(&batches, origin, &e.to_string());
 }
 
 fn last_loss(step: &RankStep, out: &Tensor, mb: usize, scale: f64) -> Result<Tensor> {

@@ -10,7 +10,7 @@ use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use tch::{Device, Kind, Tensor};
 
 use crate::error::{Error, Result};
-use crate::group::{tensor_meta, ProcessGroup};
+use crate::group::{tensor_meta, P2pOp, ProcessGroup};
 use crate::work::Work;
 
 /// What travels.
@@ -23,25 +23,37 @@ pub enum Payload {
 /// (payload, microbatch, virtual stage that receives it)
 pub type Key = (Payload, usize, usize);
 
+/// A tensor leaving with a batch.
+pub struct Outgoing {
+    pub to: usize,
+    pub key: Key,
+    pub tensor: Tensor,
+    /// Freed once the send is over, when nothing else holds it (the stage's output, whose values
+    /// backward does not need: Megatron's deallocate_output_tensor).
+    pub release: Option<Tensor>,
+}
+
+/// The batches of a plan a failing rank has not posted: (sends, receives) of each.
+pub type Rest = [(Vec<(usize, Key)>, Vec<(usize, Key)>)];
+
 pub trait Transport {
-    /// Sends without blocking the caller.
-    fn send(&mut self, to_rank: usize, key: Key, t: &Tensor) -> Result<()>;
-    /// Blocks until the tensor for `key` arrives from `from_rank`.
-    fn recv(&mut self, from_rank: usize, key: Key) -> Result<Tensor>;
-    /// Posts the receive of `key` from `from_rank` ahead of [`Transport::recv`], where that helps.
-    fn prepost(&mut self, _from_rank: usize, _key: Key) -> Result<()> {
+    /// A step begins; `input` is its full batch (every rank passes the same one).
+    fn begin(&mut self, _input: &Tensor) -> Result<()> {
         Ok(())
     }
+    /// Posts one batch of the step's plan: these sends and the receives of `recvs` (from, key), without
+    /// blocking on them.
+    fn exchange(&mut self, sends: Vec<Outgoing>, recvs: &[(usize, Key)]) -> Result<()>;
+    /// Blocks until the tensor for `key`, received in an earlier batch, is there.
+    fn recv(&mut self, from_rank: usize, key: Key) -> Result<Tensor>;
     /// Completes outstanding sends (end of a step).
     fn flush(&mut self) -> Result<()>;
     /// This rank failed (`origin` is the rank where the failure began, this one or an earlier one whose
-    /// failure reached it): tells `to_rank`, which waits for `key` from it, instead of sending it, so
-    /// that it fails at once with `msg` rather than waiting for its timeout.
-    fn abort(&mut self, to_rank: usize, key: Key, origin: usize, msg: &str) -> Result<()>;
+    /// failure reached it) before posting the batches in `rest`: posts them anyway, with placeholders
+    /// for what it sends, so every other rank finds its batches matched and learns of the failure at
+    /// once rather than waiting for its timeout.
+    fn abort(&mut self, rest: &Rest, origin: usize, msg: &str) -> Result<()>;
 }
-
-/// The header dtype code that means "no tensor comes: the sender failed".
-const ABORT: i64 = -2;
 
 /// Channels between stage threads. A failing stage raises `abort`, so the others stop waiting.
 pub struct ChannelTransport {
@@ -70,11 +82,16 @@ pub fn channels(ranks: usize, abort: Arc<AtomicBool>, timeout: Duration) -> Vec<
 }
 
 impl Transport for ChannelTransport {
-    fn send(&mut self, to_rank: usize, key: Key, t: &Tensor) -> Result<()> {
-        self.senders[to_rank].send((key, t.shallow_clone())).map_err(|_| Error::PeerGone {
-            op: format!("stage {} send {key:?}", self.rank),
-            msg: "stage thread ended".into(),
-        })
+    fn exchange(&mut self, sends: Vec<Outgoing>, _recvs: &[(usize, Key)]) -> Result<()> {
+        // the receiving thread reads the same memory: nothing is released
+        for o in sends {
+            let key = o.key;
+            self.senders[o.to].send((key, o.tensor)).map_err(|_| Error::PeerGone {
+                op: format!("stage {} send {key:?}", self.rank),
+                msg: "stage thread ended".into(),
+            })?;
+        }
+        Ok(())
     }
 
     fn recv(&mut self, from_rank: usize, key: Key) -> Result<Tensor> {
@@ -109,190 +126,287 @@ impl Transport for ChannelTransport {
         Ok(())
     }
 
-    fn abort(&mut self, _to_rank: usize, _key: Key, _origin: usize, _msg: &str) -> Result<()> {
+    fn abort(&mut self, _rest: &Rest, _origin: usize, _msg: &str) -> Result<()> {
         // threads share an abort flag, raised by the runner
         Ok(())
     }
 }
 
-/// Send/recv over a process group (one process per stage). Each tensor travels as one message: a
-/// header with its dtype and shape, then its bytes, so receivers need not know shapes in advance and a
-/// transfer costs one message, as torch.distributed.pipelining's body-only sends do (a separate header
-/// message doubled the latency of a 64 KB transfer over Gloo here: `scripts/bench_gloo_p2p.py`).
-///
-/// Receives are posted ahead of the schedule ([`Transport::prepost`]), sized from the key's previous
-/// step, as torch.distributed.pipelining posts its receives early: Gloo moves a message only once its
-/// receive is posted, so a receive posted late costs a round trip through the sender's I/O thread, which
-/// on a busy machine waits for a core (about 4 ms per message measured here). A message must match its
-/// receive's size, so a tensor of another size (the first step, a smaller last batch) is preceded by a
-/// header-only message of the size posted, which tells the receiver what to post next. A failing stage
-/// sends an abort header the same way, so the receiver fails at once.
-/// Keep one transport for a rank's steps: both sides' size caches must see the same history. A step
-/// that fails can leave receives posted in the group; recover with a new group, as after any failed
-/// collective.
+/// Batched point-to-point over a process group (one process per stage), safe on NCCL: each batch of
+/// the step's plan (`plan`) goes out as one `batch_isend_irecv`, in the plan's order, so that every pair
+/// of ranks meets batch by batch in one order on NCCL's stream; nothing relies on tags. A tensor travels
+/// as itself: no header, no copy. Shapes travel once: a step whose batch has a dtype and shape not seen
+/// before ([`Transport::begin`]) sends each tensor's dtype and shape first, in a batch of headers
+/// waited for at once, and every later step with that batch shape reuses them (a stage whose output
+/// shape then changes anyway fails, naming it). A failing stage posts the rest of its batches with
+/// placeholders and leaves its message in the store: the receiver of a placeholder fails at once (on
+/// CPU, where it can look at the bytes without a device sync; elsewhere at the end of the step).
 pub struct GroupTransport {
     pub(crate) pg: Arc<ProcessGroup>,
-    pub(crate) microbatches: usize,
-    pub(crate) virtual_stages: usize,
     /// Where received tensors are put.
     pub(crate) device: Device,
-    /// Sends in flight, by destination and key; each keeps its message alive until it is waited for.
-    pending: Vec<((usize, Key), Work)>,
-    /// Body bytes of the last tensor sent to each (rank, key): the size its receiver posts next.
-    sent: HashMap<(usize, Key), i64>,
-    /// Body bytes of the last tensor received from each (rank, key).
-    expected: HashMap<(usize, Key), i64>,
-    /// Receives posted ahead.
-    posted: HashMap<(usize, Key), Posted>,
+    /// Steps begun: keys this step's abort message in the store.
+    step: u64,
+    /// The batch (dtype and shape) of the last step that ended well, and whether this step sends shapes.
+    input: Option<(Kind, Vec<i64>)>,
+    discover: bool,
+    /// Whether the last step ended well (else its shapes may be incomplete, on this rank or another).
+    clean: bool,
+    /// Dtype and shape of each (peer, key) sent or received in the last step that sent shapes.
+    shapes: HashMap<(usize, Key), (Kind, Vec<i64>)>,
+    /// Posted batches not yet waited for, by number.
+    batches: HashMap<usize, Work>,
+    next_batch: usize,
+    /// Received tensors and their batch.
+    arrivals: HashMap<(usize, Key), Arrival>,
+    /// Sends not yet known to be over: their batch, and what to release then.
+    sends: Vec<(usize, Key, usize, Option<Tensor>)>,
+    /// Receives a failing stage posted into placeholders: kept until they complete.
+    drained: Vec<Work>,
 }
 
-/// Header integers: the tensor's encoding, what the message holds, padding. 16 of them (128 bytes)
-/// keep the body aligned for every dtype, so the received tensor is a view of the message.
-const HEADER: usize = 16;
-const HEADER_BYTES: i64 = (HEADER * 8) as i64;
-/// `header[tensor_meta::LEN]`: the tensor's bytes follow the header.
+enum Arrival {
+    Tensor {
+        t: Tensor,
+        batch: usize,
+    },
+    /// The sender failed (origin rank) and sent no tensor.
+    Aborted(usize),
+}
+
+/// Header integers: the tensor's encoding, then what follows.
+const HEADER: usize = tensor_meta::LEN + 2;
+/// `header[tensor_meta::LEN]`: the tensor follows in the next batch.
 const BODY: i64 = 0;
-/// `header[tensor_meta::LEN]`: nothing follows; the tensor comes next in a message of its own size.
-const RESIZE: i64 = 1;
-
-struct Posted {
-    message: Tensor,
-    work: Work,
-}
+/// `header[tensor_meta::LEN]`: the sender failed (`header[LEN + 1]` is where the failure began); no tensor
+/// follows.
+const ABORT: i64 = 1;
+/// The first bytes of a placeholder: a quiet NaN no computation makes (its payload spells "tchdist").
+const PLACEHOLDER: [u8; 8] = *b"tchdis\xf8\x7f";
 
 impl GroupTransport {
-    pub fn new(pg: Arc<ProcessGroup>, microbatches: usize, virtual_stages: usize, device: Device) -> Self {
+    pub fn new(pg: Arc<ProcessGroup>, device: Device) -> Self {
         GroupTransport {
             pg,
-            microbatches,
-            virtual_stages,
             device,
-            pending: Vec::new(),
-            sent: HashMap::new(),
-            expected: HashMap::new(),
-            posted: HashMap::new(),
+            step: 0,
+            input: None,
+            discover: true,
+            clean: false,
+            shapes: HashMap::new(),
+            batches: HashMap::new(),
+            next_batch: 0,
+            arrivals: HashMap::new(),
+            sends: Vec::new(),
+            drained: Vec::new(),
         }
     }
 
-    fn tag(&self, key: Key) -> i32 {
-        let kind = match key.0 {
-            Payload::Activation => 0,
-            Payload::Grad => 1,
-        };
-        ((kind * self.microbatches + key.1) * self.virtual_stages + key.2) as i32
+    fn abort_key(&self) -> String {
+        format!("pipeline/abort/{}", self.step)
     }
 
-    /// A message of `header` and `body_bytes` more bytes on `device`, holding `body` when given.
-    fn message(header: &[i64; HEADER], body_bytes: i64, body: Option<&Tensor>, device: Device) -> Result<Tensor> {
-        let msg = Tensor::f_empty([HEADER_BYTES + body_bytes], (Kind::Uint8, device))?;
-        msg.f_narrow(0, 0, HEADER_BYTES)?.f_copy_(&Tensor::from_slice(header).f_view_dtype(Kind::Uint8)?)?;
-        if let Some(t) = body {
-            Self::body(&msg, t.kind(), &t.size())?.f_copy_(t)?;
-        } else {
-            // the bytes after a header-only message's header are never read; keep them defined
-            let _ = msg.f_narrow(0, HEADER_BYTES, body_bytes)?.f_zero_()?;
-        }
-        Ok(msg)
+    /// Posts `ops` as one batch; returns its number.
+    fn post(&mut self, ops: Vec<P2pOp>) -> Result<usize> {
+        let id = self.next_batch;
+        self.next_batch += 1;
+        let w = self.pg.batch_unverified(ops)?;
+        self.batches.insert(id, w);
+        Ok(id)
     }
 
-    /// The tensor a message holds after its header: a view of it.
-    fn body(msg: &Tensor, kind: Kind, shape: &[i64]) -> Result<Tensor> {
-        let bytes = msg.size()[0] - HEADER_BYTES;
-        Ok(msg.f_narrow(0, HEADER_BYTES, bytes)?.f_view_dtype(kind)?.f_view(shape)?)
-    }
-
-    fn header(msg: &Tensor) -> Result<Vec<i64>> {
-        let h = msg.f_narrow(0, 0, HEADER_BYTES)?.f_to_device(Device::Cpu)?.f_view_dtype(Kind::Int64)?;
-        Ok(Vec::<i64>::try_from(h)?)
-    }
-
-    fn post(&mut self, from_rank: usize, key: Key, body_bytes: i64) -> Result<()> {
-        let mut message = Tensor::f_empty([HEADER_BYTES + body_bytes], (Kind::Uint8, self.device))?;
-        let work = self.pg.recv_raw(&mut message, from_rank, self.tag(key))?;
-        self.posted.insert((from_rank, key), Posted { message, work });
-        Ok(())
-    }
-
-    /// A gradient for virtual stage `v` of microbatch `mb` came from `rank`, so `rank` has received the
-    /// activation it was computed from: that send is over, and waiting for it frees its message now
-    /// rather than at the end of the step. (Gloo's sends report completion only when waited for.)
-    fn acknowledged(&mut self, rank: usize, key: Key) -> Result<()> {
-        let (Payload::Grad, mb, v) = key else {
-            return Ok(());
-        };
-        let sent = (rank, (Payload::Activation, mb, v + 1));
-        let (done, open): (Vec<_>, Vec<_>) = self.pending.drain(..).partition(|(k, _)| *k == sent);
-        self.pending = open;
-        for (_, w) in done {
+    /// Waits for batch `id`, if it was not waited for yet; then releases what its sends leave behind.
+    fn wait_batch(&mut self, id: usize) -> Result<()> {
+        if let Some(w) = self.batches.remove(&id) {
             w.wait()?;
         }
+        let (done, open): (Vec<_>, Vec<_>) = self.sends.drain(..).partition(|s| s.2 == id);
+        self.sends = open;
+        for (_, _, _, release) in done {
+            if let Some(t) = release {
+                if crate::storage::sole_owner(&t)? {
+                    crate::storage::free(&t)?;
+                }
+            }
+        }
         Ok(())
+    }
+
+    /// The headers of one batch, exchanged and waited for: what each receive will get.
+    fn exchange_headers(
+        &mut self,
+        sends: &[(usize, Key, [i64; HEADER])],
+        recvs: &[(usize, Key)],
+        device: Device,
+    ) -> Result<Vec<Vec<i64>>> {
+        let mut ops = Vec::new();
+        for (to, _, h) in sends {
+            ops.push(P2pOp::send(&Tensor::from_slice(h).f_to_device(device)?, *to));
+        }
+        let heads: Vec<Tensor> = recvs
+            .iter()
+            .map(|_| Tensor::f_zeros([HEADER as i64], (Kind::Int64, device)))
+            .collect::<std::result::Result<_, _>>()?;
+        for ((from, _), h) in recvs.iter().zip(&heads) {
+            ops.push(P2pOp::recv(h, *from));
+        }
+        let _l = crate::flight::label("pipeline shapes");
+        let id = self.post(ops)?;
+        self.wait_batch(id)?;
+        heads.iter().map(|h| Ok(Vec::<i64>::try_from(h.f_to_device(Device::Cpu)?)?)).collect()
     }
 
     /// The failure a stage announced instead of its tensor.
-    fn aborted(&self, h: &[i64], key: Key) -> Error {
-        let origin = h[1].max(0) as usize;
+    fn aborted(&self, origin: usize, key: Key) -> Error {
+        self.failed(
+            origin,
+            format!("pipeline stage {} waiting for {:?} of microbatch {}", self.pg.rank(), key.0, key.1),
+        )
+    }
+
+    /// Rank `origin`'s failure, as it left it in the store, reported as `op`'s.
+    fn failed(&self, origin: usize, op: String) -> Error {
         let msg = self
             .pg
             .store()
-            .get(&abort_key(origin))
+            .get(&self.abort_key())
             .map(|m| String::from_utf8_lossy(&m).to_string())
             .unwrap_or_else(|e| format!("(its message could not be read: {e})"));
-        Error::RankFailed {
-            op: format!("pipeline stage {} waiting for {:?} of microbatch {}", self.pg.rank(), key.0, key.1),
-            rank: origin,
-            msg,
+        Error::RankFailed { op, rank: origin, msg }
+    }
+
+    /// Whether a stage failed this step: the origin its message names.
+    fn failure(&self) -> Result<Option<usize>> {
+        let key = self.abort_key();
+        if !self.pg.store().check(&key)? {
+            return Ok(None);
         }
+        Ok(Some(origin_of(&self.pg.store().get(&key)?)))
+    }
+
+    /// A placeholder for a tensor this rank cannot send: `shape` when known, its first bytes marked.
+    fn placeholder(kind: Kind, shape: &[i64], device: Device) -> Result<Tensor> {
+        let t = Tensor::f_zeros(shape, (kind, Device::Cpu))?;
+        let bytes = t.f_view_dtype(Kind::Uint8)?.f_reshape([-1])?;
+        let n = bytes.size()[0].min(8);
+        bytes.f_narrow(0, 0, n)?.f_copy_(&Tensor::from_slice(&PLACEHOLDER[..n as usize]))?;
+        Ok(t.f_to_device(device)?)
     }
 }
 
-/// The bytes of a tensor of encoding `m`, when it can be rebuilt from it.
-fn body_bytes(m: &[i64]) -> Option<(Kind, Vec<i64>, i64)> {
-    let (kind, shape) = tensor_meta::decode(m)?;
-    let bytes = shape.iter().product::<i64>() * kind.elt_size_in_bytes() as i64;
-    Some((kind, shape, bytes))
+fn origin_of(msg: &[u8]) -> usize {
+    let s = String::from_utf8_lossy(msg);
+    s.split_whitespace().nth(1).and_then(|r| r.trim_end_matches(':').parse().ok()).unwrap_or(0)
 }
 
-fn header_of(meta: &[i64; tensor_meta::LEN], holds: i64) -> [i64; HEADER] {
+fn header_of(t: &Tensor, holds: i64, origin: usize) -> [i64; HEADER] {
     let mut h = [0i64; HEADER];
-    h[..tensor_meta::LEN].copy_from_slice(meta);
+    h[..tensor_meta::LEN].copy_from_slice(&tensor_meta::encode(t));
     h[tensor_meta::LEN] = holds;
+    h[tensor_meta::LEN + 1] = origin as i64;
     h
 }
 
 impl Transport for GroupTransport {
-    fn send(&mut self, to_rank: usize, key: Key, t: &Tensor) -> Result<()> {
-        let m = tensor_meta::encode(t);
-        let Some((_, _, bytes)) = body_bytes(&m) else {
-            return Err(Error::invalid(
-                "pipeline send",
-                format!("{}: at most {} dims of a known dtype", tensor_meta::render(&m), tensor_meta::MAX_DIMS),
-            ));
-        };
-        let tag = self.tag(key);
-        let _l = crate::flight::label(format!(
-            "pipeline send {:?} of microbatch {} to virtual stage {}",
-            key.0, key.1, key.2
-        ));
-        let device = t.device();
-        let posted = self.sent.get(&(to_rank, key)).copied().unwrap_or(0);
-        // Our header already tells the receiver what comes, so the group's own checks are skipped.
-        if posted != bytes {
-            let resize = Self::message(&header_of(&m, RESIZE), posted, None, device)?;
-            self.pending.push(((to_rank, key), self.pg.send_raw(&resize, to_rank, tag)?));
+    fn begin(&mut self, input: &Tensor) -> Result<()> {
+        self.step += 1;
+        let now = (input.kind(), input.size());
+        // every rank of a failed step fails it, so all of them send shapes again
+        self.discover = !self.clean || self.input.as_ref() != Some(&now);
+        if !self.clean {
+            // a failed step's leftovers: its messages are gone or never come
+            self.batches.clear();
+            self.sends.clear();
+            self.arrivals.clear();
         }
-        let msg = Self::message(&header_of(&m, BODY), bytes, Some(t), device)?;
-        self.pending.push(((to_rank, key), self.pg.send_raw(&msg, to_rank, tag)?));
-        self.sent.insert((to_rank, key), bytes);
+        self.clean = false;
+        if self.discover {
+            self.shapes.clear();
+        }
+        self.input = Some(now);
         Ok(())
     }
 
-    fn prepost(&mut self, from_rank: usize, key: Key) -> Result<()> {
-        if self.posted.contains_key(&(from_rank, key)) {
+    fn exchange(&mut self, sends: Vec<Outgoing>, recvs: &[(usize, Key)]) -> Result<()> {
+        let _l = crate::flight::label(match (sends.first(), recvs.first()) {
+            (Some(o), _) => {
+                format!("pipeline batch: {:?} of microbatch {} to virtual stage {}", o.key.0, o.key.1, o.key.2)
+            }
+            (None, Some((_, k))) => {
+                format!("pipeline batch: {:?} of microbatch {} for virtual stage {}", k.0, k.1, k.2)
+            }
+            _ => "pipeline batch".into(),
+        });
+        let mut incoming: Vec<Option<Tensor>> = Vec::with_capacity(recvs.len());
+        if self.discover {
+            let heads: Vec<_> = sends.iter().map(|o| (o.to, o.key, header_of(&o.tensor, BODY, 0))).collect();
+            let device = sends.first().map_or(self.device, |o| o.tensor.device());
+            let got = self.exchange_headers(&heads, recvs, device)?;
+            for (&(from, key), h) in recvs.iter().zip(got) {
+                if h[tensor_meta::LEN] == ABORT {
+                    self.arrivals.insert((from, key), Arrival::Aborted(h[tensor_meta::LEN + 1].max(0) as usize));
+                    incoming.push(None);
+                    continue;
+                }
+                let Some((kind, shape)) = tensor_meta::decode(&h[..tensor_meta::LEN]) else {
+                    return Err(Error::invalid(
+                        "pipeline recv",
+                        format!("stage {from} announced {} for {key:?}", tensor_meta::render(&h[..tensor_meta::LEN])),
+                    ));
+                };
+                self.shapes.insert((from, key), (kind, shape.clone()));
+                incoming.push(Some(Tensor::f_empty(shape.as_slice(), (kind, self.device))?));
+            }
+            for o in &sends {
+                self.shapes.insert((o.to, o.key), (o.tensor.kind(), o.tensor.size()));
+            }
+        } else {
+            for o in &sends {
+                let want = self.shapes.get(&(o.to, o.key));
+                if want != Some(&(o.tensor.kind(), o.tensor.size())) {
+                    return Err(Error::mismatch(
+                        format!("pipeline stage {} sending {:?} of microbatch {}", self.pg.rank(), o.key.0, o.key.1),
+                        format!(
+                            "it is {}, but a batch of the same shape gave {} before: a stage's output shape must \
+                             follow from its input's",
+                            crate::group::describe(&o.tensor),
+                            want.map_or("nothing".into(), |(k, s)| format!("{k:?}{s:?}"))
+                        ),
+                    ));
+                }
+            }
+            for &(from, key) in recvs {
+                let Some((kind, shape)) = self.shapes.get(&(from, key)) else {
+                    return Err(Error::invalid(
+                        "pipeline recv",
+                        format!("no shape known for {key:?} from stage {from}"),
+                    ));
+                };
+                incoming.push(Some(Tensor::f_empty(shape.as_slice(), (*kind, self.device))?));
+            }
+        }
+        let mut ops = Vec::with_capacity(sends.len() + recvs.len());
+        for o in &sends {
+            ops.push(P2pOp::send(&o.tensor, o.to));
+        }
+        for (&(from, _), t) in recvs.iter().zip(&incoming) {
+            if let Some(t) = t {
+                ops.push(P2pOp::recv(t, from));
+            }
+        }
+        if ops.is_empty() {
             return Ok(());
         }
-        let bytes = self.expected.get(&(from_rank, key)).copied().unwrap_or(0);
-        self.post(from_rank, key, bytes)
+        let id = self.post(ops)?;
+        for o in sends {
+            self.sends.push((o.to, o.key, id, o.release));
+        }
+        for (&(from, key), t) in recvs.iter().zip(incoming) {
+            if let Some(t) = t {
+                self.arrivals.insert((from, key), Arrival::Tensor { t, batch: id });
+            }
+        }
+        Ok(())
     }
 
     fn recv(&mut self, from_rank: usize, key: Key) -> Result<Tensor> {
@@ -300,69 +414,96 @@ impl Transport for GroupTransport {
             "pipeline recv {:?} of microbatch {} for virtual stage {}",
             key.0, key.1, key.2
         ));
-        self.prepost(from_rank, key)?;
-        loop {
-            let Some(Posted { message, work }) = self.posted.remove(&(from_rank, key)) else {
-                return Err(Error::invalid("pipeline recv", format!("no receive posted for {key:?}")));
-            };
-            work.wait()?;
-            let h = Self::header(&message)?;
-            if h[0] == ABORT {
-                return Err(self.aborted(&h, key));
-            }
-            let meta = &h[..tensor_meta::LEN];
-            let Some((kind, shape, bytes)) = body_bytes(meta) else {
-                return Err(Error::invalid(
-                    "pipeline recv",
-                    format!("stage {from_rank} announced {} for {key:?}", tensor_meta::render(meta)),
-                ));
-            };
-            match h[tensor_meta::LEN] {
-                RESIZE => self.post(from_rank, key, bytes)?,
-                BODY if message.size()[0] == HEADER_BYTES + bytes => {
-                    self.expected.insert((from_rank, key), bytes);
-                    self.acknowledged(from_rank, key)?;
-                    return Self::body(&message, kind, &shape);
-                }
-                holds => {
-                    return Err(Error::invalid(
-                        "pipeline recv",
-                        format!(
-                            "stage {from_rank} sent {} for {key:?} in a message of {} bytes (holds = {holds})",
-                            tensor_meta::render(meta),
-                            message.size()[0]
-                        ),
-                    ))
-                }
+        let (t, batch) = match self.arrivals.remove(&(from_rank, key)) {
+            Some(Arrival::Tensor { t, batch }) => (t, batch),
+            Some(Arrival::Aborted(origin)) => return Err(self.aborted(origin, key)),
+            None => return Err(Error::invalid("pipeline recv", format!("no receive posted for {key:?}"))),
+        };
+        self.wait_batch(batch)?;
+        if t.device() == Device::Cpu && is_placeholder(&t)? {
+            if let Some(origin) = self.failure()? {
+                return Err(self.aborted(origin, key));
             }
         }
+        // a gradient from `from_rank` means it received the activation it came from: that send is over
+        if let (Payload::Grad, mb, v) = key {
+            let sent = (Payload::Activation, mb, v + 1);
+            if let Some(b) = self.sends.iter().find(|s| s.0 == from_rank && s.1 == sent).map(|s| s.2) {
+                self.wait_batch(b)?;
+            }
+        }
+        Ok(t)
     }
 
     fn flush(&mut self) -> Result<()> {
-        for (_, w) in self.pending.drain(..) {
-            w.wait()?;
+        let ids: Vec<usize> = self.batches.keys().copied().collect();
+        for id in ids {
+            self.wait_batch(id)?;
         }
+        self.arrivals.clear();
+        // placeholders on a GPU are not looked at as they arrive
+        if let Some(origin) = self.failure()? {
+            return Err(
+                self.failed(origin, format!("pipeline stage {} (a placeholder came this step)", self.pg.rank()))
+            );
+        }
+        self.clean = true;
         Ok(())
     }
 
-    fn abort(&mut self, to_rank: usize, key: Key, origin: usize, msg: &str) -> Result<()> {
+    fn abort(&mut self, rest: &Rest, origin: usize, msg: &str) -> Result<()> {
         if origin == self.pg.rank() {
-            self.pg.store().set(&abort_key(origin), msg.as_bytes())?;
+            self.pg.store().set(&self.abort_key(), format!("rank {origin}: {msg}").as_bytes())?;
         }
-        let mut h = [0i64; HEADER];
-        h[0] = ABORT;
-        h[1] = origin as i64;
-        // sized for the receive the other side posted for this key
-        let posted = self.sent.get(&(to_rank, key)).copied().unwrap_or(0);
-        let message = Self::message(&h, posted, None, self.device)?;
-        let _l = crate::flight::label(format!("pipeline abort to rank {to_rank}"));
-        // out within moments, whether or not the other side still listens
-        let work = self.pg.send_raw(&message, to_rank, self.tag(key))?;
-        let _ = work.wait_timeout(Duration::from_secs(2));
+        let _l = crate::flight::label("pipeline abort: the rest of this stage's batches, with placeholders");
+        let device = self.device;
+        for (sends, recvs) in rest {
+            let mut ops = Vec::new();
+            let mut keep = Vec::new();
+            if self.discover {
+                let mut h = [0i64; HEADER];
+                h[0] = -1;
+                h[tensor_meta::LEN] = ABORT;
+                h[tensor_meta::LEN + 1] = origin as i64;
+                let heads: Vec<_> = sends.iter().map(|&(to, key)| (to, key, h)).collect();
+                let got = self.exchange_headers(&heads, recvs, device)?;
+                for (&(from, _), h) in recvs.iter().zip(got) {
+                    let shape = tensor_meta::decode(&h[..tensor_meta::LEN]).filter(|_| h[tensor_meta::LEN] == BODY);
+                    if let Some((kind, shape)) = shape {
+                        let t = Tensor::f_empty(shape.as_slice(), (kind, device))?;
+                        ops.push(P2pOp::recv(&t, from));
+                        keep.push(t);
+                    }
+                }
+            } else {
+                for &(to, key) in sends {
+                    if let Some((kind, shape)) = self.shapes.get(&(to, key)).cloned() {
+                        ops.push(P2pOp::send(&Self::placeholder(kind, &shape, device)?, to));
+                    }
+                }
+                for &(from, key) in recvs {
+                    if let Some((kind, shape)) = self.shapes.get(&(from, key)).cloned() {
+                        let t = Tensor::f_empty(shape.as_slice(), (kind, device))?;
+                        ops.push(P2pOp::recv(&t, from));
+                        keep.push(t);
+                    }
+                }
+            }
+            if !ops.is_empty() {
+                // not waited for: the others may be gone already; each work keeps its tensors
+                self.drained.push(self.pg.batch_unverified(ops)?);
+            }
+        }
         Ok(())
     }
 }
 
-fn abort_key(origin: usize) -> String {
-    format!("pipeline/abort/{origin}")
+/// Whether a CPU tensor starts with the placeholder's bytes.
+fn is_placeholder(t: &Tensor) -> Result<bool> {
+    let bytes = t.f_view_dtype(Kind::Uint8)?.f_reshape([-1])?;
+    let n = bytes.size()[0].min(8);
+    if n < 8 {
+        return Ok(n > 0);
+    }
+    Ok(Vec::<u8>::try_from(bytes.f_narrow(0, 0, 8)?)? == PLACEHOLDER)
 }

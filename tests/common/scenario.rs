@@ -1,7 +1,7 @@
 //! The collective scenario shared by the thread, process and Python-interop tests: every collective, each
 //! result checked element by element against its closed form. tests/py/interop_rank.py is its PyTorch twin.
 use tch::{Device, Kind, Tensor};
-use tch_dist::{ProcessGroup, ReduceOp};
+use tch_dist::{P2pOp, ProcessGroup, ReduceOp};
 
 pub fn f32s(t: &Tensor) -> Vec<f32> {
     Vec::<f32>::try_from(t.to_kind(Kind::Float).flatten(0, -1)).expect("to vec")
@@ -69,15 +69,30 @@ pub fn scenario(pg: &ProcessGroup) {
     let want = (0..w).map(|q| q as f32).sum::<f32>() + 100.0 * rf as f32 * w as f32;
     assert_eq!(f32s(&out), vec![want; 4], "reduce_scatter");
 
-    // send/recv around a ring
+    // send/recv around a ring, in one batch: posted one by one, NCCL would deadlock (the strict mode says so)
     let next = (r + 1) % w;
     let prev = (r + w - 1) % w;
     let msg = Tensor::from_slice(&[rf as f32, 7.0]);
-    let sent = pg.send_async(&msg, next, 3).unwrap();
-    let mut got = Tensor::zeros([2], (Kind::Float, Device::Cpu));
-    pg.recv(&mut got, prev, 3).unwrap();
-    sent.wait().unwrap();
+    let got = Tensor::zeros([2], (Kind::Float, Device::Cpu));
+    pg.batch_isend_irecv(vec![P2pOp::send(&msg, next).tag(3), P2pOp::recv(&got, prev).tag(3)])
+        .and_then(|w| w.wait())
+        .unwrap();
     assert_eq!(f32s(&got), vec![prev as f32, 7.0], "recv from rank {prev}");
+
+    // plain send and recv between pairs (0, 1), (2, 3), ...: the even rank sends first, the odd one
+    // receives first, an order NCCL can run
+    let partner = r ^ 1;
+    if partner < w {
+        let mut got = Tensor::zeros([2], (Kind::Float, Device::Cpu));
+        if r % 2 == 0 {
+            pg.send(&msg, partner, 4).unwrap();
+            pg.recv(&mut got, partner, 4).unwrap();
+        } else {
+            pg.recv(&mut got, partner, 4).unwrap();
+            pg.send(&msg, partner, 4).unwrap();
+        }
+        assert_eq!(f32s(&got), vec![partner as f32, 7.0], "recv from rank {partner}");
+    }
 
     // two outstanding async works, waited in reverse order: both complete with correct results
     let mut a = filled(rf + 1.0, 1 << 16);

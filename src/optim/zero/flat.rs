@@ -63,8 +63,8 @@ impl FlatBucket {
         max_in_flight: usize,
     ) -> Result<()> {
         if self.world > 1 {
-            use crate::group::ring::{all_gather_in_place, Ring};
-            all_gather_in_place(pg, &self.flat, self.len, Ring::ZeroGather, bucket, pending, max_in_flight)?;
+            let label = format!("ZeRO gather, bucket {bucket}");
+            crate::group::flat::all_gather(pg, &self.flat, self.len, &label, pending, max_in_flight)?;
         }
         Ok(())
     }

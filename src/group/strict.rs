@@ -1,0 +1,363 @@
+//! The strict NCCL mode: Gloo's point-to-point held to NCCL's rules, so that tests on CPU fail where
+//! several GPUs would hang (ProcessGroupNCCL.cpp). Gloo matches messages by tag and runs each one on its
+//! own; NCCL does neither:
+//! - unbatched sends and receives between two ranks run on one queue per pair (NCCL's two-rank
+//!   communicator and its stream), one at a time in posting order; the first one blocks its poster until
+//!   the peer makes its first one with this rank too, as creating that communicator does;
+//! - a batch ([`batch_isend_irecv`](super::ProcessGroup::batch_isend_irecv)) is one unit on the group's
+//!   own queue: its operations run together, after every batch posted before it;
+//! - tags are ignored: the k-th send from a to b on a queue meets b's k-th receive from a there;
+//! - sizes must agree: each message's dtype and shape go first, and a mismatch is an error naming both
+//!   ranks (NCCL would hang or read garbage, Gloo would abort the process);
+//! - waiting on one operation drives no other: each queue's worker runs on its own.
+//!
+//! An operation that cannot complete (it waits on a message queued behind another) fails after the
+//! group's timeout with what the queue holds; the queue then refuses everything after it, as NCCL's
+//! aborted communicator would.
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use tch::{Device, Kind, Tensor};
+
+use super::engine::Engine;
+use super::tensor_meta;
+use crate::error::{check, Error, Result};
+use crate::ffi;
+use crate::store::Store;
+use crate::work::{Ticket, Work};
+
+/// `TCH_DIST_STRICT_NCCL=1` puts every group of the process in the strict mode.
+pub fn strict_default() -> bool {
+    matches!(std::env::var("TCH_DIST_STRICT_NCCL").as_deref(), Ok("1") | Ok("true") | Ok("on"))
+}
+
+/// One send or receive of a queued unit.
+pub(crate) struct Op {
+    pub send: bool,
+    pub peer: usize,
+    pub tensor: Tensor,
+}
+
+struct Item {
+    ops: Vec<(Op, i32)>,
+    ticket: Arc<Ticket>,
+    what: String,
+}
+
+#[derive(Default)]
+struct QueueState {
+    items: VecDeque<Item>,
+    /// The first failure; everything after it is refused with an error of the same kind.
+    failed: Option<Error>,
+    closed: bool,
+}
+
+/// `e` again, as `op`'s (errors are not Clone: tch's are not).
+fn copy_of(e: &Error, op: String) -> Error {
+    match e {
+        Error::Timeout { timeout, msg, .. } => Error::Timeout { op, timeout: *timeout, msg: msg.clone() },
+        Error::PeerGone { msg, .. } => Error::PeerGone { op, msg: msg.clone() },
+        Error::Mismatch { msg, .. } => Error::Mismatch { op, msg: msg.clone() },
+        other => Error::Backend { op, msg: other.to_string() },
+    }
+}
+
+/// The error for `op`, refused because `first` ended the queue `name`: of `first`'s kind (a timeout stays
+/// a timeout, for the flight recorder's blame).
+fn refused(first: &Error, name: &str, op: String) -> Error {
+    let msg = format!("{name} failed earlier and takes nothing more: {first}");
+    match first {
+        Error::Timeout { timeout, .. } => Error::Timeout { op, timeout: *timeout, msg },
+        Error::PeerGone { .. } => Error::PeerGone { op, msg },
+        Error::Mismatch { .. } => Error::Mismatch { op, msg },
+        _ => Error::Backend { op, msg },
+    }
+}
+
+/// A queue of units run in posting order by a worker thread of its own.
+struct Queue {
+    name: String,
+    state: Mutex<QueueState>,
+    cv: Condvar,
+}
+
+/// Sequence numbers of one queue, per peer and direction: they replace the tags.
+#[derive(Default)]
+struct Seqs {
+    sent: HashMap<usize, u32>,
+    received: HashMap<usize, u32>,
+}
+
+impl Seqs {
+    fn next(&mut self, send: bool, peer: usize) -> u32 {
+        let m = if send { &mut self.sent } else { &mut self.received };
+        let n = m.entry(peer).or_insert(0);
+        let s = *n;
+        *n = n.wrapping_add(1);
+        s
+    }
+}
+
+/// The strict mode of one Gloo engine.
+pub(crate) struct Strict {
+    engine: Arc<Engine>,
+    rank: usize,
+    store: Store,
+    timeout: Arc<Mutex<Duration>>,
+    /// Unbatched point-to-point: a queue per peer, created on first use.
+    pairs: Mutex<HashMap<usize, (Arc<Queue>, Seqs)>>,
+    /// Batches.
+    group: Mutex<Option<(Arc<Queue>, Seqs)>>,
+}
+
+/// Tags of the strict mode's messages: bit 29 tells the group's queue from a pair's, bit 0 a header
+/// from its body, the rest is the sequence number. Every point-to-point message of a strict group takes
+/// one, so nothing else uses these tags.
+fn tag(group: bool, seq: u32, body: bool) -> i32 {
+    ((group as i32) << 29) | (((seq & ((1 << 28) - 1)) as i32) << 1) | body as i32
+}
+
+impl Strict {
+    pub fn new(engine: Arc<Engine>, rank: usize, store: Store, timeout: Duration) -> Strict {
+        Strict {
+            engine,
+            rank,
+            store,
+            timeout: Arc::new(Mutex::new(timeout)),
+            pairs: Mutex::new(HashMap::new()),
+            group: Mutex::new(None),
+        }
+    }
+
+    pub fn set_timeout(&self, t: Duration) {
+        *self.timeout.lock().unwrap_or_else(|e| e.into_inner()) = t;
+    }
+
+    fn timeout(&self) -> Duration {
+        *self.timeout.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Queues an unbatched send or receive on its pair's queue.
+    pub fn post_single(&self, op: Op, what: String) -> Result<Arc<Ticket>> {
+        let peer = op.peer;
+        let known = self.pairs.lock().unwrap_or_else(|e| e.into_inner()).contains_key(&peer);
+        if !known {
+            // outside the lock: this blocks until the peer comes
+            self.create_pair(peer, &what)?;
+        }
+        let mut pairs = self.pairs.lock().unwrap_or_else(|e| e.into_inner());
+        let (lo, hi) = (self.rank.min(peer), self.rank.max(peer));
+        let (queue, seqs) = pairs
+            .entry(peer)
+            .or_insert_with(|| (self.start_queue(format!("the pair stream of ranks {lo} and {hi}")), Seqs::default()));
+        let seq = seqs.next(op.send, peer);
+        Ok(self.enqueue(queue, vec![(op, tag(false, seq, false))], what))
+    }
+
+    /// Queues a batch as one unit on the group's queue.
+    pub fn post_batch(&self, ops: Vec<Op>, what: String) -> Result<Arc<Ticket>> {
+        let mut g = self.group.lock().unwrap_or_else(|e| e.into_inner());
+        let (queue, seqs) = g.get_or_insert_with(|| {
+            (self.start_queue(format!("the group stream of rank {}", self.rank)), Seqs::default())
+        });
+        let ops = ops
+            .into_iter()
+            .map(|op| {
+                let seq = seqs.next(op.send, op.peer);
+                (op, tag(true, seq, false))
+            })
+            .collect();
+        Ok(self.enqueue(queue, ops, what))
+    }
+
+    fn enqueue(&self, queue: &Arc<Queue>, ops: Vec<(Op, i32)>, what: String) -> Arc<Ticket> {
+        let ticket = Arc::new(Ticket::default());
+        let mut st = queue.state.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(f) = &st.failed {
+            ticket.complete(Err(refused(f, &queue.name, what)));
+        } else {
+            st.items.push_back(Item { ops, ticket: ticket.clone(), what });
+            queue.cv.notify_all();
+        }
+        ticket
+    }
+
+    /// NCCL creates a pair's communicator at its first operation, in the poster's thread, and both ranks
+    /// must take part: a rank whose first operation is with another peer leaves this one waiting.
+    fn create_pair(&self, peer: usize, what: &str) -> Result<()> {
+        let (lo, hi) = (self.rank.min(peer), self.rank.max(peer));
+        let key = |r: usize| format!("tdx-strict/pair/{lo}-{hi}/{r}");
+        self.store.set(&key(self.rank), b"1")?;
+        let t = self.timeout();
+        self.store.wait(&key(peer), t).map_err(|_| Error::Timeout {
+            op: what.to_string(),
+            timeout: t,
+            msg: format!(
+                "strict NCCL mode: the first point-to-point operation between ranks {lo} and {hi} creates their \
+                 two-rank NCCL communicator, which blocks rank {} until rank {peer} joins it, and rank {peer} did \
+                 not (with three or more ranks, a ring of unbatched sends and receives waits in a circle here): \
+                 post the operations of a step together with batch_isend_irecv",
+                self.rank
+            ),
+        })
+    }
+
+    fn start_queue(&self, name: String) -> Arc<Queue> {
+        let q = Arc::new(Queue { name, state: Mutex::new(QueueState::default()), cv: Condvar::new() });
+        let (worker, engine, rank) = (q.clone(), self.engine.clone(), self.rank);
+        let timeout = self.timeout.clone();
+        std::thread::Builder::new()
+            .name("tdx-strict".into())
+            .spawn(move || worker.run(&engine, rank, timeout))
+            .map(|_| ())
+            .unwrap_or_else(|e| {
+                let mut st = q.state.lock().unwrap_or_else(|p| p.into_inner());
+                st.failed =
+                    Some(Error::Backend { op: "strict NCCL mode".into(), msg: format!("no worker thread: {e}") });
+            });
+        q
+    }
+}
+
+impl Drop for Strict {
+    fn drop(&mut self) {
+        let pairs = self.pairs.get_mut().unwrap_or_else(|e| e.into_inner());
+        let group = self.group.get_mut().unwrap_or_else(|e| e.into_inner());
+        for (q, _) in pairs.values().chain(group.iter()) {
+            q.state.lock().unwrap_or_else(|e| e.into_inner()).closed = true;
+            q.cv.notify_all();
+        }
+    }
+}
+
+impl Queue {
+    fn run(&self, engine: &Engine, rank: usize, timeout: Arc<Mutex<Duration>>) {
+        loop {
+            let item = {
+                let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+                loop {
+                    if let Some(i) = st.items.pop_front() {
+                        break i;
+                    }
+                    if st.closed {
+                        return;
+                    }
+                    st = self.cv.wait(st).unwrap_or_else(|e| e.into_inner());
+                }
+            };
+            let t = *timeout.lock().unwrap_or_else(|e| e.into_inner());
+            let r = self.run_item(engine, rank, &item, t);
+            let Item { ops, ticket, what } = item;
+            // the tensors go before the waiter wakes: it may free or reuse their memory then
+            drop(ops);
+            if let Err(e) = &r {
+                let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+                for later in st.items.drain(..) {
+                    later.ticket.complete(Err(refused(e, &self.name, later.what)));
+                }
+                st.failed = Some(copy_of(e, what));
+            }
+            ticket.complete(r);
+        }
+    }
+
+    /// Posts a unit's messages at once and waits for all of them: sends with their headers, receives
+    /// after checking the header.
+    fn run_item(&self, engine: &Engine, rank: usize, item: &Item, timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        let mut works = Vec::new();
+        let mut heads = Vec::new();
+        for (op, t) in &item.ops {
+            let t = *t;
+            if op.send {
+                let h = Tensor::from_slice(&tensor_meta::encode(&op.tensor));
+                works.push((post(engine, &h, op, t, true)?, op));
+                works.push((post(engine, &op.tensor, op, t | 1, true)?, op));
+            } else {
+                let h = Tensor::f_zeros([tensor_meta::LEN as i64], (Kind::Int64, Device::Cpu))?;
+                heads.push((post(engine, &h, op, t, false)?, h, op, t));
+            }
+        }
+        let mut mismatch = None;
+        for (w, h, op, t) in heads {
+            self.wait(w, deadline, item, rank, op)?;
+            let theirs = Vec::<i64>::try_from(&h)?;
+            let mine = tensor_meta::encode(&op.tensor);
+            if theirs[..] == mine[..] {
+                works.push((post(engine, &op.tensor, op, t | 1, false)?, op));
+            } else {
+                mismatch.get_or_insert_with(|| {
+                    format!(
+                        "rank {} sent {} but rank {rank} posted {} (strict NCCL mode: {}; NCCL needs matched \
+                         sizes)",
+                        op.peer,
+                        tensor_meta::render(&theirs),
+                        tensor_meta::render(&mine),
+                        item.what
+                    )
+                });
+                // drained, so the sender does not hang
+                if let Some(scratch) = tensor_meta::empty(&theirs, Device::Cpu) {
+                    works.push((post(engine, &scratch, op, t | 1, false)?, op));
+                }
+            }
+        }
+        for (w, op) in works {
+            self.wait(w, deadline, item, rank, op)?;
+        }
+        match mismatch {
+            Some(msg) => Err(Error::mismatch(item.what.clone(), msg)),
+            None => Ok(()),
+        }
+    }
+
+    fn wait(&self, w: Work, deadline: Instant, item: &Item, rank: usize, op: &Op) -> Result<()> {
+        let left = deadline.saturating_duration_since(Instant::now());
+        w.wait_timeout(left.max(Duration::from_millis(1))).map_err(|e| match e {
+            Error::Timeout { timeout, .. } => {
+                let behind: Vec<String> = {
+                    let st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+                    st.items.iter().take(4).map(|i| i.what.clone()).collect()
+                };
+                let queued = if behind.is_empty() {
+                    String::new()
+                } else {
+                    format!("; queued behind it on this rank: {}", behind.join("; "))
+                };
+                Error::Timeout {
+                    op: item.what.clone(),
+                    timeout,
+                    msg: format!(
+                        "strict NCCL mode: rank {rank}'s {} with rank {} on {} did not complete; on NCCL this \
+                         hangs: operations on a stream run in posting order and a receive waits for the peer's \
+                         matching send{queued}",
+                        if op.send { "send" } else { "receive" },
+                        op.peer,
+                        self.name,
+                    ),
+                }
+            }
+            other => other,
+        })
+    }
+}
+
+/// One Gloo message of a unit.
+fn post(engine: &Engine, t: &Tensor, op: &Op, tag: i32, send: bool) -> Result<Work> {
+    let mut out = std::ptr::null_mut();
+    let tp = t.as_ptr() as ffi::tdx_tensor;
+    let peer = op.peer as i32;
+    // SAFETY: the engine and tensor are valid for the call; c10d's work keeps its own reference to the
+    // tensor until it completes.
+    let code = unsafe {
+        if send {
+            ffi::tdx_pg_send(engine.as_ptr(), tp, peer, tag, &mut out)
+        } else {
+            ffi::tdx_pg_recv(engine.as_ptr(), tp, peer, tag, &mut out)
+        }
+    };
+    let what = move || format!("strict {} rank {peer} (tag {tag})", if send { "send to" } else { "receive from" });
+    check(code, Duration::ZERO, what)?;
+    Ok(Work::new(out, Duration::ZERO, Box::new(what), None))
+}
