@@ -3,11 +3,16 @@
 //! hold inf or NaN is skipped and the scale shrinks; after `growth_interval` good steps in a row it grows.
 //! With a process group, ranks agree on skipping (a MAX-allreduce of the flag): under ZeRO-2 each rank
 //! sees only its gradient shard, so one rank's overflow must stop every rank's step.
+//!
+//! As PyTorch's, unscaling runs ATen's foreach kernel on the gradients' device into a device flag, and
+//! the ranks' flags are reduced there too (on NCCL for CUDA gradients); the flag is read on the host once
+//! per step, by [`step`](GradScaler::step).
 use std::sync::Arc;
 
-use tch::{Kind, Tensor};
+use tch::{Device, Kind, Tensor};
 
-use crate::error::{Error, Result};
+use crate::error::{check, Error, Result};
+use crate::ffi;
 use crate::group::{ProcessGroup, ReduceOp};
 use crate::optim::Optimizer;
 
@@ -18,8 +23,9 @@ pub struct GradScaler {
     pub growth_interval: u32,
     growth_tracker: u32,
     pg: Option<Arc<ProcessGroup>>,
-    /// Set by unscaling, cleared by `update`: whether this step's gradients overflowed on any rank.
-    found_inf: Option<bool>,
+    /// Set by unscaling, cleared by `update`: 1 where this step's gradients overflowed on some rank (on the
+    /// gradients' device), and its value once read.
+    found_inf: Option<(Tensor, Option<bool>)>,
     stepped: bool,
 }
 
@@ -84,7 +90,8 @@ impl GradScaler {
         let _g = tch::no_grad_guard();
         // PyTorch computes 1/scale in double and rounds it to float32
         let inv = (1.0 / self.scale) as f32 as f64;
-        let mut local = false;
+        // ATen's kernel takes the gradients of one device at a time
+        let mut by_device: Vec<(Device, Vec<Tensor>)> = Vec::new();
         for g in opt.gradients()? {
             if g.kind() == Kind::Half {
                 return Err(Error::invalid(
@@ -92,17 +99,47 @@ impl GradScaler {
                     "gradients are float16: keep float32 parameters under autocast, or float32 master weights (ShardedOptimizer over float16 parameters)",
                 ));
             }
-            let _ = g.shallow_clone().f_mul_scalar_(inv)?;
-            if !local {
-                local = g.f_isfinite()?.f_all()?.f_int64_value(&[])? == 0;
+            match by_device.iter_mut().find(|(d, _)| *d == g.device()) {
+                Some((_, gs)) => gs.push(g),
+                None => by_device.push((g.device(), vec![g])),
             }
         }
-        let found = match &self.pg {
-            Some(pg) => pg.meta().allreduce("GradScaler overflow flag", &[local as i32], ReduceOp::Max)?[0] != 0,
-            None => local,
-        };
-        self.found_inf = Some(found);
+        let home = by_device.first().map_or(Device::Cpu, |(d, _)| *d);
+        let mut found = Tensor::f_zeros([1], (Kind::Float, home))?;
+        for (device, gs) in &by_device {
+            let flag = Tensor::f_zeros([1], (Kind::Float, *device))?;
+            let inv_t = Tensor::f_full([1], inv, (Kind::Float, *device))?;
+            let mut ptrs: Vec<ffi::tdx_tensor> = gs.iter().map(|g| g.as_ptr() as ffi::tdx_tensor).collect();
+            // SAFETY: the tensors outlive the call; the kernel writes the gradients and the flag in place.
+            let code = unsafe {
+                ffi::tdx_amp_unscale(
+                    ptrs.as_mut_ptr(),
+                    ptrs.len(),
+                    flag.as_ptr() as ffi::tdx_tensor,
+                    inv_t.as_ptr() as ffi::tdx_tensor,
+                )
+            };
+            check(code, std::time::Duration::ZERO, || {
+                format!("GradScaler::unscale of {} gradients on {device:?}", gs.len())
+            })?;
+            // (a copy between devices only where the gradients span several: offload)
+            found = found.f_maximum(&flag.f_to_device(home)?)?;
+        }
+        if let Some(pg) = &self.pg {
+            let _l = crate::flight::label("GradScaler overflow flag");
+            pg.allreduce_unverified(&mut found, ReduceOp::Max)?.wait()?;
+        }
+        self.found_inf = Some((found, None));
         Ok(())
+    }
+
+    /// Whether this step's gradients overflowed on some rank: the flag read once.
+    fn overflowed(&mut self) -> Result<Option<bool>> {
+        let Some((flag, read)) = &mut self.found_inf else { return Ok(None) };
+        if read.is_none() {
+            *read = Some(flag.f_double_value(&[0])? != 0.0);
+        }
+        Ok(*read)
     }
 
     /// Unscales (if not done) and steps `opt` unless a gradient overflowed; returns whether it stepped.
@@ -114,7 +151,7 @@ impl GradScaler {
             self.unscale(opt)?;
         }
         self.stepped = true;
-        if self.found_inf == Some(true) {
+        if self.overflowed()? == Some(true) {
             return Ok(false);
         }
         opt.step()?;
@@ -124,9 +161,10 @@ impl GradScaler {
     /// Adjusts the scale after a step: ×backoff after an overflow, ×growth after `growth_interval` good
     /// steps in a row (PyTorch's `_amp_update_scale_`).
     pub fn update(&mut self) -> Result<()> {
-        let found = self.found_inf.take().ok_or_else(|| {
+        let found = self.overflowed()?.ok_or_else(|| {
             Error::invalid("GradScaler::update", "no gradients were unscaled since the last update (call step first)")
         })?;
+        self.found_inf = None;
         self.stepped = false;
         if found {
             self.scale = (self.scale * self.backoff_factor) as f32 as f64;
@@ -146,7 +184,8 @@ impl GradScaler {
 
     /// Whether the last unscaled step found inf or NaN on some rank (`None` before unscaling).
     pub fn found_inf(&self) -> Option<bool> {
-        self.found_inf
+        let (flag, read) = self.found_inf.as_ref()?;
+        read.or_else(|| flag.f_double_value(&[0]).ok().map(|v| v != 0.0))
     }
 
     /// (scale, growth tracker), for checkpoints.
