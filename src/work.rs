@@ -113,8 +113,8 @@ impl Work {
         Work { handle, timeout, desc, finish, before: Vec::new(), trace: None, in_use: None }
     }
 
-    /// Keeps the storages of `u` from being freed until this work is waited for (or for good, when it is
-    /// dropped unfinished: the engine may still write into them).
+    /// Keeps the storages of `u` from being freed until this work is waited for or dropped (dropped
+    /// unfinished only on a path that failed already).
     pub(crate) fn holding(mut self, u: crate::storage::InUse) -> Work {
         self.in_use = Some(u);
         self
@@ -140,9 +140,13 @@ impl Work {
     }
 
     fn wait_for(mut self, timeout: Duration, plain: bool) -> Result<()> {
+        // one deadline for this work and the ones before it
+        let deadline = Instant::now() + timeout;
+        let left = || deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
         for w in std::mem::take(&mut self.before) {
-            w.wait_for(timeout, plain)?;
+            w.wait_for(left(), plain)?;
         }
+        let timeout = left();
         let waited = match &self.handle {
             Handle::Engine { ptr, stream_wait } => {
                 let ms = if plain && *stream_wait { -1 } else { millis(timeout) };
@@ -213,11 +217,6 @@ impl Drop for Work {
         if let Some(r) = self.trace.take().and_then(|t| t.recording) {
             if self.is_completed().unwrap_or(false) {
                 r.end(None);
-            }
-        }
-        if let Some(u) = self.in_use.take() {
-            if !self.is_completed().unwrap_or(false) {
-                std::mem::forget(u);
             }
         }
         if let Handle::Engine { ptr, .. } = &self.handle {

@@ -247,7 +247,10 @@ impl Queue {
                 }
             };
             let t = *timeout.lock().unwrap_or_else(|e| e.into_inner());
-            let r = self.run_item(engine, rank, &item, t);
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.run_item(engine, rank, &item, t)))
+                .unwrap_or_else(|_| {
+                    Err(Error::Backend { op: item.what.clone(), msg: "strict NCCL mode: its worker panicked".into() })
+                });
             let Item { ops, ticket, what } = item;
             // the tensors go before the waiter wakes: it may free or reuse their memory then
             drop(ops);

@@ -150,7 +150,7 @@ pub struct GroupTransport {
     /// The batch (dtype and shape) of the last step that ended well, and whether this step sends shapes.
     input: Option<(Kind, Vec<i64>)>,
     discover: bool,
-    /// Whether the last step ended well (else its shapes may be incomplete, on this rank or another).
+    /// Whether the last step ended well.
     clean: bool,
     /// Dtype and shape of each (peer, key) sent or received in the last step that sent shapes.
     shapes: HashMap<(usize, Key), (Kind, Vec<i64>)>,
@@ -309,16 +309,18 @@ fn header_of(t: &Tensor, holds: i64, origin: usize) -> [i64; HEADER] {
 
 impl Transport for GroupTransport {
     fn begin(&mut self, input: &Tensor) -> Result<()> {
+        if self.step > 0 && !self.clean {
+            // its batches may have stopped anywhere, and the other stages need not know it failed: what
+            // this stage posted next could meet batches of another size
+            return Err(Error::invalid(
+                format!("pipeline stage {}", self.pg.rank()),
+                "an earlier step failed on this stage: start again with a new process group and PipelineRank \
+                 (tchrun's restarts give one)",
+            ));
+        }
         self.step += 1;
         let now = (input.kind(), input.size());
-        // every rank of a failed step fails it, so all of them send shapes again
-        self.discover = !self.clean || self.input.as_ref() != Some(&now);
-        if !self.clean {
-            // a failed step's leftovers: its messages are gone or never come
-            self.batches.clear();
-            self.sends.clear();
-            self.arrivals.clear();
-        }
+        self.discover = self.input.as_ref() != Some(&now);
         self.clean = false;
         if self.discover {
             self.shapes.clear();
@@ -337,6 +339,23 @@ impl Transport for GroupTransport {
             }
             _ => "pipeline batch".into(),
         });
+        // the engines send a tensor's memory as it lies: a transposed or channels-last output goes as a
+        // contiguous copy, so the receiver's plain buffer reads it right; anything that cannot be
+        // described is refused before a message goes out
+        let mut sends = sends;
+        for o in &mut sends {
+            if tensor_meta::decode(&tensor_meta::encode(&o.tensor)).is_none() {
+                return Err(Error::invalid(
+                    "pipeline send",
+                    format!(
+                        "{}: at most {} dims of a known dtype",
+                        crate::group::describe(&o.tensor),
+                        tensor_meta::MAX_DIMS
+                    ),
+                ));
+            }
+            o.tensor = o.tensor.f_contiguous()?;
+        }
         let mut incoming: Vec<Option<Tensor>> = Vec::with_capacity(recvs.len());
         if self.discover {
             let heads: Vec<_> = sends.iter().map(|o| (o.to, o.key, header_of(&o.tensor, BODY, 0))).collect();

@@ -53,7 +53,7 @@ impl FlatBucket {
         Ok(self.flat.f_narrow(0, self.rank * self.len, self.own)?)
     }
 
-    /// Every rank's shard into every rank's buffer, in place (a ring of sends, see `ddp::ring`); the last
+    /// Every rank's shard into every rank's buffer, in place (`group::flat`: the engine's algorithm); the last
     /// step is left running in `pending` so the gather overlaps whatever the caller does next.
     pub fn all_gather(
         &self,
