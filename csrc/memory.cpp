@@ -131,10 +131,23 @@ int tdx_cuda_device_count(int* out) {
 #endif
 }
 
+#ifdef TDX_CUDA
+namespace {
+bool valid_device(int device) { return device >= 0 && device < static_cast<int>(c10::cuda::device_count()); }
+
+// Before the first CUDA allocation the allocator has no per-device state and its stats calls throw;
+// nothing is allocated then, which is what torch.cuda.memory_allocated reports.
+bool allocator_started() {
+  auto* alloc = c10::cuda::CUDACachingAllocator::get();
+  return alloc != nullptr && alloc->initialized();
+}
+} // namespace
+#endif
+
 int tdx_cuda_set_device(int device) {
 #ifdef TDX_CUDA
   try {
-    if (device < 0 || device >= static_cast<int>(c10::cuda::device_count())) return TDX_EINVALID;
+    if (!valid_device(device)) return TDX_EINVALID;
     c10::cuda::set_device(static_cast<c10::DeviceIndex>(device));
     return TDX_OK;
   } catch (...) {
@@ -149,11 +162,8 @@ int tdx_cuda_set_device(int device) {
 int tdx_cuda_memory(int device, int64_t* allocated, int64_t* peak) {
 #ifdef TDX_CUDA
   try {
-    if (device < 0 || device >= static_cast<int>(c10::cuda::device_count())) return TDX_EUNAVAILABLE;
-    // Before the first CUDA allocation the allocator has no per-device state and getDeviceStats throws;
-    // nothing is allocated then, which is what torch.cuda.memory_allocated reports.
-    auto* alloc = c10::cuda::CUDACachingAllocator::get();
-    if (alloc == nullptr || !alloc->initialized()) {
+    if (!valid_device(device)) return TDX_EUNAVAILABLE;
+    if (!allocator_started()) {
       *allocated = 0;
       *peak = 0;
       return TDX_OK;
@@ -175,9 +185,8 @@ int tdx_cuda_memory(int device, int64_t* allocated, int64_t* peak) {
 int tdx_cuda_reset_peak(int device) {
 #ifdef TDX_CUDA
   try {
-    if (device < 0 || device >= static_cast<int>(c10::cuda::device_count())) return TDX_EUNAVAILABLE;
-    auto* alloc = c10::cuda::CUDACachingAllocator::get();
-    if (alloc == nullptr || !alloc->initialized()) return TDX_OK;  // no peak to reset yet
+    if (!valid_device(device)) return TDX_EUNAVAILABLE;
+    if (!allocator_started()) return TDX_OK;  // no peak to reset yet
     c10::cuda::CUDACachingAllocator::resetPeakStats(static_cast<c10::DeviceIndex>(device));
     return TDX_OK;
   } catch (...) {

@@ -5,7 +5,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use tch::{Device, Kind, Tensor};
-use tch_dist::{Collectives, Error, GroupOptions, P2pOp, ProcessGroup, ReduceOp, Store};
+use tch_dist::{Collectives, Error, GroupOptions, P2pOp, ProcessGroup, ReduceOp};
 
 const SHORT: Duration = Duration::from_secs(3);
 
@@ -17,22 +17,6 @@ fn opts(strict: bool, timeout: Duration) -> GroupOptions {
 /// its header before returning, which would block these orders on Gloo too).
 fn plain_unchecked() -> GroupOptions {
     GroupOptions { verify: false, ..opts(false, SHORT) }
-}
-
-/// `f(pg)` on `world` rank threads of one group built with `o`.
-fn ranks<T: Send + 'static>(
-    world: usize,
-    o: GroupOptions,
-    f: impl Fn(ProcessGroup) -> T + Send + Sync + Clone + 'static,
-) -> Vec<T> {
-    let store = Store::hash().expect("store");
-    let hs: Vec<_> = (0..world)
-        .map(|rank| {
-            let (store, f, o) = (store.clone(), f.clone(), o.clone());
-            std::thread::spawn(move || f(ProcessGroup::new(&store, rank, world, &o).expect("group")))
-        })
-        .collect();
-    hs.into_iter().map(|h| h.join().expect("rank thread")).collect()
 }
 
 fn ones(n: i64, v: f64) -> Tensor {
@@ -52,11 +36,12 @@ fn unbatched_step(pg: &ProcessGroup) -> tch_dist::Result<()> {
 #[test]
 fn an_unbatched_receive_before_a_send_runs_on_gloo_but_fails_in_the_strict_mode() {
     // Gloo runs each message on its own, so the order NCCL deadlocks on passes
-    for r in ranks(2, plain_unchecked(), |pg| unbatched_step(&pg)) {
+    for r in common::run_threads_with(2, plain_unchecked(), |pg| unbatched_step(&pg)) {
         r.expect("plain Gloo");
     }
     let t0 = Instant::now();
-    let errs = ranks(2, opts(true, SHORT), |pg| unbatched_step(&pg).expect_err("strict mode must refuse"));
+    let errs =
+        common::run_threads_with(2, opts(true, SHORT), |pg| unbatched_step(&pg).expect_err("strict mode must refuse"));
     assert!(t0.elapsed() < SHORT * 3, "the error came after {:?}", t0.elapsed());
     for (rank, e) in errs.iter().enumerate() {
         let s = e.to_string();
@@ -79,10 +64,12 @@ fn unbatched_ring(pg: &ProcessGroup) -> tch_dist::Result<()> {
 
 #[test]
 fn a_ring_of_unbatched_steps_on_three_ranks_waits_in_a_circle_in_the_strict_mode() {
-    for r in ranks(3, plain_unchecked(), |pg| unbatched_ring(&pg)) {
+    for r in common::run_threads_with(3, plain_unchecked(), |pg| unbatched_ring(&pg)) {
         r.expect("plain Gloo");
     }
-    for (rank, e) in ranks(3, opts(true, SHORT), |pg| unbatched_ring(&pg).expect_err("strict")).iter().enumerate() {
+    for (rank, e) in
+        common::run_threads_with(3, opts(true, SHORT), |pg| unbatched_ring(&pg).expect_err("strict")).iter().enumerate()
+    {
         let s = e.to_string();
         assert!(matches!(e, Error::Timeout { .. }), "rank {rank}: {s}");
         assert!(s.contains("two-rank NCCL communicator") && s.contains("batch_isend_irecv"), "rank {rank}: {s}");
@@ -92,7 +79,7 @@ fn a_ring_of_unbatched_steps_on_three_ranks_waits_in_a_circle_in_the_strict_mode
 #[test]
 fn a_batched_step_passes_in_the_strict_mode_on_two_and_three_ranks() {
     for world in [2, 3] {
-        let got = ranks(world, opts(true, SHORT), move |pg| {
+        let got = common::run_threads_with(world, opts(true, SHORT), move |pg| {
             let (rank, world) = (pg.rank(), pg.size());
             let (left, right) = ((rank + world - 1) % world, (rank + 1) % world);
             let into = ones(5, -1.0);
@@ -112,7 +99,7 @@ fn a_batched_step_passes_in_the_strict_mode_on_two_and_three_ranks() {
 
 #[test]
 fn tags_are_ignored_in_the_strict_mode_messages_match_in_posting_order() {
-    let got = ranks(2, opts(true, SHORT), |pg| {
+    let got = common::run_threads_with(2, opts(true, SHORT), |pg| {
         if pg.rank() == 0 {
             pg.send(&ones(2, 5.0), 1, 5).expect("send a");
             pg.send(&ones(2, 7.0), 1, 7).expect("send b");
@@ -130,7 +117,7 @@ fn tags_are_ignored_in_the_strict_mode_messages_match_in_posting_order() {
 
 #[test]
 fn a_size_mismatch_in_the_strict_mode_names_both_ranks_and_shapes() {
-    let got = ranks(2, opts(true, SHORT), |pg| {
+    let got = common::run_threads_with(2, opts(true, SHORT), |pg| {
         if pg.rank() == 0 {
             pg.batch_isend_irecv(vec![P2pOp::send(&ones(4, 1.0), 1)]).and_then(|w| w.wait()).map(|_| String::new())
         } else {
@@ -163,7 +150,9 @@ fn flat(pg: &ProcessGroup) -> (Vec<f64>, Vec<f64>) {
 #[test]
 fn all_gather_into_tensor_and_reduce_scatter_tensor_on_two_and_three_ranks() {
     for world in [2usize, 3] {
-        for (rank, (all, out)) in ranks(world, opts(true, SHORT), |pg| flat(&pg)).into_iter().enumerate() {
+        for (rank, (all, out)) in
+            common::run_threads_with(world, opts(true, SHORT), |pg| flat(&pg)).into_iter().enumerate()
+        {
             let want_all: Vec<f64> = (0..world).flat_map(|r| (0..3).map(move |i| (i + 10 * r) as f64)).collect();
             assert_eq!(all, want_all, "{world} ranks, rank {rank}");
             let sum: f64 = (1..=world).map(|k| k as f64).sum();
@@ -179,8 +168,8 @@ fn every_flat_algorithm_runs_in_the_strict_mode() {
     for c in [Collectives::Ring, Collectives::Native] {
         let o = GroupOptions { collectives: c, ..opts(true, SHORT) };
         for world in [2, 3] {
-            let got = ranks(world, o.clone(), |pg| flat(&pg));
-            let want = ranks(world, opts(false, SHORT), |pg| flat(&pg));
+            let got = common::run_threads_with(world, o.clone(), |pg| flat(&pg));
+            let want = common::run_threads_with(world, opts(false, SHORT), |pg| flat(&pg));
             assert_eq!(got, want, "{c:?}, {world} ranks");
         }
     }

@@ -39,13 +39,21 @@ pub fn run_threads<T: Send + 'static>(
     timeout: Duration,
     f: impl Fn(ProcessGroup) -> T + Send + Sync + Clone + 'static,
 ) -> Vec<T> {
+    run_threads_with(world, gloo_opts(timeout), f)
+}
+
+/// [`run_threads`] with the group built from `opts`.
+pub fn run_threads_with<T: Send + 'static>(
+    world: usize,
+    opts: GroupOptions,
+    f: impl Fn(ProcessGroup) -> T + Send + Sync + Clone + 'static,
+) -> Vec<T> {
     let store = Store::hash().expect("hash store");
     let handles: Vec<_> = (0..world)
         .map(|rank| {
-            let store = store.clone();
-            let f = f.clone();
+            let (store, f, opts) = (store.clone(), f.clone(), opts.clone());
             std::thread::spawn(move || {
-                let pg = ProcessGroup::new(&store, rank, world, &gloo_opts(timeout)).expect("group");
+                let pg = ProcessGroup::new(&store, rank, world, &opts).expect("group");
                 f(pg)
             })
         })
