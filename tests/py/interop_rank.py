@@ -68,6 +68,18 @@ def main():
     sent.wait()
     assert got.tolist() == [float(prv), 7.0], got
 
+    # the Rust scenario's plain send/recv between pairs (0, 1), (2, 3), ...: the even rank sends first
+    partner = r ^ 1
+    if partner < w:
+        msg, got = torch.tensor([float(r), 7.0]), torch.zeros(2)
+        if r % 2 == 0:
+            dist.send(msg, partner, tag=4)
+            dist.recv(got, partner, tag=4)
+        else:
+            dist.recv(got, partner, tag=4)
+            dist.send(msg, partner, tag=4)
+        assert got.tolist() == [float(partner), 7.0], got
+
     a = torch.full((1 << 16,), r + 1.0)
     b = torch.full((1 << 10,), 2.0 * (r + 1))
     wa = dist.all_reduce(a, async_op=True)
