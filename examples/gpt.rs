@@ -248,7 +248,10 @@ fn main() -> Res<()> {
                 let _ = g.f_div_scalar_(a.dp as f64)?;
             }
         }
-        GradNorm::new(2.0).sharded(&sliced, &[tp.as_ref(), pp.as_ref()]).sharded(&whole, &[pp.as_ref()]).clip(1.0)?;
+        let _norm = GradNorm::new(2.0)
+            .sharded(&sliced, &[tp.as_ref(), pp.as_ref()])
+            .sharded(&whole, &[pp.as_ref()])
+            .clip(1.0)?;
         opt.step()?;
         stage.zero_grad()?;
         if let Some(l) = report.loss {

@@ -375,11 +375,11 @@ fn fsdp_step(device: Device, offload: bool, fused: bool) -> Res<Outcome> {
     for s in 0..STEPS {
         let (x, y) = batch(s, 16);
         model.backward(&loss(&model.f_forward(&x.to_device(device))?, &y.to_device(device)))?;
-        norms.0 = model.clip_grad_norm(MAX_NORM, 2.0)?;
+        norms.0 = f64::try_from(model.clip_grad_norm(MAX_NORM, 2.0)?)?;
         opt.step()?;
         model.zero_grad()?;
         loss(&cpu_net.forward(&x), &y).f_backward()?;
-        norms.1 = clip_grad_norm(&cpu_vs.trainable_variables(), MAX_NORM, 2.0)?;
+        norms.1 = f64::try_from(clip_grad_norm(&cpu_vs.trainable_variables(), MAX_NORM, 2.0)?)?;
         ref_opt.step()?;
         ref_opt.zero_grad()?;
     }

@@ -183,7 +183,7 @@ fn plain(p: f64, max_norm: f64) -> Vec<Got> {
     let m = model_a(&vs, None);
     let (x, y) = full_batch(2, 3);
     loss(&m.forward(&x), &y).backward();
-    let total = clip_grad_norm(&vs.trainable_variables(), max_norm, p).unwrap();
+    let total = clip_grad_norm(&vs.trainable_variables(), max_norm, p).unwrap().double_value(&[]);
     Sgd::new(vs.trainable_variables(), 1.0).step().unwrap();
     vec![(total, named(&vs))]
 }
@@ -206,14 +206,14 @@ fn data_parallel(kind: Dp, p: f64) -> Vec<Got> {
         let total = match kind {
             Dp::Ddp => {
                 ddp.backward(&loss(&out, &y)).unwrap();
-                let t = clip_grad_norm(&ddp.parameters(), MAX_NORM, p).unwrap();
+                let t = clip_grad_norm(&ddp.parameters(), MAX_NORM, p).unwrap().double_value(&[]);
                 Sgd::new(ddp.parameters(), 1.0).step().unwrap();
                 t
             }
             Dp::Zero(stage) => {
                 let mut opt = ShardedOptimizer::new(&ddp, stage, |ps| Box::new(Sgd::new(ps, 1.0))).unwrap();
                 ddp.backward(&loss(&out, &y)).unwrap();
-                let t = opt.clip_grad_norm(MAX_NORM, p).unwrap();
+                let t = opt.clip_grad_norm(MAX_NORM, p).unwrap().double_value(&[]);
                 opt.step().unwrap();
                 t
             }
@@ -222,7 +222,7 @@ fn data_parallel(kind: Dp, p: f64) -> Vec<Got> {
                 let mut scaler = GradScaler::new().init_scale(1024.0);
                 ddp.backward(&scaler.scale(&loss(&out, &y)).unwrap()).unwrap();
                 scaler.unscale(&mut opt).unwrap();
-                let t = opt.clip_grad_norm(MAX_NORM, p).unwrap();
+                let t = opt.clip_grad_norm(MAX_NORM, p).unwrap().double_value(&[]);
                 assert!(scaler.step(&mut opt).unwrap(), "no overflow here");
                 t
             }
@@ -242,8 +242,8 @@ fn fsdp(world: usize, p: f64) -> Vec<Got> {
         model.backward(&loss(&model.f_forward(&x).unwrap(), &y)).unwrap();
         // this rank's shards alone have a smaller p-norm: the bug clipping per shard would be (the
         // ∞-norm of the rank holding the largest entry is the model's)
-        let local = GradNorm::new(p).replicated(&model.parameters()).total().unwrap();
-        let total = model.clip_grad_norm(MAX_NORM, p).unwrap();
+        let local = GradNorm::new(p).replicated(&model.parameters()).total().unwrap().double_value(&[]);
+        let total = model.clip_grad_norm(MAX_NORM, p).unwrap().double_value(&[]);
         let smaller = if p.is_finite() { local < total * 0.999 } else { local <= total };
         assert!(smaller, "rank {rank}: its shards' {p}-norm {local} vs the model's {total}");
         Sgd::new(model.parameters(), 1.0).step().unwrap();
@@ -271,7 +271,8 @@ fn tensor_parallel(world: usize, p: f64) -> Vec<Got> {
             .sharded(&m.sharded_parameters(), &[tp.as_ref()])
             .replicated(&m.replicated_parameters())
             .clip(MAX_NORM)
-            .unwrap();
+            .unwrap()
+            .double_value(&[]);
         Sgd::new(vs.trainable_variables(), 1.0).step().unwrap();
         (tp_rank, total, named(&vs))
     });

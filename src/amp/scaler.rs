@@ -106,10 +106,7 @@ impl GradScaler {
         }
         // one device on every rank, whatever gradients a rank holds: the group's GPU when it has NCCL
         let home = match &self.pg {
-            Some(pg) => match (pg.backend_for(Device::Cuda(0)), pg.cuda_device()) {
-                (Some(crate::group::Backend::Nccl), Some(d)) => Device::Cuda(d),
-                _ => Device::Cpu,
-            },
+            Some(pg) => pg.scalar_device(),
             None => by_device.first().map_or(Device::Cpu, |(d, _)| *d),
         };
         let mut found = Tensor::f_zeros([1], (Kind::Float, home))?;

@@ -178,7 +178,7 @@ impl Reducer {
             if !st.active {
                 st.active = true;
                 st.events.clear();
-                if self.pg.verifies() && st.join.is_none() {
+                if self.loop_check_now(&st, 2) {
                     loop_counts = Some((st.forwards, st.backwards));
                 }
                 st.backwards += 1;
@@ -406,6 +406,13 @@ impl Reducer {
         Ok(())
     }
 
+    /// Whether this forward (`phase` 1) or backward (2) checks the loop: with agreement checks on and not
+    /// joining; on NCCL the first of each only (see [`ProcessGroup::checks_now`]).
+    fn loop_check_now(&self, st: &State, phase: i64) -> bool {
+        let device = st.params.first().map_or(tch::Device::Cpu, |p| p.device());
+        st.join.is_none() && self.pg.checks_now("DDP loop", &[phase], device)
+    }
+
     /// Ranks that ran different numbers of forwards and backwards (an extra backward on one rank) would
     /// pair up the wrong collectives, and Gloo aborts the process when their sizes differ. A small
     /// fixed-size check at the start of each forward and each backward catches it first.
@@ -449,7 +456,7 @@ impl Reducer {
             if !st.sync {
                 return Ok(());
             }
-            (self.pg.verifies() && st.join.is_none()).then_some((st.forwards, st.backwards))
+            self.loop_check_now(&st, 1).then_some((st.forwards, st.backwards))
         };
         if let Some((forwards, backwards)) = counts {
             self.check_loop_agreement(forwards, backwards, "forward")?;

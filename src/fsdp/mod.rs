@@ -469,7 +469,7 @@ impl<M> FullyShardedDataParallel<M> {
     /// Clips the shards' gradients so that the whole model's gradient has at most `max_norm` (FSDP's
     /// `clip_grad_norm_`; the shards' norms summed over the group, see [`crate::optim::GradNorm`]);
     /// returns the whole model's norm before clipping. Collective; after backward, before the step.
-    pub fn clip_grad_norm(&self, max_norm: f64, norm_type: f64) -> Result<f64> {
+    pub fn clip_grad_norm(&self, max_norm: f64, norm_type: f64) -> Result<Tensor> {
         let shards = self.parameters();
         crate::optim::GradNorm::new(norm_type).sharded(&shards, &[self.rt.pg.as_ref()]).clip(max_norm)
     }

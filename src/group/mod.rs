@@ -2,6 +2,7 @@
 //! `cuda` feature). One group may hold both, a backend per device type (see [`BackendConfig`]); each
 //! collective runs on the one for its tensors' device.
 mod backend;
+mod checks;
 mod engine;
 pub(crate) mod flat;
 pub(crate) mod meta;
@@ -71,6 +72,11 @@ pub struct GroupOptions {
     /// trip once a program is known to be consistent. DDP's bucket collectives never pay it: their shapes
     /// are checked once, at construction.
     pub verify: bool,
+    /// With `verify` on, agreement checks before NCCL's work run the first time each distinct check
+    /// comes (its operation, dtype and shape), then no more: each is a host round trip in front of work
+    /// that takes microseconds, and a later disagreement still shows as NCCL's timeout, named by the
+    /// flight recorder. `true` (or `TCH_DIST_VERIFY=always`) checks every time, as on Gloo.
+    pub verify_cuda_every_time: bool,
     /// The GPU this rank's NCCL engine uses (PyTorch's `device_id`); `None`: rank modulo the GPU count.
     pub cuda_device: Option<usize>,
     /// The strict NCCL mode of the Gloo engine (see the `strict` module): point-to-point follows NCCL's
@@ -89,6 +95,7 @@ impl Default for GroupOptions {
             hostname: None,
             threads: 0,
             verify: verify_default(),
+            verify_cuda_every_time: verify_always_default(),
             cuda_device: None,
             strict_nccl: strict_default(),
             collectives: Collectives::default(),
@@ -99,6 +106,11 @@ impl Default for GroupOptions {
 /// `TCH_DIST_VERIFY=0` turns agreement checks off by default.
 pub fn verify_default() -> bool {
     !matches!(std::env::var("TCH_DIST_VERIFY").as_deref(), Ok("0") | Ok("false") | Ok("off"))
+}
+
+/// `TCH_DIST_VERIFY=always` checks CUDA tensors before every collective too.
+pub fn verify_always_default() -> bool {
+    matches!(std::env::var("TCH_DIST_VERIFY").as_deref(), Ok("always"))
 }
 
 /// A group of `size` ranks that run collectives together; this process is `rank`.
@@ -121,6 +133,9 @@ pub struct ProcessGroup {
     size: usize,
     timeout: Duration,
     verify: bool,
+    verify_cuda_every_time: bool,
+    /// The CUDA agreement checks run so far.
+    checked: checks::Checked,
     hostname: Option<String>,
     // The group's rendezvous store: kept alive with the group (as Python does), and the parent of
     // subgroups' stores.
@@ -134,6 +149,14 @@ pub struct ProcessGroup {
     collectives: Collectives,
     /// Flat collectives run as rings so far (the same on every rank): their message tags.
     rings: std::sync::atomic::AtomicU64,
+}
+
+/// What a point-to-point check compares: the peer (the sender's destination, the receiver's source) and
+/// the tensor, so that a sender's history of checks matches its receiver's.
+fn peer_key(peer: usize, fingerprint: &[i64]) -> Vec<i64> {
+    let mut k = vec![peer as i64];
+    k.extend_from_slice(fingerprint);
+    k
 }
 
 pub(crate) fn describe(t: &Tensor) -> String {
@@ -204,6 +227,8 @@ impl ProcessGroup {
             size,
             timeout: opts.timeout,
             verify: opts.verify,
+            verify_cuda_every_time: opts.verify_cuda_every_time,
+            checked: checks::Checked::default(),
             hostname: opts.hostname.clone(),
             store: store.clone(),
             trace: GroupTrace::new(name, rank, size, store),
@@ -258,6 +283,7 @@ impl ProcessGroup {
             hostname: self.hostname.clone(),
             threads: 0,
             verify: self.verify,
+            verify_cuda_every_time: self.verify_cuda_every_time,
             cuda_device: self.cuda_device,
             strict_nccl: self.strict.is_some(),
             collectives: self.collectives,
@@ -289,6 +315,15 @@ impl ProcessGroup {
     pub(crate) fn meta_device(&self) -> Device {
         match (&self.cpu, self.cuda_device) {
             (None, Some(d)) => Device::Cuda(d),
+            _ => Device::Cpu,
+        }
+    }
+
+    /// Where a small value computed from tensors (a norm, an overflow flag) is reduced without a host
+    /// sync: the NCCL engine's GPU when the group has one, else the CPU.
+    pub(crate) fn scalar_device(&self) -> Device {
+        match (self.cuda.as_ref().map(|e| e.backend), self.cuda_device) {
+            (Some(Backend::Nccl), Some(d)) => Device::Cuda(d),
             _ => Device::Cpu,
         }
     }
@@ -522,8 +557,9 @@ impl ProcessGroup {
         }
         self.engine(t.device(), &|| format!("send of {} to rank {dst}", describe(t)))?;
         // the strict mode checks every message's size itself
-        let header = if self.verify && self.strict.is_none() {
-            let h = Tensor::from_slice(&meta::fingerprint(5, t, 0)).f_to_device(self.meta_device())?;
+        let f = meta::fingerprint(5, t, 0);
+        let header = if self.strict.is_none() && self.checks_now("send", &peer_key(dst, &f), t.device()) {
+            let h = Tensor::from_slice(&f).f_to_device(self.meta_device())?;
             Some(self.send_raw(&h, dst, header_tag(tag))?)
         } else {
             None
@@ -589,8 +625,8 @@ impl ProcessGroup {
             return Err(Error::invalid("recv", format!("rank {src} cannot receive from itself")));
         }
         self.engine(t.device(), &|| format!("recv of {} from rank {src}", describe(t)))?;
-        if self.verify && self.strict.is_none() {
-            let mine = meta::fingerprint(5, t, 0);
+        let mine = meta::fingerprint(5, t, 0);
+        if self.strict.is_none() && self.checks_now("recv", &peer_key(src, &mine), t.device()) {
             let mut h = Tensor::f_zeros([mine.len() as i64], (tch::Kind::Int64, self.meta_device()))?;
             self.recv_raw(&mut h, src, header_tag(tag))?.wait()?;
             let theirs = Vec::<i64>::try_from(h.f_to_device(Device::Cpu)?)?;

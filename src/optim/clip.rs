@@ -41,15 +41,17 @@ use crate::group::{ProcessGroup, ReduceOp};
 const EPS: f32 = 1e-6;
 
 /// `torch.nn.utils.clip_grad_norm_` for gradients every rank holds whole (plain training, DDP): scales
-/// the `.grad` of `params` so that their `norm_type`-norm is at most `max_norm`; returns the norm before.
+/// the `.grad` of `params` so that their `norm_type`-norm is at most `max_norm`; returns the norm before,
+/// a float32 scalar tensor on the gradients' device (no host sync until it is read).
 ///
 /// ```no_run
 /// # let vs = tch::nn::VarStore::new(tch::Device::Cpu);
 /// // after backward, before the step:
 /// let norm = tch_dist::optim::clip_grad_norm(&vs.trainable_variables(), 1.0, 2.0)?;
+/// println!("grad norm {}", f64::try_from(&norm)?); // a host read: for logging, not every step
 /// # Ok::<(), tch_dist::Error>(())
 /// ```
-pub fn clip_grad_norm(params: &[Tensor], max_norm: f64, norm_type: f64) -> Result<f64> {
+pub fn clip_grad_norm(params: &[Tensor], max_norm: f64, norm_type: f64) -> Result<Tensor> {
     GradNorm::new(norm_type).replicated(params).clip(max_norm)
 }
 
@@ -107,28 +109,43 @@ impl<'a> GradNorm<'a> {
         self.norm_type == f64::INFINITY
     }
 
-    /// This rank's contribution of one part: Σ|g|^p (or max |g|) over its gradients, in float64.
-    fn local(&self, grads: &[Tensor]) -> Result<f64> {
+    /// This rank's contribution of one part, Σ|g|^p (or max |g|) over its gradients: a float64 tensor
+    /// `[1]` on `home`, computed where the gradients are (no host read).
+    fn local(&self, grads: &[Tensor], home: Device) -> Result<Tensor> {
         let _g = tch::no_grad_guard();
-        // one stacked norm per device, so a GPU syncs once per part rather than once per tensor
+        // one stacked norm per device: one kernel per part and device rather than one reduction per tensor
         let mut by_device: BTreeMap<String, (Device, Vec<Tensor>)> = BTreeMap::new();
         for g in grads {
             let n = vector_norm(&g.f_reshape([-1])?, self.norm_type)?;
             by_device.entry(format!("{:?}", g.device())).or_insert_with(|| (g.device(), Vec::new())).1.push(n);
         }
-        let mut acc = 0.0f64;
+        let mut acc = Tensor::f_zeros([1], (Kind::Double, home))?;
         for (_, (_, norms)) in by_device {
-            let n = vector_norm(&Tensor::f_stack(&norms, 0)?, self.norm_type)?.f_double_value(&[])?;
-            acc = if self.infinite() { acc.max(n) } else { acc + n.powf(self.norm_type) };
+            let n = vector_norm(&Tensor::f_stack(&norms, 0)?, self.norm_type)?.f_to_kind(Kind::Double)?;
+            let n = n.f_reshape([1])?.f_to_device(home)?;
+            acc =
+                if self.infinite() { acc.f_maximum(&n)? } else { acc.f_add(&n.f_pow_tensor_scalar(self.norm_type)?)? };
         }
         Ok(acc)
     }
 
-    /// The norm of all the parts' gradients together, as if one rank held them all. Collective: every
-    /// rank of every group named calls it.
-    pub fn total(&self) -> Result<f64> {
+    /// The device where the parts' values are reduced: that of the first gradient, unless a group named
+    /// reduces elsewhere (its NCCL GPU, or the CPU of a Gloo group).
+    fn home(&self) -> Device {
+        let groups = self.parts.iter().flat_map(|p| p.over.iter());
+        match groups.map(|g| g.scalar_device()).next() {
+            Some(d) => d,
+            None => self.parts.iter().flat_map(|p| p.grads.iter()).next().map_or(Device::Cpu, |g| g.device()),
+        }
+    }
+
+    /// The norm of all the parts' gradients together, as if one rank held them all: a float32 scalar
+    /// tensor, as `torch.nn.utils.clip_grad_norm_` returns, left on the device (read it with
+    /// `f64::try_from`, a host sync). Collective: every rank of every group named calls it.
+    pub fn total(&self) -> Result<Tensor> {
         self.check()?;
-        let mut values: Vec<f64> = self.parts.iter().map(|p| self.local(&p.grads)).collect::<Result<_>>()?;
+        let home = self.home();
+        let mut values: Vec<Tensor> = self.parts.iter().map(|p| self.local(&p.grads, home)).collect::<Result<_>>()?;
         // each group once, in the order the parts name them, with the values of the parts sharded over it
         let mut groups: Vec<&ProcessGroup> = Vec::new();
         for g in self.parts.iter().flat_map(|p| p.over.iter()) {
@@ -140,9 +157,9 @@ impl<'a> GradNorm<'a> {
         for (i, g) in groups.iter().enumerate() {
             let mine: Vec<usize> =
                 (0..self.parts.len()).filter(|&k| self.parts[k].over.iter().any(|h| std::ptr::eq(*h, *g))).collect();
-            if g.verifies() {
+            let shape = [i as i64, mine.len() as i64, self.norm_type.to_bits() as i64];
+            if g.checks_now("clip_grad_norm layout", &shape, g.scalar_device()) {
                 // ranks that built other parts would pass vectors of other lengths (Gloo aborts on that)
-                let shape = [i as i64, mine.len() as i64, self.norm_type.to_bits() as i64];
                 g.meta().agree("clip_grad_norm layout", &shape, |rows| {
                     let show = |r: &[i64]| {
                         format!("group #{} of {} part(s), norm_type {}", r[0], r[1], f64::from_bits(r[2] as u64))
@@ -153,33 +170,49 @@ impl<'a> GradNorm<'a> {
                     )
                 })?;
             }
-            let v: Vec<f64> = mine.iter().map(|&k| values[k]).collect();
-            let reduced = g.meta().allreduce("clip_grad_norm", &v, op)?;
-            for (k, r) in mine.into_iter().zip(reduced) {
-                values[k] = r;
+            let mut v = Tensor::f_cat(&mine.iter().map(|&k| &values[k]).collect::<Vec<_>>(), 0)?
+                .f_to_device(g.scalar_device())?;
+            let _l = crate::flight::label("clip_grad_norm");
+            g.allreduce_unverified(&mut v, op)?.wait()?;
+            let v = v.f_to_device(home)?;
+            for (j, k) in mine.into_iter().enumerate() {
+                values[k] = v.f_narrow(0, j as i64, 1)?;
             }
         }
-        Ok(if self.infinite() {
-            values.into_iter().fold(0.0, f64::max)
+        let all =
+            if values.is_empty() { Tensor::f_zeros([1], (Kind::Double, home))? } else { Tensor::f_cat(&values, 0)? };
+        let total = if self.infinite() {
+            // an empty model's norm is 0, as PyTorch's
+            all.f_amax([0i64].as_slice(), false)?.f_clamp_min(0.0)?
         } else {
-            values.into_iter().sum::<f64>().powf(1.0 / self.norm_type)
-        } as f32 as f64)
+            all.f_sum(Kind::Double)?.f_pow_tensor_scalar(1.0 / self.norm_type)?
+        };
+        Ok(total.f_to_kind(Kind::Float)?)
     }
 
-    /// Scales every gradient by `min(1, max_norm / (total + 1e-6))` (float32, as PyTorch); returns the
-    /// total norm before clipping. A non-finite norm scales the gradients to NaN, as PyTorch's default
-    /// does (`GradScaler::step` skips such a step).
-    pub fn clip(&self, max_norm: f64) -> Result<f64> {
+    /// Scales every gradient by `min(1, max_norm / (total + 1e-6))` (float32, on the gradients' devices,
+    /// as PyTorch); returns the total norm before clipping, as [`total`](Self::total). A non-finite norm
+    /// scales the gradients to NaN, as PyTorch's default does (`GradScaler::step` skips such a step).
+    pub fn clip(&self, max_norm: f64) -> Result<Tensor> {
         if max_norm.is_nan() || max_norm < 0.0 {
             return Err(Error::invalid("clip_grad_norm", format!("max_norm must be >= 0, not {max_norm}")));
         }
         let total = self.total()?;
-        // f32::min would drop a NaN; PyTorch's clamp keeps it
-        let coef = max_norm as f32 / (total as f32 + EPS);
-        let coef = if coef > 1.0 { 1.0 } else { coef };
         let _g = tch::no_grad_guard();
+        // PyTorch's `max_norm / (total + eps)` is the reciprocal times max_norm; its clamp keeps a NaN
+        let coef = total.f_add_scalar(EPS as f64)?.f_reciprocal()?.f_mul_scalar(max_norm)?.f_clamp_max(1.0)?;
+        // the coefficient copied once to each gradients' device
+        let mut on: Vec<(Device, Tensor)> = Vec::new();
         for g in self.parts.iter().flat_map(|p| p.grads.iter()) {
-            let _ = g.shallow_clone().f_mul_scalar_(coef as f64)?;
+            let d = g.device();
+            let i = match on.iter().position(|(e, _)| *e == d) {
+                Some(i) => i,
+                None => {
+                    on.push((d, coef.f_to_device(d)?));
+                    on.len() - 1
+                }
+            };
+            let _ = g.shallow_clone().f_mul_(&on[i].1)?;
         }
         Ok(total)
     }

@@ -93,11 +93,18 @@ pub fn vocab_parallel_cross_entropy(logits: &Tensor, targets: &Tensor, pg: &Proc
         ));
     }
     let vocab = per * pg.size() as i64;
-    if targets.numel() > 0 {
+    if targets.numel() > 0 && targets.device() == tch::Device::Cpu {
         let (lo, hi) = (targets.f_min()?.f_int64_value(&[])?, targets.f_max()?.f_int64_value(&[])?);
         if lo < 0 || hi >= vocab {
             return Err(Error::invalid(what, format!("targets must be in [0, {vocab}), not [{lo}, {hi}]")));
         }
+    } else if targets.numel() > 0 {
+        // Reading the range would sync the host every forward. As `cross_entropy` on CUDA, an id out of
+        // range fails as a device-side assert at the next sync: an index into a table of the vocabulary
+        // (CUDA's index_select asserts index < size; negative ids are moved past the end)
+        let ids = targets.f_flatten(0, -1)?;
+        let ids = ids.f_masked_fill(&ids.f_lt(0)?, vocab)?;
+        let _ = Tensor::f_zeros([vocab], (Kind::Int8, targets.device()))?.f_index_select(0, &ids)?;
     }
     let (start, end) = vocab_range(what, vocab, pg)?;
     let z = logits.f_to_kind(Kind::Float)?;

@@ -134,7 +134,7 @@ impl ShardedOptimizer {
     /// Clips the gradients this rank steps (its shards) so that the whole model's gradient has at most
     /// `max_norm` (see [`GradNorm`](super::GradNorm)): the shards' norms are summed over the group.
     /// Returns the whole model's norm before clipping. Collective; after backward, before the step.
-    pub fn clip_grad_norm(&mut self, max_norm: f64, norm_type: f64) -> Result<f64> {
+    pub fn clip_grad_norm(&mut self, max_norm: f64, norm_type: f64) -> Result<Tensor> {
         let grads = self.gradients()?;
         let pg = self.pg.clone();
         super::GradNorm::new(norm_type).gradients(grads, &[pg.as_ref()]).clip(max_norm)
