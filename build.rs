@@ -19,6 +19,7 @@ const SOURCES: &[&str] = &[
     "csrc/storage.cpp",
     "csrc/optim.cpp",
     "csrc/adamw_single.cpp",
+    "csrc/sync_debug.cpp",
 ];
 
 fn libtorch_lib() -> PathBuf {

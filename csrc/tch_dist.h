@@ -173,6 +173,9 @@ int tdx_cuda_reset_peak(int device);
 int tdx_cuda_device_count(int* out);
 // Makes cuda:device the calling thread's current device (torch.cuda.set_device).
 int tdx_cuda_set_device(int device);
+// torch.cuda.set_sync_debug_mode: 0 off, 1 warn, 2 error on every host-device sync; *previous gets the
+// mode before. TDX_EUNAVAILABLE without the cuda feature.
+int tdx_cuda_set_sync_debug_mode(int mode, int* previous);
 
 // ---- layout self-checks for the declaration-only gloo headers (see gloo_decl/README.md)
 int tdx_layout_check(char* buf, size_t len);

@@ -6,7 +6,8 @@
 //!   gpu_kit check NAME [--device cuda]    one check: prints `PASS NAME: ...`, `FAIL NAME: ...`, or
 //!                                         `SKIP NAME: no CUDA device`
 //!   gpu_kit selfcheck                     libtorch loads and a Gloo collective runs (the kit's own health)
-//!   gpu_kit ddp-rank [--device cuda]      one rank of the two-process Gloo check (started by tchrun)
+//!   gpu_kit rank-list                     the two-process checks, one per line
+//!   gpu_kit rank NAME [--device cuda]     one rank of a two-process Gloo check (started by tchrun)
 //!   gpu_kit bench-ddp | bench-allreduce   the Rust side of the benchmarks (the PyTorch side is torch_gpu.py)
 //!
 //! Every check compares the GPU against the same computation on the CPU. `--device cpu` runs the "GPU"
@@ -21,11 +22,11 @@ use clap::{Parser, Subcommand};
 use tch::{nn, nn::Module, nn::OptimizerConfig, Device, Kind, Tensor};
 use tch_dist::amp::{autocast, GradScaler};
 use tch_dist::ddp::{DdpOptions, DistributedDataParallel};
-use tch_dist::fsdp::{FsdpBuilder, FsdpOptions};
+use tch_dist::fsdp::{FsdpBuilder, FsdpOptions, FullyShardedDataParallel};
 use tch_dist::optim::{clip_grad_norm, AdamW, Optimizer, Sgd, ShardedOptimizer, ZeroStage};
 use tch_dist::pipeline::schedule::Kind as Sched;
 use tch_dist::pipeline::split::SplitModel;
-use tch_dist::pipeline::{LayerList, Partition, Pipeline};
+use tch_dist::pipeline::{LayerList, Partition, Pipeline, PipelineRank};
 use tch_dist::recompute::Checkpointed;
 use tch_dist::tp::ParallelMlp;
 use tch_dist::P2pOp;
@@ -52,8 +53,11 @@ enum Cmd {
     },
     /// Loads libtorch and runs a one-rank Gloo allreduce on the CPU.
     Selfcheck,
-    /// One rank of the two-process check: DDP over Gloo with both ranks on one GPU.
-    DdpRank {
+    /// The two-process checks, one per line.
+    RankList,
+    /// One rank of a two-process check (started by tchrun): both ranks on one GPU over Gloo.
+    Rank {
+        name: String,
         #[arg(long, default_value = "cuda")]
         device: String,
     },
@@ -96,6 +100,8 @@ const CHECKS: &[(&str, Check)] = &[
     ("fsdp-offload", |d| fsdp_step(d, true, false)),
     ("fsdp-fused-adamw", |d| fsdp_step(d, false, true)),
     ("recompute-dropout", recompute_dropout),
+    ("async-wait", async_wait),
+    ("sync-free-steps", sync_free_steps),
 ];
 
 fn main() {
@@ -107,11 +113,18 @@ fn main() {
         }
         Cmd::Check { name, device } => run_check(&name, &device),
         Cmd::Selfcheck => report("selfcheck", selfcheck()),
-        Cmd::DdpRank { device } => match device_of(&device) {
-            Ok(None) => report("gloo-2proc-ddp", Ok(Skip("no CUDA device".into()))),
-            Ok(Some(d)) => report("gloo-2proc-ddp", ddp_rank(d)),
-            Err(e) => report("gloo-2proc-ddp", Err(e)),
-        },
+        Cmd::RankList => {
+            RANK_CHECKS.iter().for_each(|n| println!("{n}"));
+            0
+        }
+        Cmd::Rank { name, device } => {
+            let shown = format!("gloo-2proc-{name}");
+            match device_of(&device) {
+                Ok(None) => report(&shown, Ok(Skip("no CUDA device".into()))),
+                Ok(Some(d)) => report(&shown, rank_check(&name, d)),
+                Err(e) => report(&shown, Err(e)),
+            }
+        }
         Cmd::BenchDdp { steps } => report("bench-ddp", bench_ddp(steps)),
         Cmd::BenchAllreduce { iters } => report("bench-allreduce", bench_allreduce(iters)),
     };
@@ -197,13 +210,30 @@ fn mlp(p: &nn::Path, unused: bool) -> nn::Sequential {
         .add(nn::linear(p / "l3", HIDDEN, D_OUT, Default::default()))
 }
 
+/// The two-process checks' model: five Linear layers, 2048 wide (~64 MB of float32 parameters), so that
+/// DDP's 4 MB buckets are many.
+fn wide_mlp(p: &nn::Path) -> nn::Sequential {
+    const WIDE: i64 = 2048;
+    let mut net = nn::seq().add(nn::linear(p / "l1", D_IN, WIDE, Default::default())).add_fn(|x| x.relu());
+    for i in 2..5 {
+        net = net.add(nn::linear(p / format!("l{i}"), WIDE, WIDE, Default::default())).add_fn(|x| x.tanh());
+    }
+    net.add(nn::linear(p / "l5", WIDE, D_OUT, Default::default()))
+}
+
+type Twins = ((nn::VarStore, nn::Sequential), (nn::VarStore, nn::Sequential));
+
 /// The model on `device` and its CPU twin with the same initial values (drawn on the CPU).
-fn twins(device: Device, unused: bool) -> Res<((nn::VarStore, nn::Sequential), (nn::VarStore, nn::Sequential))> {
+fn twins(device: Device, unused: bool) -> Res<Twins> {
+    twins_of(device, &|p| mlp(p, unused))
+}
+
+fn twins_of(device: Device, build: &dyn Fn(&nn::Path) -> nn::Sequential) -> Res<Twins> {
     tch::manual_seed(1);
     let cpu_vs = nn::VarStore::new(Device::Cpu);
-    let cpu = mlp(&cpu_vs.root(), unused);
+    let cpu = build(&cpu_vs.root());
     let dev_vs = nn::VarStore::new(device);
-    let dev = mlp(&dev_vs.root(), unused);
+    let dev = build(&dev_vs.root());
     copy_vars(&dev_vs, &cpu_vs)?;
     Ok(((dev_vs, dev), (cpu_vs, cpu)))
 }
@@ -243,7 +273,14 @@ fn max_diff(a: &BTreeMap<String, Tensor>, b: &BTreeMap<String, Tensor>) -> Res<f
 
 /// Plain training on the CPU: the reference every data-parallel check is held to.
 fn reference(unused: bool, make: impl Fn(Vec<Tensor>) -> Box<dyn Optimizer>) -> Res<BTreeMap<String, Tensor>> {
-    let (_, (vs, net)) = twins(Device::Cpu, unused)?;
+    reference_of(&|p| mlp(p, unused), make)
+}
+
+fn reference_of(
+    build: &dyn Fn(&nn::Path) -> nn::Sequential,
+    make: impl Fn(Vec<Tensor>) -> Box<dyn Optimizer>,
+) -> Res<BTreeMap<String, Tensor>> {
+    let (_, (vs, net)) = twins_of(Device::Cpu, build)?;
     let mut opt = make(vs.trainable_variables());
     for s in 0..STEPS {
         let (x, y) = batch(s, 16);
@@ -341,34 +378,12 @@ fn fsdp_step(device: Device, offload: bool, fused: bool) -> Res<Outcome> {
     let config = if offload { BackendConfig::CPU_GLOO_CUDA_NCCL } else { BackendConfig::NCCL };
     let pg = group(device, config)?;
     let (_, (cpu_vs, cpu_net)) = twins(Device::Cpu, false)?;
-    let vs = nn::VarStore::new(device);
     let dims = [(D_IN, HIDDEN), (HIDDEN, HIDDEN), (HIDDEN, D_OUT)];
-    let layers: Vec<(nn::Path, nn::Linear)> = dims
-        .iter()
-        .enumerate()
-        .map(|(i, &(d_in, d_out))| {
-            let p = vs.root() / format!("l{}", i + 1);
-            let l = nn::linear(&p, d_in, d_out, Default::default());
-            (p, l)
-        })
-        .collect();
-    // the CPU twin's values, before sharding takes them
-    copy_vars(&vs, &cpu_vs)?;
     let mut opts = FsdpOptions::default().process_group(pg.clone());
     if offload {
         opts = opts.offload(Device::Cpu);
     }
-    let f = FsdpBuilder::new(&vs, opts)?;
-    let mut net = nn::seq();
-    for (i, (p, l)) in layers.into_iter().enumerate() {
-        let unit = f.fully_shard(&p, l)?;
-        net = match i {
-            0 => net.add(unit).add_fn(|x| x.relu()),
-            1 => net.add(unit).add_fn(|x| x.tanh()),
-            _ => net.add(unit),
-        };
-    }
-    let model = f.finish(net)?;
+    let model = fsdp_model(device, &dims, &cpu_vs, opts)?;
     let mut opt = AdamW::new(model.parameters(), 1e-2).fused(fused);
     let mut ref_opt = AdamW::new(cpu_vs.trainable_variables(), 1e-2);
     let mut norms = (0.0, 0.0);
@@ -684,27 +699,308 @@ fn selfcheck() -> Res<Outcome> {
     Ok(Pass(format!("libtorch loaded, gloo allreduce ok, {cuda}, {nccl}")))
 }
 
-/// A rank of the two-process check: both ranks on one GPU over Gloo, each with its own half of the
-/// batch; rank 0 compares with plain CPU training on the whole batch.
-fn ddp_rank(device: Device) -> Res<Outcome> {
+/// A wait on NCCL work makes the stream wait, not the host: behind ~200 ms of queued matmuls,
+/// `allreduce_async(..).wait()` returns at once, and the result is right once the stream has run.
+fn async_wait(device: Device) -> Res<Outcome> {
+    if device == Device::Cpu {
+        return Ok(Skip("needs a CUDA stream".into()));
+    }
+    let pg = group(device, BackendConfig::NCCL)?;
+    let a = Tensor::randn([4096, 4096], (Kind::Float, device));
+    let mut t = Tensor::full([1 << 20], 3.0, (Kind::Float, device));
+    pg.allreduce(&mut t, ReduceOp::Sum)?;
+    let _ = a.matmul(&a);
+    tch::Cuda::synchronize(0);
+    // how many matmuls make ~200 ms here
+    let start = Instant::now();
+    for _ in 0..10 {
+        let _ = a.matmul(&a);
+    }
+    tch::Cuda::synchronize(0);
+    let n = ((0.2 / (start.elapsed().as_secs_f64() / 10.0)).ceil() as usize).clamp(1, 100_000);
+    let start = Instant::now();
+    let mut acc = a.zeros_like();
+    for _ in 0..n {
+        acc = a.matmul(&a);
+    }
+    let mut t = Tensor::full([1 << 20], 3.0, (Kind::Float, device));
+    let waited = Instant::now();
+    pg.allreduce_async(&mut t, ReduceOp::Sum)?.wait()?;
+    let waited = waited.elapsed();
+    tch::Cuda::synchronize(0);
+    let total = start.elapsed();
+    drop(acc);
+    ensure(total >= Duration::from_millis(150), || format!("only {total:?} of work queued; the check needs 150 ms"))?;
+    ensure(waited < Duration::from_millis(20), || {
+        format!("wait() held the host {waited:?} behind {total:?} of queued work (it must return in < 20 ms)")
+    })?;
+    ensure(t.equal(&Tensor::full([1 << 20], 3.0, (Kind::Float, device))), || "the allreduce's result is wrong".into())?;
+    Ok(Pass(format!("wait() returned in {waited:?} behind {n} queued matmuls ({total:?}); result right")))
+}
+
+/// Counts libtorch's "called a synchronizing CUDA operation" warnings: stderr goes to a file while the
+/// sync debug mode is on.
+struct SyncCounter {
+    saved: i32,
+    path: std::path::PathBuf,
+}
+
+impl SyncCounter {
+    fn start() -> Res<SyncCounter> {
+        let path = std::env::temp_dir().join(format!("gpu-kit-syncs-{}.txt", std::process::id()));
+        let file = std::fs::File::create(&path)?;
+        use std::os::fd::AsRawFd;
+        // SAFETY: dup/dup2 on this process's own descriptors; stderr is restored in `stop`.
+        let saved = unsafe { libc::dup(2) };
+        if saved < 0 || unsafe { libc::dup2(file.as_raw_fd(), 2) } < 0 {
+            return Err("cannot redirect stderr to count syncs".into());
+        }
+        tch_dist::sync_debug::set_mode(tch_dist::sync_debug::SyncDebugMode::Warn)?;
+        Ok(SyncCounter { saved, path })
+    }
+
+    fn count(&self) -> Res<usize> {
+        Ok(std::fs::read_to_string(&self.path)?.matches("called a synchronizing CUDA operation").count())
+    }
+
+    fn stop(self) -> Res<()> {
+        tch_dist::sync_debug::set_mode(tch_dist::sync_debug::SyncDebugMode::Off)?;
+        // SAFETY: `saved` is the descriptor dup'ed in `start`.
+        unsafe {
+            libc::dup2(self.saved, 2);
+            libc::close(self.saved);
+        }
+        let _ = std::fs::remove_file(&self.path);
+        Ok(())
+    }
+}
+
+/// Warmed training steps make the host wait for the GPU nowhere (CUDA's sync debug mode, counted per
+/// phase): DDP, DDP with clipping, DDP with a GradScaler (one read per step, the overflow flag before
+/// the optimizer's step, as PyTorch's `GradScaler.step` makes), FSDP and TP.
+fn sync_free_steps(device: Device) -> Res<Outcome> {
+    if device == Device::Cpu {
+        return Ok(Skip("CPU tensors never sync with a GPU".into()));
+    }
+    let pg = group(device, BackendConfig::NCCL)?;
+    let data: Vec<(Tensor, Tensor)> =
+        (0..6).map(|s| batch(s, 16)).map(|(x, y)| (x.to_device(device), y.to_device(device))).collect();
+    type Phase<'a> = (&'static str, Box<dyn FnMut(usize) -> Res<()> + 'a>);
+    // each case: its phases, run for 3 warm steps, then 3 counted; the syncs allowed per counted step
+    let mut report = Vec::new();
+    let mut run = |case: &str, allowed: usize, phases: &mut Vec<Phase>| -> Res<()> {
+        for s in 0..3 {
+            for (_, f) in phases.iter_mut() {
+                f(s)?;
+            }
+        }
+        tch::Cuda::synchronize(0);
+        let counter = SyncCounter::start()?;
+        // two deliberate syncs first: the count must see each, or the check proves nothing
+        let one = Tensor::ones([1], (Kind::Float, device));
+        let _ = (one.double_value(&[]), one.double_value(&[]));
+        let seen = counter.count();
+        let mut by_phase: Vec<(&str, usize)> = phases.iter().map(|(n, _)| (*n, 0)).collect();
+        let mut failed = None;
+        for s in 3..6 {
+            for (k, (_, f)) in phases.iter_mut().enumerate() {
+                let before = counter.count().unwrap_or(0);
+                if let Err(e) = f(s) {
+                    failed = Some(e);
+                    break;
+                }
+                by_phase[k].1 += counter.count().unwrap_or(0) - before;
+            }
+        }
+        counter.stop()?;
+        if let Some(e) = failed {
+            return Err(e);
+        }
+        let seen = seen?;
+        ensure(seen == 2, || format!("the sync debug mode counted {seen} of 2 deliberate syncs"))?;
+        let total: usize = by_phase.iter().map(|(_, n)| n).sum();
+        let shown = by_phase.iter().map(|(n, c)| format!("{n} {c}")).collect::<Vec<_>>().join(", ");
+        ensure(total <= 3 * allowed, || {
+            format!("{case}: {total} host syncs in 3 warm steps (at most {}): {shown}", 3 * allowed)
+        })?;
+        report.push(format!("{case} {total}"));
+        Ok(())
+    };
+    let ((vs, net), _) = twins(device, false)?;
+    let ddp = DistributedDataParallel::new(&vs, net, DdpOptions::default().process_group(pg.clone()))?;
+    let opt = std::cell::RefCell::new(sgd(vs.trainable_variables()));
+    let fwd_bwd = |s: usize| -> Res<()> {
+        let (x, y) = &data[s];
+        Ok(ddp.backward(&loss(&ddp.f_forward(x)?, y))?)
+    };
+    let step = |_| -> Res<()> { Ok(opt.borrow_mut().step()?) };
+    let zero = |_| -> Res<()> { Ok(ddp.zero_grad()?) };
+    run(
+        "ddp",
+        0,
+        &mut vec![("forward+backward", Box::new(fwd_bwd)), ("step", Box::new(step)), ("zero_grad", Box::new(zero))],
+    )?;
+    let clip = |_| -> Res<()> { clip_grad_norm(&ddp.parameters(), 0.1, 2.0).map(|_| ()).map_err(Into::into) };
+    run(
+        "ddp+clip",
+        0,
+        &mut vec![
+            ("forward+backward", Box::new(fwd_bwd)),
+            ("clip", Box::new(clip)),
+            ("step", Box::new(step)),
+            ("zero_grad", Box::new(zero)),
+        ],
+    )?;
+    let scaler = std::cell::RefCell::new(GradScaler::new().process_group(pg.clone()));
+    let scaled = |s: usize| -> Res<()> {
+        let (x, y) = &data[s];
+        Ok(ddp.backward(&scaler.borrow().scale(&loss(&ddp.f_forward(x)?, y))?)?)
+    };
+    let unscale = |_| -> Res<()> { Ok(scaler.borrow_mut().unscale(&mut **opt.borrow_mut())?) };
+    let scaled_step = |_| -> Res<()> {
+        let mut sc = scaler.borrow_mut();
+        sc.step(&mut **opt.borrow_mut())?;
+        Ok(sc.update()?)
+    };
+    run(
+        "ddp+scaler",
+        1,
+        &mut vec![
+            ("forward+backward", Box::new(scaled)),
+            ("unscale", Box::new(unscale)),
+            ("step+update", Box::new(scaled_step)),
+            ("zero_grad", Box::new(zero)),
+        ],
+    )?;
+    let (_, (cpu_vs, _)) = twins(Device::Cpu, false)?;
+    let model = fsdp_model(
+        device,
+        &[(D_IN, HIDDEN), (HIDDEN, HIDDEN), (HIDDEN, D_OUT)],
+        &cpu_vs,
+        FsdpOptions::default().process_group(pg.clone()),
+    )?;
+    let fopt = std::cell::RefCell::new(sgd(model.parameters()));
+    let ffb = |s: usize| -> Res<()> {
+        let (x, y) = &data[s];
+        Ok(model.backward(&loss(&model.f_forward(x)?, y))?)
+    };
+    let fclip = |_| -> Res<()> { model.clip_grad_norm(0.1, 2.0).map(|_| ()).map_err(Into::into) };
+    let fstep = |_| -> Res<()> { Ok(fopt.borrow_mut().step()?) };
+    let fzero = |_| -> Res<()> { Ok(model.zero_grad()?) };
+    run(
+        "fsdp+clip",
+        0,
+        &mut vec![
+            ("forward+backward", Box::new(ffb)),
+            ("clip", Box::new(fclip)),
+            ("step", Box::new(fstep)),
+            ("zero_grad", Box::new(fzero)),
+        ],
+    )?;
+    let tvs = nn::VarStore::new(device);
+    let w = |o: i64, i: i64| Tensor::randn([o, i], (Kind::Float, device)) * 0.1;
+    let b = |o: i64| Tensor::zeros([o], (Kind::Float, device));
+    let mlp =
+        ParallelMlp::from_full(&tvs.root(), &w(HIDDEN, D_IN), &b(HIDDEN), &w(D_IN, HIDDEN), &b(D_IN), pg.clone())?;
+    let topt = std::cell::RefCell::new(sgd(tvs.trainable_variables()));
+    let tfb = |s: usize| -> Res<()> {
+        let (x, _) = &data[s];
+        Ok(mlp.f_forward(x)?.square().mean(Kind::Float).f_backward()?)
+    };
+    let tstep = |_| -> Res<()> {
+        let mut o = topt.borrow_mut();
+        o.step()?;
+        Ok(o.zero_grad()?)
+    };
+    run("tp", 0, &mut vec![("forward+backward", Box::new(tfb)), ("step+zero_grad", Box::new(tstep))])?;
+    Ok(Pass(format!("host syncs in 3 warm steps: {} (2 deliberate ones were counted)", report.join(", "))))
+}
+
+/// The two-process checks: both ranks on one GPU over Gloo (NCCL refuses two ranks on one GPU), each
+/// with its half of the batch, against plain training on the CPU.
+const RANK_CHECKS: &[&str] = &["ddp-views-on", "ddp-views-off", "zero2", "fsdp-prefetch", "pipeline-1f1b"];
+
+fn rank_check(what: &str, device: Device) -> Res<Outcome> {
+    if !RANK_CHECKS.contains(&what) {
+        return Err(format!("no two-process check {what:?} (one of {RANK_CHECKS:?})").into());
+    }
     let mut init = InitOptions::from_env()?;
     init.backend = Some(Backend::Gloo.into());
     let pg = Arc::new(ProcessGroup::init(&init)?);
     let (rank, world) = (pg.rank() as i64, pg.size() as i64);
-    let ((vs, net), _) = twins(device, false)?;
-    let ddp = DistributedDataParallel::new(&vs, net, DdpOptions::default().process_group(pg.clone()))?;
-    let mut opt = sgd(vs.trainable_variables());
     let per = 16 / world;
-    for s in 0..STEPS {
+    let half = |s: usize| {
         let (x, y) = batch(s, 16);
-        let (x, y) = (x.narrow(0, rank * per, per), y.narrow(0, rank * per, per));
-        ddp.backward(&loss(&ddp.f_forward(&x.to_device(device))?, &y.to_device(device)))?;
-        opt.step()?;
-        ddp.zero_grad()?;
-    }
-    let diff = max_diff(&by_name(&vs), &reference(false, sgd)?)?;
-    // every rank checks; the launcher reports any failure
-    ensure(diff < 1e-5, || format!("rank {rank}: parameters differ from plain CPU training by {diff:e}"))?;
+        (x.narrow(0, rank * per, per).to_device(device), y.narrow(0, rank * per, per).to_device(device))
+    };
+    let detail = match what {
+        "fsdp-prefetch" => {
+            let (_, (cpu_vs, _)) = twins_of(Device::Cpu, &wide_mlp)?;
+            let w = 2048;
+            let dims = [(D_IN, w), (w, w), (w, w), (w, w), (w, D_OUT)];
+            let opts = FsdpOptions::default().prefetch(2).process_group(pg.clone());
+            let model = fsdp_model(device, &dims, &cpu_vs, opts)?;
+            let mut opt = sgd(model.parameters());
+            for s in 0..STEPS {
+                let (x, y) = half(s);
+                model.backward(&loss(&model.f_forward(&x)?, &y))?;
+                opt.step()?;
+                model.zero_grad()?;
+            }
+            let got: BTreeMap<String, Tensor> =
+                model.state_dict()?.into_iter().map(|(n, t)| (n, t.to_device(Device::Cpu))).collect();
+            let diff = max_diff(&got, &reference_of(&wide_mlp, sgd)?)?;
+            ensure(diff < 1e-5, || format!("rank {rank}: FSDP differs from plain CPU training by {diff:e}"))?;
+            format!("FSDP, a unit per Linear, prefetch 2, {STEPS} steps, max |diff| vs CPU {diff:.1e}")
+        }
+        "pipeline-1f1b" => {
+            let layers = split_layers();
+            let cpu_ref = layers.build_stage(0..layers.len(), Device::Cpu)?;
+            let part = Partition::sizes(&[2, 1], 3)?;
+            let mut stage = PipelineRank::new(pg.clone(), &layers, &part, device, Sched::OneFOneB, 4, 1)?;
+            for vs in stage.var_stores() {
+                copy_vars(vs, &cpu_ref.vs)?;
+            }
+            let mut opts = stage
+                .var_stores()
+                .iter()
+                .map(|vs| nn::Sgd::default().build(vs, 0.05))
+                .collect::<Result<Vec<_>, _>>()?;
+            for s in 0..STEPS {
+                let (x, y) = split_data(s);
+                stage.step(&x.to_device(device), &y.to_device(device), &loss)?;
+                opts.iter_mut().for_each(|o| o.step());
+                stage.zero_grad()?;
+            }
+            let got: BTreeMap<String, Tensor> = stage.var_stores().iter().flat_map(|vs| by_name(vs)).collect();
+            let want: BTreeMap<String, Tensor> =
+                unsplit(&layers, STEPS, &split_data)?.0.into_iter().filter(|(n, _)| got.contains_key(n)).collect();
+            let diff = max_diff(&got, &want)?;
+            ensure(diff < 1e-5, || format!("rank {rank}: its stage differs from the unsplit CPU model by {diff:e}"))?;
+            format!("1F1B, stage {rank} of 2, 4 microbatches, {STEPS} steps, max |diff| vs unsplit CPU {diff:.1e}")
+        }
+        _ => {
+            let ((vs, net), _) = twins_of(device, &wide_mlp)?;
+            let views = what != "ddp-views-off";
+            let opts =
+                DdpOptions::default().gradient_as_bucket_view(views).bucket_cap_mb(4.0).process_group(pg.clone());
+            let ddp = DistributedDataParallel::new(&vs, net, opts)?;
+            let mut opt: Box<dyn Optimizer> = if what == "zero2" {
+                Box::new(ShardedOptimizer::new(&ddp, ZeroStage::Two, |p| Box::new(Sgd::new(p, 0.05).momentum(0.9)))?)
+            } else {
+                sgd(vs.trainable_variables())
+            };
+            for s in 0..STEPS {
+                let (x, y) = half(s);
+                ddp.backward(&loss(&ddp.f_forward(&x)?, &y))?;
+                opt.step()?;
+                ddp.zero_grad()?;
+            }
+            let diff = max_diff(&by_name(&vs), &reference_of(&wide_mlp, sgd)?)?;
+            ensure(diff < 1e-5, || format!("rank {rank}: parameters differ from plain CPU training by {diff:e}"))?;
+            format!("5 x Linear 2048 wide (~64 MB), 4 MB buckets, {STEPS} steps, max |diff| vs CPU {diff:.1e}")
+        }
+    };
     // Gloo's send/recv read host memory: CUDA tensors go through the CPU on the way
     let sent = Tensor::arange(1000, (Kind::Float, device)) * (rank + 1);
     let got = Tensor::zeros([1000], (Kind::Float, device));
@@ -715,7 +1011,41 @@ fn ddp_rank(device: Device) -> Res<Outcome> {
         got.device() == device && got.equal(&(Tensor::arange(1000, (Kind::Float, device)) * (peer as i64 + 1))),
         || "send/recv of a CUDA tensor over gloo went wrong".into(),
     )?;
-    Ok(Pass(format!("rank {rank} of {world}, gloo on {device:?}, {STEPS} DDP steps, max |diff| vs CPU {diff:.1e}; send/recv of CUDA tensors ok")))
+    Ok(Pass(format!("rank {rank} of {world}, gloo on {device:?}: {detail}; send/recv ok")))
+}
+
+/// Linear layers of `dims` on `device`, each an FSDP unit, with ReLU after the first, tanh between the
+/// others (`mlp` and `wide_mlp` in units), starting from `cpu`'s values.
+fn fsdp_model(
+    device: Device,
+    dims: &[(i64, i64)],
+    cpu: &nn::VarStore,
+    opts: FsdpOptions,
+) -> Res<FullyShardedDataParallel<nn::Sequential>> {
+    let vs = nn::VarStore::new(device);
+    let layers: Vec<(nn::Path, nn::Linear)> = dims
+        .iter()
+        .enumerate()
+        .map(|(i, &(d_in, d_out))| {
+            let p = vs.root() / format!("l{}", i + 1);
+            let l = nn::linear(&p, d_in, d_out, Default::default());
+            (p, l)
+        })
+        .collect();
+    // the CPU twin's values, before sharding takes them
+    copy_vars(&vs, cpu)?;
+    let f = FsdpBuilder::new(&vs, opts)?;
+    let mut net = nn::seq();
+    let last = layers.len() - 1;
+    for (i, (p, l)) in layers.into_iter().enumerate() {
+        let unit = f.fully_shard(&p, l)?;
+        net = match i {
+            0 => net.add(unit).add_fn(|x| x.relu()),
+            i if i == last => net.add(unit),
+            _ => net.add(unit).add_fn(|x| x.tanh()),
+        };
+    }
+    Ok(f.finish(net)?)
 }
 
 // ---- benchmarks (the PyTorch side: torch_gpu.py, same model, same sizes)

@@ -56,7 +56,8 @@ report=$away/out/gpu-kit-report.txt
 [ -s "$report" ] || { echo "gpu-kit: FAIL: no report written" >&2; exit 1; }
 # On a machine without a GPU every GPU check must say so, not pass.
 if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; then
-  for c in nccl-refuses-cpu-tensors ddp-views-on zero2 gloo-2proc-ddp forum-cuda bench-ddp; do
+  for c in nccl-refuses-cpu-tensors ddp-views-on zero2 async-wait sync-free-steps gloo-2proc-ddp-views-on \
+    gloo-2proc-zero2 gloo-2proc-fsdp-prefetch gloo-2proc-pipeline-1f1b forum-cuda bench-ddp; do
     grep -q "^SKIP $c: no CUDA device" "$report" || { echo "gpu-kit: FAIL: $c did not report 'SKIP $c: no CUDA device'" >&2; exit 1; }
   done
   for c in selfcheck python-torch tchrun forum-cpu; do
@@ -70,5 +71,6 @@ for c in $(LD_LIBRARY_PATH=$torchlib "$away/gpu-kit/bin/gpu_kit" list); do
   echo "  cpu stand-in: $line"
   case "$line" in PASS*|SKIP*) ;; *) echo "gpu-kit: FAIL: $c with the CPU standing in" >&2; exit 1 ;; esac
 done
+grep -q "^NOT COVERED on one GPU: NCCL with 2+ ranks" "$report" || { echo "gpu-kit: FAIL: the report does not say what one GPU cannot show" >&2; exit 1; }
 echo "gpu-kit: rehearsal passed; report:"
 sed 's/^/  /' "$report"

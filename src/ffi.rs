@@ -248,6 +248,7 @@ extern "C" {
     pub fn tdx_cuda_reset_peak(device: c_int) -> c_int;
     pub fn tdx_cuda_device_count(out: *mut c_int) -> c_int;
     pub fn tdx_cuda_set_device(device: c_int) -> c_int;
+    pub fn tdx_cuda_set_sync_debug_mode(mode: c_int, previous: *mut c_int) -> c_int;
 
     pub fn tdx_layout_check(buf: *mut c_char, len: size_t) -> c_int;
 }

@@ -27,7 +27,7 @@ fn every_kit_check_passes_with_the_cpu_standing_in_for_the_gpu() {
             skipped.push(name.as_str());
         }
     }
-    assert_eq!(skipped, ["nccl-refuses-cpu-tensors", "group-cpu-gloo-cuda-nccl"]);
+    assert_eq!(skipped, ["nccl-refuses-cpu-tensors", "group-cpu-gloo-cuda-nccl", "async-wait", "sync-free-steps"]);
     // without a GPU, asking for one is a skip that says so
     let o = Command::new(&kit).args(["check", "ddp-views-on"]).output().unwrap();
     if !tch::Cuda::is_available() {
@@ -39,17 +39,31 @@ fn every_kit_check_passes_with_the_cpu_standing_in_for_the_gpu() {
 }
 
 #[test]
-fn the_two_process_kit_check_passes_on_the_cpu() {
+fn the_two_process_kit_checks_pass_on_the_cpu() {
+    let kit = common::example("gpu_kit");
+    let list = Command::new(&kit).arg("rank-list").output().unwrap();
+    let names: Vec<String> = String::from_utf8_lossy(&list.stdout).lines().map(str::to_string).collect();
+    assert_eq!(names, ["ddp-views-on", "ddp-views-off", "zero2", "fsdp-prefetch", "pipeline-1f1b"]);
+    for name in &names {
+        let o = Command::new(env!("CARGO_BIN_EXE_tchrun"))
+            .args(["--standalone", "--nproc-per-node", "2", "--"])
+            .arg(&kit)
+            .args(["rank", name, "--device", "cpu"])
+            .env("TCH_DIST_TIMEOUT_SECS", "60")
+            .output()
+            .unwrap();
+        let out = String::from_utf8_lossy(&o.stdout);
+        assert!(o.status.success(), "{}", common::show(&o));
+        for r in 0..2 {
+            assert!(out.contains(&format!("[rank{r}]: PASS gloo-2proc-{name}: rank {r} of 2")), "{out}");
+        }
+    }
+    // an unknown two-process check fails on every rank
     let o = Command::new(env!("CARGO_BIN_EXE_tchrun"))
         .args(["--standalone", "--nproc-per-node", "2", "--"])
-        .arg(common::example("gpu_kit"))
-        .args(["ddp-rank", "--device", "cpu"])
-        .env("TCH_DIST_TIMEOUT_SECS", "60")
+        .arg(&kit)
+        .args(["rank", "no-such-check", "--device", "cpu"])
         .output()
         .unwrap();
-    let out = String::from_utf8_lossy(&o.stdout);
-    assert!(o.status.success(), "{}", common::show(&o));
-    for r in 0..2 {
-        assert!(out.contains(&format!("[rank{r}]: PASS gloo-2proc-ddp: rank {r} of 2")), "{out}");
-    }
+    assert!(!o.status.success() && String::from_utf8_lossy(&o.stdout).contains("FAIL gloo-2proc-no-such-check"));
 }

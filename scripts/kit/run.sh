@@ -79,11 +79,13 @@ done
 
 # 3. two processes sharing cuda:0 over Gloo (NCCL refuses two ranks on one GPU)
 cuda=$("$py" -c 'import torch; print(int(torch.cuda.is_available()))' 2>/dev/null || echo 0)
-if [ "$cuda" = 1 ]; then
-  run gloo-2proc-ddp 180 "$kit/bin/tchrun" --standalone --nproc-per-node 2 -- "$kit/bin/gpu_kit" ddp-rank --device cuda
-else
-  tally "SKIP gloo-2proc-ddp: no CUDA device"
-fi
+for c in $("$kit/bin/gpu_kit" rank-list); do
+  if [ "$cuda" = 1 ]; then
+    run "gloo-2proc-$c" 180 "$kit/bin/tchrun" --standalone --nproc-per-node 2 -- "$kit/bin/gpu_kit" rank "$c" --device cuda
+  else
+    tally "SKIP gloo-2proc-$c: no CUDA device"
+  fi
+done
 
 # 4. the forum's numbers, ours beside PyTorch's own run on this machine's torch (forum.sh)
 if [ "$cuda" = 1 ]; then
@@ -117,7 +119,9 @@ if not rd or not td:
     print("FAIL bench-ddp: a side printed no result"); sys.exit()
 ms = min(r["step_ms"] for r in rd) / min(t["step_ms"] for t in td)
 mem = min(r["peak_bytes"] for r in rd) / min(t["peak_bytes"] for t in td)
-print(f"PASS bench-ddp: ours/PyTorch DDP (NCCL, 1 rank, 8 x Linear(4096, 4096), batch 64, best of 2): "
+# the bar: a step at most 1.2x PyTorch's on the same GPU
+verdict = "PASS" if ms <= 1.2 else "FAIL"
+print(f"{verdict} bench-ddp (bar: step time <= 1.2): ours/PyTorch DDP (NCCL, 1 rank, 8 x Linear(4096, 4096), batch 64, best of 2): "
       f"step time {ms:.3f} ({min(r['step_ms'] for r in rd):.2f} vs {min(t['step_ms'] for t in td):.2f} ms), "
       f"peak memory_allocated {mem:.3f} ({int(min(r['peak_bytes'] for r in rd)):,} vs {int(min(t['peak_bytes'] for t in td)):,} B)")
 PY
@@ -137,7 +141,9 @@ def best(name):
 r, t = best("bench-ar-rust"), best("bench-ar-torch")
 if not r or set(r) != set(t):
     print("FAIL bench-allreduce: a side printed no result"); sys.exit()
-print("PASS bench-allreduce: ours/PyTorch NCCL allreduce bandwidth (1 rank, best of 2): " +
+# the bar: at least 0.8x torch.distributed's bandwidth at every size
+verdict = "PASS" if all(r[m] >= 0.8 * t[m] for m in r) else "FAIL"
+print(f"{verdict} bench-allreduce (bar: every size >= 0.8): ours/PyTorch NCCL allreduce bandwidth (1 rank, best of 2): " +
       ", ".join(f"{m} MiB {r[m]:.1f}/{t[m]:.1f} GB/s = {r[m] / t[m]:.2f}" for m in sorted(r)))
 PY
 )
@@ -147,6 +153,10 @@ elif [ $quick = 0 ]; then
   tally "SKIP bench-allreduce: no CUDA device"
 fi
 
+# 6. what one GPU cannot show, and where it is covered instead
+say "NOT COVERED on one GPU: NCCL with 2+ ranks (NCCL refuses two ranks on one GPU): its ordering rules (p2p per pair in posting order, tags ignored, batches as units, sizes) are enforced on the CPU by the strict NCCL mode, under which CI runs every multi-rank suite (scripts/test.sh)"
+say "NOT COVERED on one GPU: device placement on cuda:k, k > 0 (set_device in init, shim allocations under the tensor's device guard): needs a second GPU"
+say "NOT COVERED on one GPU: overlap of NCCL communication with compute across ranks, and bandwidth over NVLink or a network: needs 2+ GPUs"
 [ -n "${OUT:-}" ] && cp "$work/all.log" "$OUT/gpu-kit-output.log" 2>/dev/null
 say "gpu-kit summary: PASS $pass, FAIL $fail, SKIP $skip"
 [ $fail = 0 ]
