@@ -89,6 +89,8 @@ fn main() {
         println!("cargo:rustc-link-arg=-ltorch_cuda");
         println!("cargo:rustc-link-arg=-lc10_cuda");
         println!("cargo:rustc-link-arg=-Wl,--as-needed");
+        // dlsym (csrc/sync_debug.cpp); part of libc since glibc 2.34, a library of its own before
+        println!("cargo:rustc-link-lib=dl");
     }
     // Binaries, tests and examples of this package find libtorch without LD_LIBRARY_PATH.
     println!("cargo:rustc-link-arg=-Wl,-rpath,{}", lib.display());

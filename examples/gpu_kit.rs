@@ -210,7 +210,7 @@ fn mlp(p: &nn::Path, unused: bool) -> nn::Sequential {
         .add(nn::linear(p / "l3", HIDDEN, D_OUT, Default::default()))
 }
 
-/// The two-process checks' model: five Linear layers, 2048 wide (~64 MB of float32 parameters), so that
+/// The two-process checks' model: five Linear layers, 2048 wide (~51 MB of float32 parameters), so that
 /// DDP's 4 MB buckets are many.
 fn wide_mlp(p: &nn::Path) -> nn::Sequential {
     const WIDE: i64 = 2048;
@@ -700,7 +700,8 @@ fn selfcheck() -> Res<Outcome> {
 }
 
 /// A wait on NCCL work makes the stream wait, not the host: behind ~200 ms of queued matmuls,
-/// `allreduce_async(..).wait()` returns at once, and the result is right once the stream has run.
+/// `all_gather_into_tensor_async(..).wait()` returns at once, and the result is right once the stream
+/// has run.
 fn async_wait(device: Device) -> Res<Outcome> {
     if device == Device::Cpu {
         return Ok(Skip("needs a CUDA stream".into()));
@@ -723,9 +724,11 @@ fn async_wait(device: Device) -> Res<Outcome> {
     for _ in 0..n {
         acc = a.matmul(&a);
     }
-    let mut t = Tensor::full([1 << 20], 3.0, (Kind::Float, device));
+    // out of place, into zeros: the result shows whether the collective ran once the stream has
+    let input = Tensor::full([1 << 20], 3.0, (Kind::Float, device));
+    let mut out = input.zeros_like();
     let waited = Instant::now();
-    pg.allreduce_async(&mut t, ReduceOp::Sum)?.wait()?;
+    pg.all_gather_into_tensor_async(&mut out, &input)?.wait()?;
     let waited = waited.elapsed();
     tch::Cuda::synchronize(0);
     let total = start.elapsed();
@@ -734,12 +737,12 @@ fn async_wait(device: Device) -> Res<Outcome> {
     ensure(waited < Duration::from_millis(20), || {
         format!("wait() held the host {waited:?} behind {total:?} of queued work (it must return in < 20 ms)")
     })?;
-    ensure(t.equal(&Tensor::full([1 << 20], 3.0, (Kind::Float, device))), || "the allreduce's result is wrong".into())?;
+    ensure(out.equal(&input), || "the all-gather's result is wrong".into())?;
     Ok(Pass(format!("wait() returned in {waited:?} behind {n} queued matmuls ({total:?}); result right")))
 }
 
 /// Counts libtorch's "called a synchronizing CUDA operation" warnings: stderr goes to a file while the
-/// sync debug mode is on.
+/// sync debug mode is on; both are undone when the counter is dropped, whatever happened meanwhile.
 struct SyncCounter {
     saved: i32,
     path: std::path::PathBuf,
@@ -747,31 +750,36 @@ struct SyncCounter {
 
 impl SyncCounter {
     fn start() -> Res<SyncCounter> {
+        use std::os::fd::AsRawFd;
         let path = std::env::temp_dir().join(format!("gpu-kit-syncs-{}.txt", std::process::id()));
         let file = std::fs::File::create(&path)?;
-        use std::os::fd::AsRawFd;
-        // SAFETY: dup/dup2 on this process's own descriptors; stderr is restored in `stop`.
+        tch_dist::sync_debug::set_mode(tch_dist::sync_debug::SyncDebugMode::Warn)?;
+        // SAFETY: dup of this process's own stderr; the copy is closed (and stderr restored) on drop.
         let saved = unsafe { libc::dup(2) };
+        let counter = SyncCounter { saved, path };
+        // SAFETY: both descriptors are open (the file's for this call, `saved` checked here).
         if saved < 0 || unsafe { libc::dup2(file.as_raw_fd(), 2) } < 0 {
             return Err("cannot redirect stderr to count syncs".into());
         }
-        tch_dist::sync_debug::set_mode(tch_dist::sync_debug::SyncDebugMode::Warn)?;
-        Ok(SyncCounter { saved, path })
+        Ok(counter)
     }
 
     fn count(&self) -> Res<usize> {
         Ok(std::fs::read_to_string(&self.path)?.matches("called a synchronizing CUDA operation").count())
     }
+}
 
-    fn stop(self) -> Res<()> {
-        tch_dist::sync_debug::set_mode(tch_dist::sync_debug::SyncDebugMode::Off)?;
-        // SAFETY: `saved` is the descriptor dup'ed in `start`.
-        unsafe {
-            libc::dup2(self.saved, 2);
-            libc::close(self.saved);
+impl Drop for SyncCounter {
+    fn drop(&mut self) {
+        let _ = tch_dist::sync_debug::set_mode(tch_dist::sync_debug::SyncDebugMode::Off);
+        if self.saved >= 0 {
+            // SAFETY: `saved` is the descriptor dup'ed in `start`, still open; stderr gets it back.
+            unsafe {
+                libc::dup2(self.saved, 2);
+                libc::close(self.saved);
+            }
         }
         let _ = std::fs::remove_file(&self.path);
-        Ok(())
     }
 }
 
@@ -812,7 +820,7 @@ fn sync_free_steps(device: Device) -> Res<Outcome> {
                 by_phase[k].1 += counter.count().unwrap_or(0) - before;
             }
         }
-        counter.stop()?;
+        drop(counter);
         if let Some(e) = failed {
             return Err(e);
         }
@@ -998,7 +1006,7 @@ fn rank_check(what: &str, device: Device) -> Res<Outcome> {
             }
             let diff = max_diff(&by_name(&vs), &reference_of(&wide_mlp, sgd)?)?;
             ensure(diff < 1e-5, || format!("rank {rank}: parameters differ from plain CPU training by {diff:e}"))?;
-            format!("5 x Linear 2048 wide (~64 MB), 4 MB buckets, {STEPS} steps, max |diff| vs CPU {diff:.1e}")
+            format!("5 x Linear 2048 wide (~51 MB), 4 MB buckets, {STEPS} steps, max |diff| vs CPU {diff:.1e}")
         }
     };
     // Gloo's send/recv read host memory: CUDA tensors go through the CPU on the way

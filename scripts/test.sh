@@ -33,6 +33,10 @@ plain=("${plain_suites[@]}" "${both_suites[@]}")
 cargo test "${plain[@]/#/--test=}" -- --skip cuda_
 cargo test --doc
 
+echo "== NCCL's check-once policy on Gloo (TCH_DIST_VERIFY=once): every rank decides alike"
+once_suites=(collectives ddp zero clip pipeline)
+TCH_DIST_VERIFY=once cargo test "${once_suites[@]/#/--test=}" -- --skip cuda_
+
 echo "== cuda feature: build and link every target, run the GPU tests"
 cargo build --features cuda --all-targets
 cargo test --features cuda --test cuda -- --nocapture

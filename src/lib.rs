@@ -39,7 +39,7 @@ pub mod tp;
 pub mod work;
 
 pub use error::{Error, Result};
-pub use group::{Backend, BackendConfig, Collectives, GroupOptions, P2pOp, ProcessGroup, ReduceOp};
+pub use group::{Backend, BackendConfig, CheckPolicy, Collectives, GroupOptions, P2pOp, ProcessGroup, ReduceOp};
 pub use init::{default_group, destroy_process_group, init_process_group, InitOptions};
 pub use store::{Store, TcpStoreOptions};
 pub use work::Work;

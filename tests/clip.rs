@@ -339,6 +339,25 @@ fn a_norm_under_max_norm_leaves_gradients_alone() {
     }
 }
 
+/// What PyTorch does at the edges: no gradients, norm 0; a NaN gradient, a NaN norm and NaN gradients
+/// (the coefficient is NaN: GradScaler skips such a step); an infinite one, an infinite norm and a zero
+/// coefficient (inf times 0 is NaN there), for the 2-norm and the infinity norm alike.
+#[test]
+fn empty_nan_and_infinite_gradients_are_clipped_as_pytorch_does() {
+    for p in [2.0, f64::INFINITY] {
+        assert_eq!(GradNorm::new(p).total().unwrap().double_value(&[]), 0.0);
+        assert_eq!(GradNorm::new(p).gradients(vec![], &[]).clip(1.0).unwrap().double_value(&[]), 0.0);
+        let g = Tensor::from_slice(&[3.0f32, f32::NAN]);
+        let total = GradNorm::new(p).gradients(vec![g.shallow_clone()], &[]).clip(1.0).unwrap();
+        assert!(total.double_value(&[]).is_nan() && Vec::<f32>::try_from(&g).unwrap().iter().all(|x| x.is_nan()));
+        let g = Tensor::from_slice(&[3.0f32, f32::INFINITY]);
+        let total = GradNorm::new(p).gradients(vec![g.shallow_clone()], &[]).clip(1.0).unwrap();
+        let after = Vec::<f32>::try_from(&g).unwrap();
+        assert!(total.double_value(&[]) == f64::INFINITY && after[0] == 0.0 && after[1].is_nan(), "{p}: {after:?}");
+        assert_eq!(total.kind(), Kind::Float);
+    }
+}
+
 #[test]
 fn bad_arguments_and_disagreeing_layouts_are_refused_by_name() {
     let vs = nn::VarStore::new(Device::Cpu);

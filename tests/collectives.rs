@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use common::scenario::{f32s, scenario};
 use tch::{Device, Kind, Tensor};
-use tch_dist::{ProcessGroup, ReduceOp};
+use tch_dist::{CheckPolicy, Error, GroupOptions, ProcessGroup, ReduceOp};
 
 const T: Duration = Duration::from_secs(60);
 
@@ -21,6 +21,45 @@ fn collectives_threads_2_ranks_unverified() {
         pg.set_verify(false);
         scenario(&pg)
     });
+}
+
+/// NCCL's check-once policy, on Gloo: the scenario (collectives, batches, pairwise send/recv, each
+/// repeated) runs with every rank making the same decisions, on 2 and 3 ranks; and the first call of a
+/// kind still catches a disagreement, in a collective and in a send/recv, after calls of other kinds.
+#[test]
+fn the_check_once_policy_decides_alike_on_every_rank() {
+    for world in [2, 3] {
+        let opts = GroupOptions { checks: CheckPolicy::Once, ..common::gloo_opts(T) };
+        common::run_threads_with(world, opts, |pg| {
+            for _ in 0..3 {
+                scenario(&pg);
+            }
+        });
+    }
+    let opts = GroupOptions { checks: CheckPolicy::Once, ..common::gloo_opts(T) };
+    let errs = common::run_threads_with(2, opts, |pg| {
+        let cpu = (Kind::Float, Device::Cpu);
+        let mut t = Tensor::ones([5], cpu);
+        pg.allreduce(&mut t, ReduceOp::Sum).unwrap();
+        pg.allreduce(&mut t, ReduceOp::Sum).unwrap();
+        // the first broadcast, of another shape on each rank
+        let mut odd = Tensor::ones([3 + pg.rank() as i64], cpu);
+        let collective = pg.broadcast(&mut odd, 0).unwrap_err();
+        // the pair's first send and receive, of other shapes
+        let p2p = if pg.rank() == 0 {
+            pg.send(&Tensor::ones([6], cpu), 1, 0).err()
+        } else {
+            pg.recv(&mut Tensor::zeros([4], cpu), 0, 0).err()
+        };
+        (collective, p2p)
+    });
+    for (r, (collective, p2p)) in errs.into_iter().enumerate() {
+        assert!(matches!(collective, Error::Mismatch { .. }), "rank {r}: {collective}");
+        if r == 1 {
+            let e = p2p.expect("the receiver refuses a tensor of another shape");
+            assert!(e.to_string().contains("rank 0 sent Float[6]"), "{e}");
+        }
+    }
 }
 
 #[test]

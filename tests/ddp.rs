@@ -9,7 +9,7 @@ use std::time::Duration;
 use common::model::{self, batch, init, mlp};
 use tch::{nn, nn::Module, nn::OptimizerConfig, Device, Kind, Tensor};
 use tch_dist::ddp::{comm_hook, DdpOptions, DistributedDataParallel, ReducerEvent};
-use tch_dist::Error;
+use tch_dist::{CheckPolicy, Error, GroupOptions};
 
 const T: Duration = Duration::from_secs(60);
 const STEPS: usize = 4;
@@ -368,8 +368,10 @@ fn buffers_follow_rank_0_at_construction_and_every_forward() {
 #[test]
 fn an_extra_backward_on_one_rank_is_reported_not_silently_mixed() {
     // Rank 0 also runs the bare module and backpropagates through it (a second backward for one DDP
-    // forward). Unchecked, its bucket allreduces would pair with rank 1's next collectives.
-    let res = common::run_threads(2, Duration::from_secs(20), |pg| {
+    // forward). Unchecked, its bucket allreduces would pair with rank 1's next collectives. (Gloo checks
+    // every loop, whatever TCH_DIST_VERIFY asks; NCCL's policy checks the first only.)
+    let opts = GroupOptions { checks: CheckPolicy::OnceOnNccl, ..common::gloo_opts(Duration::from_secs(20)) };
+    let res = common::run_threads_with(2, opts, |pg| {
         let rank = pg.rank();
         let vs = nn::VarStore::new(Device::Cpu);
         let net = mlp(&vs);

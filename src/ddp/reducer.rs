@@ -410,7 +410,8 @@ impl Reducer {
     /// joining; on NCCL the first of each only (see [`ProcessGroup::checks_now`]).
     fn loop_check_now(&self, st: &State, phase: i64) -> bool {
         let device = st.params.first().map_or(tch::Device::Cpu, |p| p.device());
-        st.join.is_none() && self.pg.checks_now("DDP loop", &[phase], device)
+        let kind = if phase == 1 { "DDP loop at forward" } else { "DDP loop at backward" };
+        st.join.is_none() && self.pg.checks_now(crate::group::Scope::Collective, kind, device)
     }
 
     /// Ranks that ran different numbers of forwards and backwards (an extra backward on one rank) would

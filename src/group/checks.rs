@@ -1,59 +1,105 @@
 //! When agreement checks run. On Gloo, before every collective (Gloo aborts the process on a size
 //! mismatch, so the check is what turns that into an error). Before NCCL's work, which takes
-//! microseconds, each check is a host round trip, so by default each distinct check (its label and what it
-//! compares: operation, dtype, shape) runs the first time only, as PyTorch's DDP verifies once at
-//! construction; a disagreement after that shows as NCCL's timeout, which the flight recorder and tchrun
-//! name. The decision is a function of the calls so far, the same on every rank while the ranks agree.
-use std::collections::HashSet;
+//! microseconds, each check is a host round trip, so by default there each kind of check (an operation,
+//! DDP's loop check at forward or at backward, clipping's layout, a pair's send and receive) runs at its
+//! first call in the group, as PyTorch's DDP verifies once at construction.
+//!
+//! What that leaves unchecked on NCCL after the first call: a disagreement in size shows as NCCL's
+//! timeout, which the flight recorder and tchrun name; one of the same size (another reduce op or root,
+//! an extra backward whose buckets line up) completes with wrong numbers. `TCH_DIST_VERIFY=always`
+//! checks every time, for debugging.
+//!
+//! Whether a call checks must be decided alike on every rank, also when the ranks disagree on what they
+//! pass (else one rank's check would meet another's collective): so it depends on the kind of call and
+//! how many came before, never on shapes. Collectives count in one scope, point-to-point in one scope per
+//! direction and peer (a sender's sends to its destination come as its receiver's receives from it).
+use std::collections::{HashMap, HashSet};
 use std::sync::Mutex;
 
 use tch::Device;
 
 use super::{Backend, ProcessGroup};
 
-/// Checks remembered at most; past it a group stops checking NCCL's tensors (on every rank at once: the
-/// set grows the same everywhere).
-const REMEMBERED: usize = 4096;
+/// When agreement checks run, with `GroupOptions::verify` on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum CheckPolicy {
+    /// Before every collective, on every engine (`TCH_DIST_VERIFY=always`).
+    Always,
+    /// Every time on Gloo; at each kind of check's first call on NCCL.
+    #[default]
+    OnceOnNccl,
+    /// At each kind of check's first call, on every engine (`TCH_DIST_VERIFY=once`): NCCL's policy on
+    /// Gloo, so that CI runs it without a GPU.
+    Once,
+}
 
-/// The checks before NCCL work a group has run.
+impl CheckPolicy {
+    /// The policy `TCH_DIST_VERIFY` names (`always`, `once`), else the default. Read per process: set it
+    /// alike on every rank, as every `TCH_DIST_` setting.
+    pub fn from_env() -> CheckPolicy {
+        match std::env::var("TCH_DIST_VERIFY").as_deref() {
+            Ok("always") => CheckPolicy::Always,
+            Ok("once") => CheckPolicy::Once,
+            _ => CheckPolicy::OnceOnNccl,
+        }
+    }
+}
+
+/// Which calls a check's set follows.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) enum Scope {
+    /// Collectives: every rank of the group makes them.
+    Collective,
+    /// Sends to a peer, and receives from one: the pair makes them.
+    SendTo(usize),
+    RecvFrom(usize),
+}
+
+/// The kinds of check a group has made, per scope.
 #[derive(Default)]
-pub(crate) struct Checked(Mutex<HashSet<(String, Vec<i64>)>>);
+pub(crate) struct Checked(Mutex<HashMap<Scope, HashSet<String>>>);
 
 impl Checked {
-    /// Whether `(label, key)` is new (and now remembered).
-    fn first(&self, label: &str, key: &[i64]) -> bool {
-        let mut seen = match self.0.lock() {
+    /// Whether this is the first call of `kind` in `scope` (now remembered).
+    fn first(&self, scope: Scope, kind: &str) -> bool {
+        let mut all = match self.0.lock() {
             Ok(g) => g,
             Err(p) => p.into_inner(),
         };
-        seen.len() < REMEMBERED && seen.insert((label.to_string(), key.to_vec()))
+        all.entry(scope).or_default().insert(kind.to_string())
     }
 }
 
 impl ProcessGroup {
-    /// Whether the agreement check `label` on `key`, before work on tensors of `device`, runs now (see
-    /// the module docs and
-    /// [`GroupOptions::verify_cuda_every_time`](super::GroupOptions::verify_cuda_every_time)). Decided by
-    /// the engine that takes such tensors, which is the same on every rank.
-    pub(crate) fn checks_now(&self, label: &str, key: &[i64], device: Device) -> bool {
+    /// Whether the agreement check of `kind` (a fixed name: what is compared is not part of it), before
+    /// work on tensors of `device`, runs now (see the module docs and [`CheckPolicy`]). Decided by the
+    /// engine that takes such tensors, which is the same on every rank.
+    pub(crate) fn checks_now(&self, scope: Scope, kind: &str, device: Device) -> bool {
         if !self.verify || self.size == 1 {
             return false;
         }
-        let nccl = self.backend_for(device) == Some(Backend::Nccl);
-        !nccl || self.verify_cuda_every_time || self.checked.first(label, key)
+        let once = match self.checks {
+            CheckPolicy::Always => false,
+            CheckPolicy::OnceOnNccl => self.backend_for(device) == Some(Backend::Nccl),
+            CheckPolicy::Once => true,
+        };
+        !once || self.checked.first(scope, kind)
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::Checked;
+    use super::{Checked, Scope};
 
     #[test]
-    fn each_check_runs_once() {
+    fn each_kind_checks_at_its_first_call_in_its_scope() {
         let c = Checked::default();
-        assert!(c.first("allreduce", &[1, 2]));
-        assert!(!c.first("allreduce", &[1, 2]));
-        assert!(c.first("allreduce", &[1, 3]), "another shape is another check");
-        assert!(c.first("broadcast", &[1, 2]), "another label is another check");
+        assert!(c.first(Scope::Collective, "allreduce"));
+        assert!(!c.first(Scope::Collective, "allreduce"));
+        assert!(c.first(Scope::Collective, "broadcast"), "another kind is another check");
+        assert!(c.first(Scope::SendTo(1), "allreduce"), "another scope counts apart");
+        assert!(!c.first(Scope::SendTo(1), "allreduce"));
+        assert!(c.first(Scope::SendTo(2), "allreduce"));
+        assert!(c.first(Scope::RecvFrom(1), "allreduce"));
     }
 }

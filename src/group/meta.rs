@@ -158,12 +158,11 @@ pub(crate) fn fingerprint(op: i64, t: &Tensor, extra: i64) -> Vec<i64> {
 
 /// The check before a public collective: all ranks pass the same operation, arguments, dtype and shape.
 pub(crate) fn agree_on_op(pg: &ProcessGroup, what: &str, op: i64, t: &Tensor, extra: i64) -> Result<()> {
-    let f = fingerprint(op, t, extra);
-    if !pg.checks_now(what, &f, t.device()) {
+    if !pg.checks_now(super::Scope::Collective, what, t.device()) {
         return Ok(());
     }
     let what = format!("{what} (agreement check before it)");
-    pg.meta().agree(&what, &f, |rows| {
+    pg.meta().agree(&what, &fingerprint(op, t, extra), |rows| {
         let listing = by_rank(rows, |f| tensor_meta::render(&f[2..]), ", ");
         let odd = odd_ones_out(rows);
         if rows.iter().any(|r| r[..2] != rows[0][..2]) {

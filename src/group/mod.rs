@@ -17,6 +17,8 @@ use std::time::Duration;
 use tch::{Device, Tensor};
 
 pub use backend::{Backend, BackendConfig};
+pub use checks::CheckPolicy;
+pub(crate) use checks::Scope;
 use engine::Engine;
 pub use flat::Collectives;
 pub use p2p::P2pOp;
@@ -72,11 +74,11 @@ pub struct GroupOptions {
     /// trip once a program is known to be consistent. DDP's bucket collectives never pay it: their shapes
     /// are checked once, at construction.
     pub verify: bool,
-    /// With `verify` on, agreement checks before NCCL's work run the first time each distinct check
-    /// comes (its operation, dtype and shape), then no more: each is a host round trip in front of work
-    /// that takes microseconds, and a later disagreement still shows as NCCL's timeout, named by the
-    /// flight recorder. `true` (or `TCH_DIST_VERIFY=always`) checks every time, as on Gloo.
-    pub verify_cuda_every_time: bool,
+    /// With `verify` on, when checks run: by default every time on Gloo and at each kind's first call on
+    /// NCCL, where each is a host round trip in front of work that takes microseconds (see
+    /// [`CheckPolicy`] and `src/group/checks.rs` for what that leaves unchecked). `TCH_DIST_VERIFY=always` or
+    /// `once` sets it for every group of the process.
+    pub checks: CheckPolicy,
     /// The GPU this rank's NCCL engine uses (PyTorch's `device_id`); `None`: rank modulo the GPU count.
     pub cuda_device: Option<usize>,
     /// The strict NCCL mode of the Gloo engine (see the `strict` module): point-to-point follows NCCL's
@@ -95,7 +97,7 @@ impl Default for GroupOptions {
             hostname: None,
             threads: 0,
             verify: verify_default(),
-            verify_cuda_every_time: verify_always_default(),
+            checks: CheckPolicy::from_env(),
             cuda_device: None,
             strict_nccl: strict_default(),
             collectives: Collectives::default(),
@@ -106,11 +108,6 @@ impl Default for GroupOptions {
 /// `TCH_DIST_VERIFY=0` turns agreement checks off by default.
 pub fn verify_default() -> bool {
     !matches!(std::env::var("TCH_DIST_VERIFY").as_deref(), Ok("0") | Ok("false") | Ok("off"))
-}
-
-/// `TCH_DIST_VERIFY=always` checks CUDA tensors before every collective too.
-pub fn verify_always_default() -> bool {
-    matches!(std::env::var("TCH_DIST_VERIFY").as_deref(), Ok("always"))
 }
 
 /// A group of `size` ranks that run collectives together; this process is `rank`.
@@ -133,8 +130,8 @@ pub struct ProcessGroup {
     size: usize,
     timeout: Duration,
     verify: bool,
-    verify_cuda_every_time: bool,
-    /// The CUDA agreement checks run so far.
+    checks: CheckPolicy,
+    /// The agreement checks run once so far.
     checked: checks::Checked,
     hostname: Option<String>,
     // The group's rendezvous store: kept alive with the group (as Python does), and the parent of
@@ -149,14 +146,6 @@ pub struct ProcessGroup {
     collectives: Collectives,
     /// Flat collectives run as rings so far (the same on every rank): their message tags.
     rings: std::sync::atomic::AtomicU64,
-}
-
-/// What a point-to-point check compares: the peer (the sender's destination, the receiver's source) and
-/// the tensor, so that a sender's history of checks matches its receiver's.
-fn peer_key(peer: usize, fingerprint: &[i64]) -> Vec<i64> {
-    let mut k = vec![peer as i64];
-    k.extend_from_slice(fingerprint);
-    k
 }
 
 pub(crate) fn describe(t: &Tensor) -> String {
@@ -227,7 +216,7 @@ impl ProcessGroup {
             size,
             timeout: opts.timeout,
             verify: opts.verify,
-            verify_cuda_every_time: opts.verify_cuda_every_time,
+            checks: opts.checks,
             checked: checks::Checked::default(),
             hostname: opts.hostname.clone(),
             store: store.clone(),
@@ -283,7 +272,7 @@ impl ProcessGroup {
             hostname: self.hostname.clone(),
             threads: 0,
             verify: self.verify,
-            verify_cuda_every_time: self.verify_cuda_every_time,
+            checks: self.checks,
             cuda_device: self.cuda_device,
             strict_nccl: self.strict.is_some(),
             collectives: self.collectives,
@@ -558,7 +547,7 @@ impl ProcessGroup {
         self.engine(t.device(), &|| format!("send of {} to rank {dst}", describe(t)))?;
         // the strict mode checks every message's size itself
         let f = meta::fingerprint(5, t, 0);
-        let header = if self.strict.is_none() && self.checks_now("send", &peer_key(dst, &f), t.device()) {
+        let header = if self.strict.is_none() && self.checks_now(Scope::SendTo(dst), "p2p", t.device()) {
             let h = Tensor::from_slice(&f).f_to_device(self.meta_device())?;
             Some(self.send_raw(&h, dst, header_tag(tag))?)
         } else {
@@ -626,7 +615,7 @@ impl ProcessGroup {
         }
         self.engine(t.device(), &|| format!("recv of {} from rank {src}", describe(t)))?;
         let mine = meta::fingerprint(5, t, 0);
-        if self.strict.is_none() && self.checks_now("recv", &peer_key(src, &mine), t.device()) {
+        if self.strict.is_none() && self.checks_now(Scope::RecvFrom(src), "p2p", t.device()) {
             let mut h = Tensor::f_zeros([mine.len() as i64], (tch::Kind::Int64, self.meta_device()))?;
             self.recv_raw(&mut h, src, header_tag(tag))?.wait()?;
             let theirs = Vec::<i64>::try_from(h.f_to_device(Device::Cpu)?)?;

@@ -42,7 +42,8 @@ const EPS: f32 = 1e-6;
 
 /// `torch.nn.utils.clip_grad_norm_` for gradients every rank holds whole (plain training, DDP): scales
 /// the `.grad` of `params` so that their `norm_type`-norm is at most `max_norm`; returns the norm before,
-/// a float32 scalar tensor on the gradients' device (no host sync until it is read).
+/// a float32 scalar tensor on the gradients' device (no host sync until it is read; see
+/// [`GradNorm::total`] for where groups reduce).
 ///
 /// ```no_run
 /// # let vs = tch::nn::VarStore::new(tch::Device::Cpu);
@@ -140,8 +141,10 @@ impl<'a> GradNorm<'a> {
     }
 
     /// The norm of all the parts' gradients together, as if one rank held them all: a float32 scalar
-    /// tensor, as `torch.nn.utils.clip_grad_norm_` returns, left on the device (read it with
-    /// `f64::try_from`, a host sync). Collective: every rank of every group named calls it.
+    /// tensor, as `torch.nn.utils.clip_grad_norm_` returns (read it with `f64::try_from`, a host sync).
+    /// Collective: every rank of every group named calls it. It is reduced where the first group reduces
+    /// small values: the GPU of an NCCL group (no host sync), the CPU of a Gloo group (CUDA gradients
+    /// then copy their norms to the host); with no group, on the first gradient's device.
     pub fn total(&self) -> Result<Tensor> {
         self.check()?;
         let home = self.home();
@@ -158,7 +161,7 @@ impl<'a> GradNorm<'a> {
             let mine: Vec<usize> =
                 (0..self.parts.len()).filter(|&k| self.parts[k].over.iter().any(|h| std::ptr::eq(*h, *g))).collect();
             let shape = [i as i64, mine.len() as i64, self.norm_type.to_bits() as i64];
-            if g.checks_now("clip_grad_norm layout", &shape, g.scalar_device()) {
+            if g.checks_now(crate::group::Scope::Collective, "clip_grad_norm layout", g.scalar_device()) {
                 // ranks that built other parts would pass vectors of other lengths (Gloo aborts on that)
                 g.meta().agree("clip_grad_norm layout", &shape, |rows| {
                     let show = |r: &[i64]| {

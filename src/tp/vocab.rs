@@ -81,7 +81,9 @@ module!(VocabParallelEmbedding);
 /// over `pg` along the vocabulary: `logits` is this rank's slice `[..., V / t]` (rank r's is vocabulary
 /// `[r·V/t, (r+1)·V/t)`), `targets` the full ids `[...]`. Returns the loss per token, the same on every
 /// rank; its backward gives each rank the gradient of its own slice (softmax minus one-hot), with no
-/// communication. Computed in float32 whatever the logits' dtype.
+/// communication. Computed in float32 whatever the logits' dtype. Targets out of range are an error; on
+/// CUDA, where reading them would make the host wait every forward, a device-side assert at the next
+/// sync, as `cross_entropy`'s (fatal to the process's CUDA context).
 pub fn vocab_parallel_cross_entropy(logits: &Tensor, targets: &Tensor, pg: &ProcessGroup) -> Result<Tensor> {
     let what = "vocab_parallel_cross_entropy";
     let size = logits.size();
@@ -93,7 +95,7 @@ pub fn vocab_parallel_cross_entropy(logits: &Tensor, targets: &Tensor, pg: &Proc
         ));
     }
     let vocab = per * pg.size() as i64;
-    if targets.numel() > 0 && targets.device() == tch::Device::Cpu {
+    if targets.numel() > 0 && !matches!(targets.device(), tch::Device::Cuda(_)) {
         let (lo, hi) = (targets.f_min()?.f_int64_value(&[])?, targets.f_max()?.f_int64_value(&[])?);
         if lo < 0 || hi >= vocab {
             return Err(Error::invalid(what, format!("targets must be in [0, {vocab}), not [{lo}, {hi}]")));
@@ -104,7 +106,7 @@ pub fn vocab_parallel_cross_entropy(logits: &Tensor, targets: &Tensor, pg: &Proc
         // (CUDA's index_select asserts index < size; negative ids are moved past the end)
         let ids = targets.f_flatten(0, -1)?;
         let ids = ids.f_masked_fill(&ids.f_lt(0)?, vocab)?;
-        let _ = Tensor::f_zeros([vocab], (Kind::Int8, targets.device()))?.f_index_select(0, &ids)?;
+        let _ = Tensor::f_empty([vocab], (Kind::Int8, targets.device()))?.f_index_select(0, &ids)?;
     }
     let (start, end) = vocab_range(what, vocab, pg)?;
     let z = logits.f_to_kind(Kind::Float)?;
