@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Sets up (first run: the torch venvs, ~3 min each) and runs every test: unit, integration (threads,
 # processes, Python interop, parity with PyTorch), doc tests, Rust's multi-rank suites under the strict
-# NCCL mode; then builds the `cuda` feature and runs the
-# GPU tests, which print "skipped: no CUDA device" on a machine without one; builds everything against
-# libtorch 2.11 too; and builds the GPU kit and rehearses it (scripts/gpu-kit.sh --rehearse).
+# NCCL mode; then runs the `cuda` feature's GPU tests, which print "skipped: no CUDA device" on a machine
+# without one; compiles every target against libtorch 2.11 too; and builds the GPU kit for it and
+# rehearses it (scripts/gpu-kit.sh --rehearse).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
@@ -37,12 +37,11 @@ echo "== NCCL's check-once policy on Gloo (TCH_DIST_VERIFY=once): every rank dec
 once_suites=(collectives ddp zero clip pipeline)
 TCH_DIST_VERIFY=once cargo test "${once_suites[@]/#/--test=}" -- --skip cuda_
 
-echo "== cuda feature: build and link every target, run the GPU tests"
-cargo build --features cuda --all-targets
+echo "== cuda feature: the GPU tests, linked against libtorch_cuda (clippy above compiled every target)"
 cargo test --features cuda --test cuda -- --nocapture
 
-echo "== libtorch 2.11 (tch 0.24): build the crate, every target, with the cuda feature"
-scripts/build-torch.sh 2.11.0 build --features cuda --all-targets
+echo "== libtorch 2.11 (tch 0.24): every target compiles with the cuda feature (the kit below links)"
+scripts/build-torch.sh 2.11.0 check --features cuda --all-targets
 
 echo "== GPU kit: built for the lent GPU machine's torch (2.11.0), rehearsed here without cargo"
 scripts/gpu-kit.sh --rehearse
