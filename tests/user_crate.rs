@@ -16,8 +16,9 @@ fn a_new_users_crate_trains_on_two_ranks_under_tchrun() {
     std::fs::copy(common::repo_path("tests/user_crate/src/main.rs"), dir.join("src/main.rs")).unwrap();
     // the same dependency versions as this repository, so the shared target directory is reused
     std::fs::copy(common::repo_path("Cargo.lock"), dir.join("Cargo.lock")).unwrap();
-    // built in a target directory of its own next to this one's (cargo holds this one's lock while tests run)
-    let target = common::repo_path("target/user-crate");
+    // built in this repository's target directory, whose dependencies it reuses (cargo releases the
+    // directory's lock once the tests are built)
+    let target = std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| common::repo_path("target"), Into::into);
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let built = Command::new(cargo).arg("build").current_dir(&dir).env("CARGO_TARGET_DIR", &target).output().unwrap();
     assert!(built.status.success(), "{}", common::show(&built));
