@@ -66,7 +66,9 @@ impl Checked {
             Ok(g) => g,
             Err(p) => p.into_inner(),
         };
-        all.entry(scope).or_default().insert(kind.to_string())
+        // after the first call, every call comes here: no allocation then
+        let seen = all.entry(scope).or_default();
+        !seen.contains(kind) && seen.insert(kind.to_string())
     }
 }
 

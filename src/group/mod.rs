@@ -546,9 +546,8 @@ impl ProcessGroup {
         }
         self.engine(t.device(), &|| format!("send of {} to rank {dst}", describe(t)))?;
         // the strict mode checks every message's size itself
-        let f = meta::fingerprint(5, t, 0);
         let header = if self.strict.is_none() && self.checks_now(Scope::SendTo(dst), "p2p", t.device()) {
-            let h = Tensor::from_slice(&f).f_to_device(self.meta_device())?;
+            let h = Tensor::from_slice(&meta::fingerprint(5, t, 0)).f_to_device(self.meta_device())?;
             Some(self.send_raw(&h, dst, header_tag(tag))?)
         } else {
             None
@@ -614,8 +613,8 @@ impl ProcessGroup {
             return Err(Error::invalid("recv", format!("rank {src} cannot receive from itself")));
         }
         self.engine(t.device(), &|| format!("recv of {} from rank {src}", describe(t)))?;
-        let mine = meta::fingerprint(5, t, 0);
         if self.strict.is_none() && self.checks_now(Scope::RecvFrom(src), "p2p", t.device()) {
+            let mine = meta::fingerprint(5, t, 0);
             let mut h = Tensor::f_zeros([mine.len() as i64], (tch::Kind::Int64, self.meta_device()))?;
             self.recv_raw(&mut h, src, header_tag(tag))?.wait()?;
             let theirs = Vec::<i64>::try_from(h.f_to_device(Device::Cpu)?)?;
