@@ -20,6 +20,7 @@ const SOURCES: &[&str] = &[
     "csrc/optim.cpp",
     "csrc/adamw_single.cpp",
     "csrc/sync_debug.cpp",
+    "csrc/stream.cpp",
 ];
 
 fn libtorch_lib() -> PathBuf {

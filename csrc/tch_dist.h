@@ -177,6 +177,28 @@ int tdx_cuda_set_device(int device);
 // mode before. TDX_EUNAVAILABLE without the cuda feature.
 int tdx_cuda_set_sync_debug_mode(int mode, int* previous);
 
+// ---- stream.cpp: CUDA streams and events (torch.cuda.Stream / Event). A stream is c10::Stream::pack3's
+// {id, device index, device type}. Every call fails with a message where CUDA is not linked or present.
+typedef struct tdx_event tdx_event;
+// A stream from the device's pool (high or low priority), or the calling thread's current one.
+int tdx_stream_pool(int device, int high_priority, int64_t out[3]);
+int tdx_stream_current(int device, int64_t out[3]);
+// Makes `stream` current on its device for the calling thread; *previous gets the one it replaces.
+int tdx_stream_exchange(const int64_t stream[3], int64_t previous[3]);
+int tdx_event_new(tdx_event** out);
+void tdx_event_free(tdx_event* e);
+int tdx_event_record(tdx_event* e, const int64_t stream[3]);
+// Makes `stream` wait on the GPU for the event's last record (the host does not wait).
+int tdx_event_block(const tdx_event* e, const int64_t stream[3]);
+int tdx_event_synchronize(const tdx_event* e);
+int tdx_event_query(const tdx_event* e, int* done);
+// Tensor.record_stream: the caching allocator reuses t's memory only once `stream`'s work queued so far is done.
+int tdx_record_stream(tdx_tensor t, const int64_t stream[3]);
+// dst.copy_(src, non_blocking=true): between pinned host memory and a GPU, it returns before the copy ends.
+int tdx_copy_non_blocking(tdx_tensor dst, tdx_tensor src);
+// torch.empty(sizes, dtype=dtype, pin_memory=True)
+int tdx_empty_pinned(const int64_t* sizes, size_t ndim, int dtype, tdx_tensor* out);
+
 // ---- layout self-checks for the declaration-only gloo headers (see gloo_decl/README.md)
 int tdx_layout_check(char* buf, size_t len);
 

@@ -101,6 +101,7 @@ const CHECKS: &[(&str, Check)] = &[
     ("fsdp-fused-adamw", |d| fsdp_step(d, false, true)),
     ("recompute-dropout", recompute_dropout),
     ("async-wait", async_wait),
+    ("streams", streams),
     ("sync-free-steps", sync_free_steps),
 ];
 
@@ -741,6 +742,79 @@ fn async_wait(device: Device) -> Res<Outcome> {
     Ok(Pass(format!("wait() returned in {waited:?} behind {n} queued matmuls ({total:?}); result right")))
 }
 
+/// Streams and events (`tch_dist::stream`, what FSDP's side streams stand on): behind ~200 ms of matmuls
+/// on the compute stream, work on a side stream ends first; work ordered after the compute stream by an
+/// event does not; pinned copies that do not block come back right.
+fn streams(device: Device) -> Res<Outcome> {
+    use tch_dist::stream::{self, Event, Stream, StreamGuard};
+    if device == Device::Cpu {
+        return Ok(Skip("needs CUDA streams".into()));
+    }
+    let compute = Stream::current(device)?;
+    let side = Stream::high_priority(device)?;
+    ensure(side != compute, || "the side stream is the current one".into())?;
+    let a = Tensor::randn([4096, 4096], (Kind::Float, device));
+    let _ = a.matmul(&a);
+    tch::Cuda::synchronize(0);
+    let start = Instant::now();
+    for _ in 0..10 {
+        let _ = a.matmul(&a);
+    }
+    tch::Cuda::synchronize(0);
+    let n = ((0.2 / (start.elapsed().as_secs_f64() / 10.0)).ceil() as usize).clamp(1, 100_000);
+    let small = Tensor::full([1 << 16], 1.0, (Kind::Float, device));
+    let mut acc = a.zeros_like();
+    for _ in 0..n {
+        acc = a.matmul(&a);
+    }
+    let busy = Event::record(&compute)?;
+    // unordered: the side stream's work runs beside the queued matmuls
+    let free = {
+        let _on = StreamGuard::new(&side)?;
+        let _ = small.shallow_clone().f_add_scalar_(1.0)?;
+        Event::record(&side)?
+    };
+    ensure(Stream::current(device)? == compute, || "the guard did not restore the current stream".into())?;
+    let t0 = Instant::now();
+    while !free.query()? {
+        ensure(t0.elapsed() < Duration::from_millis(100), || {
+            "side-stream work waited behind the compute stream (not done within 100 ms)".into()
+        })?;
+        std::thread::sleep(Duration::from_micros(200));
+    }
+    let overlapped = !busy.query()?;
+    // ordered: after the matmuls, so not done while they run, and it sees their result
+    side.wait_stream(&compute)?;
+    let (ordered, total) = {
+        let _on = StreamGuard::new(&side)?;
+        stream::record_stream(&acc, &side)?;
+        (acc.sum(Kind::Float), Event::record(&side)?)
+    };
+    let pending = !total.query()?;
+    total.synchronize()?;
+    let want = a.matmul(&a).sum(Kind::Float);
+    let close = (f64::try_from(&ordered)? - f64::try_from(&want)?).abs() <= 1e-3 * f64::try_from(&want)?.abs();
+    drop(acc);
+    // pinned host memory: to the GPU and back without blocking, right once the event has passed
+    let host = stream::empty_pinned(&[1 << 20], Kind::Float)?;
+    host.shallow_clone().f_copy_(&Tensor::arange(1 << 20, (Kind::Float, Device::Cpu)))?;
+    let on_gpu = Tensor::empty([1 << 20], (Kind::Float, device));
+    let back = stream::empty_pinned(&[1 << 20], Kind::Float)?;
+    stream::copy_non_blocking(&on_gpu, &host)?;
+    let _ = on_gpu.shallow_clone().f_mul_scalar_(2.0)?;
+    stream::copy_non_blocking(&back, &on_gpu)?;
+    Event::record(&compute)?.synchronize()?;
+    let round_trip = back.equal(&(host * 2.0));
+    ensure(overlapped, || format!("the compute stream finished its {n} matmuls before the side stream's add"))?;
+    ensure(pending, || "work ordered after the matmuls was done before them".into())?;
+    ensure(close, || "the ordered sum differs from the matmul's".into())?;
+    ensure(round_trip, || "a pinned round trip through the GPU came back wrong".into())?;
+    Ok(Pass(format!(
+        "side-stream work done in {:?} behind {n} queued matmuls; event-ordered work waited for them; pinned copies right",
+        t0.elapsed()
+    )))
+}
+
 /// Counts libtorch's "called a synchronizing CUDA operation" warnings: stderr goes to a file while the
 /// sync debug mode is on; both are undone when the counter is dropped, whatever happened meanwhile.
 struct SyncCounter {
@@ -926,7 +1000,8 @@ fn sync_free_steps(device: Device) -> Res<Outcome> {
 
 /// The two-process checks: both ranks on one GPU over Gloo (NCCL refuses two ranks on one GPU), each
 /// with its half of the batch, against plain training on the CPU.
-const RANK_CHECKS: &[&str] = &["ddp-views-on", "ddp-views-off", "zero2", "fsdp-prefetch", "pipeline-1f1b"];
+const RANK_CHECKS: &[&str] =
+    &["ddp-views-on", "ddp-views-off", "zero2", "fsdp-prefetch", "fsdp-offload", "fsdp-no-reshard", "pipeline-1f1b"];
 
 fn rank_check(what: &str, device: Device) -> Res<Outcome> {
     if !RANK_CHECKS.contains(&what) {
@@ -942,11 +1017,19 @@ fn rank_check(what: &str, device: Device) -> Res<Outcome> {
         (x.narrow(0, rank * per, per).to_device(device), y.narrow(0, rank * per, per).to_device(device))
     };
     let detail = match what {
-        "fsdp-prefetch" => {
+        // on CUDA: prefetched gathers on the gather stream, reduce-scatters on the reduce stream; with
+        // offload, pinned host shards and copies that do not block; without resharding, a reduction
+        // left running through the next unit's backward, received into the gathered buffer
+        "fsdp-prefetch" | "fsdp-offload" | "fsdp-no-reshard" => {
             let (_, (cpu_vs, _)) = twins_of(Device::Cpu, &wide_mlp)?;
             let w = 2048;
             let dims = [(D_IN, w), (w, w), (w, w), (w, w), (w, D_OUT)];
-            let opts = FsdpOptions::default().prefetch(2).process_group(pg.clone());
+            let mut opts = FsdpOptions::default().prefetch(2).process_group(pg.clone());
+            match what {
+                "fsdp-offload" => opts = opts.offload(Device::Cpu),
+                "fsdp-no-reshard" => opts = opts.reshard_after_forward(false),
+                _ => {}
+            }
             let model = fsdp_model(device, &dims, &cpu_vs, opts)?;
             let mut opt = sgd(model.parameters());
             for s in 0..STEPS {
@@ -959,7 +1042,12 @@ fn rank_check(what: &str, device: Device) -> Res<Outcome> {
                 model.state_dict()?.into_iter().map(|(n, t)| (n, t.to_device(Device::Cpu))).collect();
             let diff = max_diff(&got, &reference_of(&wide_mlp, sgd)?)?;
             ensure(diff < 1e-5, || format!("rank {rank}: FSDP differs from plain CPU training by {diff:e}"))?;
-            format!("FSDP, a unit per Linear, prefetch 2, {STEPS} steps, max |diff| vs CPU {diff:.1e}")
+            let mode = match what {
+                "fsdp-offload" => ", shards offloaded to the host",
+                "fsdp-no-reshard" => ", no resharding after forward",
+                _ => "",
+            };
+            format!("FSDP, a unit per Linear, prefetch 2{mode}, {STEPS} steps, max |diff| vs CPU {diff:.1e}")
         }
         "pipeline-1f1b" => {
             let layers = split_layers();

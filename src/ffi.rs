@@ -1,4 +1,5 @@
-//! Raw bindings to the C ABI in `csrc/tch_dist.h`. Everything here is unsafe; the safe API is above it.
+//! Raw bindings to the C ABI in `csrc/tch_dist.h`, and [`adopt`] for the tensors it hands over. Everything
+//! here is unsafe; the safe API is above it.
 #![allow(non_camel_case_types, dead_code)]
 use libc::{c_char, c_int, c_void, size_t};
 
@@ -26,6 +27,10 @@ pub struct tdx_hook {
     _p: [u8; 0],
 }
 pub type tdx_tensor = *mut c_void;
+#[repr(C)]
+pub struct tdx_event {
+    _p: [u8; 0],
+}
 pub type tdx_hook_fn = unsafe extern "C" fn(ctx: *mut c_void, index: i64);
 pub type tdx_callback_fn = unsafe extern "C" fn(ctx: *mut c_void, err: *mut c_char, errlen: size_t) -> c_int;
 pub type tdx_drop_fn = unsafe extern "C" fn(ctx: *mut c_void);
@@ -251,4 +256,30 @@ extern "C" {
     pub fn tdx_cuda_set_sync_debug_mode(mode: c_int, previous: *mut c_int) -> c_int;
 
     pub fn tdx_layout_check(buf: *mut c_char, len: size_t) -> c_int;
+
+    pub fn tdx_stream_pool(device: c_int, high_priority: c_int, out: *mut i64) -> c_int;
+    pub fn tdx_stream_current(device: c_int, out: *mut i64) -> c_int;
+    pub fn tdx_stream_exchange(stream: *const i64, previous: *mut i64) -> c_int;
+    pub fn tdx_event_new(out: *mut *mut tdx_event) -> c_int;
+    pub fn tdx_event_free(e: *mut tdx_event);
+    pub fn tdx_event_record(e: *mut tdx_event, stream: *const i64) -> c_int;
+    pub fn tdx_event_block(e: *const tdx_event, stream: *const i64) -> c_int;
+    pub fn tdx_event_synchronize(e: *const tdx_event) -> c_int;
+    pub fn tdx_event_query(e: *const tdx_event, done: *mut c_int) -> c_int;
+    pub fn tdx_record_stream(t: tdx_tensor, stream: *const i64) -> c_int;
+    pub fn tdx_copy_non_blocking(dst: tdx_tensor, src: tdx_tensor) -> c_int;
+    pub fn tdx_empty_pinned(sizes: *const i64, ndim: size_t, dtype: c_int, out: *mut tdx_tensor) -> c_int;
+}
+
+/// Takes ownership of `p`, a new `at::Tensor*` the shim returned through an out-parameter (null when it
+/// made none).
+///
+/// # Safety
+/// `p` is null or a tensor the shim made for the caller, owned by nothing else, and adopted once.
+pub(crate) unsafe fn adopt(p: tdx_tensor, what: &str) -> crate::error::Result<tch::Tensor> {
+    if p.is_null() {
+        return Err(crate::error::Error::invalid(what.to_string(), "shim returned no tensor"));
+    }
+    // SAFETY: by the caller's contract; the Tensor built here frees it.
+    Ok(unsafe { tch::Tensor::from_ptr(p as *mut torch_sys::C_tensor) })
 }

@@ -34,6 +34,7 @@ pub mod recompute;
 #[doc(hidden)] // libtorch's own bucket assignment, for tests to compare with
 pub mod reference;
 pub mod store;
+pub mod stream;
 pub mod sync_debug;
 pub mod tp;
 pub mod work;

@@ -4,16 +4,7 @@
 use tch::{Kind, Tensor};
 
 use crate::error::{check, Error, Result};
-use crate::ffi;
-
-/// Takes ownership of a tensor the shim created.
-fn adopt(p: ffi::tdx_tensor, what: &str) -> Result<Tensor> {
-    if p.is_null() {
-        return Err(Error::invalid(what.to_string(), "shim returned no tensor"));
-    }
-    // SAFETY: the shim hands over a new at::Tensor*; the Tensor built here owns and frees it.
-    Ok(unsafe { Tensor::from_ptr(p as *mut torch_sys::C_tensor) })
-}
+use crate::ffi::{self, adopt};
 
 /// `torch.randperm(n, generator=torch.Generator().manual_seed(seed))`.
 pub(crate) fn randperm(n: i64, seed: u64) -> Result<Vec<i64>> {
@@ -21,7 +12,8 @@ pub(crate) fn randperm(n: i64, seed: u64) -> Result<Vec<i64>> {
     // SAFETY: `out` is valid for the call.
     let code = unsafe { ffi::tdx_randperm(n, seed, &mut out) };
     check(code, std::time::Duration::ZERO, || format!("randperm({n}) with seed {seed}"))?;
-    Ok(Vec::<i64>::try_from(&adopt(out, "randperm")?)?)
+    // SAFETY: `out` is null or the tensor the shim just made for this call.
+    Ok(Vec::<i64>::try_from(&unsafe { adopt(out, "randperm") }?)?)
 }
 
 /// `torch.manual_seed(seed)` and then `torch.randn(*shape, dtype=kind)` for each shape in turn.
@@ -34,7 +26,9 @@ pub(crate) fn randn_seq(seed: u64, kind: Kind, shapes: &[Vec<i64>]) -> Result<Ve
     let code =
         unsafe { ffi::tdx_randn_seq(seed, dtype, shapes.len(), ndims.as_ptr(), sizes.as_ptr(), outs.as_mut_ptr()) };
     // on failure the shim created none, or some: take ownership of those either way
-    let made: Vec<Result<Tensor>> = outs.into_iter().filter(|p| !p.is_null()).map(|p| adopt(p, "randn")).collect();
+    // SAFETY: each non-null slot is a tensor the shim just made for this call, adopted once.
+    let made: Vec<Result<Tensor>> =
+        outs.into_iter().filter(|p| !p.is_null()).map(|p| unsafe { adopt(p, "randn") }).collect();
     check(code, std::time::Duration::ZERO, || format!("randn with seed {seed}"))?;
     made.into_iter().collect()
 }

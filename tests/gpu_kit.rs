@@ -27,7 +27,10 @@ fn every_kit_check_passes_with_the_cpu_standing_in_for_the_gpu() {
             skipped.push(name.as_str());
         }
     }
-    assert_eq!(skipped, ["nccl-refuses-cpu-tensors", "group-cpu-gloo-cuda-nccl", "async-wait", "sync-free-steps"]);
+    assert_eq!(
+        skipped,
+        ["nccl-refuses-cpu-tensors", "group-cpu-gloo-cuda-nccl", "async-wait", "streams", "sync-free-steps"]
+    );
     // without a GPU, asking for one is a skip that says so
     let o = Command::new(&kit).args(["check", "ddp-views-on"]).output().unwrap();
     if !tch::Cuda::is_available() {
@@ -43,7 +46,10 @@ fn the_two_process_kit_checks_pass_on_the_cpu() {
     let kit = common::example("gpu_kit");
     let list = Command::new(&kit).arg("rank-list").output().unwrap();
     let names: Vec<String> = String::from_utf8_lossy(&list.stdout).lines().map(str::to_string).collect();
-    assert_eq!(names, ["ddp-views-on", "ddp-views-off", "zero2", "fsdp-prefetch", "pipeline-1f1b"]);
+    assert_eq!(
+        names,
+        ["ddp-views-on", "ddp-views-off", "zero2", "fsdp-prefetch", "fsdp-offload", "fsdp-no-reshard", "pipeline-1f1b"]
+    );
     for name in &names {
         let o = Command::new(env!("CARGO_BIN_EXE_tchrun"))
             .args(["--standalone", "--nproc-per-node", "2", "--"])

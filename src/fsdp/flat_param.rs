@@ -16,6 +16,12 @@
 //! not one per parameter: its rank-major copy (`stage`: rank 0's chunks of every parameter, then rank
 //! 1's, ...) travels, and is copied into place after. The copies cost little where every parameter is
 //! small; the messages saved are round trips.
+//!
+//! On CUDA a gather or a reduction may run on a side stream (FSDP2's): the caller passes it, and this
+//! file orders the side stream after the compute stream's work it depends on and records on it the
+//! compute stream's memory it uses ([`stream::record_stream`]). Offloaded shards and their gradients
+//! live in pinned host memory, copied to and from the GPU without blocking; the runtime makes the host
+//! wait for the copies once, at the end of backward, before a host optimizer reads them.
 use std::collections::VecDeque;
 
 use tch::{Device, Kind, Tensor};
@@ -23,6 +29,7 @@ use tch::{Device, Kind, Tensor};
 use crate::error::{Error, Result};
 use crate::group::flat::{self, Reduction};
 use crate::group::ProcessGroup;
+use crate::stream::{self, Stream, StreamGuard};
 use crate::work::Work;
 use crate::{hooks, storage};
 
@@ -31,6 +38,23 @@ pub(crate) fn copied(t: &Tensor) -> Result<Tensor> {
     let mut out = t.f_empty_like()?;
     out.f_copy_(t)?;
     Ok(out)
+}
+
+/// A copy of `t` in pinned host memory.
+fn pinned_copy(t: &Tensor) -> Result<Tensor> {
+    let out = stream::empty_pinned(&t.size(), t.kind())?;
+    out.shallow_clone().f_copy_(t)?;
+    Ok(out)
+}
+
+/// Makes `side`, when there is one, wait for the compute stream's work so far and current until the
+/// guard drops.
+fn enter(side: Option<&Stream>, device: Device) -> Result<Option<StreamGuard>> {
+    let Some(side) = side else { return Ok(None) };
+    if let Some(compute) = Stream::current_if_cuda(device)? {
+        side.wait_stream(&compute)?;
+    }
+    Ok(Some(StreamGuard::new(side)?))
 }
 
 /// One parameter's place.
@@ -75,6 +99,8 @@ pub(crate) struct FlatParam {
     pub trainable: bool,
     /// The shards live apart from the compute buffers (FsdpOptions::offload), even on the same device.
     pub offloaded: bool,
+    /// Offloaded from a GPU: shards and their gradients in pinned host memory, copied without blocking.
+    pinned: bool,
     /// The shards move into `full` while the unit is gathered.
     home: bool,
     /// Gathered and reduced in one message through `stage` (more than one rank only).
@@ -140,11 +166,13 @@ impl FlatParam {
         }
         let offloaded = shard_device.is_some();
         let shard_device = shard_device.unwrap_or(device);
+        let pinned = offloaded && device.is_cuda() && shard_device == Device::Cpu;
         let compute = compute.unwrap_or(kind);
         let mut slots = Vec::with_capacity(named.len());
         for ((name, param), &(numel, chunk, offset)) in named.into_iter().zip(&layout) {
             let own = (numel - rank * chunk).clamp(0, chunk);
-            let shard = copied(&full.f_narrow(0, offset + rank * chunk, own)?.f_to_device(shard_device)?)?;
+            let mine = full.f_narrow(0, offset + rank * chunk, own)?.f_to_device(shard_device)?;
+            let shard = if pinned { pinned_copy(&mine)? } else { copied(&mine)? };
             let shape = param.size();
             slots.push(Slot {
                 name,
@@ -163,7 +191,8 @@ impl FlatParam {
         let coalesced = coalesced && world > 1;
         let stage = Tensor::f_empty([if coalesced { total } else { 0 }], (compute, device))?;
         storage::free(&stage)?;
-        let f = FlatParam { slots, full, placeholder, rank, world, trainable, offloaded, home, coalesced, stage };
+        let f =
+            FlatParam { slots, full, placeholder, rank, world, trainable, offloaded, pinned, home, coalesced, stage };
         f.use_full()?;
         Ok(f)
     }
@@ -178,6 +207,7 @@ impl FlatParam {
             world: self.world,
             trainable: self.trainable,
             offloaded: self.offloaded,
+            pinned: self.pinned,
             home: self.home,
             coalesced: self.coalesced,
             stage: self.stage.shallow_clone(),
@@ -186,6 +216,17 @@ impl FlatParam {
 
     pub fn compute_kind(&self) -> Kind {
         self.full.kind()
+    }
+
+    /// Where the unit computes.
+    pub fn device(&self) -> Device {
+        self.full.device()
+    }
+
+    /// Whether the shards are in pinned host memory, read and written by copies the host must wait for
+    /// before it touches them.
+    pub fn pinned(&self) -> bool {
+        self.pinned
     }
 
     /// Where slot `s`'s chunk of this rank lies in `full`.
@@ -212,7 +253,17 @@ impl FlatParam {
     /// Allocates `full` (with `spare`'s memory when it has the size: see [`release`](Self::release)),
     /// puts this rank's chunks in it and starts the all-gathers (rings of sends into place, one per
     /// parameter, or one for a coalesced unit, on the unit's tag); returns what is still running.
-    pub fn start_gather(&self, pg: &ProcessGroup, index: usize, spare: Option<Tensor>) -> Result<Vec<Work>> {
+    ///
+    /// With `side`, the copies and the gathers queue on that stream, after the compute stream's work so
+    /// far; `full` and the stage are the compute stream's memory, and the caller makes the compute stream
+    /// wait for the side stream before it uses or frees them.
+    pub fn start_gather(
+        &self,
+        pg: &ProcessGroup,
+        index: usize,
+        spare: Option<Tensor>,
+        side: Option<&Stream>,
+    ) -> Result<Vec<Work>> {
         let _g = tch::no_grad_guard();
         match spare {
             Some(sp) if sp.device() == self.full.device() && storage::nbytes(&sp)? == storage::bytes_of(&self.full) => {
@@ -220,11 +271,23 @@ impl FlatParam {
             }
             _ => storage::allocate(&self.full)?,
         }
+        if self.coalesced {
+            storage::allocate(&self.stage)?;
+        }
+        let _on = enter(side, self.device())?;
         for s in &self.slots {
             if s.own > 0 {
                 let chunk = self.own_chunk(s)?;
-                chunk.shallow_clone().f_copy_(&s.shard)?;
+                if self.pinned {
+                    stream::copy_non_blocking(&chunk, &s.shard)?;
+                } else {
+                    chunk.shallow_clone().f_copy_(&s.shard)?;
+                }
                 if self.home {
+                    if let Some(side) = side {
+                        // its memory is freed next, while the side stream may not have read it yet
+                        stream::record_stream(&s.shard, side)?;
+                    }
                     // moved in now, not when the gather is waited for: a prefetched unit then costs its
                     // full size too, not full size plus shards
                     s.shard.shallow_clone().f_set_data(&chunk)?;
@@ -232,9 +295,19 @@ impl FlatParam {
             }
         }
         let mut pending = VecDeque::new();
+        if let Err(e) = self.post_gathers(pg, index, &mut pending) {
+            // what was posted finishes before the caller frees its memory
+            for w in pending.into_iter().flatten() {
+                let _ = w.wait();
+            }
+            return Err(e);
+        }
+        Ok(pending.into_iter().flatten().collect())
+    }
+
+    fn post_gathers(&self, pg: &ProcessGroup, index: usize, pending: &mut VecDeque<Vec<Work>>) -> Result<()> {
         let label = format!("FSDP all-gather, unit {index}");
         if self.coalesced {
-            storage::allocate(&self.stage)?;
             let (per, at) = self.rows();
             let row = self.stage.f_narrow(0, self.rank * per, per)?;
             for (s, &a) in self.slots.iter().zip(&at) {
@@ -242,14 +315,14 @@ impl FlatParam {
                     row.f_narrow(0, a, s.own)?.f_copy_(&self.own_chunk(s)?)?;
                 }
             }
-            flat::all_gather(pg, &self.stage, per, &label, &mut pending, usize::MAX)?;
+            flat::all_gather(pg, &self.stage, per, &label, pending, usize::MAX)?;
         } else if self.world > 1 {
             for s in &self.slots {
                 let region = self.full.f_narrow(0, s.offset, self.world * s.chunk)?;
-                flat::all_gather(pg, &region, s.chunk, &label, &mut pending, usize::MAX)?;
+                flat::all_gather(pg, &region, s.chunk, &label, pending, usize::MAX)?;
             }
         }
-        Ok(pending.into_iter().flatten().collect())
+        Ok(())
     }
 
     /// After the gather's messages have arrived: a coalesced unit's rank-major copy goes into place.
@@ -330,6 +403,11 @@ impl FlatParam {
     /// gradient get memory of its own. Then a rank never holds more than the gathered unit and its
     /// gradient. Only with other ranks, where `full` holds the shards and has the reduction's dtype, and
     /// only once nothing else holds the gradient (autograd does while the gradient's hook runs).
+    ///
+    /// With `side`, each gradient is copied and divided on the compute stream, and reduced and moved
+    /// into its shard's gradient on the side stream, after the compute stream's work so far: the host
+    /// does not wait, and the compute stream must wait for the side stream before it reads the shards'
+    /// gradients.
     pub fn reduce_grads(
         &self,
         pg: &ProcessGroup,
@@ -337,16 +415,17 @@ impl FlatParam {
         reduce: Kind,
         divisor: f64,
         in_full: bool,
+        side: Option<&Stream>,
     ) -> Result<()> {
         let _g = tch::no_grad_guard();
-        let plan = self.plan_reduce(reduce, divisor, in_full)?;
+        let plan = self.plan_reduce(reduce, divisor, in_full, side)?;
         if self.coalesced {
-            return self.reduce_coalesced(pg, index, reduce, &plan.scale);
+            return self.reduce_coalesced(pg, index, reduce, &plan);
         }
         // one parameter at a time: each gradient is gone before the next reduction starts
         for s in &self.slots {
-            let (ring, out) = self.start_slot(pg, index, s, reduce, &plan.scale, plan.in_full)?;
-            self.finish_slot(pg, s, ring, &out, plan.in_full, &plan.scale)?;
+            let (ring, out) = self.start_slot(pg, index, s, reduce, &plan)?;
+            self.finish_slot(pg, s, ring, &out, &plan)?;
         }
         Ok(())
     }
@@ -360,31 +439,46 @@ impl FlatParam {
         reduce: Kind,
         divisor: f64,
         in_full: bool,
+        side: Option<&Stream>,
     ) -> Result<ReduceInFlight> {
         let _g = tch::no_grad_guard();
-        let mut r = self.plan_reduce(reduce, divisor, in_full)?;
+        let plan = self.plan_reduce(reduce, divisor, in_full, side)?;
+        let mut parts = Vec::with_capacity(self.slots.len());
         for s in &self.slots {
-            let part = self.start_slot(pg, index, s, reduce, &r.scale, r.in_full)?;
-            r.parts.push(part);
+            match self.start_slot(pg, index, s, reduce, &plan) {
+                Ok(p) => parts.push(p),
+                Err(e) => {
+                    // the ones posted finish before the caller frees their memory
+                    let _on = plan.side.as_ref().map(StreamGuard::new).transpose();
+                    for (ring, _) in parts {
+                        let _ = ring.finish(pg);
+                    }
+                    return Err(e);
+                }
+            }
         }
-        Ok(r)
+        Ok(ReduceInFlight { parts, plan })
     }
 
     /// Completes what [`start_reduce`](Self::start_reduce) posted.
     pub fn finish_reduce(&self, pg: &ProcessGroup, r: ReduceInFlight) -> Result<()> {
         let _g = tch::no_grad_guard();
         for (s, (ring, out)) in self.slots.iter().zip(r.parts) {
-            self.finish_slot(pg, s, ring, &out, r.in_full, &r.scale)?;
+            self.finish_slot(pg, s, ring, &out, &r.plan)?;
         }
         Ok(())
     }
 
     /// A reduction with nothing posted yet: its division, and whether it receives into `full` (asked
     /// for, and possible: see [`reduce_grads`](Self::reduce_grads)).
-    fn plan_reduce(&self, reduce: Kind, divisor: f64, in_full: bool) -> Result<ReduceInFlight> {
+    fn plan_reduce(&self, reduce: Kind, divisor: f64, in_full: bool, side: Option<&Stream>) -> Result<Plan> {
         let in_full =
             in_full && self.world > 1 && self.home && reduce == self.full.kind() && self.gathered_bytes()? > 0;
-        Ok(ReduceInFlight { parts: Vec::with_capacity(self.slots.len()), in_full, scale: Divide::new(reduce, divisor) })
+        if let (true, false, Some(side)) = (in_full, self.coalesced, side) {
+            // the side stream receives into it, and it is freed before the compute stream waits for that
+            stream::record_stream(&self.full, side)?;
+        }
+        Ok(Plan { in_full, scale: Divide::new(reduce, divisor), side: side.copied() })
     }
 
     /// Posts slot `s`'s reduction; returns it and where this rank's sum will be.
@@ -394,9 +488,9 @@ impl FlatParam {
         index: usize,
         s: &Slot,
         reduce: Kind,
-        scale: &Divide,
-        in_full: bool,
+        plan: &Plan,
     ) -> Result<(Reduction, Tensor)> {
+        let (scale, in_full, side) = (&plan.scale, plan.in_full, plan.side.as_ref());
         let device = self.full.device();
         let padded = self.world * s.chunk;
         let g = s.param.grad();
@@ -419,6 +513,10 @@ impl FlatParam {
         scale.before(&buf)?;
         drop(g);
         hooks::set_grad(&s.param, None)?; // `buf` keeps it alive for the reduction when in place
+        let _on = enter(side, device)?;
+        if let Some(side) = side {
+            stream::record_stream(&buf, side)?;
+        }
         let (out, scratch) = if in_full {
             let chunk = |k: i64| self.full.f_narrow(0, s.offset + (self.rank + k) % self.world * s.chunk, s.chunk);
             (chunk(1)?, if self.world > 2 { Some(chunk(2)?) } else { None })
@@ -430,24 +528,18 @@ impl FlatParam {
     }
 
     /// Waits for slot `s`'s reduction and makes its result the shard's gradient.
-    fn finish_slot(
-        &self,
-        pg: &ProcessGroup,
-        s: &Slot,
-        ring: Reduction,
-        out: &Tensor,
-        in_full: bool,
-        scale: &Divide,
-    ) -> Result<()> {
+    fn finish_slot(&self, pg: &ProcessGroup, s: &Slot, ring: Reduction, out: &Tensor, plan: &Plan) -> Result<()> {
+        let _on = plan.side.as_ref().map(StreamGuard::new).transpose()?;
         // `finish` consumes the ring and with it the gradient: gone before anything new is made
         ring.finish(pg)?;
         // a buffer of its own when `out` lies in `full`, which is freed next
-        self.set_shard_grad(s, &out.f_narrow(0, 0, s.own)?, in_full, scale)
+        self.set_shard_grad(s, &out.f_narrow(0, 0, s.own)?, plan.in_full, &plan.scale)
     }
 
     /// [`reduce_grads`](Self::reduce_grads) of a coalesced unit: every gradient into one rank-major
     /// buffer, one reduction, each shard's part out of its result.
-    fn reduce_coalesced(&self, pg: &ProcessGroup, index: usize, reduce: Kind, scale: &Divide) -> Result<()> {
+    fn reduce_coalesced(&self, pg: &ProcessGroup, index: usize, reduce: Kind, plan: &Plan) -> Result<()> {
+        let (scale, side) = (&plan.scale, plan.side.as_ref());
         let (per, at) = self.rows();
         let buf = Tensor::f_zeros([self.world * per], (reduce, self.full.device()))?;
         let rows = buf.f_view([self.world, per])?;
@@ -465,6 +557,10 @@ impl FlatParam {
             hooks::set_grad(&s.param, None)?;
         }
         scale.before(&buf)?;
+        let _on = enter(side, self.device())?;
+        if let Some(side) = side {
+            stream::record_stream(&buf, side)?;
+        }
         let out = Tensor::f_empty([per], (reduce, self.full.device()))?;
         flat::reduce_scatter(pg, buf, out.shallow_clone(), None, reduce_label(index))?.finish(pg)?;
         for (s, &a) in self.slots.iter().zip(&at) {
@@ -481,6 +577,14 @@ impl FlatParam {
         let sg = s.shard.grad();
         if sg.defined() {
             let _ = sg.shallow_clone().f_add_(&scale.after(&mine.f_to_device(s.shard.device())?)?)?;
+        } else if self.pinned {
+            // divided on the GPU in the shard's dtype (as the host would), then copied out without
+            // blocking; the runtime waits for the copy before the host reads it
+            let own = stream::empty_pinned(&[s.own], s.shard.kind())?;
+            let wide = if mine.kind() == own.kind() { mine.shallow_clone() } else { mine.f_to_kind(own.kind())? };
+            scale.after_in_place(&wide)?;
+            stream::copy_non_blocking(&own, &wide)?;
+            hooks::set_grad(&s.shard, Some(&own))?;
         } else if copy || self.offloaded || mine.kind() != s.shard.kind() {
             // with offload, even when the shard's device is the same one
             let own = Tensor::f_empty([s.own], (s.shard.kind(), s.shard.device()))?;
@@ -498,8 +602,14 @@ impl FlatParam {
 /// lands.
 pub(crate) struct ReduceInFlight {
     parts: Vec<(Reduction, Tensor)>,
+    plan: Plan,
+}
+
+/// How a unit's reduction runs: whether it receives into `full`, its division, and its stream.
+struct Plan {
     in_full: bool,
     scale: Divide,
+    side: Option<Stream>,
 }
 
 /// The division of summed gradients by the world size: after the reduction, on this rank's chunk only, in

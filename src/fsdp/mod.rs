@@ -230,7 +230,7 @@ impl FsdpBuilder {
             role == Role::Small,
         )?;
         let params: Vec<Tensor> = flat.slots.iter().map(|s| s.param.shallow_clone()).collect();
-        let id = self.rt.add_unit(name.to_string(), flat, role);
+        let id = self.rt.add_unit(name.to_string(), flat, role)?;
         // registered while the parameters have their shapes and compute dtype (their accumulators keep them)
         let hooks = unit::grad_hooks(&self.rt, id, &params)?;
         if role == Role::Layer {
@@ -398,6 +398,9 @@ impl<M> FullyShardedDataParallel<M> {
             None => f(&self.module, x),
         };
         if !y.requires_grad() {
+            // no backward will wait for the shards' copies to the GPU before a host optimizer, or a
+            // load, writes the shards: the host waits now (with pinned offload only)
+            self.rt.wait_for_pinned_copies()?;
             return Ok(y);
         }
         let weak = std::sync::Arc::downgrade(&self.rt);

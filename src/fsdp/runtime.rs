@@ -13,14 +13,22 @@
 //! zeros for them.
 //! With resharding off, each reduction is left running through the next unit's backward and finished
 //! before the next one starts (FSDP2's overlap).
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+//!
+//! On CUDA, as FSDP2: prefetched gathers run on a stream of their own and reduce-scatters on another, so
+//! that a unit's gather overlaps the compute of the unit before it, and its reduce-scatter the backward
+//! of the unit after it. The compute stream waits on events, never the host: for a prefetch before the
+//! unit computes, for the last reduction before a new one starts (one in flight, as FSDP2, so that its
+//! buffers are free to reuse) and at the end of backward. With pinned offload the host waits once, at the
+//! end of backward, for the copies of shards and gradients (FSDP2's `grad_offload_event`).
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 
-use tch::{Kind, Tensor};
+use tch::{Device, Kind, Tensor};
 
 use super::flat_param::{FlatParam, ReduceInFlight};
 use crate::error::{Error, Result};
 use crate::group::ProcessGroup;
 use crate::hooks;
+use crate::stream::{Event, Stream};
 use crate::work::Work;
 
 pub(crate) struct Config {
@@ -31,8 +39,8 @@ pub(crate) struct Config {
 
 enum Phase {
     Sharded,
-    /// A prefetch left these steps running.
-    InFlight(Vec<Work>),
+    /// A prefetch left these steps running (on the gather stream, up to the event, on CUDA).
+    InFlight(Vec<Work>, Option<Event>),
     Gathered,
     /// A thread is gathering or freeing it right now.
     Busy,
@@ -78,6 +86,16 @@ struct State {
     /// With resharding off: the reduction left running through the next unit's backward (FSDP2's
     /// overlap, one at a time), its unit `Busy` until it is finished.
     in_flight: Option<InFlight>,
+    /// On CUDA: the end of the last reduction on the reduce stream, not yet waited for by the compute
+    /// stream.
+    last_reduce: Option<Event>,
+}
+
+/// FSDP2's side streams of the device the units compute on.
+struct Streams {
+    device: Device,
+    gather: Stream,
+    reduce: Stream,
 }
 
 struct InFlight {
@@ -90,12 +108,22 @@ pub(crate) struct Runtime {
     pub pg: Arc<ProcessGroup>,
     pub cfg: Config,
     st: Mutex<State>,
+    /// Made with the first unit on CUDA; none off CUDA.
+    streams: OnceLock<Streams>,
 }
 
 enum Job {
     Nothing,
-    Wait(Vec<Work>),
+    Wait(Vec<Work>, Option<Event>),
     Start,
+}
+
+/// Makes the compute (current) stream of `device` wait for `e`, if there is one.
+fn compute_waits(device: Device, e: Option<Event>) -> Result<()> {
+    if let (Some(e), Some(compute)) = (e, Stream::current_if_cuda(device)?) {
+        e.block(&compute)?;
+    }
+    Ok(())
 }
 
 fn wait_all(works: Vec<Work>) -> Result<()> {
@@ -117,8 +145,15 @@ impl Runtime {
             error: None,
             spare: None,
             in_flight: None,
+            last_reduce: None,
         };
-        Runtime { pg, cfg, st: Mutex::new(st) }
+        Runtime { pg, cfg, st: Mutex::new(st), streams: OnceLock::new() }
+    }
+
+    /// The side streams for units computing on `device`: none off CUDA, or on another device than the
+    /// first unit's.
+    fn streams_for(&self, device: Device) -> Option<&Streams> {
+        self.streams.get().filter(|s| s.device == device)
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -127,21 +162,35 @@ impl Runtime {
     }
 
     /// Registers a unit (gathered, as FlatParam::new leaves it) and returns its index.
-    pub fn add_unit(&self, name: String, flat: FlatParam, role: Role) -> usize {
+    pub fn add_unit(&self, name: String, flat: FlatParam, role: Role) -> Result<usize> {
+        let device = flat.device();
+        if self.streams.get().is_none() && device.is_cuda() {
+            let (gather, reduce) = (Stream::high_priority(device)?, Stream::high_priority(device)?);
+            let _ = self.streams.set(Streams { device, gather, reduce });
+        }
         let expected = if flat.trainable { flat.slots.len() } else { 0 };
         let mut st = self.lock();
         st.units.push(Unit { name, flat, phase: Phase::Gathered, role, expected, arrived: 0 });
-        st.units.len() - 1
+        Ok(st.units.len() - 1)
     }
 
     pub fn len(&self) -> usize {
         self.lock().units.len()
     }
 
-    /// Runs `f` on each unit's flat parameter (handles, outside the lock), in unit order.
+    /// Runs `f` on each unit's flat parameter (handles, outside the lock), in unit order. A unit still
+    /// being prefetched has its shards in the gathered buffer, written on the gather stream: the compute
+    /// stream waits for that first, so that `f` reads them as they are.
     pub fn for_each<T>(&self, mut f: impl FnMut(usize, &str, &FlatParam) -> Result<T>) -> Result<Vec<T>> {
-        let units: Vec<(String, FlatParam)> =
-            self.lock().units.iter().map(|u| (u.name.clone(), u.flat.handles())).collect();
+        let units: Vec<(String, FlatParam)> = {
+            let st = self.lock();
+            for u in &st.units {
+                if let Phase::InFlight(_, Some(e)) = &u.phase {
+                    e.block(&Stream::current(u.flat.device())?)?; // queued on the GPU: no wait here
+                }
+            }
+            st.units.iter().map(|u| (u.name.clone(), u.flat.handles())).collect()
+        };
         units.iter().enumerate().map(|(i, (n, fp))| f(i, n, fp)).collect()
     }
 
@@ -160,7 +209,7 @@ impl Runtime {
             let unit = &mut st.units[u];
             let job = match std::mem::replace(&mut unit.phase, Phase::Busy) {
                 Phase::Gathered => Job::Nothing,
-                Phase::InFlight(w) => Job::Wait(w),
+                Phase::InFlight(w, e) => Job::Wait(w, e),
                 Phase::Sharded => Job::Start,
                 Phase::Busy => {
                     return Err(Error::invalid(
@@ -175,10 +224,18 @@ impl Runtime {
         };
         let done = match job {
             Job::Nothing => Ok(()),
-            Job::Wait(w) => wait_all(w).and_then(|()| flat.finish_gather()),
-            Job::Start => flat.start_gather(&self.pg, u, spare).and_then(wait_all).and_then(|()| flat.finish_gather()),
+            // every step waited for, even after a failure: their memory is freed next if it failed
+            Job::Wait(w, e) => compute_waits(flat.device(), e).and(wait_all(w)).and_then(|()| flat.finish_gather()),
+            // on the compute stream, which waits for it at once anyway (FSDP2's unprefetched unshard)
+            Job::Start => {
+                flat.start_gather(&self.pg, u, spare, None).and_then(wait_all).and_then(|()| flat.finish_gather())
+            }
         }
         .and_then(|()| flat.use_full());
+        if done.is_err() {
+            // sharded again, so that the next gather starts from scratch
+            let _ = flat.release(false);
+        }
         self.lock().units[u].phase = if done.is_ok() { Phase::Gathered } else { Phase::Sharded };
         done
     }
@@ -196,15 +253,27 @@ impl Runtime {
             (flat, st.spare.take())
         };
         let _l = crate::flight::label(format!("FSDP prefetch of unit {u}"));
-        let started = flat.start_gather(&self.pg, u, spare);
-        let mut st = self.lock();
+        let side = self.streams_for(flat.device()).map(|s| &s.gather);
+        let started =
+            flat.start_gather(&self.pg, u, spare, side).and_then(|w| match side.map(Event::record).transpose() {
+                Ok(e) => Ok((w, e)),
+                Err(e) => {
+                    // what was posted finishes (the host waits: there is no event) before its memory goes
+                    if let Some(side) = side {
+                        let _ = Event::record(side).and_then(|e| e.synchronize());
+                    }
+                    let _ = wait_all(w);
+                    Err(e)
+                }
+            });
         match started {
-            Ok(w) => {
-                st.units[u].phase = Phase::InFlight(w);
+            Ok((w, e)) => {
+                self.lock().units[u].phase = Phase::InFlight(w, e);
                 Ok(())
             }
             Err(e) => {
-                st.units[u].phase = Phase::Sharded;
+                let _ = flat.release(false);
+                self.lock().units[u].phase = Phase::Sharded;
                 Err(e)
             }
         }
@@ -219,16 +288,16 @@ impl Runtime {
     /// follows in the same step of backward (never across the user's code between units, where it
     /// would count as memory in use).
     fn reshard_keeping(&self, u: usize, keep: bool) -> Result<()> {
-        let (flat, works) = {
+        let (flat, works, event) = {
             let mut st = self.lock();
             let unit = &mut st.units[u];
-            let works = match std::mem::replace(&mut unit.phase, Phase::Busy) {
+            let (works, event) = match std::mem::replace(&mut unit.phase, Phase::Busy) {
                 Phase::Sharded => {
                     unit.phase = Phase::Sharded;
                     return Ok(());
                 }
-                Phase::InFlight(w) => w,
-                Phase::Gathered => Vec::new(),
+                Phase::InFlight(w, e) => (w, e),
+                Phase::Gathered => (Vec::new(), None),
                 Phase::Busy => {
                     return Err(Error::invalid(
                         "FSDP",
@@ -236,9 +305,12 @@ impl Runtime {
                     ))
                 }
             };
-            (unit.flat.handles(), works)
+            (unit.flat.handles(), works, event)
         };
-        let waited = wait_all(works);
+        // the gather stream's copies must be done before the memory goes back to the compute stream
+        let waited = compute_waits(flat.device(), event).and(wait_all(works));
+        // on CUDA the memory may still be in use on a side stream: no handover
+        let keep = keep && self.streams_for(flat.device()).is_none();
         let freed = flat.release(keep);
         let mut st = self.lock();
         st.units[u].phase = Phase::Sharded;
@@ -439,23 +511,38 @@ impl Runtime {
             let _l = crate::flight::label(format!("FSDP reduce-scatter of unit {u}"));
             let reduce = self.cfg.reduce_dtype.unwrap_or(flat.compute_kind());
             let divisor = self.pg.size() as f64;
+            let side = self.streams_for(flat.device()).map(|s| &s.reduce);
+            if side.is_some() {
+                // one reduction on the reduce stream at a time: the compute stream waits for the last
+                // one here, after the backward it overlapped, so that its buffers are free to reuse
+                let last = self.lock().last_reduce.take();
+                if let Err(e) = compute_waits(flat.device(), last) {
+                    self.restore_gathered(u, gathered)?;
+                    return Err(e);
+                }
+            }
             // With resharding off no gather follows in backward, so the unit's buffers may stay while the
             // next unit's backward computes (4 MB more in the benchmark, far under FSDP2's peak there);
             // with it on, they would add to the peak at every unit.
             if gathered && !force && !self.cfg.reshard_after_forward && !flat.coalesced {
-                match flat.start_reduce(&self.pg, u, reduce, divisor, true) {
+                match flat.start_reduce(&self.pg, u, reduce, divisor, true, side) {
                     Ok(r) => {
                         self.lock().in_flight = Some(InFlight { unit: u, flat, reduce: r });
                         continue;
                     }
                     Err(e) => {
-                        self.lock().units[u].phase = Phase::Gathered;
-                        self.reshard(u)?;
+                        self.restore_gathered(u, true)?;
                         return Err(e);
                     }
                 }
             }
-            let reduced = flat.reduce_grads(&self.pg, u, reduce, divisor, gathered);
+            let mut reduced = flat.reduce_grads(&self.pg, u, reduce, divisor, gathered, side);
+            if let (Ok(()), Some(side)) = (&reduced, side) {
+                match Event::record(side) {
+                    Ok(e) => self.lock().last_reduce = Some(e),
+                    Err(e) => reduced = Err(e),
+                }
+            }
             if gathered {
                 self.lock().units[u].phase = Phase::Gathered;
                 self.reshard_keeping(u, keep)?;
@@ -464,12 +551,27 @@ impl Runtime {
         }
     }
 
+    /// After a failure with unit `u` taken for a reduction (`Busy`, when `gathered`): gathered again,
+    /// then freed.
+    fn restore_gathered(&self, u: usize, gathered: bool) -> Result<()> {
+        if gathered {
+            self.lock().units[u].phase = Phase::Gathered;
+            self.reshard(u)?;
+        }
+        Ok(())
+    }
+
     /// Waits for the reduction left running, and frees its unit.
     fn finish_in_flight(&self) -> Result<()> {
         let Some(f) = self.lock().in_flight.take() else { return Ok(()) };
+        let device = f.flat.device();
         let done = {
             let _l = crate::flight::label(format!("FSDP reduce-scatter of unit {}", f.unit));
             f.flat.finish_reduce(&self.pg, f.reduce)
+        };
+        let done = match (done, self.streams_for(device)) {
+            (Ok(()), Some(s)) => Event::record(&s.reduce).map(|e| self.lock().last_reduce = Some(e)),
+            (d, _) => d,
         };
         self.lock().units[f.unit].phase = Phase::Gathered;
         let freed = self.reshard(f.unit);
@@ -491,6 +593,10 @@ impl Runtime {
                 r = freed;
             }
         }
+        let synced = self.sync_streams();
+        if r.is_ok() {
+            r = synced;
+        }
         let mut st = self.lock();
         st.spare = None;
         st.in_backward = false;
@@ -503,6 +609,31 @@ impl Runtime {
         }
     }
 
+    /// The end of backward on CUDA: the compute stream waits for the last reduction, so that what runs
+    /// next (clipping, the optimizer) reads the shards' gradients; with pinned offload the host waits
+    /// too, for the copies of the gradients to the host and of the shards to the GPU, before a host
+    /// optimizer reads the one and writes the other.
+    fn sync_streams(&self) -> Result<()> {
+        let last = self.lock().last_reduce.take();
+        let waited = match self.streams.get() {
+            Some(s) => compute_waits(s.device, last),
+            None => Ok(()),
+        };
+        waited.and(self.wait_for_pinned_copies())
+    }
+
+    /// With pinned offload: the host waits for the copies between the shards (and their gradients) and
+    /// the GPU queued so far, before anything on the host reads or writes them.
+    pub fn wait_for_pinned_copies(&self) -> Result<()> {
+        let mut devices: Vec<Device> =
+            self.lock().units.iter().filter(|u| u.flat.pinned()).map(|u| u.flat.device()).collect();
+        devices.dedup();
+        for d in devices {
+            Event::record(&Stream::current(d)?)?.synchronize()?;
+        }
+        Ok(())
+    }
+
     /// After a backward that failed before its end: free what is gathered, forget its bookkeeping.
     fn recover(&self) {
         // waited for, not dropped: its receive writes into the unit's buffer, which is freed next
@@ -510,6 +641,7 @@ impl Runtime {
         for u in 0..self.len() {
             let _ = self.reshard(u);
         }
+        let _ = self.sync_streams();
         let mut st = self.lock();
         st.spare = None;
         st.in_backward = false;

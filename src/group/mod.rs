@@ -591,7 +591,7 @@ impl ProcessGroup {
         if send {
             return Ok((t.f_to_device(Device::Cpu)?, None));
         }
-        let host = t.f_empty_like()?.f_to_device(Device::Cpu)?;
+        let host = Tensor::f_empty(t.size(), (t.kind(), Device::Cpu))?;
         let (mut dst, src_host) = (t.shallow_clone(), host.shallow_clone());
         let finish: Finish = Box::new(move || {
             dst.f_copy_(&src_host)?;
