@@ -38,7 +38,55 @@ pub enum Error {
     Backend { op: String, msg: String },
     /// An error from tch itself.
     #[error(transparent)]
-    Torch(#[from] tch::TchError),
+    Torch(tch::TchError),
+}
+
+/// A tch error is ours again when it carries one of our errors that failed a backward (see
+/// [`queue_backward_callback`](crate::hooks::queue_backward_callback)), with its kind: a DDP or FSDP
+/// backward that lost a peer is a peer failure.
+impl From<tch::TchError> for Error {
+    fn from(e: tch::TchError) -> Self {
+        across::take(&e.to_string()).unwrap_or(Error::Torch(e))
+    }
+}
+
+/// The message that fails a backward with `e` (autograd carries only text): `e`'s own, marked so that
+/// the tch error the backward returns turns back into `e` (`From<TchError>`).
+pub(crate) fn crossing_autograd(e: Error) -> String {
+    across::put(e)
+}
+
+/// Errors on their way across autograd, by number: a few, the latest (one that nobody turns back is
+/// dropped when newer ones push it out).
+mod across {
+    use std::collections::VecDeque;
+    use std::sync::Mutex;
+
+    use super::Error;
+
+    const MARK: &str = "[tch-dist error #";
+    const KEEP: usize = 16;
+    static WAITING: Mutex<(u64, VecDeque<(u64, Error)>)> = Mutex::new((0, VecDeque::new()));
+
+    pub(super) fn put(e: Error) -> String {
+        let msg = e.to_string();
+        let mut w = WAITING.lock().unwrap_or_else(|p| p.into_inner());
+        w.0 += 1;
+        let n = w.0;
+        w.1.push_back((n, e));
+        while w.1.len() > KEEP {
+            w.1.pop_front();
+        }
+        format!("{msg} {MARK}{n}]")
+    }
+
+    pub(super) fn take(msg: &str) -> Option<Error> {
+        let at = msg.rfind(MARK)? + MARK.len();
+        let n: u64 = msg[at..].split(']').next()?.parse().ok()?;
+        let mut w = WAITING.lock().unwrap_or_else(|p| p.into_inner());
+        let i = w.1.iter().position(|(k, _)| *k == n)?;
+        w.1.remove(i).map(|(_, e)| e)
+    }
 }
 
 pub type Result<T> = std::result::Result<T, Error>;

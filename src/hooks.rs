@@ -5,7 +5,7 @@ use std::ptr::NonNull;
 
 use tch::Tensor;
 
-use crate::error::{check, Error, Result};
+use crate::error::{check, crossing_autograd, Error, Result};
 use crate::ffi;
 
 type Callback = Box<dyn Fn() + Send + Sync>;
@@ -120,7 +120,7 @@ pub fn zero_grads(vars: &[Tensor]) -> Result<()> {
     Ok(())
 }
 
-type EndCallback = Option<Box<dyn FnOnce() -> std::result::Result<(), String> + Send>>;
+type EndCallback = Option<Box<dyn FnOnce() -> Result<()> + Send>>;
 
 /// Backward callbacks queued and not yet freed (to test that none leaks).
 static LIVE_CALLBACKS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
@@ -141,7 +141,7 @@ unsafe extern "C" fn end_trampoline(ctx: *mut c_void, err: *mut libc::c_char, er
     let Some(f) = (unsafe { &mut *(ctx as *mut EndCallback) }).take() else { return 0 };
     let msg = match catch_unwind(AssertUnwindSafe(f)) {
         Ok(Ok(())) => return 0,
-        Ok(Err(m)) => m,
+        Ok(Err(e)) => crossing_autograd(e),
         Err(_) => "tch-dist: a backward callback panicked".to_string(),
     };
     write_error(&msg, err, errlen);
@@ -149,8 +149,10 @@ unsafe extern "C" fn end_trampoline(ctx: *mut c_void, err: *mut libc::c_char, er
 }
 
 /// Runs `f` once when the backward pass in progress finishes (as PyTorch's reducer finalises DDP). Call it
-/// from inside a gradient hook. If `f` returns an error, that backward fails with its message.
-pub fn queue_backward_callback(f: impl FnOnce() -> std::result::Result<(), String> + Send + 'static) -> Result<()> {
+/// from inside a gradient hook. If `f` returns an error, that backward fails with it: its message in
+/// tch's error, and the error itself, of its kind, where that tch error becomes an [`Error`] (`?` in a
+/// function returning `tch_dist::Result`).
+pub fn queue_backward_callback(f: impl FnOnce() -> Result<()> + Send + 'static) -> Result<()> {
     let ctx: *mut EndCallback = Box::into_raw(Box::new(Some(Box::new(f))));
     LIVE_CALLBACKS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
     // SAFETY: the shim takes ownership of ctx and frees it through end_drop on every path.
@@ -158,7 +160,7 @@ pub fn queue_backward_callback(f: impl FnOnce() -> std::result::Result<(), Strin
     check(code, std::time::Duration::ZERO, || "queue a callback at the end of backward".into())
 }
 
-type MarkerCallback = Box<dyn Fn() -> std::result::Result<(), String> + Send + Sync>;
+type MarkerCallback = Box<dyn Fn() -> Result<()> + Send + Sync>;
 
 unsafe extern "C" fn marker_drop(ctx: *mut c_void) {
     // SAFETY: ctx is the Box<MarkerCallback> handed over by backward_marker; the shim frees it once.
@@ -170,7 +172,7 @@ unsafe extern "C" fn marker_trampoline(ctx: *mut c_void, err: *mut libc::c_char,
     let f = unsafe { &*(ctx as *const MarkerCallback) };
     let msg = match catch_unwind(AssertUnwindSafe(f)) {
         Ok(Ok(())) => return 0,
-        Ok(Err(m)) => m,
+        Ok(Err(e)) => crossing_autograd(e),
         Err(_) => "tch-dist: a backward marker's callback panicked".to_string(),
     };
     write_error(&msg, err, errlen);
@@ -191,12 +193,12 @@ pub(crate) fn write_error(msg: &str, err: *mut libc::c_char, errlen: libc::size_
 
 /// `x` again (sharing its data), with a backward that first runs `f`: in a backward through the result,
 /// `f` runs as soon as the gradient of the result is complete, before anything that computed `x` runs
-/// backward. An error from `f` fails that backward with its message. Returns `(x, false)` without calling
-/// anything later when grad mode is off or `x` does not require grad.
+/// backward. An error from `f` fails that backward with it, as in [`queue_backward_callback`]. Returns
+/// `(x, false)` without calling anything later when grad mode is off or `x` does not require grad.
 pub fn backward_marker(
     x: &Tensor,
     label: &str,
-    f: impl Fn() -> std::result::Result<(), String> + Send + Sync + 'static,
+    f: impl Fn() -> Result<()> + Send + Sync + 'static,
 ) -> Result<(Tensor, bool)> {
     let ctx: *mut MarkerCallback = Box::into_raw(Box::new(Box::new(f)));
     let label_c = std::ffi::CString::new(label.replace('\0', " ")).unwrap_or_default();

@@ -133,3 +133,58 @@ fn different_operations_at_the_same_point_are_reported() {
         assert!(e.contains("different operations"), "{e}");
     }
 }
+
+/// A backward whose collectives lose a peer fails with that error's own kind, across autograd: a peer
+/// failure (what elastic recovery restarts on), not a string in a tch error. DDP: rank 1 runs the
+/// forward, never the backward; FSDP: the same, so rank 0's backward gathers and reduces alone.
+#[test]
+fn a_backward_that_loses_its_peer_fails_with_a_peer_failure_for_ddp_and_fsdp() {
+    use std::sync::Arc;
+    use tch::nn;
+    use tch_dist::ddp::{DdpOptions, DistributedDataParallel};
+    use tch_dist::fsdp::{FsdpBuilder, FsdpOptions};
+    for wrapper in ["DDP", "FSDP"] {
+        let res = common::run_threads(2, Duration::from_secs(2), move |pg| {
+            let rank = pg.rank();
+            let pg = Arc::new(pg);
+            let vs = nn::VarStore::new(Device::Cpu);
+            let x = Tensor::ones([4, common::model::IN], (Kind::Float, Device::Cpu));
+            // a step: the forward, and the backward when asked
+            let step: Box<dyn Fn(bool) -> tch_dist::Result<()>> = if wrapper == "DDP" {
+                let ddp = DistributedDataParallel::new(
+                    &vs,
+                    common::model::mlp(&vs),
+                    DdpOptions::default().process_group(pg.clone()),
+                )
+                .unwrap();
+                Box::new(move |back| {
+                    let y = ddp.f_forward(&x)?.sum(Kind::Float);
+                    if back {
+                        ddp.backward(&y)?;
+                    }
+                    Ok(())
+                })
+            } else {
+                let fsdp = FsdpBuilder::new(&vs, FsdpOptions::default().process_group(pg.clone())).unwrap();
+                let p = vs.root() / "l";
+                let unit = fsdp.fully_shard(&p, nn::linear(&p, common::model::IN, 64, Default::default())).unwrap();
+                let model = fsdp.finish(unit).unwrap();
+                Box::new(move |back| {
+                    let y = model.f_forward(&x)?.sum(Kind::Float);
+                    if back {
+                        model.backward(&y)?;
+                    }
+                    Ok(())
+                })
+            };
+            if rank == 1 {
+                step(false).unwrap();
+                std::thread::sleep(Duration::from_secs(4)); // silent, while rank 0's backward waits
+                return None;
+            }
+            Some(step(true).expect_err("a backward without its peer"))
+        });
+        let e = res[0].as_ref().expect("rank 0's error");
+        assert!(e.is_peer_failure(), "{wrapper}: expected a peer failure, got {e:?}");
+    }
+}

@@ -627,3 +627,69 @@ fn with_resharding_off_a_reduction_runs_through_the_next_units_backward() {
         }
     }
 }
+
+/// tch's own optimizer built over the VarStore once the model is finished (FSDP2's rule: the optimizer
+/// after `fully_shard`) steps the shards, its weight-decay groups kept: `nn::AdamW` with a group that
+/// decays and one that does not, on 2 ranks, equals one process on the whole batch.
+#[test]
+fn tch_s_own_adamw_over_the_var_store_steps_the_shards_with_its_groups() {
+    fn net(vs: &nn::VarStore, fsdp: Option<&FsdpBuilder>) -> nn::Func<'static> {
+        let (p1, p2) = (vs.root() / "l1", vs.root().set_group(1) / "l2");
+        let l1 = nn::linear(&p1, 4, 6, Default::default());
+        let l2 = nn::linear(&p2, 6, 1, Default::default());
+        init(vs, 0.0);
+        match fsdp {
+            Some(f) => {
+                let (l1, l2) = (f.fully_shard(&p1, l1).unwrap(), f.fully_shard(&p2, l2).unwrap());
+                nn::func(move |x| l2.forward(&l1.forward(x).tanh()))
+            }
+            None => nn::func(move |x| l2.forward(&l1.forward(x).tanh())),
+        }
+    }
+    fn adamw(vs: &nn::VarStore) -> nn::Optimizer {
+        use tch::nn::OptimizerConfig;
+        let mut o = nn::AdamW::default().build(vs, LR).unwrap();
+        o.set_weight_decay_group(0, 0.0);
+        o.set_weight_decay_group(1, 0.5);
+        o
+    }
+    let loss = |y: &Tensor, t: &Tensor| (y - t).square().mean(Kind::Float);
+    let vs = nn::VarStore::new(Device::Cpu);
+    let m = net(&vs, None);
+    let mut opt = adamw(&vs);
+    for step in 0..STEPS {
+        let ((x0, y0), (x1, y1)) = (batch(step, 0, 0), batch(step, 1, 0));
+        opt.zero_grad();
+        loss(&m.forward(&Tensor::cat(&[x0, x1], 0)), &Tensor::cat(&[y0, y1], 0)).backward();
+        opt.step();
+    }
+    let mut want: Vec<(String, Tensor)> = vs.variables().into_iter().map(|(n, t)| (n, t.detach().copy())).collect();
+    want.sort_by(|a, b| a.0.cmp(&b.0));
+    let start = nn::VarStore::new(Device::Cpu);
+    let _ = net(&start, None);
+    let moved = want.iter().map(|(n, t)| (t - &start.variables()[n]).abs().max().double_value(&[])).fold(0.0, f64::max);
+    assert!(moved > 0.01, "training must move the parameters");
+    let got = common::run_threads(2, Duration::from_secs(60), move |pg| {
+        let rank = pg.rank();
+        let vs = nn::VarStore::new(Device::Cpu);
+        let fsdp = FsdpBuilder::new(&vs, FsdpOptions::default().process_group(Arc::new(pg))).unwrap();
+        let m = net(&vs, Some(&fsdp));
+        let model = fsdp.finish(m).unwrap();
+        let mut opt = adamw(&vs);
+        for step in 0..STEPS {
+            let (x, y) = batch(step, rank, 0);
+            opt.zero_grad();
+            model.backward(&loss(&model.forward(&x), &y)).unwrap();
+            opt.step();
+        }
+        model.state_dict().unwrap()
+    });
+    for (rank, state) in got.iter().enumerate() {
+        assert_eq!(state.len(), want.len());
+        for ((n, g), (wn, w)) in state.iter().zip(&want) {
+            assert_eq!(n, wn);
+            let d = (g - w).abs().max().double_value(&[]);
+            assert!(d < 1e-5, "rank {rank}: {n} differs from one process by {d:e}");
+        }
+    }
+}

@@ -61,7 +61,8 @@ pub(crate) struct State {
     /// Reductions completed (iterations fully finalised).
     pub iterations: u64,
     pub events: Vec<ReducerEvent>,
-    error: Option<String>,
+    /// This backward's first error, of its kind (a lost peer stays a peer failure).
+    error: Option<Error>,
     /// Every gradient is zero since the last `zero_grad` (no backward ran since): a bucket rebuild then
     /// need not preserve gradient values, so the old buckets can go before the new ones come.
     pub grads_zeroed: bool,
@@ -157,7 +158,10 @@ impl Reducer {
                     if let Some(r) = weak.upgrade() {
                         // a panic in here becomes this backward's error (reported when it ends)
                         if let Err(p) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| r.on_grad_ready(i))) {
-                            r.fail(format!("the gradient hook of parameter {i} {}", panic_text(&*p)));
+                            r.fail(Error::invalid(
+                                "DDP backward",
+                                format!("the gradient hook of parameter {i} {}", panic_text(&*p)),
+                            ));
                         }
                     }
                 })
@@ -184,44 +188,47 @@ impl Reducer {
                 st.backwards += 1;
                 let weak = Arc::downgrade(self);
                 let queued = hooks::queue_backward_callback(move || match weak.upgrade() {
-                    Some(r) => r.finalize().map_err(|e| e.to_string()),
+                    Some(r) => r.finalize(),
                     None => Ok(()),
                 });
                 if let Err(e) = queued {
-                    st.error = Some(e.to_string());
+                    st.error = Some(e);
                     return;
                 }
             }
             st.events.push(ReducerEvent::GradReady { param: i });
             if st.ready[i] {
-                st.error = Some(format!(
-                    "parameter {i} ({}) was marked ready twice in one backward; DDP supports one backward per forward",
-                    st.names[i]
+                st.error = Some(Error::invalid(
+                    "DDP backward",
+                    format!(
+                        "parameter {i} ({}) was marked ready twice in one backward; DDP supports one backward per forward",
+                        st.names[i]
+                    ),
                 ));
                 return;
             }
             match self.mark_ready(&mut st, i) {
                 Ok(l) => (loop_counts, l),
                 Err(e) => {
-                    st.error = Some(e.to_string());
+                    st.error = Some(e);
                     return;
                 }
             }
         };
         if let Some((forwards, backwards)) = loop_counts {
             if let Err(e) = self.check_loop_agreement(forwards, backwards, "backward") {
-                self.fail(e.to_string());
+                self.fail(e);
                 return;
             }
         }
         if let Err(e) = self.start(launches) {
-            self.fail(e.to_string());
+            self.fail(e);
         }
     }
 
     /// Records the first error of this backward (reported when it ends).
-    pub(crate) fn fail(&self, msg: String) {
-        lock(&self.state).error.get_or_insert(msg);
+    pub(crate) fn fail(&self, e: Error) {
+        lock(&self.state).error.get_or_insert(e);
     }
 
     /// Copies parameter `i`'s gradient into its bucket slot (divided by the world size) and returns the
@@ -340,7 +347,7 @@ impl Reducer {
         let launches = {
             let mut st = lock(&self.state);
             if let Some(e) = st.error.take() {
-                return Err(Error::Backend { op: op(), msg: e });
+                return Err(e); // it names its own operation (a bucket's allreduce, a loop check)
             }
             let missing: Vec<usize> = (0..st.params.len()).filter(|&i| !st.ready[i]).collect();
             if !missing.is_empty() && !self.cfg.find_unused {

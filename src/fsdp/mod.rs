@@ -32,7 +32,10 @@
 //!
 //! - **Optimizer**: [`parameters`](FullyShardedDataParallel::parameters) are this rank's shards, one flat
 //!   tensor per parameter (FSDP2's per-parameter sharding), with `.grad` set after a synchronised
-//!   backward: any optimizer over tensors steps them.
+//!   backward: any optimizer over tensors steps them. [`finish`](FsdpBuilder::finish) also puts them in
+//!   the VarStore's trainable variables, in their optimizer groups, so tch's own optimizers built over
+//!   the VarStore after it (`nn::AdamW::default().build(&vs, lr)`, weight-decay groups included) step
+//!   them too; clip with [`clip_grad_norm`](FullyShardedDataParallel::clip_grad_norm), not tch's.
 //! - **Mixed precision** ([`FsdpOptions::param_dtype`]): units compute in bfloat16 or float16 while the
 //!   shards, their gradients and the optimizer state stay float32.
 //! - **Memory**: per rank, 16Ψ/N bytes with AdamW (4 for the shard, 4 its gradient, 8 the moments), plus
@@ -149,6 +152,9 @@ pub struct FsdpBuilder {
     opts: FsdpOptions,
     /// Variables already in a unit, by name.
     claimed: Mutex<HashSet<String>>,
+    /// Where each of them is in the VarStore's list of trainable variables, for its shard to take its
+    /// place there when the model is finished.
+    places: Mutex<Vec<(String, usize)>>,
     /// Parameters the units left for the units of small parameters ([`FsdpOptions::gather_once_below`]),
     /// sharded when the model is finished.
     small: Mutex<Vec<(String, Tensor)>>,
@@ -184,6 +190,7 @@ impl FsdpBuilder {
             vars: vs.variables_.clone(),
             opts,
             claimed: Mutex::new(HashSet::new()),
+            places: Mutex::new(Vec::new()),
             small: Mutex::new(Vec::new()),
         })
     }
@@ -207,6 +214,15 @@ impl FsdpBuilder {
             .collect();
         out.sort_by(|a, b| a.0.cmp(&b.0));
         claimed.extend(out.iter().map(|(n, _)| n.clone()));
+        let mut places = self.places.lock().unwrap_or_else(|e| e.into_inner());
+        for (n, t) in &out {
+            let at = vars.trainable_variables.iter().enumerate().position(|(k, v)| {
+                v.tensor.data_ptr() == t.data_ptr() && v.tensor.size() == t.size() && !places.iter().any(|p| p.1 == k)
+            });
+            if let Some(k) = at {
+                places.push((n.clone(), k));
+            }
+        }
         out
     }
 
@@ -302,7 +318,24 @@ impl FsdpBuilder {
         if self.rt.len() == 0 {
             return Err(Error::invalid("FsdpBuilder::finish", "the VarStore has no trainable variables"));
         }
+        self.publish_shards();
         Ok(FullyShardedDataParallel { _hooks: hooks, module, rt: self.rt, root, vars: self.vars })
+    }
+
+    /// As FSDP2's parameters after `fully_shard`: the VarStore's trainable variables become this rank's
+    /// shards, each keeping its optimizer group, so that an optimizer built over the VarStore from now on
+    /// (tch's `nn::AdamW::default().build(&vs, lr)`, its weight-decay groups included) steps what the
+    /// reductions fill. The named variables (`vs.variables()`) stay the modules' own parameters, which
+    /// are empty between uses.
+    fn publish_shards(&self) {
+        let shards: std::collections::HashMap<String, Tensor> = self.rt.shards().into_iter().collect();
+        let places = std::mem::take(&mut *self.places.lock().unwrap_or_else(|e| e.into_inner()));
+        let mut vars = self.vars.lock().unwrap_or_else(|e| e.into_inner());
+        for (name, k) in places {
+            if let (Some(shard), Some(var)) = (shards.get(&name), vars.trainable_variables.get_mut(k)) {
+                var.tensor = shard.shallow_clone();
+            }
+        }
     }
 }
 
@@ -405,8 +438,8 @@ impl<M> FullyShardedDataParallel<M> {
         }
         let weak = std::sync::Arc::downgrade(&self.rt);
         let (y, _) = hooks::backward_marker(&y, "FsdpBeginBackward", move || match weak.upgrade() {
-            Some(rt) => rt.begin_backward().map_err(|e| e.to_string()),
-            None => Err("the FSDP model was dropped before its backward".into()),
+            Some(rt) => rt.begin_backward(),
+            None => Err(Error::invalid("FSDP backward", "the FSDP model was dropped before its backward")),
         })?;
         Ok(y)
     }

@@ -78,7 +78,8 @@ struct State {
     /// The end-of-backward callback is queued: a backward is running.
     in_backward: bool,
     sync: bool,
-    error: Option<String>,
+    /// This backward's first error, of its kind (a lost peer stays a peer failure).
+    error: Option<Error>,
     /// The memory of the unit reduced and freed last in backward, for the gather that follows in the same
     /// pre-backward step: handed over, not returned to the allocator (see FlatParam::release); dropped
     /// before the unit's backward computes.
@@ -438,12 +439,12 @@ impl Runtime {
         };
         if queue {
             if let Err(e) = self.queue_end_callback() {
-                self.record(e.to_string());
+                self.record(e);
             }
         }
     }
 
-    fn record(&self, e: String) {
+    fn record(&self, e: Error) {
         let mut st = self.lock();
         if st.error.is_none() {
             st.error = Some(e);
@@ -465,8 +466,8 @@ impl Runtime {
     fn queue_end_callback(self: &Arc<Self>) -> Result<()> {
         let weak: Weak<Runtime> = Arc::downgrade(self);
         hooks::queue_backward_callback(move || match weak.upgrade() {
-            Some(rt) => rt.end_backward().map_err(|e| e.to_string()),
-            None => Err("the FSDP model was dropped during its backward".into()),
+            Some(rt) => rt.end_backward(),
+            None => Err(Error::invalid("FSDP backward", "the FSDP model was dropped during its backward")),
         })
     }
 
@@ -604,7 +605,7 @@ impl Runtime {
         st.reduced = 0;
         st.units.iter_mut().for_each(|x| x.arrived = 0);
         match st.error.take() {
-            Some(e) => Err(Error::invalid("FSDP backward", e)),
+            Some(e) => Err(e),
             None => r,
         }
     }

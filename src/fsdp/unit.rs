@@ -57,8 +57,8 @@ pub(crate) fn forward(rt: &Arc<Runtime>, id: usize, x: &Tensor, f: impl FnOnce(&
     }
     let weak = Arc::downgrade(rt);
     let (y, _) = hooks::backward_marker(&y, "FsdpPreBackward", move || match weak.upgrade() {
-        Some(rt) => rt.pre_backward(id).map_err(|e| e.to_string()),
-        None => Err("the FSDP model was dropped before its backward".into()),
+        Some(rt) => rt.pre_backward(id),
+        None => Err(crate::Error::invalid("FSDP backward", "the FSDP model was dropped before its backward")),
     })?;
     Ok(y)
 }
