@@ -708,18 +708,9 @@ fn async_wait(device: Device) -> Res<Outcome> {
         return Ok(Skip("needs a CUDA stream".into()));
     }
     let pg = group(device, BackendConfig::NCCL)?;
-    let a = Tensor::randn([4096, 4096], (Kind::Float, device));
     let mut t = Tensor::full([1 << 20], 3.0, (Kind::Float, device));
     pg.allreduce(&mut t, ReduceOp::Sum)?;
-    let _ = a.matmul(&a);
-    tch::Cuda::synchronize(0);
-    // how many matmuls make ~200 ms here
-    let start = Instant::now();
-    for _ in 0..10 {
-        let _ = a.matmul(&a);
-    }
-    tch::Cuda::synchronize(0);
-    let n = ((0.2 / (start.elapsed().as_secs_f64() / 10.0)).ceil() as usize).clamp(1, 100_000);
+    let (a, n) = matmuls_for_200ms(device);
     let start = Instant::now();
     let mut acc = a.zeros_like();
     for _ in 0..n {
@@ -742,6 +733,20 @@ fn async_wait(device: Device) -> Res<Outcome> {
     Ok(Pass(format!("wait() returned in {waited:?} behind {n} queued matmuls ({total:?}); result right")))
 }
 
+/// A 4096x4096 matrix and how many of its matmuls take ~200 ms on `device` (warmed, timed over ten).
+fn matmuls_for_200ms(device: Device) -> (Tensor, usize) {
+    let a = Tensor::randn([4096, 4096], (Kind::Float, device));
+    let _ = a.matmul(&a);
+    tch::Cuda::synchronize(0);
+    let start = Instant::now();
+    for _ in 0..10 {
+        let _ = a.matmul(&a);
+    }
+    tch::Cuda::synchronize(0);
+    let n = ((0.2 / (start.elapsed().as_secs_f64() / 10.0)).ceil() as usize).clamp(1, 100_000);
+    (a, n)
+}
+
 /// Streams and events (`tch_dist::stream`, what FSDP's side streams stand on): behind ~200 ms of matmuls
 /// on the compute stream, work on a side stream ends first; work ordered after the compute stream by an
 /// event does not; pinned copies that do not block come back right.
@@ -753,15 +758,7 @@ fn streams(device: Device) -> Res<Outcome> {
     let compute = Stream::current(device)?;
     let side = Stream::high_priority(device)?;
     ensure(side != compute, || "the side stream is the current one".into())?;
-    let a = Tensor::randn([4096, 4096], (Kind::Float, device));
-    let _ = a.matmul(&a);
-    tch::Cuda::synchronize(0);
-    let start = Instant::now();
-    for _ in 0..10 {
-        let _ = a.matmul(&a);
-    }
-    tch::Cuda::synchronize(0);
-    let n = ((0.2 / (start.elapsed().as_secs_f64() / 10.0)).ceil() as usize).clamp(1, 100_000);
+    let (a, n) = matmuls_for_200ms(device);
     let small = Tensor::full([1 << 16], 1.0, (Kind::Float, device));
     let mut acc = a.zeros_like();
     for _ in 0..n {

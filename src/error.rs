@@ -137,6 +137,18 @@ impl Error {
     }
 }
 
+/// What a caught panic said, on one line: a panicking tch op's own message (not `called
+/// Result::unwrap() on an Err value: Torch("...")` around it, nor the C++ backtrace after it).
+pub(crate) fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
+    let msg =
+        p.downcast_ref::<String>().map(|s| s.as_str()).or_else(|| p.downcast_ref::<&str>().copied()).unwrap_or("panic");
+    let first = msg.lines().next().unwrap_or(msg);
+    // tch's error inside the unwrap's message is its Debug form: escaped, its backtrace after a "\n"
+    let inner = first.strip_prefix("called `Result::unwrap()` on an `Err` value: Torch(\"").unwrap_or(first);
+    let inner = inner.split("\\n").next().unwrap_or(inner);
+    inner.strip_suffix("\")").unwrap_or(inner).to_string()
+}
+
 fn last_error() -> String {
     // SAFETY: the shim returns a pointer to a thread-local NUL-terminated string that lives until the next
     // failing call on this thread; we copy it at once.
@@ -199,5 +211,26 @@ mod tests {
         let e = Error::invalid("allreduce", "a CPU tensor");
         assert_eq!(format!("{e:?}"), "allreduce: invalid argument: a CPU tensor");
         assert_eq!(format!("{e:?}"), e.to_string());
+    }
+
+    #[test]
+    fn a_panicking_tch_op_reads_as_its_own_message() {
+        let a = tch::Tensor::zeros([4], (tch::Kind::Float, tch::Device::Cpu));
+        let b = tch::Tensor::zeros([7], (tch::Kind::Float, tch::Device::Cpu));
+        let p = std::panic::catch_unwind(|| &a + &b).expect_err("mismatched shapes panic in tch");
+        let msg = panic_message(&*p);
+        assert!(msg.starts_with("The size of tensor a (4) must match the size of tensor b (7)"), "{msg}");
+        assert!(!msg.contains("unwrap") && !msg.contains("\\n"), "{msg}");
+        assert_eq!(panic_message(&"plain"), "plain");
+    }
+
+    #[test]
+    fn an_error_that_failed_a_backward_comes_back_of_its_kind() {
+        let msg = crossing_autograd(Error::PeerGone { op: "allreduce".into(), msg: "connection closed".into() });
+        let e = Error::from(tch::TchError::Torch(format!("in backward: {msg} (and a backtrace)")));
+        assert!(matches!(e, Error::PeerGone { .. }) && e.is_peer_failure(), "{e:?}");
+        // taken once: the same text again is only tch's error
+        let again = Error::from(tch::TchError::Torch(msg));
+        assert!(matches!(again, Error::Torch(_)), "{again:?}");
     }
 }

@@ -89,9 +89,7 @@ enum Launch {
 }
 
 fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
-    let msg =
-        p.downcast_ref::<String>().map(|s| s.as_str()).or_else(|| p.downcast_ref::<&str>().copied()).unwrap_or("");
-    format!("panicked: {}", msg.lines().next().unwrap_or(msg))
+    format!("panicked: {}", crate::error::panic_message(p))
 }
 
 pub(crate) struct Reducer {

@@ -13,7 +13,7 @@ use super::plan::{self, Step};
 use super::schedule::{Action, Schedule};
 use super::trace::Span;
 use super::transport::{self, Outgoing, Payload, Transport};
-use crate::error::{Error, Result};
+use crate::error::{panic_message, Error, Result};
 
 /// The loss of the last stage's output against the targets (a scalar).
 pub type LossFn = dyn Fn(&Tensor, &Tensor) -> Tensor + Send + Sync;
@@ -279,12 +279,4 @@ pub fn run_threads(
         Some(e) => Err(e),
         None => Ok(out),
     }
-}
-
-fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
-    let msg =
-        p.downcast_ref::<String>().map(|s| s.as_str()).or_else(|| p.downcast_ref::<&str>().copied()).unwrap_or("panic");
-    // tch's messages carry a C++ backtrace after the first line (escaped, inside tch's error's Debug form)
-    let first = msg.lines().next().unwrap_or(msg);
-    first.split("\\n").next().unwrap_or(first).to_string()
 }
