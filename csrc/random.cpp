@@ -14,11 +14,12 @@ extern "C" int tdx_randperm(int64_t n, uint64_t seed, tdx_tensor* out) {
   })
 }
 
-// Standard normal tensors drawn one after another from one generator seeded with `seed`: what
-// `torch.manual_seed(seed); [torch.randn(*shape) for shape in shapes]` gives on the CPU. shapes are
+// Tensors drawn one after another from one generator seeded with `seed`: standard normal without
+// `bounds` (what `torch.manual_seed(seed); [torch.randn(*shape) for shape in shapes]` gives on the CPU),
+// uniform in [-bounds[i], bounds[i]) with them (`torch.empty(*shape).uniform_(-b, b)` in turn). shapes are
 // `count` tensors of ndims[i] dimensions, their sizes concatenated in `sizes`.
-extern "C" int tdx_randn_seq(uint64_t seed, int dtype, size_t count, const int64_t* ndims, const int64_t* sizes,
-                             tdx_tensor* outs) {
+extern "C" int tdx_draw_seq(uint64_t seed, int dtype, size_t count, const int64_t* ndims, const int64_t* sizes,
+                            const double* bounds, tdx_tensor* outs) {
   TDX_TRY({
     auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
     auto opts = at::TensorOptions().dtype(static_cast<at::ScalarType>(dtype));
@@ -26,7 +27,8 @@ extern "C" int tdx_randn_seq(uint64_t seed, int dtype, size_t count, const int64
     for (size_t i = 0; i < count; i++) {
       std::vector<int64_t> shape(sizes + k, sizes + k + ndims[i]);
       k += ndims[i];
-      outs[i] = new at::Tensor(at::randn(shape, gen, opts));
+      auto t = bounds == nullptr ? at::randn(shape, gen, opts) : at::empty(shape, opts).uniform_(-bounds[i], bounds[i], gen);
+      outs[i] = new at::Tensor(t);
     }
     return TDX_OK;
   })

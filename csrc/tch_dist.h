@@ -158,9 +158,11 @@ int tdx_adamw_two_pass_variant(void);
 
 // ---- random.cpp: a permutation of 0..n from a CPU generator seeded with `seed` (the global one untouched).
 int tdx_randperm(int64_t n, uint64_t seed, tdx_tensor* out);
-// Standard normal tensors drawn in turn from one CPU generator seeded with `seed` (dtype: a c10::ScalarType
-// code); tensor i has ndims[i] dimensions, the sizes of all of them concatenated in `sizes`.
-int tdx_randn_seq(uint64_t seed, int dtype, size_t count, const int64_t* ndims, const int64_t* sizes, tdx_tensor* outs);
+// Tensors drawn in turn from one CPU generator seeded with `seed` (dtype: a c10::ScalarType code): standard
+// normal when `bounds` is NULL, else tensor i uniform in [-bounds[i], bounds[i]); tensor i has ndims[i]
+// dimensions, the sizes of all of them concatenated in `sizes`.
+int tdx_draw_seq(uint64_t seed, int dtype, size_t count, const int64_t* ndims, const int64_t* sizes,
+                 const double* bounds, tdx_tensor* outs);
 
 // ---- memory
 int tdx_cpu_counter_install(void);

@@ -235,12 +235,13 @@ extern "C" {
     pub fn tdx_adamw_two_pass_variant() -> c_int;
 
     pub fn tdx_randperm(n: i64, seed: u64, out: *mut tdx_tensor) -> c_int;
-    pub fn tdx_randn_seq(
+    pub fn tdx_draw_seq(
         seed: u64,
         dtype: c_int,
         count: size_t,
         ndims: *const i64,
         sizes: *const i64,
+        bounds: *const f64,
         outs: *mut tdx_tensor,
     ) -> c_int;
 

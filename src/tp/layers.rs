@@ -201,17 +201,20 @@ impl ParallelMlp {
         })
     }
 
-    /// Initialised as `nn::linear` would be, from `seed`: every rank draws the same full matrices (on the
-    /// CPU) and keeps its slices. Seeds the global generator: build ranks one at a time.
+    /// Initialised as `nn::linear` would be after `tch::manual_seed(seed)`: every rank draws the same full
+    /// matrices (on the CPU, from a generator of its own: the global one is left alone) and keeps its
+    /// slices.
     pub fn new(path: &nn::Path, d_model: i64, hidden: i64, pg: Arc<ProcessGroup>, seed: i64) -> Result<Self> {
-        tch::manual_seed(seed);
-        let opts = (Kind::Float, tch::Device::Cpu);
-        let u = |shape: &[i64], fan_in: i64| -> Result<Tensor> {
-            let bound = 1.0 / (fan_in as f64).sqrt();
-            Ok(Tensor::f_empty(shape, opts)?.f_uniform_(-bound, bound)?)
-        };
-        let (w1, b1) = (u(&[hidden, d_model], d_model)?, u(&[hidden], d_model)?);
-        let (w2, b2) = (u(&[d_model, hidden], hidden)?, u(&[d_model], hidden)?);
+        let bound = |fan_in: i64| 1.0 / (fan_in as f64).sqrt();
+        let draws = [
+            (vec![hidden, d_model], bound(d_model)),
+            (vec![hidden], bound(d_model)),
+            (vec![d_model, hidden], bound(hidden)),
+            (vec![d_model], bound(hidden)),
+        ];
+        let [w1, b1, w2, b2]: [Tensor; 4] = crate::random::uniform_seq(seed as u64, Kind::Float, &draws)?
+            .try_into()
+            .map_err(|_| Error::invalid("ParallelMlp::new", "expected four initial tensors"))?;
         let dev = path.device();
         Self::from_full(path, &w1.to_device(dev), &b1.to_device(dev), &w2.to_device(dev), &b2.to_device(dev), pg)
     }
