@@ -188,3 +188,37 @@ fn a_backward_that_loses_its_peer_fails_with_a_peer_failure_for_ddp_and_fsdp() {
         assert!(e.is_peer_failure(), "{wrapper}: expected a peer failure, got {e:?}");
     }
 }
+
+/// Ranks at different metadata exchanges get an error naming each one's, not a Gloo abort: rank 0 runs
+/// an extra DDP forward (its loop check gathers 3 integers) while rank 1 averages a loss for logging
+/// (the allreduce's agreement check gathers 10): the newcomer's min-gpt port, which aborted the process.
+#[test]
+fn an_extra_forward_on_one_rank_against_a_logging_allreduce_is_an_error_on_both() {
+    use std::sync::Arc;
+    use tch::nn;
+    use tch_dist::ddp::{DdpOptions, DistributedDataParallel};
+    let start = Instant::now();
+    let res = common::run_threads(2, Duration::from_secs(10), move |pg| {
+        let rank = pg.rank();
+        let pg = Arc::new(pg);
+        let vs = nn::VarStore::new(Device::Cpu);
+        let ddp =
+            DistributedDataParallel::new(&vs, common::model::mlp(&vs), DdpOptions::default().process_group(pg.clone()))
+                .unwrap();
+        let x = Tensor::ones([4, common::model::IN], (Kind::Float, Device::Cpu));
+        ddp.backward(&ddp.f_forward(&x).unwrap().sum(Kind::Float)).unwrap();
+        if rank == 0 {
+            ddp.f_forward(&x).map(|_| ()).expect_err("an extra forward against a logging allreduce")
+        } else {
+            let mut loss = Tensor::from(1.0f32);
+            pg.allreduce(&mut loss, ReduceOp::Sum).expect_err("a logging allreduce against an extra forward")
+        }
+    });
+    assert!(start.elapsed() < Duration::from_secs(8), "took {:?}", start.elapsed());
+    for (r, e) in res.iter().enumerate() {
+        assert!(matches!(e, Error::Mismatch { .. }), "rank {r}: {e:?}");
+        let msg = e.to_string();
+        assert!(msg.contains("different metadata exchanges") && msg.contains("rank 0: a gather of 3 Int64"), "{msg}");
+        assert!(msg.contains("rank 1: a gather of 10 Int64"), "{msg}");
+    }
+}

@@ -9,6 +9,14 @@
 //! every rank alike, when they differ. Gloo aborts the whole process (an uncaught exception on its
 //! transport thread) when ranks pass tensors of different sizes; checking first turns that into an
 //! error that names each rank's view.
+//!
+//! The checks must not trip Gloo themselves when ranks are at different ones (one rank in DDP's loop
+//! check, another in the check before a logging allreduce). So, in a group that verifies, every
+//! metadata exchange starts with one message of the same size everywhere ([`HEAD`] integers): what the
+//! exchange is and how long its payload, with the payload itself when it is a few integers (a gather of
+//! `i64`s: every agreement check). Ranks whose first messages disagree get an error naming each rank's
+//! exchange before anything of another size travels. Groups with PyTorch ranks (verification off) keep
+//! PyTorch's messages as they are.
 use tch::kind::Element;
 use tch::{Device, Tensor};
 
@@ -43,6 +51,45 @@ fn to_vec<T: Element + Copy>(t: &Tensor) -> Result<Vec<T>> {
     Ok(Vec::<T>::try_from(t.f_to_device(Device::Cpu)?)?)
 }
 
+/// Integers in the first message of every metadata exchange of a verifying group.
+const HEAD: usize = 16;
+/// `[kind, payload length, dtype, root or reduce op]`, then an inline payload.
+const HEAD_FIELDS: usize = 4;
+
+/// What a metadata exchange is, as its first message says.
+#[derive(Clone, Copy)]
+enum Exchange {
+    /// A gather of `i64`s short enough to travel in the first message.
+    Inline,
+    Gather,
+    Broadcast(usize),
+    Allreduce(ReduceOp),
+}
+
+impl Exchange {
+    fn code(self) -> [i64; 2] {
+        match self {
+            Exchange::Inline => [1, 0],
+            Exchange::Gather => [2, 0],
+            Exchange::Broadcast(root) => [3, root as i64],
+            Exchange::Allreduce(op) => [4, op.code() as i64],
+        }
+    }
+}
+
+/// `a gather of 3 Int64` and the like, from a first message.
+fn show_head(h: &[i64]) -> String {
+    let kind = tensor_meta::render(&[h[2], 0]);
+    let kind = kind.trim_end_matches("[]");
+    let n = h[1];
+    match h[0] {
+        1 | 2 => format!("a gather of {n} {kind}"),
+        3 => format!("a broadcast of {n} {kind} from rank {}", h[3]),
+        4 => format!("an allreduce of {n} {kind} (op {})", h[3]),
+        other => format!("exchange #{other}"),
+    }
+}
+
 impl Meta<'_> {
     pub(crate) fn device(&self) -> Device {
         self.device
@@ -56,11 +103,46 @@ impl Meta<'_> {
         Ok(Tensor::from_slice(v).f_to_device(self.device)?)
     }
 
+    /// The first message of an exchange in a verifying group (see the module docs): every rank's, when
+    /// all agree on what the exchange is; else an error on every rank naming each one's.
+    fn head<T: Element + Copy>(&self, what: &str, x: Exchange, v: &[T], inline: &[i64]) -> Result<Vec<Vec<i64>>> {
+        let [kind, arg] = x.code();
+        let dtype = crate::dtype::code(T::KIND).map_or(-1, i64::from);
+        let mut h = [0i64; HEAD];
+        h[..HEAD_FIELDS].copy_from_slice(&[kind, v.len() as i64, dtype, arg]);
+        h[HEAD_FIELDS..HEAD_FIELDS + inline.len()].copy_from_slice(inline);
+        let rows = self.gather_raw(what, &h)?;
+        if rows.iter().all(|r| r[..HEAD_FIELDS] == rows[0][..HEAD_FIELDS]) {
+            return Ok(rows);
+        }
+        let listing = by_rank(&rows, show_head, ", ");
+        Err(Error::mismatch(
+            self.op(what),
+            format!(
+                "ranks are at different metadata exchanges here ({listing}){}; this rank was at \"{what}\": one \
+                 rank runs a collective, a forward or a check that the others do not",
+                odd_ones_out(&rows.iter().map(|r| r[..HEAD_FIELDS].to_vec()).collect::<Vec<_>>())
+            ),
+        ))
+    }
+
     /// Every rank's `v`, in rank order. All ranks must pass the same length (callers use fixed layouts).
-    pub(crate) fn gather<T: Element + Copy>(&self, what: &str, v: &[T]) -> Result<Vec<Vec<T>>> {
+    pub(crate) fn gather<T: Element + Copy + 'static>(&self, what: &str, v: &[T]) -> Result<Vec<Vec<T>>> {
         if self.pg.size() == 1 {
             return Ok(vec![v.to_vec()]);
         }
+        if self.pg.verifies() {
+            if let Some(ints) = as_i64s(v).filter(|i| i.len() <= HEAD - HEAD_FIELDS) {
+                let rows = self.head(what, Exchange::Inline, v, ints)?;
+                let n = v.len();
+                return Ok(rows.iter().filter_map(|r| from_i64s(&r[HEAD_FIELDS..HEAD_FIELDS + n])).collect());
+            }
+            self.head(what, Exchange::Gather, v, &[])?;
+        }
+        self.gather_raw(what, v)
+    }
+
+    fn gather_raw<T: Element + Copy>(&self, what: &str, v: &[T]) -> Result<Vec<Vec<T>>> {
         let _l = crate::flight::label(what);
         let mine = self.tensor(v)?;
         let mut all: Vec<Tensor> = (0..self.pg.size()).map(|_| mine.zeros_like()).collect();
@@ -69,9 +151,12 @@ impl Meta<'_> {
     }
 
     /// Rank `root`'s `v` (every rank passes a slice of the same length).
-    pub(crate) fn broadcast<T: Element + Copy>(&self, what: &str, v: &[T], root: usize) -> Result<Vec<T>> {
+    pub(crate) fn broadcast<T: Element + Copy + 'static>(&self, what: &str, v: &[T], root: usize) -> Result<Vec<T>> {
         if self.pg.size() == 1 {
             return Ok(v.to_vec());
+        }
+        if self.pg.verifies() {
+            self.head(what, Exchange::Broadcast(root), v, &[])?;
         }
         let _l = crate::flight::label(what);
         let mut t = self.tensor(v)?;
@@ -80,9 +165,12 @@ impl Meta<'_> {
     }
 
     /// `v` reduced elementwise across ranks.
-    pub(crate) fn allreduce<T: Element + Copy>(&self, what: &str, v: &[T], op: ReduceOp) -> Result<Vec<T>> {
+    pub(crate) fn allreduce<T: Element + Copy + 'static>(&self, what: &str, v: &[T], op: ReduceOp) -> Result<Vec<T>> {
         if self.pg.size() == 1 {
             return Ok(v.to_vec());
+        }
+        if self.pg.verifies() {
+            self.head(what, Exchange::Allreduce(op), v, &[])?;
         }
         let _l = crate::flight::label(what);
         let mut t = self.tensor(v)?;
@@ -129,6 +217,24 @@ impl Meta<'_> {
         }
         Err(Error::mismatch(self.op(what), explain(&rows)))
     }
+}
+
+/// `v` as `i64`s when it is of that type (what travels inline in a first message).
+fn as_i64s<T: Copy + 'static>(v: &[T]) -> Option<&[i64]> {
+    if std::any::TypeId::of::<T>() != std::any::TypeId::of::<i64>() {
+        return None;
+    }
+    // SAFETY: T is i64 (the same TypeId), so the slice's memory holds `v.len()` i64s.
+    Some(unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<i64>(), v.len()) })
+}
+
+/// The inverse of [`as_i64s`]: `v` as a `Vec<T>` when T is `i64`.
+fn from_i64s<T: Copy + 'static>(v: &[i64]) -> Option<Vec<T>> {
+    if std::any::TypeId::of::<T>() != std::any::TypeId::of::<i64>() {
+        return None;
+    }
+    // SAFETY: T is i64 (the same TypeId), so the slice's memory holds `v.len()` Ts.
+    Some(unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<T>(), v.len()) }.to_vec())
 }
 
 /// "; the odd one out: rank 2" when most ranks agree and a few do not.
