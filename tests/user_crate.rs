@@ -1,19 +1,20 @@
 //! A new user's crate (tests/user_crate/: tch's model and optimizer with its zero_grad, a
 //! DistributedSampler, DDP), copied outside this repository and built as a package of its own with
-//! tch-dist as a path dependency, trains on 2 ranks under tchrun with no environment variables set.
-//! Run directly, its binary cannot find libtorch (only tch-dist's own binaries embed an rpath);
-//! tchrun hands its workers libtorch's directory.
+//! tch-dist as a path dependency, trains on 2 ranks under tchrun with no environment variables set. Its
+//! build script is the README's one line that embeds libtorch's directory, so its binary also runs
+//! without tchrun (torchrun's variables set by hand, no LD_LIBRARY_PATH).
 mod common;
 
 use std::process::Command;
 
 #[test]
-fn a_new_users_crate_trains_on_two_ranks_under_tchrun() {
+fn a_new_users_crate_trains_on_two_ranks_under_tchrun_and_alone_without_a_library_path() {
     let dir = std::env::temp_dir().join(format!("tdx-user-crate-{}", std::process::id()));
     std::fs::create_dir_all(dir.join("src")).unwrap();
     let template = std::fs::read_to_string(common::repo_path("tests/user_crate/Cargo.toml.in")).unwrap();
     std::fs::write(dir.join("Cargo.toml"), template.replace("@TCH_DIST@", env!("CARGO_MANIFEST_DIR"))).unwrap();
     std::fs::copy(common::repo_path("tests/user_crate/src/main.rs"), dir.join("src/main.rs")).unwrap();
+    std::fs::copy(common::repo_path("tests/user_crate/build.rs"), dir.join("build.rs")).unwrap();
     // the same dependency versions as this repository, so the shared target directory is reused
     std::fs::copy(common::repo_path("Cargo.lock"), dir.join("Cargo.lock")).unwrap();
     // built in this repository's target directory, whose dependencies it reuses (cargo releases the
@@ -24,9 +25,15 @@ fn a_new_users_crate_trains_on_two_ranks_under_tchrun() {
     assert!(built.status.success(), "{}", common::show(&built));
     let bin = target.join("debug/my-trainer");
 
-    let bare = Command::new(&bin).env_remove("LD_LIBRARY_PATH").output().unwrap();
-    assert!(!bare.status.success());
-    assert!(String::from_utf8_lossy(&bare.stderr).contains("libtorch"), "{}", common::show(&bare));
+    // one process, started by hand: torchrun's variables, no library path
+    let alone = Command::new(&bin)
+        .env_remove("LD_LIBRARY_PATH")
+        .envs([("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")])
+        .env("MASTER_PORT", common::free_port().to_string())
+        .output()
+        .unwrap();
+    assert!(alone.status.success(), "{}", common::show(&alone));
+    assert!(String::from_utf8_lossy(&alone.stdout).contains("rank 0 of 1: last loss"), "{}", common::show(&alone));
 
     let run = Command::new(env!("CARGO_BIN_EXE_tchrun"))
         .args(["--standalone", "--nproc-per-node", "2", "--"])
