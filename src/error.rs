@@ -69,7 +69,13 @@ mod across {
     static WAITING: Mutex<(u64, VecDeque<(u64, Error)>)> = Mutex::new((0, VecDeque::new()));
 
     pub(super) fn put(e: Error) -> String {
-        let msg = e.to_string();
+        let mut msg = e.to_string();
+        // the shim's error buffer holds 2048 bytes: the message is cut before the mark, never the mark
+        let mut keep = msg.len().min(2048 - 48);
+        while !msg.is_char_boundary(keep) {
+            keep -= 1;
+        }
+        msg.truncate(keep);
         let mut w = WAITING.lock().unwrap_or_else(|p| p.into_inner());
         w.0 += 1;
         let n = w.0;
@@ -229,6 +235,11 @@ mod tests {
         let msg = crossing_autograd(Error::PeerGone { op: "allreduce".into(), msg: "connection closed".into() });
         let e = Error::from(tch::TchError::Torch(format!("in backward: {msg} (and a backtrace)")));
         assert!(matches!(e, Error::PeerGone { .. }) && e.is_peer_failure(), "{e:?}");
+        // a message longer than the shim's 2048-byte buffer keeps its mark within it
+        let long =
+            crossing_autograd(Error::Timeout { op: "x".into(), timeout: Duration::ZERO, msg: "é".repeat(3000) });
+        assert!(long.len() <= 2047, "{}", long.len());
+        assert!(Error::from(tch::TchError::Torch(long)).is_peer_failure());
         // taken once: the same text again is only tch's error
         let again = Error::from(tch::TchError::Torch(msg));
         assert!(matches!(again, Error::Torch(_)), "{again:?}");

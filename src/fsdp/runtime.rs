@@ -127,11 +127,17 @@ fn compute_waits(device: Device, e: Option<Event>) -> Result<()> {
     Ok(())
 }
 
+/// Waits for every work, even after one failed (their memory may be freed next), and reports the first
+/// failure.
 fn wait_all(works: Vec<Work>) -> Result<()> {
+    let mut r = Ok(());
     for w in works {
-        w.wait()?;
+        let x = w.wait();
+        if r.is_ok() {
+            r = x;
+        }
     }
-    Ok(())
+    r
 }
 
 impl Runtime {
