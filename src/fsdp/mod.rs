@@ -215,11 +215,13 @@ impl FsdpBuilder {
         out.sort_by(|a, b| a.0.cmp(&b.0));
         claimed.extend(out.iter().map(|(n, _)| n.clone()));
         let mut places = self.places.lock().unwrap_or_else(|e| e.into_inner());
+        let mut placed: HashSet<usize> = places.iter().map(|p| p.1).collect();
         for (n, t) in &out {
             let at = vars.trainable_variables.iter().enumerate().position(|(k, v)| {
-                v.tensor.data_ptr() == t.data_ptr() && v.tensor.size() == t.size() && !places.iter().any(|p| p.1 == k)
+                v.tensor.data_ptr() == t.data_ptr() && v.tensor.size() == t.size() && !placed.contains(&k)
             });
             if let Some(k) = at {
+                placed.insert(k);
                 places.push((n.clone(), k));
             }
         }

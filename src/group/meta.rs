@@ -79,8 +79,7 @@ impl Exchange {
 
 /// `a gather of 3 Int64` and the like, from a first message.
 fn show_head(h: &[i64]) -> String {
-    let kind = tensor_meta::render(&[h[2], 0]);
-    let kind = kind.trim_end_matches("[]");
+    let kind = crate::dtype::from_code(h[2]).map_or_else(|| format!("dtype#{}", h[2]), |k| format!("{k:?}"));
     let n = h[1];
     match h[0] {
         1 | 2 => format!("a gather of {n} {kind}"),
@@ -132,10 +131,13 @@ impl Meta<'_> {
             return Ok(vec![v.to_vec()]);
         }
         if self.pg.verifies() {
-            if let Some(ints) = as_i64s(v).filter(|i| i.len() <= HEAD - HEAD_FIELDS) {
+            if let Some(ints) = same_type::<T, i64>(v).filter(|i| i.len() <= HEAD - HEAD_FIELDS) {
                 let rows = self.head(what, Exchange::Inline, v, ints)?;
                 let n = v.len();
-                return Ok(rows.iter().filter_map(|r| from_i64s(&r[HEAD_FIELDS..HEAD_FIELDS + n])).collect());
+                return Ok(rows
+                    .iter()
+                    .filter_map(|r| same_type::<i64, T>(&r[HEAD_FIELDS..HEAD_FIELDS + n]).map(<[T]>::to_vec))
+                    .collect());
             }
             self.head(what, Exchange::Gather, v, &[])?;
         }
@@ -219,22 +221,14 @@ impl Meta<'_> {
     }
 }
 
-/// `v` as `i64`s when it is of that type (what travels inline in a first message).
-fn as_i64s<T: Copy + 'static>(v: &[T]) -> Option<&[i64]> {
-    if std::any::TypeId::of::<T>() != std::any::TypeId::of::<i64>() {
+/// `v` as a slice of `B` when `A` and `B` are one type (an `i64` payload travels inline in a first
+/// message, and comes back out of it).
+fn same_type<A: 'static, B: 'static>(v: &[A]) -> Option<&[B]> {
+    if std::any::TypeId::of::<A>() != std::any::TypeId::of::<B>() {
         return None;
     }
-    // SAFETY: T is i64 (the same TypeId), so the slice's memory holds `v.len()` i64s.
-    Some(unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<i64>(), v.len()) })
-}
-
-/// The inverse of [`as_i64s`]: `v` as a `Vec<T>` when T is `i64`.
-fn from_i64s<T: Copy + 'static>(v: &[i64]) -> Option<Vec<T>> {
-    if std::any::TypeId::of::<T>() != std::any::TypeId::of::<i64>() {
-        return None;
-    }
-    // SAFETY: T is i64 (the same TypeId), so the slice's memory holds `v.len()` Ts.
-    Some(unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<T>(), v.len()) }.to_vec())
+    // SAFETY: A and B are the same type (the same TypeId), so the slice's memory holds `v.len()` Bs.
+    Some(unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<B>(), v.len()) })
 }
 
 /// "; the odd one out: rank 2" when most ranks agree and a few do not.
