@@ -5,15 +5,21 @@
 //!   killbucket@R:S rank R is killed (SIGKILL) inside its backward at step S, after a bucket was launched
 //!   mismatch@R:S   rank R runs an allreduce of another shape than the others at step S
 //!   badloss@R:S    (pipeline) rank R's loss gets targets of the wrong shape at step S: its stage fails
+//!   sleep@R:S      rank R sleeps 6 s at step S: slow, but alive (its heartbeat goes on)
+//!   sample@R:S     rank R runs one more forward at step S, as for sampling text on rank 0 only
+//!   extra@R:S      rank R runs S more steps than the others (uneven inputs without `join`); no final barrier
+//!   torcherr@R:S   rank R runs a tensor operation on mismatched shapes at step S (a libtorch error)
 //!
-//!   fault_drill --mode ddp|zero2|pipeline [--steps 8]
+//!   fault_drill --mode ddp|zero2|fsdp|pipeline [--steps 8]
 //!
 //! Rank 0 prints `step S` after each step; every rank prints `done` at the end.
 use std::sync::Arc;
 
 use clap::Parser;
+use tch::nn::OptimizerConfig;
 use tch::{nn, Device, Kind, Tensor};
 use tch_dist::ddp::{DdpOptions, DistributedDataParallel};
+use tch_dist::fsdp::{FsdpBuilder, FsdpOptions};
 use tch_dist::optim::{Optimizer, Sgd, ShardedOptimizer, ZeroStage};
 use tch_dist::pipeline::schedule::Kind as Sched;
 use tch_dist::pipeline::{LayerList, Partition, PipelineRank};
@@ -58,6 +64,11 @@ fn strike(f: &Option<Fault>, rank: usize, step: usize) -> Option<&str> {
             eprintln!("rank {rank}: exiting at step {step}");
             std::process::exit(17)
         }
+        "sleep" => {
+            eprintln!("rank {rank}: sleeping 6 s at step {step}");
+            std::thread::sleep(std::time::Duration::from_secs(6));
+            None
+        }
         other => Some(other),
     }
 }
@@ -78,6 +89,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         return pipeline(&args, pg, &f);
     }
     tch::manual_seed(0);
+    if args.mode == "fsdp" {
+        return fsdp(&args, pg, &f);
+    }
     let vs = nn::VarStore::new(Device::Cpu);
     let net = nn::seq()
         .add(nn::linear(vs.root() / "l1", 32, 64, Default::default()))
@@ -91,7 +105,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut opt: Box<dyn Optimizer> = match args.mode.as_str() {
         "ddp" => Box::new(Sgd::new(vs.trainable_variables(), 0.05)),
         "zero2" => Box::new(ShardedOptimizer::new(&ddp, ZeroStage::Two, |p| Box::new(Sgd::new(p, 0.05)))?),
-        other => return Err(format!("--mode {other:?}: ddp, zero2 or pipeline").into()),
+        other => return Err(format!("--mode {other:?}: ddp, zero2, fsdp or pipeline").into()),
     };
     // the first layer's weight gets its gradient last: later buckets are launched by then
     let kill_in_backward = Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -103,13 +117,17 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
         }
     })?;
-    for step in 0..args.steps {
+    for step in 0..steps(&args, &f, rank) {
         match strike(&f, rank, step) {
             Some("mismatch") => {
                 let mut t = Tensor::ones([3], (Kind::Float, Device::Cpu));
                 pg.allreduce(&mut t, ReduceOp::Sum)?;
             }
             Some("killbucket") => kill_in_backward.store(true, std::sync::atomic::Ordering::SeqCst),
+            Some("sample") => drop(tch::no_grad(|| ddp.f_forward(&batch(step, rank).0))?),
+            Some("torcherr") => drop(
+                Tensor::ones([4], (Kind::Float, Device::Cpu)).f_add(&Tensor::ones([3], (Kind::Float, Device::Cpu)))?,
+            ),
             _ => {}
         }
         if f.as_ref().is_some_and(|f| f.what == "mismatch" && f.rank != rank && f.step == step) {
@@ -127,9 +145,59 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             println!("step {step}");
         }
     }
-    pg.barrier()?;
+    finish(&pg, &f)
+}
+
+/// How many steps this rank runs: `extra@R:N` gives rank R N more.
+fn steps(args: &Args, f: &Option<Fault>, rank: usize) -> usize {
+    match f {
+        Some(f) if f.what == "extra" && f.rank == rank => args.steps + f.step,
+        _ => args.steps,
+    }
+}
+
+/// The end of a run: a barrier, except with uneven inputs (a loop without `join` ends without one).
+fn finish(pg: &ProcessGroup, f: &Option<Fault>) -> Result<(), Box<dyn std::error::Error>> {
+    if f.as_ref().is_none_or(|f| f.what != "extra") {
+        pg.barrier()?;
+    }
     println!("done");
     Ok(())
+}
+
+/// The same model under FSDP, one unit per linear layer.
+fn fsdp(args: &Args, pg: Arc<ProcessGroup>, f: &Option<Fault>) -> Result<(), Box<dyn std::error::Error>> {
+    let rank = pg.rank();
+    let vs = nn::VarStore::new(Device::Cpu);
+    let b = FsdpBuilder::new(&vs, FsdpOptions::default().process_group(pg.clone()))?;
+    let root = vs.root();
+    let net = b
+        .auto_wrap(1)
+        .add(&(&root / "l1"), nn::linear(&root / "l1", 32, 64, Default::default()))?
+        .add_fn(|x| x.relu())
+        .add(&(&root / "l2"), nn::linear(&root / "l2", 64, 64, Default::default()))?
+        .add_fn(|x| x.relu())
+        .add(&(&root / "l3"), nn::linear(&root / "l3", 64, 4, Default::default()))?
+        .build()?;
+    let model = b.finish(net)?;
+    let mut opt = nn::Sgd::default().build(&vs, 0.05)?;
+    for step in 0..steps(args, f, rank) {
+        match strike(f, rank, step) {
+            Some("sample") => drop(tch::no_grad(|| model.f_forward(&batch(step, rank).0))?),
+            Some("torcherr") => drop(
+                Tensor::ones([4], (Kind::Float, Device::Cpu)).f_add(&Tensor::ones([3], (Kind::Float, Device::Cpu)))?,
+            ),
+            _ => {}
+        }
+        let (x, y) = batch(step, rank);
+        model.backward(&model.f_forward(&x)?.mse_loss(&y, tch::Reduction::Mean))?;
+        opt.step();
+        model.zero_grad()?;
+        if rank == 0 {
+            println!("step {step}");
+        }
+    }
+    finish(&pg, f)
 }
 
 fn pipeline(args: &Args, pg: Arc<ProcessGroup>, f: &Option<Fault>) -> Result<(), Box<dyn std::error::Error>> {
@@ -156,7 +224,5 @@ fn pipeline(args: &Args, pg: Arc<ProcessGroup>, f: &Option<Fault>) -> Result<(),
             println!("step {step}");
         }
     }
-    pg.barrier()?;
-    println!("done");
-    Ok(())
+    finish(&pg, f)
 }

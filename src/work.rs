@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use crate::error::{check, Error, Result};
 use crate::ffi;
-use crate::flight::{GroupTrace, Recording};
+use crate::flight::{GroupTrace, HeartbeatWatch, Recording, HEARTBEAT_CHECK_EVERY};
 use crate::store::millis;
 
 /// A step run once after a successful wait.
@@ -148,16 +148,27 @@ impl Work {
         }
         let timeout = left();
         let waited = match &self.handle {
-            Handle::Engine { ptr, stream_wait } => {
-                let ms = if plain && *stream_wait { -1 } else { millis(timeout) };
+            Handle::Engine { ptr, stream_wait } if plain && *stream_wait => {
                 // SAFETY: we own the handle.
-                let code = unsafe { ffi::tdx_work_wait(ptr.as_ptr(), ms) };
+                let code = unsafe { ffi::tdx_work_wait(ptr.as_ptr(), -1) };
                 check(code, timeout, || (self.desc)())
             }
+            // c10d's Gloo send and recv fail for good when a wait times out: they are waited for whole
+            Handle::Engine { ptr, .. } if self.trace.as_ref().is_some_and(|t| t.p2p) => {
+                // SAFETY: we own the handle.
+                let code = unsafe { ffi::tdx_work_wait(ptr.as_ptr(), millis(timeout)) };
+                check(code, timeout, || (self.desc)())
+            }
+            Handle::Engine { ptr, .. } => self.watching(Some(timeout), |slice| {
+                let slice = slice.unwrap_or(timeout);
+                // SAFETY: we own the handle.
+                let code = unsafe { ffi::tdx_work_wait(ptr.as_ptr(), millis(slice)) };
+                check(code, slice, || (self.desc)())
+            }),
             // the queue's worker holds each operation to the group's timeout (as NCCL's watchdog does)
             // and reports why it failed: a plain wait leaves that to it
-            Handle::Ticket(t) if plain => t.wait(None, &|| (self.desc)()),
-            Handle::Ticket(t) => t.wait(Some(timeout), &|| (self.desc)()),
+            Handle::Ticket(t) if plain => self.watching(None, |slice| t.wait(slice, &|| (self.desc)())),
+            Handle::Ticket(t) => self.watching(Some(timeout), |slice| t.wait(slice, &|| (self.desc)())),
         };
         if waited.is_ok() {
             // on NCCL the stream now waits on the operation: what runs next on it comes after
@@ -183,6 +194,32 @@ impl Work {
         match self.finish.take() {
             Some(f) => f(),
             None => Ok(()),
+        }
+    }
+
+    /// A host wait of at most `timeout` (`None`: the engine's own), in slices of
+    /// [`HEARTBEAT_CHECK_EVERY`] when the group watches heartbeats: between slices, a rank whose heartbeat
+    /// stood still for the heartbeat timeout ends the wait. `wait` takes one slice (`None`: no limit) and
+    /// fails when the operation fails or the slice ends first.
+    fn watching(&self, timeout: Option<Duration>, mut wait: impl FnMut(Option<Duration>) -> Result<()>) -> Result<()> {
+        let Some(group) = self.trace.as_ref().map(|t| &t.group).filter(|g| g.watches_heartbeats()) else {
+            return wait(timeout);
+        };
+        let deadline = timeout.map(|t| Instant::now() + t);
+        let mut watch = HeartbeatWatch::default();
+        loop {
+            let left = deadline.map(|d| d.saturating_duration_since(Instant::now()).max(Duration::from_millis(1)));
+            let last = left.is_some_and(|l| l <= HEARTBEAT_CHECK_EVERY);
+            let slice = left.map_or(HEARTBEAT_CHECK_EVERY, |l| l.min(HEARTBEAT_CHECK_EVERY));
+            match wait(Some(slice)) {
+                // the slice ended with the operation still running (a failed operation is complete)
+                Err(_) if !last && !self.is_completed().unwrap_or(true) => {
+                    if let Some(e) = group.frozen_peer(&mut watch, &(self.desc)()) {
+                        return Err(e);
+                    }
+                }
+                r => return r,
+            }
         }
     }
 

@@ -394,7 +394,7 @@ fn an_extra_backward_on_one_rank_is_reported_not_silently_mixed() {
     for e in res {
         let e = e.expect("both ranks must see the disagreement");
         assert!(e.contains("ranks disagree on the training loop"), "{e}");
-        assert!(e.contains("rank 0 is starting backward with 1 forwards and 1 backwards done"), "{e}");
+        assert!(e.contains("rank 0 is starting DDP backward with 1 forwards and 1 backwards done"), "{e}");
     }
 }
 

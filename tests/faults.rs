@@ -14,6 +14,11 @@ const SLACK: u64 = 8;
 
 /// Runs `ranks` ranks of the drill with `fault`; (output, seconds).
 fn drill(ranks: usize, mode: &str, fault: &str, extra: &[&str]) -> (Output, f64) {
+    drill_env(ranks, mode, fault, extra, &[])
+}
+
+/// The same, with more environment variables (they win over the drill's own).
+fn drill_env(ranks: usize, mode: &str, fault: &str, extra: &[&str], env: &[(&str, &str)]) -> (Output, f64) {
     let start = Instant::now();
     let o = Command::new(env!("CARGO_BIN_EXE_tchrun"))
         .args(["--standalone", "--nproc-per-node", &ranks.to_string(), "--grace-secs", "2", "--"])
@@ -23,10 +28,37 @@ fn drill(ranks: usize, mode: &str, fault: &str, extra: &[&str]) -> (Output, f64)
         .env("TDX_FAULT", fault)
         .env("TCH_DIST_TIMEOUT_SECS", TIMEOUT.to_string())
         .env("RUST_BACKTRACE", "0")
+        .envs(env.iter().copied())
         .stdin(Stdio::null())
         .output()
         .unwrap();
     (o, start.elapsed().as_secs_f64())
+}
+
+/// The collective timeout by default (600 s), so that only the mechanism under test can end the job.
+const DEFAULT_TIMEOUT: (&str, &str) = ("TCH_DIST_TIMEOUT_SECS", "600");
+
+/// Ranks of the drill started by hand (no launcher), rank `i` with `WORLD_SIZE=worlds[i]` and `RANK=ranks[i]`,
+/// all at one store; each one's output and how long until all had ended.
+fn by_hand(ranks: &[usize], worlds: &[usize]) -> (Vec<Output>, f64) {
+    let port = common::free_port().to_string();
+    let start = Instant::now();
+    let children: Vec<_> = ranks
+        .iter()
+        .zip(worlds)
+        .map(|(r, w)| {
+            Command::new(common::example("fault_drill"))
+                .envs([("RANK", r.to_string()), ("WORLD_SIZE", w.to_string())])
+                .envs([("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", &port), DEFAULT_TIMEOUT])
+                .stdin(Stdio::null())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let outs = children.into_iter().map(|c| c.wait_with_output().unwrap()).collect();
+    (outs, start.elapsed().as_secs_f64())
 }
 
 fn text(o: &Output) -> String {
@@ -156,4 +188,116 @@ fn bad_environment_values_are_named() {
     }
     let o = Command::new(env!("CARGO_BIN_EXE_tchrun")).args(["--grace-secs", "inf", "--", "true"]).output().unwrap();
     assert!(!o.status.success() && text(&o).contains("--grace-secs inf is not a number of seconds"), "{}", text(&o));
+}
+
+#[test]
+fn a_world_size_that_differs_between_ranks_is_named_at_once() {
+    let (outs, secs) = by_hand(&[0, 1], &[2, 3]);
+    for o in &outs {
+        let t = text(o);
+        assert_failed_in_time(o, secs, SLACK);
+        assert!(
+            t.contains("ranks were launched with different world sizes: rank 0 (WORLD_SIZE=2")
+                && t.contains("rank 1 (WORLD_SIZE=3"),
+            "{t}"
+        );
+    }
+}
+
+#[test]
+fn a_rank_given_to_two_processes_is_named_on_every_rank_at_once() {
+    // rank 2 never comes: without the check, everyone would wait for it
+    let (outs, secs) = by_hand(&[0, 1, 1], &[3, 3, 3]);
+    for o in &outs {
+        let t = text(o);
+        assert_failed_in_time(o, secs, SLACK);
+        assert!(t.contains("RANK=1 was given to two processes"), "{t}");
+    }
+}
+
+#[test]
+fn launchers_that_disagree_on_nproc_per_node_are_named_at_once() {
+    let port = common::free_port().to_string();
+    let start = Instant::now();
+    let launchers: Vec<_> = [1, 2]
+        .iter()
+        .enumerate()
+        .map(|(node, n)| {
+            Command::new(env!("CARGO_BIN_EXE_tchrun"))
+                .args(["--nnodes", "2", "--node-rank", &node.to_string(), "--nproc-per-node", &n.to_string()])
+                .args(["--master-addr", "127.0.0.1", "--master-port", &port, "--grace-secs", "2", "--"])
+                .arg(common::example("fault_drill"))
+                .envs([DEFAULT_TIMEOUT])
+                .stdin(Stdio::null())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let outs: Vec<Output> = launchers.into_iter().map(|c| c.wait_with_output().unwrap()).collect();
+    let secs = start.elapsed().as_secs_f64();
+    for o in &outs {
+        let t = text(o);
+        assert_failed_in_time(o, secs, SLACK);
+        assert!(t.contains("tchrun: culprit: rank "), "{t}");
+        assert!(t.contains("the launchers disagree on --nproc-per-node (1 on node 0, 2 on node 1)"), "{t}");
+    }
+}
+
+#[test]
+fn a_frozen_rank_is_found_by_its_heartbeat_long_before_the_collective_timeout() {
+    for mode in ["ddp", "fsdp"] {
+        let env = [DEFAULT_TIMEOUT, ("TCH_DIST_HEARTBEAT_TIMEOUT_SECS", "3")];
+        let (o, secs) = drill_env(3, mode, "stop@1:3", &[], &env);
+        let t = text(&o);
+        assert_failed_in_time(&o, secs, 3 + SLACK);
+        assert!(t.contains("rank 1 of group default has published no heartbeat for 3."), "{mode}:\n{t}");
+        assert!(t.contains("tchrun: culprit: rank 1 (named by the flight recorder)"), "{mode}:\n{t}");
+    }
+}
+
+#[test]
+fn a_slow_rank_whose_heartbeat_goes_on_is_never_ended() {
+    // rank 1 sleeps 6 s, three heartbeat timeouts: its heartbeat thread goes on publishing
+    for mode in ["ddp", "fsdp"] {
+        let env = [DEFAULT_TIMEOUT, ("TCH_DIST_HEARTBEAT_TIMEOUT_SECS", "2")];
+        let (o, _) = drill_env(3, mode, "sleep@1:3", &[], &env);
+        let t = text(&o);
+        assert!(o.status.success() && t.contains("sleeping 6 s") && t.matches("]: done").count() == 3, "{mode}:\n{t}");
+    }
+}
+
+#[test]
+fn a_forward_on_one_rank_only_is_named_by_the_loop_check_in_ddp_and_fsdp() {
+    for (mode, who) in [("ddp", "DDP"), ("fsdp", "FSDP")] {
+        let (o, secs) = drill_env(2, mode, "sample@0:3", &[], &[DEFAULT_TIMEOUT]);
+        let t = text(&o);
+        assert_failed_in_time(&o, secs, SLACK);
+        let want = format!("rank 0 is starting {who} forward with 4 forwards and 3 backwards done");
+        assert!(t.contains("ranks disagree on the training loop") && t.contains(&want), "{mode}:\n{t}");
+        assert!(t.matches(": Error: ").count() >= 2, "every rank learns it:\n{t}");
+    }
+}
+
+#[test]
+fn uneven_steps_never_blame_the_rank_that_finished_and_suggest_join() {
+    for mode in ["ddp", "fsdp"] {
+        let (o, secs) = drill_env(2, mode, "extra@1:5", &[], &[DEFAULT_TIMEOUT]);
+        let t = text(&o);
+        assert_failed_in_time(&o, secs, SLACK);
+        assert!(t.contains("tchrun: culprit: rank 1 ") && !t.contains("culprit: rank 0"), "{mode}:\n{t}");
+        assert!(t.contains("rank 0 exited normally (exit code 0)") && t.contains("ddp.join(..)"), "{mode}:\n{t}");
+    }
+}
+
+#[test]
+fn a_libtorch_error_heads_the_report_without_its_frames() {
+    let (o, secs) = drill_env(2, "ddp", "torcherr@1:2", &[], &[DEFAULT_TIMEOUT, ("RUST_BACKTRACE", "1")]);
+    let t = text(&o);
+    assert_failed_in_time(&o, secs, SLACK);
+    let head = t.lines().find(|l| l.starts_with("tchrun: culprit: ")).unwrap_or_default();
+    assert!(head.starts_with("tchrun: culprit: rank 1 "), "{t}");
+    assert!(head.contains("The size of tensor a (4) must match the size of tensor b (3)"), "{t}");
+    assert!(!head.contains("frame #") && !head.contains("Exception raised from"), "{head}");
 }

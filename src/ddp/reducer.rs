@@ -9,8 +9,13 @@ use super::comm_hook::{CommHook, GradBucket, HookFuture};
 use super::shard::GradShards;
 use super::sync;
 use crate::error::{Error, Result};
+use crate::group::loop_check::{agree_on_loop, LoopPhase};
 use crate::group::{ProcessGroup, ReduceOp};
 use crate::hooks::{self, GradHook};
+
+/// How DDP's loop check ends: what DDP offers for uneven inputs.
+const UNEVEN_HINT: &str =
+    " (for uneven inputs, where some ranks have more batches, run the loop inside `ddp.join(..)`)";
 
 /// What the reducer did during the last backward, in order (to see communication overlap backward).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -180,7 +185,7 @@ impl Reducer {
             if !st.active {
                 st.active = true;
                 st.events.clear();
-                if self.loop_check_now(&st, 2) {
+                if self.loop_check_now(&st, LoopPhase::Backward) {
                     loop_counts = Some((st.forwards, st.backwards));
                 }
                 st.backwards += 1;
@@ -214,7 +219,7 @@ impl Reducer {
             }
         };
         if let Some((forwards, backwards)) = loop_counts {
-            if let Err(e) = self.check_loop_agreement(forwards, backwards, "backward") {
+            if let Err(e) = self.check_loop_agreement(forwards, backwards, LoopPhase::Backward) {
                 self.fail(e);
                 return;
             }
@@ -411,34 +416,17 @@ impl Reducer {
         Ok(())
     }
 
-    /// Whether this forward (`phase` 1) or backward (2) checks the loop: with agreement checks on and not
+    /// Whether this forward or backward checks the loop: with agreement checks on and not
     /// joining; on NCCL the first of each only (see [`ProcessGroup::checks_now`]).
-    fn loop_check_now(&self, st: &State, phase: i64) -> bool {
+    fn loop_check_now(&self, st: &State, phase: LoopPhase) -> bool {
         let device = st.params.first().map_or(tch::Device::Cpu, |p| p.device());
-        let kind = if phase == 1 { "DDP loop at forward" } else { "DDP loop at backward" };
-        st.join.is_none() && self.pg.checks_now(crate::group::Scope::Collective, kind, device)
+        st.join.is_none() && self.pg.checks_now(crate::group::Scope::Collective, phase.kind(false), device)
     }
 
     /// Ranks that ran different numbers of forwards and backwards (an extra backward on one rank) would
-    /// pair up the wrong collectives, and Gloo aborts the process when their sizes differ. A small
-    /// fixed-size check at the start of each forward and each backward catches it first.
-    fn check_loop_agreement(&self, forwards: i64, backwards: i64, phase: &str) -> Result<()> {
-        let code = if phase == "forward" { 1 } else { 2 };
-        self.pg.meta().agree(&format!("DDP {phase}"), &[code, forwards, backwards], |rows| {
-            let listing: Vec<String> = rows
-                .iter()
-                .enumerate()
-                .map(|(r, v)| {
-                    let at = if v[0] == 1 { "forward" } else { "backward" };
-                    format!("rank {r} is starting {at} with {} forwards and {} backwards done", v[1], v[2])
-                })
-                .collect();
-            let listing = listing.join("; ");
-            format!(
-                "ranks disagree on the training loop ({listing}); every rank must run the same forwards and backwards"
-            )
-        })?;
-        Ok(())
+    /// pair up the wrong collectives: the loop check at the start of each forward and each backward.
+    fn check_loop_agreement(&self, forwards: i64, backwards: i64, phase: LoopPhase) -> Result<()> {
+        agree_on_loop(&self.pg, "DDP", phase, forwards, backwards, UNEVEN_HINT)
     }
 
     /// Start of a forward: fails clearly if the last backward did not finish its reduction. Returns
@@ -462,10 +450,10 @@ impl Reducer {
             if !st.sync {
                 return Ok(());
             }
-            self.loop_check_now(&st, 1).then_some((st.forwards, st.backwards))
+            self.loop_check_now(&st, LoopPhase::Forward).then_some((st.forwards, st.backwards))
         };
         if let Some((forwards, backwards)) = counts {
-            self.check_loop_agreement(forwards, backwards, "forward")?;
+            self.check_loop_agreement(forwards, backwards, LoopPhase::Forward)?;
         }
         lock(&self.state).forwards += 1;
         Ok(())

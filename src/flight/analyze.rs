@@ -116,7 +116,9 @@ pub(crate) fn merge(dumps: &BTreeMap<usize, Dump>, world: Option<usize>, exits: 
                     Some(p) => format!("; it had entered #{}", p.seq),
                     None => String::new(),
                 };
-                if seen.is_none_or(|p| p.seq < *seq) {
+                // a rank that exited with code 0 finished its loop: the others ran more steps than it
+                let finished = exits.get(&r).is_some_and(|s| s == "exit code 0");
+                if seen.is_none_or(|p| p.seq < *seq) && !finished {
                     culprits.insert(r);
                 }
                 a.findings.push(format!("rank {r} left no dump{progress}{exit}"));

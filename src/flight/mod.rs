@@ -20,5 +20,5 @@ mod record;
 pub use analyze::{analyze, Analysis};
 pub use record::{dump, entries, label, probe, Dump, Entry, EntryState, LabelGuard};
 
-pub(crate) use progress::GroupTrace;
-pub(crate) use record::{clear_dumps, Recording};
+pub(crate) use progress::{GroupTrace, HeartbeatWatch, HEARTBEAT_CHECK_EVERY};
+pub(crate) use record::{clear_dumps, hostname, Recording};

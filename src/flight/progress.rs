@@ -18,6 +18,8 @@ const PUBLISH_GAP: Duration = Duration::from_millis(20);
 const STALE_AFTER: f64 = 3.0;
 /// How long a failing rank waits for the store to tell the others' progress.
 const READ_DEADLINE: Duration = Duration::from_secs(2);
+/// How often a long wait looks at the other ranks' heartbeats (see [`GroupTrace::frozen_peer`]).
+pub(crate) const HEARTBEAT_CHECK_EVERY: Duration = Duration::from_secs(1);
 
 /// What one rank last published about itself in a group.
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
@@ -70,10 +72,27 @@ pub(crate) struct GroupTrace {
     last: Mutex<PeerProgress>,
     /// `flight/` under the group's store.
     store: Store,
+    /// A peer whose heartbeat stands still this long while this rank waits on it ends the wait.
+    heartbeat_timeout: Option<Duration>,
+    /// A wait of this group ended that way, with its collective still running in the engine.
+    abandoned: std::sync::atomic::AtomicBool,
+}
+
+/// What one long wait has seen of the other ranks' heartbeats: each one's last value, and when it
+/// changed, on this rank's clock (so that clocks of other hosts never matter).
+#[derive(Default)]
+pub(crate) struct HeartbeatWatch {
+    last: std::collections::HashMap<usize, (f64, std::time::Instant)>,
 }
 
 impl GroupTrace {
-    pub fn new(name: &str, rank: usize, size: usize, store: &Store) -> Arc<GroupTrace> {
+    pub fn new(
+        name: &str,
+        rank: usize,
+        size: usize,
+        store: &Store,
+        heartbeat_timeout: Option<Duration>,
+    ) -> Arc<GroupTrace> {
         let store = store.prefixed("flight/").unwrap_or_else(|_| store.clone());
         let t = Arc::new(GroupTrace {
             name: name.to_string(),
@@ -82,6 +101,8 @@ impl GroupTrace {
             seq: AtomicU64::new(0),
             last: Mutex::new(PeerProgress { rank, ..PeerProgress::default() }),
             store,
+            heartbeat_timeout,
+            abandoned: std::sync::atomic::AtomicBool::new(false),
         });
         if enabled() && size > 1 {
             register(&t);
@@ -132,6 +153,52 @@ impl GroupTrace {
             let _ = tx.send(peers);
         });
         rx.recv_timeout(READ_DEADLINE).ok()
+    }
+
+    pub fn heartbeat_timeout(&self) -> Option<Duration> {
+        self.heartbeat_timeout
+    }
+
+    /// Whether a wait gave up on a collective that still runs (see [`GroupTrace::frozen_peer`]).
+    pub fn abandoned(&self) -> bool {
+        self.abandoned.load(Ordering::SeqCst)
+    }
+
+    /// Whether waits in this group watch the other ranks' heartbeats: recording on (heartbeats are
+    /// published), more than one rank, and a heartbeat timeout set.
+    pub fn watches_heartbeats(&self) -> bool {
+        self.heartbeat_timeout.is_some() && enabled() && self.size > 1
+    }
+
+    /// During a long wait: the first other rank whose heartbeat has not changed for the heartbeat timeout,
+    /// as the error that ends the wait. A rank that is slow but alive keeps publishing its heartbeat (a
+    /// thread of its own does it, whatever the rank computes) and is never named; one that never
+    /// published (recording off there) is not judged.
+    pub fn frozen_peer(self: &Arc<Self>, watch: &mut HeartbeatWatch, op: &str) -> Option<Error> {
+        let limit = self.heartbeat_timeout?;
+        let peers = self.peers()?;
+        let at = std::time::Instant::now();
+        for p in peers.iter().filter(|p| p.seen) {
+            let (beat, since) = watch.last.entry(p.rank).or_insert((p.heartbeat, at));
+            if *beat != p.heartbeat {
+                *beat = p.heartbeat;
+                *since = at;
+            } else if at.duration_since(*since) >= limit {
+                self.abandoned.store(true, Ordering::SeqCst);
+                return Some(Error::PeerGone {
+                    op: op.to_string(),
+                    msg: format!(
+                        "rank {} of group {} has published no heartbeat for {:.1}s while this rank waited for it \
+                         (the heartbeat timeout, TCH_DIST_HEARTBEAT_TIMEOUT_SECS): its process is stopped, \
+                         dead, or cut off from the store",
+                        p.rank,
+                        self.name,
+                        at.duration_since(*since).as_secs_f64()
+                    ),
+                });
+            }
+        }
+        None
     }
 
     /// A collective of this group failed: name the ranks that never arrived in the error (from their

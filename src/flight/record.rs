@@ -227,7 +227,7 @@ pub(crate) fn clear_dumps(dir: &std::path::Path, ranks: std::ops::Range<usize>) 
     Ok(())
 }
 
-fn hostname() -> String {
+pub(crate) fn hostname() -> String {
     let mut buf = [0u8; 256];
     // SAFETY: the buffer is valid for its length; gethostname NUL-terminates within it on success.
     let ok = unsafe { libc::gethostname(buf.as_mut_ptr() as *mut libc::c_char, buf.len()) } == 0;

@@ -26,10 +26,15 @@ use tch::{Device, Kind, Tensor};
 
 use super::flat_param::{FlatParam, ReduceInFlight};
 use crate::error::{Error, Result};
-use crate::group::ProcessGroup;
+use crate::group::loop_check::{agree_on_loop, LoopPhase};
+use crate::group::{ProcessGroup, Scope};
 use crate::hooks;
 use crate::stream::{Event, Stream};
 use crate::work::Work;
+
+/// How FSDP's loop check ends: FSDP has no `join`.
+const UNEVEN_HINT: &str = " (FSDP has no `join` for uneven inputs: give every rank the same number of batches, \
+     as `DistributedSampler` does by padding; DDP offers `ddp.join(..)`)";
 
 pub(crate) struct Config {
     pub reshard_after_forward: bool,
@@ -90,6 +95,9 @@ struct State {
     /// On CUDA: the end of the last reduction on the reduce stream, not yet waited for by the compute
     /// stream.
     last_reduce: Option<Event>,
+    /// Forwards and backwards of the model so far, for the loop check.
+    forwards: i64,
+    backwards: i64,
 }
 
 /// FSDP2's side streams of the device the units compute on.
@@ -153,6 +161,8 @@ impl Runtime {
             spare: None,
             in_flight: None,
             last_reduce: None,
+            forwards: 0,
+            backwards: 0,
         };
         Runtime { pg, cfg, st: Mutex::new(st), streams: OnceLock::new() }
     }
@@ -335,6 +345,7 @@ impl Runtime {
         if self.lock().in_backward {
             self.recover();
         }
+        self.check_loop(LoopPhase::Forward)?;
         // Units still gathered from a forward without backward (evaluation) are freed, so this forward
         // sees shards changed since (an optimizer step, a loaded checkpoint).
         for u in 0..self.len() {
@@ -399,7 +410,27 @@ impl Runtime {
     /// end-of-backward step is queued here, in the backward the user started. Queued from inside a
     /// nested backward (a checkpointed unit's recomputation), it would run when that one ends.
     pub fn begin_backward(self: &Arc<Self>) -> Result<()> {
+        self.check_loop(LoopPhase::Backward)?;
         self.ensure_end_callback()
+    }
+
+    /// DDP's loop check, at the root's forward and at the start of its backward: a rank that runs a
+    /// forward or backward the others do not (sampling on rank 0, uneven inputs) is named before any of
+    /// its gathers pairs with another collective.
+    fn check_loop(&self, phase: LoopPhase) -> Result<()> {
+        let (device, forwards, backwards) = {
+            let mut st = self.lock();
+            let counts = (st.forwards, st.backwards);
+            match phase {
+                LoopPhase::Forward => st.forwards += 1,
+                LoopPhase::Backward => st.backwards += 1,
+            }
+            (st.units.first().map_or(Device::Cpu, |u| u.flat.device()), counts.0, counts.1)
+        };
+        if !self.pg.checks_now(Scope::Collective, phase.kind(true), device) {
+            return Ok(());
+        }
+        agree_on_loop(&self.pg, "FSDP", phase, forwards, backwards, UNEVEN_HINT)
     }
 
     /// Just before unit `u`'s backward (its output's gradient is complete): reduces the units whose

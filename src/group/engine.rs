@@ -11,6 +11,9 @@ use crate::store::{millis, Store};
 pub(crate) struct Engine {
     ptr: NonNull<ffi::tdx_pg>,
     pub backend: Backend,
+    /// A wait gave up on one of its collectives while it still ran (a peer stopped heartbeating): the
+    /// engine's threads wait on that peer until the collective timeout, so it is not destroyed.
+    pub abandoned: std::sync::atomic::AtomicBool,
 }
 
 // SAFETY: c10d backends queue work under their own locks. As in PyTorch, callers must still issue
@@ -63,7 +66,7 @@ impl Engine {
         };
         check(code, opts.timeout, what)?;
         let ptr = NonNull::new(out).ok_or_else(|| Error::invalid(what(), "shim returned a null group"))?;
-        Ok(Engine { ptr, backend })
+        Ok(Engine { ptr, backend, abandoned: std::sync::atomic::AtomicBool::new(false) })
     }
 
     pub fn as_ptr(&self) -> *mut ffi::tdx_pg {
@@ -79,6 +82,12 @@ impl Engine {
 
 impl Drop for Engine {
     fn drop(&mut self) {
+        if self.abandoned.load(std::sync::atomic::Ordering::SeqCst) {
+            // c10d's destructor joins the worker threads, which wait on the frozen peer for the whole
+            // collective timeout: the process, ending on the error that named the peer, would hang in
+            // it. The handle is left to the process's exit instead (its memory only).
+            return;
+        }
         // SAFETY: we own the handle; collectives in flight hold their own references inside c10d.
         unsafe { ffi::tdx_pg_free(self.ptr.as_ptr()) }
     }

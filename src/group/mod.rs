@@ -5,6 +5,7 @@ mod backend;
 mod checks;
 mod engine;
 pub(crate) mod flat;
+pub(crate) mod loop_check;
 pub(crate) mod meta;
 mod p2p;
 pub(crate) mod ring;
@@ -87,6 +88,28 @@ pub struct GroupOptions {
     pub strict_nccl: bool,
     /// How flat all-gathers and reduce-scatters (ZeRO, FSDP) run; by default the engine's fastest.
     pub collectives: Collectives,
+    /// A rank waiting on the host for a collective ends the wait when another rank's heartbeat (published
+    /// every second by the flight recorder, whatever that rank computes) has not changed for this long:
+    /// a stopped or cut-off rank is named within it, not after the collective timeout. A slow rank that is
+    /// alive is never named. `None` turns it off. Default 60 s, or `TCH_DIST_HEARTBEAT_TIMEOUT_SECS`
+    /// (0 turns it off). On NCCL, waits do not block the host: there the collective timeout applies.
+    pub heartbeat_timeout: Option<Duration>,
+}
+
+/// The heartbeat timeout when none is set: 60 s.
+pub const DEFAULT_HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// `TCH_DIST_HEARTBEAT_TIMEOUT_SECS` (seconds; 0 turns the heartbeat timeout off), else the default.
+pub fn heartbeat_timeout_from_env() -> Result<Option<Duration>> {
+    let Ok(v) = std::env::var("TCH_DIST_HEARTBEAT_TIMEOUT_SECS") else { return Ok(Some(DEFAULT_HEARTBEAT_TIMEOUT)) };
+    match v.trim().parse::<f64>() {
+        Ok(0.0) => Ok(None),
+        Ok(s) if s > 0.0 && s.is_finite() => Ok(Some(Duration::from_secs_f64(s))),
+        _ => Err(Error::Env {
+            var: "TCH_DIST_HEARTBEAT_TIMEOUT_SECS".into(),
+            msg: format!("{v:?} is not a number of seconds (0 turns the heartbeat timeout off)"),
+        }),
+    }
 }
 
 impl Default for GroupOptions {
@@ -101,6 +124,7 @@ impl Default for GroupOptions {
             cuda_device: None,
             strict_nccl: strict_default(),
             collectives: Collectives::default(),
+            heartbeat_timeout: heartbeat_timeout_from_env().unwrap_or(Some(DEFAULT_HEARTBEAT_TIMEOUT)),
         }
     }
 }
@@ -220,7 +244,7 @@ impl ProcessGroup {
             checked: checks::Checked::default(),
             hostname: opts.hostname.clone(),
             store: store.clone(),
-            trace: GroupTrace::new(name, rank, size, store),
+            trace: GroupTrace::new(name, rank, size, store, opts.heartbeat_timeout),
             outcomes: std::sync::atomic::AtomicU64::new(0),
             strict,
             collectives: opts.collectives,
@@ -276,6 +300,7 @@ impl ProcessGroup {
             cuda_device: self.cuda_device,
             strict_nccl: self.strict.is_some(),
             collectives: self.collectives,
+            heartbeat_timeout: self.trace.heartbeat_timeout(),
         };
         let label = format!("{name} {:?}", ranks);
         ProcessGroup::new_named(&self.store.prefixed(&key)?, me, ranks.len(), &opts, &label).map(Some)
@@ -692,6 +717,17 @@ fn check_like(desc: &str, ts: &[Tensor], like: &Tensor) -> Result<()> {
         }
     }
     Ok(())
+}
+
+impl Drop for ProcessGroup {
+    fn drop(&mut self) {
+        // a collective given up on while it ran keeps the engines' threads busy: they are not destroyed
+        if self.trace.abandoned() {
+            for e in self.cpu.iter().chain(self.cuda.iter()) {
+                e.abandoned.store(true, std::sync::atomic::Ordering::SeqCst);
+            }
+        }
+    }
 }
 
 impl std::fmt::Debug for ProcessGroup {

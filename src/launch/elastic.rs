@@ -217,8 +217,8 @@ pub(super) fn run(cfg: &LaunchConfig, e: &ElasticConfig) -> Result<i32> {
                 eprintln!("tchrun: interrupted; workers stopped");
                 return Ok(130);
             }
-            Ok(Attempt::Failed { rank, status, tail, exits }) => {
-                report_failure(&rc, round.index as usize, rank, &status, &tail, &exits);
+            Ok(Attempt::Failed { rank, status, tails, exits }) => {
+                report_failure(&rc, round.index as usize, rank, &status, &tails, &exits);
                 let why = format!(
                     "failure: rank {rank} on node {} failed with {}",
                     round.node_rank,

@@ -5,6 +5,7 @@
 //! restart together (`tchrun --nnodes MIN:MAX --rdzv-endpoint HOST:PORT`, see docs/tchrun.md).
 mod elastic;
 mod rendezvous;
+mod summary;
 
 pub use elastic::{parse_nnodes, ElasticConfig};
 use std::collections::VecDeque;
@@ -138,6 +139,10 @@ struct Worker {
     readers: Vec<std::thread::JoinHandle<()>>,
     status: Option<ExitStatus>,
 }
+
+/// After the first failure, how long the other workers may take to end on their own before they are
+/// stopped.
+const SETTLE: Duration = Duration::from_millis(1000);
 
 /// Set by SIGINT/SIGTERM to the launcher: stop the workers and leave.
 static INTERRUPTED: AtomicBool = AtomicBool::new(false);
@@ -312,7 +317,8 @@ enum Attempt {
     Failed {
         rank: usize,
         status: ExitStatus,
-        tail: Vec<String>,
+        /// Every worker's last lines, and how it ended.
+        tails: std::collections::BTreeMap<usize, Vec<String>>,
         exits: std::collections::BTreeMap<usize, String>,
     },
     Interrupted,
@@ -344,21 +350,32 @@ fn attempt(cfg: &LaunchConfig, restart: usize, watch: &mut dyn FnMut() -> Result
         // The first worker to fail is the cause; the others usually fail after it.
         if let Some(w) = workers.iter().find(|w| matches!(w.status, Some(s) if !s.success())) {
             let (rank, status) = (w.rank, w.status.expect("checked"));
-            stop(&mut workers, cfg.grace);
-            let w = workers.iter_mut().find(|w| w.rank == rank).expect("same worker");
-            for r in w.readers.drain(..) {
-                let _ = r.join();
+            // a moment for ranks that are ending on their own (one that finished its loop and is exiting
+            // may be what this one failed on): they keep their own exit status
+            let settle = Instant::now() + cfg.grace.min(SETTLE);
+            while Instant::now() < settle && workers.iter().any(|w| w.status.is_none()) {
+                std::thread::sleep(Duration::from_millis(20));
+                poll(&mut workers);
             }
-            let tail = w.tail.lock().map(|t| t.iter().cloned().collect()).unwrap_or_default();
+            // ranks that had ended on their own (an exit code 0 among them: a rank that finished early)
+            let ended: Vec<usize> = workers.iter().filter(|w| w.status.is_some()).map(|w| w.rank).collect();
+            stop(&mut workers, cfg.grace);
+            let mut tails = std::collections::BTreeMap::new();
+            for w in workers.iter_mut() {
+                for r in w.readers.drain(..) {
+                    let _ = r.join();
+                }
+                tails.insert(w.rank, w.tail.lock().map(|t| t.iter().cloned().collect()).unwrap_or_default());
+            }
             let exits = workers
                 .iter()
                 .map(|w| {
                     let how = w.status.as_ref().map_or("no exit status".into(), describe_status);
-                    let stopped = if w.rank == rank { "" } else { ", after tchrun stopped it" };
+                    let stopped = if ended.contains(&w.rank) { "" } else { ", after tchrun stopped it" };
                     (w.rank, format!("{how}{stopped}"))
                 })
                 .collect();
-            break Attempt::Failed { rank, status, tail, exits };
+            break Attempt::Failed { rank, status, tails, exits };
         }
         if workers.iter().all(|w| w.status.is_some()) {
             break Attempt::Succeeded;
@@ -373,33 +390,23 @@ fn attempt(cfg: &LaunchConfig, restart: usize, watch: &mut dyn FnMut() -> Result
     Ok(outcome)
 }
 
-/// Runs the workers, restarting the group up to `max_restarts` times. Returns the exit code for the
-/// launcher: 0 when every worker succeeded.
-/// After a failure: what the workers' flight-recorder dumps say (which rank never arrived where).
-fn report_flight(cfg: &LaunchConfig, restart: usize, exits: &std::collections::BTreeMap<usize, String>) {
-    let Some(dir) = trace_dir(cfg, restart) else { return };
+/// After a failure: what the workers' flight-recorder dumps say (which rank never arrived where), if
+/// they left any.
+fn read_flight(
+    cfg: &LaunchConfig,
+    restart: usize,
+    exits: &std::collections::BTreeMap<usize, String>,
+) -> Option<(PathBuf, Result<crate::flight::Analysis>)> {
+    let dir = trace_dir(cfg, restart)?;
     if !dir.exists() {
-        eprintln!(
-            "tchrun: no flight-recorder dumps in {} (no collective failed before the workers ended)",
-            dir.display()
-        );
-        return;
+        return None;
     }
-    match crate::flight::analyze(&dir, Some(cfg.world_size()), exits) {
-        Ok(a) => {
-            eprintln!(
-                "tchrun: flight recorder ({}; `tchrun analyze {}` to read them again):",
-                dir.display(),
-                dir.display()
-            );
-            for l in &a.findings {
-                eprintln!("tchrun:   {l}");
-            }
-        }
-        Err(e) => eprintln!("tchrun: flight recorder: {e}"),
-    }
+    let a = crate::flight::analyze(&dir, Some(cfg.world_size()), exits);
+    Some((dir, a))
 }
 
+/// Runs the workers, restarting the group up to `max_restarts` times. Returns the exit code for the
+/// launcher: 0 when every worker succeeded.
 pub fn run(cfg: &LaunchConfig) -> Result<i32> {
     cfg.validate()?;
     install_signal_handlers();
@@ -420,8 +427,8 @@ pub fn run(cfg: &LaunchConfig) -> Result<i32> {
                 return Ok(130);
             }
             Attempt::Stopped(_) => return Ok(1),
-            Attempt::Failed { rank, status, tail, exits } => {
-                report_failure(cfg, restart, rank, &status, &tail, &exits);
+            Attempt::Failed { rank, status, tails, exits } => {
+                report_failure(cfg, restart, rank, &status, &tails, &exits);
                 if restart == cfg.max_restarts {
                     return Ok(1);
                 }
@@ -431,27 +438,47 @@ pub fn run(cfg: &LaunchConfig) -> Result<i32> {
     Ok(1)
 }
 
-/// What a failed attempt prints: the rank, how it ended, its last lines, the flight recorder's findings.
+/// What a failed attempt prints: the culprit and its error line first, then the rank that failed first
+/// and how, its last lines, and the flight recorder's findings.
 fn report_failure(
     cfg: &LaunchConfig,
     restart: usize,
     rank: usize,
     status: &ExitStatus,
-    tail: &[String],
+    tails: &std::collections::BTreeMap<usize, Vec<String>>,
     exits: &std::collections::BTreeMap<usize, String>,
 ) {
+    let flight = read_flight(cfg, restart, exits);
+    let analysis = flight.as_ref().and_then(|(_, a)| a.as_ref().ok());
+    for l in summary::headline(rank, analysis, tails, exits) {
+        eprintln!("tchrun: {l}");
+    }
     eprintln!(
         "tchrun: rank {rank} (local rank {}) failed with {}; stopped the other workers",
         rank - cfg.node_rank * cfg.nproc_per_node,
         describe_status(status)
     );
+    let tail = tails.get(&rank).map(Vec::as_slice).unwrap_or_default();
     if !tail.is_empty() {
         eprintln!("tchrun: last {} lines of rank {rank}:", tail.len());
         for l in tail {
             eprintln!("tchrun:   {l}");
         }
     }
-    report_flight(cfg, restart, exits);
+    match flight {
+        None => eprintln!("tchrun: no flight-recorder dumps (no collective failed before the workers ended)"),
+        Some((dir, Ok(a))) => {
+            eprintln!(
+                "tchrun: flight recorder ({}; `tchrun analyze {}` to read them again):",
+                dir.display(),
+                dir.display()
+            );
+            for l in &a.findings {
+                eprintln!("tchrun:   {l}");
+            }
+        }
+        Some((_, Err(e))) => eprintln!("tchrun: flight recorder: {e}"),
+    }
 }
 
 #[cfg(test)]

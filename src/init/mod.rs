@@ -7,6 +7,8 @@ use crate::error::{Error, Result};
 use crate::group::{BackendConfig, GroupOptions, ProcessGroup, DEFAULT_TIMEOUT};
 use crate::store::{Store, TcpStoreOptions};
 
+mod consistency;
+
 /// Everything `init_process_group` needs.
 #[derive(Clone, Debug)]
 pub struct InitOptions {
@@ -84,6 +86,8 @@ impl InitOptions {
                 msg: format!("{v:?} is not a positive number of seconds"),
             })?;
         }
+        // a bad value is named here; groups read the variable again for their default
+        crate::group::heartbeat_timeout_from_env()?;
         if let Ok(v) = std::env::var("TCH_DIST_BACKEND") {
             o.backend = Some(v.parse().map_err(|_| Error::Env {
                 var: "TCH_DIST_BACKEND".into(),
@@ -127,12 +131,22 @@ impl ProcessGroup {
             ));
         }
         let backend = o.backend.unwrap_or_else(|| BackendConfig::for_device(o.device));
+        // With agreement checks on (every rank is tch-dist's), the launch check below waits for the ranks
+        // and names a world size or RANK that disagrees; the store's own wait for its workers would only
+        // time out. PyTorch's ranks (checks off) expect PyTorch's store.
+        let checked = crate::group::verify_default();
         let base = if o.rank == 0 {
-            TcpStoreOptions::server(&o.master_addr, o.master_port, o.world_size)
+            TcpStoreOptions {
+                wait_workers: !checked,
+                ..TcpStoreOptions::server(&o.master_addr, o.master_port, o.world_size)
+            }
         } else {
             TcpStoreOptions::client(&o.master_addr, o.master_port, o.world_size)
         };
         let store = Store::tcp(&base.timeout(o.timeout))?;
+        if checked {
+            consistency::check_launch(&store, o.rank, o.world_size, o.timeout)?;
+        }
         let cuda_device = match o.device {
             tch::Device::Cuda(i) => {
                 // what torchrun users do with torch.cuda.set_device(local_rank): memory allocated without

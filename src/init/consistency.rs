@@ -1,0 +1,286 @@
+//! Launch consistency at rendezvous: before any engine is built, every rank says in the store what it was
+//! launched as (world size, node, processes per node, host, process id), and rank 0 compares them. A
+//! world size that differs between ranks, two processes given the same `RANK`, or launchers that disagree
+//! on `--nproc-per-node` would otherwise leave every rank waiting in the engine's rendezvous until the
+//! timeout, naming nothing; here they end every rank within moments, with the values and the ranks.
+//!
+//! The protocol, in `tch_dist/launch/` of the store the group is built on:
+//! - each rank claims its rank (`add claims/R`): a second claim is a duplicate `RANK`;
+//! - it publishes its launch as `rank/R`, then compares it with rank 0's;
+//! - rank 0 reads every rank's launch and writes the verdict (`ok`, or what is wrong);
+//! - any rank that finds a disagreement writes it as the verdict, so the ones still waiting learn it.
+//!
+//! Only for groups whose ranks are all tch-dist's (agreement checks on): PyTorch's ranks publish none of
+//! this.
+use std::time::{Duration, Instant};
+
+use crate::error::{Error, Result};
+use crate::store::Store;
+
+const PREFIX: &str = "tch_dist/launch/";
+const VERDICT: &str = "verdict";
+const OK: &[u8] = b"ok";
+
+/// What one rank was launched as.
+#[derive(Clone, Debug, PartialEq)]
+struct Launch {
+    rank: usize,
+    world: usize,
+    /// torchrun's and tchrun's `GROUP_RANK` and `LOCAL_WORLD_SIZE`, when set.
+    node: Option<usize>,
+    per_node: Option<usize>,
+    host: String,
+    pid: u32,
+}
+
+impl Launch {
+    fn of_this_process(rank: usize, world: usize) -> Launch {
+        let var = |v: &str| std::env::var(v).ok().and_then(|s| s.trim().parse().ok());
+        Launch {
+            rank,
+            world,
+            node: var("GROUP_RANK"),
+            per_node: var("LOCAL_WORLD_SIZE"),
+            host: crate::flight::hostname(),
+            pid: std::process::id(),
+        }
+    }
+
+    fn encode(&self) -> String {
+        let opt = |v: Option<usize>| v.map_or("-".to_string(), |v| v.to_string());
+        format!("{}\t{}\t{}\t{}\t{}", self.world, opt(self.node), opt(self.per_node), self.pid, self.host)
+    }
+
+    fn decode(rank: usize, text: &[u8]) -> Option<Launch> {
+        let text = String::from_utf8_lossy(text);
+        let f: Vec<&str> = text.splitn(5, '\t').collect();
+        let opt = |i: usize| f.get(i).and_then(|s| s.parse().ok());
+        Some(Launch {
+            rank,
+            world: f.first()?.parse().ok()?,
+            node: opt(1),
+            per_node: opt(2),
+            pid: f.get(3)?.parse().ok()?,
+            host: f.get(4)?.to_string(),
+        })
+    }
+
+    /// `rank 2 (WORLD_SIZE=4, node 1 with 2 processes, pid 4711 on host-a)`
+    fn describe(&self) -> String {
+        let node = match (self.node, self.per_node) {
+            (Some(n), Some(p)) => format!(", node {n} with {p} process{}", if p == 1 { "" } else { "es" }),
+            _ => String::new(),
+        };
+        format!("rank {} (WORLD_SIZE={}{node}, pid {} on {})", self.rank, self.world, self.pid, self.host)
+    }
+}
+
+/// Ranks launched with different world sizes, described for the user.
+fn disagreement(launches: &[&Launch]) -> String {
+    let listing: Vec<String> = launches.iter().map(|l| l.describe()).collect();
+    let mut msg = format!("ranks were launched with different world sizes: {}", listing.join("; "));
+    let per_node: Vec<(usize, usize)> = launches
+        .iter()
+        .filter_map(|l| l.node.zip(l.per_node))
+        .collect::<std::collections::BTreeSet<_>>()
+        .into_iter()
+        .collect();
+    if per_node.iter().map(|p| p.1).collect::<std::collections::BTreeSet<_>>().len() > 1 {
+        let nodes: Vec<String> = per_node.iter().map(|(n, p)| format!("{p} on node {n}")).collect();
+        msg.push_str(&format!(
+            "; the launchers disagree on --nproc-per-node ({}): give every node's launcher the same \
+             --nnodes and --nproc-per-node",
+            nodes.join(", ")
+        ));
+    } else {
+        msg.push_str("; every rank must be given the same WORLD_SIZE");
+    }
+    msg
+}
+
+fn fail(store: &Store, msg: String) -> Error {
+    // the others may be waiting for the verdict: this one ends them too (best effort: the store may be
+    // the thing that is failing)
+    let _ = store.set(VERDICT, msg.as_bytes());
+    Error::mismatch("launch check at rendezvous", msg)
+}
+
+/// Sleeps a little longer each time, from 5 ms to 100 ms: quick when ranks start together, light on the
+/// store when one is slow to start.
+struct Backoff(Duration);
+
+impl Backoff {
+    fn new() -> Backoff {
+        Backoff(Duration::from_millis(5))
+    }
+    fn sleep(&mut self) {
+        std::thread::sleep(self.0);
+        self.0 = (self.0 * 2).min(Duration::from_millis(100));
+    }
+}
+
+/// The check, on `base` (the store the group is built on, before its prefixes), within `timeout`.
+pub(crate) fn check_launch(base: &Store, rank: usize, world: usize, timeout: Duration) -> Result<()> {
+    let store = base.prefixed(PREFIX)?;
+    let me = Launch::of_this_process(rank, world);
+    let deadline = Instant::now() + timeout;
+    let claims = store.add(&format!("claims/{rank}"), 1)?;
+    if claims > 1 {
+        // the first claimant's launch, if it got as far as publishing it
+        let first = store
+            .check(&format!("rank/{rank}"))
+            .ok()
+            .filter(|&b| b)
+            .and_then(|_| store.get(&format!("rank/{rank}")).ok())
+            .and_then(|v| Launch::decode(rank, &v));
+        let other = first.map_or("another process".to_string(), |l| format!("pid {} on {}", l.pid, l.host));
+        return Err(fail(
+            &store,
+            format!(
+                "RANK={rank} was given to two processes: {other} and pid {} on {}; every process of a job needs \
+                 its own RANK below WORLD_SIZE={world}",
+                me.pid, me.host
+            ),
+        ));
+    }
+    store.set(&format!("rank/{rank}"), me.encode().as_bytes())?;
+    if rank == 0 {
+        return rank_zero(&store, &me, deadline, timeout);
+    }
+    // rank 0's launch: a different world size is found here, by this rank, even when rank 0 waits for
+    // ranks that will never come
+    let mut backoff = Backoff::new();
+    let zero = loop {
+        if let Some(l) = published(&store, 0)? {
+            break l;
+        }
+        verdict(&store)?;
+        if Instant::now() >= deadline {
+            return Err(Error::Timeout {
+                op: "launch check at rendezvous".into(),
+                timeout,
+                msg: format!("rank 0 did not arrive (this is {})", me.describe()),
+            });
+        }
+        backoff.sleep();
+    };
+    if zero.world != world {
+        return Err(fail(&store, disagreement(&[&zero, &me])));
+    }
+    let mut backoff = Backoff::new();
+    loop {
+        if verdict(&store)? {
+            return Ok(());
+        }
+        if Instant::now() >= deadline {
+            return Err(Error::Timeout {
+                op: "launch check at rendezvous".into(),
+                timeout,
+                msg: "rank 0 did not confirm that every rank arrived".into(),
+            });
+        }
+        backoff.sleep();
+    }
+}
+
+/// Rank 0 reads every rank's launch as it arrives and writes the verdict.
+fn rank_zero(store: &Store, me: &Launch, deadline: Instant, timeout: Duration) -> Result<()> {
+    let mut seen: Vec<Option<Launch>> = vec![None; me.world];
+    seen[0] = Some(me.clone());
+    let mut backoff = Backoff::new();
+    loop {
+        // a verdict written by another rank (a duplicate RANK, a larger world) ends this one too
+        verdict(store)?;
+        for (r, slot) in seen.iter_mut().enumerate().filter(|(_, s)| s.is_none()) {
+            *slot = published(store, r)?;
+        }
+        let odd: Vec<&Launch> = seen.iter().flatten().filter(|l| l.world != me.world).collect();
+        if !odd.is_empty() {
+            let mut all = vec![me];
+            all.extend(odd);
+            return Err(fail(store, disagreement(&all)));
+        }
+        let missing: Vec<String> =
+            seen.iter().enumerate().filter(|(_, s)| s.is_none()).map(|(r, _)| r.to_string()).collect();
+        if missing.is_empty() {
+            store.set(VERDICT, OK)?;
+            return Ok(());
+        }
+        if Instant::now() >= deadline {
+            let msg = format!(
+                "{} {} of WORLD_SIZE={} did not arrive (not started, or started with another \
+                 MASTER_ADDR/MASTER_PORT)",
+                if missing.len() == 1 { "rank" } else { "ranks" },
+                missing.join(", "),
+                me.world
+            );
+            let _ = store.set(VERDICT, msg.as_bytes());
+            return Err(Error::Timeout { op: "launch check at rendezvous".into(), timeout, msg });
+        }
+        backoff.sleep();
+    }
+}
+
+/// Rank `r`'s launch, if it has published it.
+fn published(store: &Store, r: usize) -> Result<Option<Launch>> {
+    let key = format!("rank/{r}");
+    if !store.check(&key)? {
+        return Ok(None);
+    }
+    let v = store.get(&key)?;
+    Launch::decode(r, &v)
+        .map(Some)
+        .ok_or_else(|| Error::invalid("launch check at rendezvous", format!("rank {r}'s launch record is unreadable")))
+}
+
+/// Ok(true) once rank 0 said every rank arrived; the error another rank wrote, if it did.
+fn verdict(store: &Store) -> Result<bool> {
+    if !store.check(VERDICT)? {
+        return Ok(false);
+    }
+    let v = store.get(VERDICT)?;
+    if v == OK {
+        return Ok(true);
+    }
+    Err(Error::mismatch("launch check at rendezvous", String::from_utf8_lossy(&v).to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn launch(rank: usize, world: usize, node: usize, per_node: usize) -> Launch {
+        Launch { rank, world, node: Some(node), per_node: Some(per_node), host: "h".into(), pid: 7 }
+    }
+
+    #[test]
+    fn a_launch_record_round_trips() {
+        let l = launch(3, 4, 1, 2);
+        assert_eq!(Launch::decode(3, l.encode().as_bytes()), Some(l));
+        let bare = Launch { node: None, per_node: None, ..launch(1, 2, 0, 0) };
+        assert_eq!(Launch::decode(1, bare.encode().as_bytes()), Some(bare));
+    }
+
+    #[test]
+    fn launchers_that_disagree_on_processes_per_node_are_named() {
+        let (a, b) = (launch(0, 2, 0, 1), launch(2, 4, 1, 2));
+        let m = disagreement(&[&a, &b]);
+        assert!(m.contains("rank 0 (WORLD_SIZE=2, node 0 with 1 process,"), "{m}");
+        assert!(m.contains("rank 2 (WORLD_SIZE=4, node 1 with 2 processes,"), "{m}");
+        assert!(m.contains("--nproc-per-node (1 on node 0, 2 on node 1)"), "{m}");
+        let m = disagreement(&[&launch(0, 2, 0, 1), &launch(1, 3, 0, 1)]);
+        assert!(m.contains("same WORLD_SIZE") && !m.contains("nproc"), "{m}");
+    }
+
+    #[test]
+    fn ranks_of_one_process_on_a_shared_store_pass_and_a_duplicate_is_refused() {
+        let store = Store::hash().unwrap();
+        let t = Duration::from_secs(5);
+        let s1 = store.clone();
+        let one = std::thread::spawn(move || check_launch(&s1, 1, 2, t));
+        check_launch(&store, 0, 2, t).unwrap();
+        one.join().unwrap().unwrap();
+        let dup = check_launch(&store, 1, 2, t).unwrap_err().to_string();
+        assert!(dup.contains("RANK=1 was given to two processes"), "{dup}");
+    }
+}

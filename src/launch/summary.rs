@@ -1,0 +1,112 @@
+//! The first lines tchrun prints after a failed attempt: which rank caused it, and that rank's error line.
+//! The cause is the flight recorder's culprit when the dumps name one, else the first rank to fail; a
+//! rank that exited with code 0 is never it (it finished its loop: the others ran more steps than it).
+use std::collections::BTreeMap;
+
+use crate::flight::Analysis;
+
+fn exited_normally(how: &str) -> bool {
+    how == "exit code 0"
+}
+
+/// The headline: `culprit: rank R (why named): <its error line>`, and a hint when ranks ended their loops
+/// at different steps.
+pub(super) fn headline(
+    first_failed: usize,
+    analysis: Option<&Analysis>,
+    tails: &BTreeMap<usize, Vec<String>>,
+    exits: &BTreeMap<usize, String>,
+) -> Vec<String> {
+    let done: Vec<usize> = exits.iter().filter(|(_, how)| exited_normally(how)).map(|(&r, _)| r).collect();
+    let named: Vec<usize> =
+        analysis.map(|a| a.culprits.iter().copied().filter(|r| !done.contains(r)).collect()).unwrap_or_default();
+    let (culprits, why) = if named.is_empty() {
+        (vec![first_failed], "the first to fail")
+    } else {
+        (named, "named by the flight recorder")
+    };
+    let mut lines = Vec::new();
+    for r in culprits {
+        let ended = exits.get(&r).map_or(String::new(), |how| format!("; it ended with {how}"));
+        let error = tails.get(&r).and_then(|t| error_line(t));
+        let error = error.unwrap_or_else(|| format!("no error line in its output{ended}"));
+        lines.push(format!("culprit: rank {r} ({why}): {error}"));
+    }
+    if !done.is_empty() {
+        let names: Vec<String> = done.iter().map(|r| format!("rank {r}")).collect();
+        lines.push(format!(
+            "{} exited normally (exit code 0) while other ranks still ran collectives: the ranks ran different \
+             numbers of steps. For uneven inputs, run DDP's loop inside `ddp.join(..)`, or give every rank the \
+             same number of batches (`DistributedSampler` pads to equal counts)",
+            names.join(", ")
+        ));
+    }
+    lines
+}
+
+/// The line of a rank's output that says what went wrong: the last `Error: ` line (a `main` that returned
+/// an error), else a panic's message, else C++'s `what():`; never a backtrace frame. A libtorch message
+/// printed with its frames (`Torch("... \nException raised from ...")`) keeps its first line only.
+pub(super) fn error_line(tail: &[String]) -> Option<String> {
+    let first_line = |l: &str| l.split("\\n").next().unwrap_or(l).trim_end().to_string();
+    if let Some(l) = tail.iter().rev().find(|l| l.starts_with("Error: ")) {
+        return Some(first_line(l));
+    }
+    // a panic: "thread 'main' panicked at src/main.rs:3:5:" and its message on the next line
+    if let Some(i) = tail.iter().rposition(|l| l.contains("panicked at")) {
+        let msg = tail.get(i + 1).filter(|m| !is_frame(m)).map_or("", |m| m.as_str());
+        return Some(first_line(&format!("{} {msg}", tail[i].trim())));
+    }
+    tail.iter().rev().find(|l| l.contains("what():")).map(|l| first_line(l.trim()))
+}
+
+/// A backtrace or C++ stack frame, or the note that introduces one.
+fn is_frame(l: &str) -> bool {
+    let t = l.trim_start();
+    t.starts_with("frame #")
+        || t.starts_with("at ")
+        || t.starts_with("Exception raised from")
+        || t.starts_with("note: run with `RUST_BACKTRACE")
+        || t.split_once(": ").is_some_and(|(n, _)| !n.is_empty() && n.chars().all(|c| c.is_ascii_digit()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lines(v: &[&str]) -> Vec<String> {
+        v.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn the_error_line_is_found_behind_frames() {
+        let t = lines(&[
+            "step 3",
+            r#"Error: Torch("The size of tensor a (4) must match the size of tensor b (3)\nException raised from infer_size at ...")"#,
+            "   0: std::backtrace::Backtrace::create",
+            "             at /rustc/library/std/src/backtrace.rs:331:13",
+            "frame #3: at::native::add + 0x12 (0x7f in libtorch_cpu.so)",
+        ]);
+        assert_eq!(
+            error_line(&t).as_deref(),
+            Some(r#"Error: Torch("The size of tensor a (4) must match the size of tensor b (3)"#)
+        );
+        let p = lines(&["thread 'main' panicked at src/main.rs:9:5:", "boom", "note: run with `RUST_BACKTRACE=1`"]);
+        assert_eq!(error_line(&p).as_deref(), Some("thread 'main' panicked at src/main.rs:9:5: boom"));
+        assert_eq!(error_line(&lines(&["   0: main", "step 1"])), None);
+    }
+
+    #[test]
+    fn a_rank_that_exited_normally_is_never_the_culprit() {
+        let a = Analysis { findings: vec![], culprits: vec![0] };
+        let tails = BTreeMap::from([(0, lines(&["done"])), (1, lines(&["Error: lost rank 0"]))]);
+        let exits = BTreeMap::from([(0, "exit code 0".to_string()), (1, "exit code 1".to_string())]);
+        let h = headline(1, Some(&a), &tails, &exits);
+        assert_eq!(h[0], "culprit: rank 1 (the first to fail): Error: lost rank 0");
+        assert!(h[1].starts_with("rank 0 exited normally") && h[1].contains("ddp.join"), "{h:?}");
+        let exits = BTreeMap::from([(0, "exit code 1".to_string()), (1, "signal 15 (SIGTERM)".to_string())]);
+        let h = headline(1, Some(&a), &tails, &exits);
+        assert_eq!(h, vec!["culprit: rank 0 (named by the flight recorder): no error line in its output; it ended with exit code 1"
+            .to_string()]);
+    }
+}
