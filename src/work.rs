@@ -218,6 +218,14 @@ impl Work {
                         return Err(e);
                     }
                 }
+                // the last slice: a timeout is the whole wait's
+                Err(Error::Timeout { .. }) if !self.is_completed().unwrap_or(true) => {
+                    return Err(Error::Timeout {
+                        op: (self.desc)(),
+                        timeout: timeout.unwrap_or_default(),
+                        msg: "the operation did not complete".into(),
+                    })
+                }
                 r => return r,
             }
         }

@@ -301,3 +301,28 @@ fn a_libtorch_error_heads_the_report_without_its_frames() {
     assert!(head.contains("The size of tensor a (4) must match the size of tensor b (3)"), "{t}");
     assert!(!head.contains("frame #") && !head.contains("Exception raised from"), "{head}");
 }
+
+#[test]
+fn pytorchs_own_analyzer_reads_the_dumps_and_names_the_same_culprit() {
+    // rank 1 computes for 6 s, past the 3 s collective timeout: alive, so it dumps when asked
+    let dir = std::env::temp_dir().join(format!("tdx-faults-fr-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let d = dir.to_string_lossy().to_string();
+    let env = [("TCH_DIST_TIMEOUT_SECS", "3"), ("TCH_DIST_TRACE_DIR", d.as_str())];
+    let (o, secs) = drill_env(3, "ddp", "sleep@1:3", &[], &env);
+    let t = text(&o);
+    assert_failed_in_time(&o, secs, 3 + SLACK);
+    assert!(t.contains("tchrun:   culprit: rank 1"), "{t}");
+    let torch = dir.join(tch_dist::flight::TORCH_DIR);
+    let py = Command::new(common::python())
+        .args(["-m", "torch.distributed.flight_recorder.fr_trace"])
+        .arg(&torch)
+        .args(["-p", "fr_rank_"])
+        .output()
+        .unwrap();
+    let report = text(&py);
+    assert!(py.status.success(), "{report}");
+    assert!(report.contains("Not all ranks joining collective") && report.contains("missing ranks: {1}"), "{report}");
+    assert!(report.contains("collective: gloo:all_gather") && report.contains("DDP forward"), "{report}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -254,6 +254,8 @@ fn a_stale_flight_dump_is_not_read_as_this_jobs() {
             group_rank: 1,
             group_size: 2,
             seq: 7,
+            collective_seq: 7,
+            p2p_seq: 0,
             op: "allreduce(Sum) of Float[3] on Cpu".into(),
             backend: "gloo".into(),
             label: "stale label from an earlier job".into(),

@@ -134,7 +134,7 @@ pub(crate) fn merge(dumps: &BTreeMap<usize, Dump>, world: Option<usize>, exits: 
     }
     for ((group, seq), list) in by_key {
         // point-to-point messages pair up by sender and receiver, not by sequence number
-        if list.iter().any(|(_, e)| is_p2p(&e.op)) {
+        if list.iter().any(|(_, e)| super::record::is_p2p(&e.op)) {
             continue;
         }
         let ops: BTreeSet<&str> = list.iter().map(|(_, e)| e.op.as_str()).collect();
@@ -164,10 +164,6 @@ pub(crate) fn merge(dumps: &BTreeMap<usize, Dump>, world: Option<usize>, exits: 
         a.findings.insert(0, format!("culprit: {}", names.join(", ")));
     }
     a
-}
-
-fn is_p2p(op: &str) -> bool {
-    op.starts_with("send") || op.starts_with("recv")
 }
 
 fn first_clause(err: &str) -> &str {

@@ -14,11 +14,13 @@
 //!   directory); `tchrun` merges the dumps after a failure, and `tchrun analyze DIR` does it for dumps from
 //!   elsewhere ([`analyze`]).
 mod analyze;
+mod pickle;
 mod progress;
 mod record;
+mod torch_format;
 
 pub use analyze::{analyze, Analysis};
-pub use record::{dump, entries, label, probe, Dump, Entry, EntryState, LabelGuard};
+pub use record::{dump, entries, label, probe, Dump, Entry, EntryState, LabelGuard, TORCH_DIR};
 
 pub(crate) use progress::{GroupTrace, HeartbeatWatch, HEARTBEAT_CHECK_EVERY};
-pub(crate) use record::{clear_dumps, hostname, Recording};
+pub(crate) use record::{clear_dumps, hostname, is_p2p, Recording};

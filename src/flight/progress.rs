@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use super::record::{current_label, dump_with, enabled, now, Recording};
+use super::record::{current_label, dump_with, enabled, is_p2p, now, Recording, Seq};
 use crate::error::Error;
 use crate::store::Store;
 
@@ -18,6 +18,10 @@ const PUBLISH_GAP: Duration = Duration::from_millis(20);
 const STALE_AFTER: f64 = 3.0;
 /// How long a failing rank waits for the store to tell the others' progress.
 const READ_DEADLINE: Duration = Duration::from_secs(2);
+/// The store key through which a failing rank asks the others for their dumps, and how long it waits
+/// for them.
+const DUMP_KEY: &str = "dump";
+const DUMP_WAIT: Duration = Duration::from_secs(2);
 /// How often a long wait looks at the other ranks' heartbeats (see [`GroupTrace::frozen_peer`]).
 pub(crate) const HEARTBEAT_CHECK_EVERY: Duration = Duration::from_secs(1);
 
@@ -69,6 +73,9 @@ pub(crate) struct GroupTrace {
     rank: usize,
     size: usize,
     seq: AtomicU64,
+    /// PyTorch's counts: collectives, and point-to-point operations.
+    collectives: AtomicU64,
+    p2p: AtomicU64,
     last: Mutex<PeerProgress>,
     /// `flight/` under the group's store.
     store: Store,
@@ -76,6 +83,8 @@ pub(crate) struct GroupTrace {
     heartbeat_timeout: Option<Duration>,
     /// A wait of this group ended that way, with its collective still running in the engine.
     abandoned: std::sync::atomic::AtomicBool,
+    /// Another rank's request for dumps was answered.
+    answered: std::sync::atomic::AtomicBool,
 }
 
 /// What one long wait has seen of the other ranks' heartbeats: each one's last value, and when it
@@ -99,10 +108,13 @@ impl GroupTrace {
             rank,
             size,
             seq: AtomicU64::new(0),
+            collectives: AtomicU64::new(0),
+            p2p: AtomicU64::new(0),
             last: Mutex::new(PeerProgress { rank, ..PeerProgress::default() }),
             store,
             heartbeat_timeout,
             abandoned: std::sync::atomic::AtomicBool::new(false),
+            answered: std::sync::atomic::AtomicBool::new(false),
         });
         if enabled() && size > 1 {
             register(&t);
@@ -116,6 +128,15 @@ impl GroupTrace {
         if !enabled() {
             return (seq, None);
         }
+        let numbers = if is_p2p(op) {
+            Seq {
+                all: seq,
+                collective: self.collectives.load(Ordering::Relaxed),
+                p2p: self.p2p.fetch_add(1, Ordering::Relaxed) + 1,
+            }
+        } else {
+            Seq { all: seq, collective: self.collectives.fetch_add(1, Ordering::Relaxed) + 1, p2p: 0 }
+        };
         if let Ok(mut last) = self.last.lock() {
             last.seq = seq;
             last.op = op.to_string();
@@ -123,7 +144,7 @@ impl GroupTrace {
             last.entered = now();
         }
         wake_publisher();
-        (seq, Recording::start(&self.name, self.rank, self.size, seq, op, backend))
+        (seq, Recording::start(&self.name, self.rank, self.size, numbers, op, backend))
     }
 
     fn publish(&self) {
@@ -214,8 +235,43 @@ impl GroupTrace {
             None => format!("the other ranks' progress could not be read from the store within {READ_DEADLINE:?}"),
         };
         let err = if note.is_empty() { err } else { err.with_note(&note) };
-        dump_with(&err.to_string(), peers.unwrap_or_default(), Some(self.rank));
+        let peers = peers.unwrap_or_default();
+        dump_with(&err.to_string(), peers.clone(), Some(self.rank));
+        self.request_dumps(&err.to_string(), &peers);
         err
+    }
+
+    /// Asks the other ranks of the group to dump their rings too (as PyTorch's dump on timeout does), so
+    /// that the merge sees a rank that is alive but elsewhere; waits a moment for those whose heartbeat is
+    /// fresh (a stopped or dead one cannot answer).
+    fn request_dumps(&self, reason: &str, peers: &[PeerProgress]) {
+        if std::env::var_os("TCH_DIST_TRACE_DIR").is_none() || self.store.set(DUMP_KEY, reason.as_bytes()).is_err() {
+            return;
+        }
+        let t = now();
+        let alive: Vec<usize> =
+            peers.iter().filter(|p| p.seen && t - p.heartbeat < STALE_AFTER).map(|p| p.rank).collect();
+        let deadline = std::time::Instant::now() + DUMP_WAIT;
+        while std::time::Instant::now() < deadline {
+            if alive.iter().all(|r| self.store.check(&format!("{DUMP_KEY}ed/{r}")).unwrap_or(true)) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// The publisher's side of [`GroupTrace::request_dumps`]: a request seen in this group's store is
+    /// answered with this process's dump (once per process) and an acknowledgment.
+    fn answer_dump_request(&self) {
+        if self.answered.load(Ordering::Relaxed) || !self.store.check(DUMP_KEY).unwrap_or(false) {
+            return;
+        }
+        self.answered.store(true, Ordering::Relaxed);
+        if !super::record::has_dumped() {
+            let why = self.store.get(DUMP_KEY).map(|v| String::from_utf8_lossy(&v).to_string()).unwrap_or_default();
+            dump_with(&format!("another rank of group {} failed: {why}", self.name), Vec::new(), Some(self.rank));
+        }
+        let _ = self.store.set(&format!("{DUMP_KEY}ed/{}", self.rank), b"1");
     }
 }
 
@@ -276,6 +332,7 @@ fn publisher() -> Option<&'static std::thread::Thread> {
                     // no lock held while the store is talked to; every group's heartbeat, changed or not
                     for t in live {
                         t.publish();
+                        t.answer_dump_request();
                     }
                     std::thread::sleep(PUBLISH_GAP);
                 })

@@ -32,6 +32,12 @@ pub struct Entry {
     pub group_size: usize,
     /// 1, 2, ... in this group: the same collective has the same number on every rank.
     pub seq: u64,
+    /// PyTorch's numbering (for its flight-recorder format): collectives and point-to-point operations
+    /// counted apart, each from 1; a point-to-point operation keeps the collective number before it.
+    #[serde(default)]
+    pub collective_seq: u64,
+    #[serde(default)]
+    pub p2p_seq: u64,
     /// The operation, with dtype, shape and device, e.g. `allreduce(Sum) of Float[1024] on Cpu`.
     pub op: String,
     pub backend: String,
@@ -72,7 +78,11 @@ struct Ring {
 fn ring() -> &'static Ring {
     static RING: OnceLock<Ring> = OnceLock::new();
     RING.get_or_init(|| {
-        let capacity = std::env::var("TCH_DIST_TRACE_ENTRIES").ok().and_then(|v| v.trim().parse().ok()).unwrap_or(2000);
+        // ours, else PyTorch's names for it (TORCH_NCCL_TRACE_BUFFER_SIZE is the older one)
+        let capacity = ["TCH_DIST_TRACE_ENTRIES", "TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"]
+            .iter()
+            .find_map(|v| std::env::var(v).ok().and_then(|v| v.trim().parse().ok()))
+            .unwrap_or(2000);
         Ring { capacity, entries: Mutex::new(VecDeque::with_capacity(capacity.min(4096))), next_id: AtomicU64::new(1) }
     })
 }
@@ -111,6 +121,20 @@ pub(crate) fn current_label() -> String {
     LABEL.with(|l| l.borrow().clone().unwrap_or_default())
 }
 
+/// An operation's numbers in its group: among all its operations, and as PyTorch counts.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Seq {
+    pub all: u64,
+    pub collective: u64,
+    pub p2p: u64,
+}
+
+/// Whether an operation (as the recorder names it) is point-to-point: such operations pair up by sender
+/// and receiver, not by sequence number.
+pub(crate) fn is_p2p(op: &str) -> bool {
+    op.starts_with("send") || op.starts_with("recv") || op.starts_with("batch")
+}
+
 /// An operation being recorded; ends it when told how it ended.
 pub(crate) struct Recording {
     id: u64,
@@ -118,7 +142,7 @@ pub(crate) struct Recording {
 
 impl Recording {
     /// Starts recording (None when recording is off).
-    pub fn start(group: &str, rank: usize, size: usize, seq: u64, op: &str, backend: &str) -> Option<Recording> {
+    pub fn start(group: &str, rank: usize, size: usize, seq: Seq, op: &str, backend: &str) -> Option<Recording> {
         let r = ring();
         if r.capacity == 0 {
             return None;
@@ -129,7 +153,9 @@ impl Recording {
             group: group.to_string(),
             group_rank: rank,
             group_size: size,
-            seq,
+            seq: seq.all,
+            collective_seq: seq.collective,
+            p2p_seq: seq.p2p,
             op: op.to_string(),
             backend: backend.to_string(),
             label: current_label(),
@@ -165,7 +191,8 @@ pub fn probe(n: usize) -> f64 {
     let start = std::time::Instant::now();
     for i in 0..n {
         let _l = label("flight recorder probe");
-        if let Some(r) = Recording::start("probe", 0, 1, i as u64, "allreduce(Sum) of Float[1024] on Cpu", "gloo") {
+        let seq = Seq { all: i as u64, collective: i as u64, p2p: 0 };
+        if let Some(r) = Recording::start("probe", 0, 1, seq, "allreduce(Sum) of Float[1024] on Cpu", "gloo") {
             r.end(None);
         }
     }
@@ -199,12 +226,38 @@ pub(crate) fn dump_with(reason: &str, peers: Vec<PeerProgress>, group_rank: Opti
         entries: entries(),
     };
     let text = serde_json::to_string_pretty(&d).ok()?;
+    DUMPED.store(true, Ordering::SeqCst);
     std::fs::create_dir_all(&dir).ok()?;
     let path = dump_path(&dir, rank);
-    let tmp = dir.join(format!(".rank{rank}.json.tmp-{}", std::process::id()));
-    std::fs::write(&tmp, text).ok()?;
-    std::fs::rename(&tmp, &path).ok()?;
+    write_whole(&path, text.as_bytes())?;
+    // PyTorch's format beside it, in a directory of its own (its analyzer reads every file it finds)
+    let torch = dir.join(TORCH_DIR);
+    std::fs::create_dir_all(&torch).ok()?;
+    let timeout_ms = std::env::var("TCH_DIST_TIMEOUT_SECS").ok().and_then(|v| v.trim().parse::<f64>().ok());
+    let timeout_ms = timeout_ms.map_or(600_000, |s| (s * 1000.0) as i64);
+    write_whole(
+        &torch.join(format!("{}{rank}", super::torch_format::PREFIX)),
+        &super::torch_format::to_pickle(&d, timeout_ms),
+    )?;
     Some(path)
+}
+
+/// Where in the dump directory the dumps in PyTorch's format go.
+pub const TORCH_DIR: &str = "torch";
+
+/// Set once this process has dumped its ring.
+static DUMPED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+pub(crate) fn has_dumped() -> bool {
+    DUMPED.load(Ordering::SeqCst)
+}
+
+/// Writes `path` whole or not at all (a reader never sees half a dump).
+fn write_whole(path: &std::path::Path, bytes: &[u8]) -> Option<()> {
+    let name = path.file_name()?.to_string_lossy();
+    let tmp = path.with_file_name(format!(".{name}.tmp-{}", std::process::id()));
+    std::fs::write(&tmp, bytes).ok()?;
+    std::fs::rename(&tmp, path).ok()
 }
 
 fn dump_path(dir: &std::path::Path, rank: usize) -> PathBuf {
@@ -216,12 +269,13 @@ fn dump_path(dir: &std::path::Path, rank: usize) -> PathBuf {
 /// dump read as this job's would hide the real culprit (the rank that left none).
 pub(crate) fn clear_dumps(dir: &std::path::Path, ranks: std::ops::Range<usize>) -> Result<()> {
     for r in ranks {
-        let p = dump_path(dir, r);
-        match std::fs::remove_file(&p) {
-            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-                return Err(Error::invalid(format!("stale flight dump {}", p.display()), e.to_string()))
+        for p in [dump_path(dir, r), dir.join(TORCH_DIR).join(format!("{}{r}", super::torch_format::PREFIX))] {
+            match std::fs::remove_file(&p) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                    return Err(Error::invalid(format!("stale flight dump {}", p.display()), e.to_string()))
+                }
+                _ => {}
             }
-            _ => {}
         }
     }
     Ok(())

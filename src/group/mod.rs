@@ -423,7 +423,7 @@ impl ProcessGroup {
         start: impl FnOnce(&dyn Fn() -> String) -> Result<Handle>,
     ) -> Result<Work> {
         let (seq, recording) = self.trace.enter(&op, e.backend.name());
-        let p2p = op.starts_with("send") || op.starts_with("recv") || op.starts_with("batch");
+        let p2p = crate::flight::is_p2p(&op);
         let ctx = format!("rank {} of {} ({}, #{seq} of group {})", self.rank, self.size, e.backend, self.trace.name);
         let desc = move || format!("{op} on {ctx}");
         let handle = match start(&desc) {

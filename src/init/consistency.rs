@@ -20,6 +20,9 @@ use crate::store::Store;
 const PREFIX: &str = "tch_dist/launch/";
 const VERDICT: &str = "verdict";
 const OK: &[u8] = b"ok";
+/// Processes that claimed a rank, and those that read a failed verdict.
+const ARRIVED: &str = "arrived";
+const READ: &str = "read";
 
 /// What one rank was launched as.
 #[derive(Clone, Debug, PartialEq)]
@@ -102,7 +105,28 @@ fn fail(store: &Store, msg: String) -> Error {
     // the others may be waiting for the verdict: this one ends them too (best effort: the store may be
     // the thing that is failing)
     let _ = store.set(VERDICT, msg.as_bytes());
+    let _ = store.add(READ, 1);
     Error::mismatch("launch check at rendezvous", msg)
+}
+
+/// Rank 0 hosts the store: after a failed check it stays until every process that arrived has read the
+/// verdict (or a moment has passed), so that none of them sees the store vanish instead of the reason.
+fn linger(store: &Store) {
+    let until = Instant::now() + Duration::from_secs(2);
+    while Instant::now() < until {
+        match (store.add(ARRIVED, 0), store.add(READ, 0)) {
+            (Ok(arrived), Ok(read)) if read < arrived => std::thread::sleep(Duration::from_millis(10)),
+            _ => return,
+        }
+    }
+}
+
+/// What this rank's failure to reach the store during the check means.
+fn store_gone(e: Error) -> Error {
+    Error::PeerGone {
+        op: "launch check at rendezvous".into(),
+        msg: format!("the store went away (rank 0, its host, ended: see its error): {e}"),
+    }
 }
 
 /// Sleeps a little longer each time, from 5 ms to 100 ms: quick when ranks start together, light on the
@@ -124,6 +148,7 @@ pub(crate) fn check_launch(base: &Store, rank: usize, world: usize, timeout: Dur
     let store = base.prefixed(PREFIX)?;
     let me = Launch::of_this_process(rank, world);
     let deadline = Instant::now() + timeout;
+    store.add(ARRIVED, 1)?;
     let claims = store.add(&format!("claims/{rank}"), 1)?;
     if claims > 1 {
         // the first claimant's launch, if it got as far as publishing it
@@ -145,16 +170,29 @@ pub(crate) fn check_launch(base: &Store, rank: usize, world: usize, timeout: Dur
     }
     store.set(&format!("rank/{rank}"), me.encode().as_bytes())?;
     if rank == 0 {
-        return rank_zero(&store, &me, deadline, timeout);
+        let r = rank_zero(&store, &me, deadline, timeout);
+        if r.is_err() {
+            linger(&store);
+        }
+        return r;
     }
+    others(&store, &me, deadline, timeout).map_err(|e| match e {
+        Error::Mismatch { .. } | Error::Timeout { .. } => e,
+        other => store_gone(other),
+    })
+}
+
+/// A rank other than 0: compares its launch with rank 0's, then waits for the verdict.
+fn others(store: &Store, me: &Launch, deadline: Instant, timeout: Duration) -> Result<()> {
+    let world = me.world;
     // rank 0's launch: a different world size is found here, by this rank, even when rank 0 waits for
     // ranks that will never come
     let mut backoff = Backoff::new();
     let zero = loop {
-        if let Some(l) = published(&store, 0)? {
+        if let Some(l) = published(store, 0)? {
             break l;
         }
-        verdict(&store)?;
+        verdict(store)?;
         if Instant::now() >= deadline {
             return Err(Error::Timeout {
                 op: "launch check at rendezvous".into(),
@@ -165,11 +203,11 @@ pub(crate) fn check_launch(base: &Store, rank: usize, world: usize, timeout: Dur
         backoff.sleep();
     };
     if zero.world != world {
-        return Err(fail(&store, disagreement(&[&zero, &me])));
+        return Err(fail(store, disagreement(&[&zero, me])));
     }
     let mut backoff = Backoff::new();
     loop {
-        if verdict(&store)? {
+        if verdict(store)? {
             return Ok(());
         }
         if Instant::now() >= deadline {
@@ -242,6 +280,7 @@ fn verdict(store: &Store) -> Result<bool> {
     if v == OK {
         return Ok(true);
     }
+    let _ = store.add(READ, 1);
     Err(Error::mismatch("launch check at rendezvous", String::from_utf8_lossy(&v).to_string()))
 }
 
