@@ -183,3 +183,41 @@ fn tp_and_ddp_on_4_ranks_train_like_one_process() {
         }
     }
 }
+
+/// The operators' collectives, forward and backward, are in the flight recorder (they run inside the
+/// shim, so the group's own recording does not see them).
+#[test]
+fn tp_collectives_forward_and_backward_are_in_the_flight_recorder() {
+    let res = common::run_threads(2, T, |pg| {
+        let rank = pg.rank();
+        let pg = Arc::new(pg);
+        let vs = nn::VarStore::new(Device::Cpu);
+        let f = full();
+        let mlp = ParallelMlp::from_full(&vs.root(), &f.0, &f.1, &f.2, &f.3, pg.clone()).unwrap();
+        let x = formula(&[5, D], 9.0).set_requires_grad(true);
+        mlp.f_forward(&x).unwrap().sum(Kind::Float).backward();
+        pg.barrier().unwrap();
+        // other tests of this binary record too: this one's shape picks its entries
+        let mine: Vec<tch_dist::flight::Entry> =
+            tch_dist::flight::entries().into_iter().filter(|e| e.group_rank == rank && e.group_size == 2).collect();
+        let find = |what: &str| {
+            mine.iter()
+                .find(|e| e.op.contains(what) && e.op.contains("Float[5, 6]"))
+                .map(|e| (e.op.clone(), e.state.clone()))
+                .unwrap_or_else(|| {
+                    panic!("rank {rank}: no {what:?} in {:?}", mine.iter().map(|e| &e.op).collect::<Vec<_>>())
+                })
+        };
+        (find("(reduce_from_parallel_region)"), find("(copy_to_parallel_region backward)"))
+    });
+    for ((fwd, fs), (bwd, bs)) in res {
+        assert!(
+            fwd.starts_with("allreduce(Sum) of Float[5, 6]") && fs == tch_dist::flight::EntryState::Completed,
+            "{fwd}"
+        );
+        assert!(
+            bwd.starts_with("allreduce(Sum) of Float[5, 6]") && bs == tch_dist::flight::EntryState::Completed,
+            "{bwd}"
+        );
+    }
+}

@@ -700,6 +700,18 @@ impl ProcessGroup {
     pub(crate) fn engine_ptr(&self, device: Device, desc: &dyn Fn() -> String) -> Result<*mut ffi::tdx_pg> {
         Ok(self.engine(device, desc)?.as_ptr())
     }
+
+    /// Records, in the flight recorder, a collective that the shim runs itself (TP's operators, inside
+    /// autograd) on the engine for `device`: its entry, ended by the caller (None when recording is off).
+    pub(crate) fn record_external(&self, device: Device, op: &str) -> Option<crate::flight::Recording> {
+        self.external_recorder(device)?.record(op)
+    }
+
+    /// What [`ProcessGroup::record_external`] records with, to keep beyond a borrow of the group (a
+    /// backward's entry).
+    pub(crate) fn external_recorder(&self, device: Device) -> Option<ExternalRecorder> {
+        Some(ExternalRecorder { trace: self.trace.clone(), backend: self.backend_for(device)?.name() })
+    }
 }
 
 fn header_tag(tag: i32) -> i32 {
@@ -717,6 +729,18 @@ fn check_like(desc: &str, ts: &[Tensor], like: &Tensor) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// A group's flight-recorder side for collectives the shim runs itself.
+pub(crate) struct ExternalRecorder {
+    trace: Arc<GroupTrace>,
+    backend: &'static str,
+}
+
+impl ExternalRecorder {
+    pub fn record(&self, op: &str) -> Option<crate::flight::Recording> {
+        self.trace.enter(op, self.backend).1
+    }
 }
 
 impl Drop for ProcessGroup {
