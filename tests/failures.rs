@@ -220,5 +220,93 @@ fn an_extra_forward_on_one_rank_against_a_logging_allreduce_is_an_error_on_both(
         let msg = e.to_string();
         assert!(msg.contains("different metadata exchanges") && msg.contains("rank 0: a gather of 3 Int64"), "{msg}");
         assert!(msg.contains("rank 1: a gather of 10 Int64"), "{msg}");
+        // each rank's call site, on every rank
+        assert!(msg.contains("call sites: rank 0 at \"DDP forward\", rank 1 at \"allreduce"), "{msg}");
+    }
+}
+
+/// One rank's collective in the fuzz below.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Call {
+    op: u64,
+    kind: Kind,
+    numel: i64,
+    root: usize,
+}
+
+/// A small deterministic generator: every rank draws the same cases.
+struct Draw(u64);
+
+impl Draw {
+    fn next(&mut self, below: u64) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0 % below
+    }
+    fn call(&mut self, world: usize) -> Call {
+        let kinds = [Kind::Float, Kind::Double, Kind::Int64, Kind::Int];
+        // sizes from 0 to 1 MiB of float32
+        let numel = match self.next(4) {
+            0 => 0,
+            1 => 1 + self.next(8) as i64,
+            _ => self.next(1 << 18) as i64,
+        };
+        Call { op: self.next(7), kind: kinds[self.next(4) as usize], numel, root: self.next(world as u64) as usize }
+    }
+}
+
+fn run_call(pg: &ProcessGroup, c: Call) -> tch_dist::Result<()> {
+    let opts = (c.kind, Device::Cpu);
+    let n = pg.size() as i64;
+    let mut t = Tensor::ones([c.numel], opts);
+    match c.op {
+        0 => pg.allreduce(&mut t, ReduceOp::Sum),
+        1 => pg.broadcast(&mut t, c.root),
+        2 => pg.all_gather(&mut (0..n).map(|_| t.zeros_like()).collect::<Vec<_>>(), &t),
+        3 => {
+            pg.reduce_scatter(&mut t, &(0..n).map(|_| Tensor::ones([c.numel], opts)).collect::<Vec<_>>(), ReduceOp::Sum)
+        }
+        4 => pg.all_gather_into_tensor(&mut Tensor::zeros([c.numel * n], opts), &t),
+        5 => pg.reduce_scatter_tensor(&mut t, &Tensor::ones([c.numel * n], opts), ReduceOp::Sum),
+        _ => pg.barrier(),
+    }
+}
+
+/// Random pairs of different collectives (operation, dtype, root, sizes from 0 to 1 MiB) on 2 and 3 ranks:
+/// one rank's differs from the others'. Every rank gets an error within 2 s, and no signal ends the
+/// process (Gloo aborts it when ranks' messages differ in size and nothing checked them first).
+#[test]
+fn a_fuzz_of_mismatched_collectives_ends_in_an_error_on_every_rank() {
+    for world in [2usize, 3] {
+        for case in 0..24u64 {
+            let results = common::run_threads(world, Duration::from_secs(10), move |pg| {
+                let mut d = Draw(0x9e37_79b9_7f4a_7c15 ^ (case * 7919 + world as u64));
+                let base = d.call(world);
+                let odd = d.next(world as u64) as usize;
+                let mut other = base;
+                while other == base
+                    || (base.op == 6 && other.op == 6)
+                    || (base.op == other.op && base.op != 1 && other.kind == base.kind && other.numel == base.numel)
+                {
+                    other = d.call(world);
+                }
+                let mine = if pg.rank() == odd { other } else { base };
+                let start = Instant::now();
+                let r = run_call(&pg, mine);
+                (format!("{mine:?} against {base:?}"), r.map_err(|e| e.to_string()), start.elapsed())
+            });
+            for (rank, (what, r, took)) in results.iter().enumerate() {
+                let e = r
+                    .as_ref()
+                    .err()
+                    .unwrap_or_else(|| panic!("world {world} case {case} rank {rank}: {what} succeeded"));
+                assert!(
+                    e.contains("mismatch") || e.contains("disagree"),
+                    "world {world} case {case} rank {rank}: {what}: {e}"
+                );
+                assert!(*took < Duration::from_secs(2), "world {world} case {case} rank {rank}: {what} took {took:?}");
+            }
+        }
     }
 }

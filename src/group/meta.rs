@@ -118,11 +118,49 @@ impl Meta<'_> {
         Err(Error::mismatch(
             self.op(what),
             format!(
-                "ranks are at different metadata exchanges here ({listing}){}; this rank was at \"{what}\": one \
-                 rank runs a collective, a forward or a check that the others do not",
-                odd_ones_out(&rows.iter().map(|r| r[..HEAD_FIELDS].to_vec()).collect::<Vec<_>>())
+                "ranks are at different metadata exchanges here ({listing}){}; {}: one rank runs a collective, a \
+                 forward or a check that the others do not",
+                odd_ones_out(&rows.iter().map(|r| r[..HEAD_FIELDS].to_vec()).collect::<Vec<_>>()),
+                self.sites(what)
             ),
         ))
+    }
+
+    /// After a disagreement that every rank saw at this same exchange: where each rank was, from one more
+    /// message of [`HEAD`] integers (the same size everywhere, so it cannot trip the engine): `call sites:
+    /// rank 0 at "DDP forward", rank 1 at "allreduce (agreement check before it)" (in "logging")`.
+    fn sites(&self, what: &str) -> String {
+        let outer = crate::flight::current_label();
+        let mine = if outer.is_empty() || outer == what {
+            format!("\"{what}\"")
+        } else {
+            format!("\"{what}\" (in \"{outer}\")")
+        };
+        let bytes = mine.as_bytes();
+        let mut cut = bytes.len().min((HEAD - 1) * 8);
+        while !mine.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        let mut msg = [0i64; HEAD];
+        msg[0] = cut as i64;
+        for (i, chunk) in bytes[..cut].chunks(8).enumerate() {
+            let mut b = [0u8; 8];
+            b[..chunk.len()].copy_from_slice(chunk);
+            msg[1 + i] = i64::from_le_bytes(b);
+        }
+        let Ok(rows) = self.gather_raw(&format!("{what}: call sites"), &msg) else {
+            return format!("this rank was at {mine}");
+        };
+        let listing: Vec<String> = rows
+            .iter()
+            .enumerate()
+            .map(|(r, row)| {
+                let n = (row[0].max(0) as usize).min((HEAD - 1) * 8);
+                let bytes: Vec<u8> = row[1..].iter().flat_map(|v| v.to_le_bytes()).take(n).collect();
+                format!("rank {r} at {}", String::from_utf8_lossy(&bytes))
+            })
+            .collect();
+        format!("call sites: {}", listing.join(", "))
     }
 
     /// Every rank's `v`, in rank order. All ranks must pass the same length (callers use fixed layouts).
@@ -217,7 +255,8 @@ impl Meta<'_> {
         if rows.iter().all(|r| r == &rows[0]) {
             return Ok(rows);
         }
-        Err(Error::mismatch(self.op(what), explain(&rows)))
+        let sites = if self.pg.verifies() { format!("; {}", self.sites(what)) } else { String::new() };
+        Err(Error::mismatch(self.op(what), format!("{}{sites}", explain(&rows))))
     }
 }
 

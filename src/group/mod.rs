@@ -680,6 +680,9 @@ impl ProcessGroup {
     /// On the CPU engine when there is one, as PyTorch's `barrier()` picks for a multi-backend group.
     pub fn barrier_async(&self) -> Result<Work> {
         let e = self.engine(self.meta_device(), &|| "barrier".to_string())?;
+        // a barrier against another collective would pair with its messages: checked like the others
+        let nothing = Tensor::zeros([0], (tch::Kind::Int64, self.meta_device()));
+        meta::agree_on_op(self, "barrier", 8, &nothing, 0)?;
         // SAFETY: the group handle is valid.
         self.launch(e, "barrier".to_string(), |pg, out| unsafe { ffi::tdx_pg_barrier(pg, out) }, None)
     }
