@@ -395,6 +395,10 @@ fn an_extra_backward_on_one_rank_is_reported_not_silently_mixed() {
         let e = e.expect("both ranks must see the disagreement");
         assert!(e.contains("ranks disagree on the training loop"), "{e}");
         assert!(e.contains("rank 0 is starting DDP backward with 1 forwards and 1 backwards done"), "{e}");
+        // the error crossed autograd once, and says where it happened once
+        for prefix in ["DDP backward on rank", "DDP forward on rank"] {
+            assert!(e.matches(prefix).count() <= 1, "{e}");
+        }
     }
 }
 

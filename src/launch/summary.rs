@@ -20,10 +20,11 @@ pub(super) fn headline(
     let done: Vec<usize> = exits.iter().filter(|(_, how)| exited_normally(how)).map(|(&r, _)| r).collect();
     let named: Vec<usize> =
         analysis.map(|a| a.culprits.iter().copied().filter(|r| !done.contains(r)).collect()).unwrap_or_default();
-    let (culprits, why) = if named.is_empty() {
-        (vec![first_failed], "the first to fail")
-    } else {
-        (named, "named by the flight recorder")
+    let told = named_in_errors(tails).filter(|r| !done.contains(r));
+    let (culprits, why) = match (named.is_empty(), told) {
+        (false, _) => (named, "named by the flight recorder"),
+        (true, Some(r)) => (vec![r], "named in the ranks' errors"),
+        (true, None) => (vec![first_failed], "the first to fail"),
     };
     let mut lines = Vec::new();
     for r in culprits {
@@ -42,6 +43,23 @@ pub(super) fn headline(
         ));
     }
     lines
+}
+
+/// A rank the ranks' own error lines blame: the one a passed-on failure names (`rank 1 failed: ...`, a
+/// pipeline stage or a checkpoint), or the odd one out of an agreement check.
+fn named_in_errors(tails: &BTreeMap<usize, Vec<String>>) -> Option<usize> {
+    let after = |line: &str, marker: &str| -> Option<usize> {
+        let rest = &line[line.find(marker)? + marker.len()..];
+        rest.split(|c: char| !c.is_ascii_digit()).next()?.parse().ok()
+    };
+    let lines: Vec<String> = tails.values().filter_map(|t| error_line(t)).collect();
+    let failed = lines.iter().find_map(|l| {
+        let at = l.find(" failed: ")?;
+        let head = &l[..at];
+        let r = head.rfind("rank ")?;
+        head[r + 5..].parse().ok()
+    });
+    failed.or_else(|| lines.iter().find_map(|l| after(l, "the odd one out: rank ")))
 }
 
 /// The line of a rank's output that says what went wrong: the last `Error: ` line (a `main` that returned
@@ -104,6 +122,16 @@ mod tests {
         let h = headline(1, Some(&a), &tails, &exits);
         assert_eq!(h[0], "culprit: rank 1 (the first to fail): Error: lost rank 0");
         assert!(h[1].starts_with("rank 0 exited normally") && h[1].contains("ddp.join"), "{h:?}");
+        let passed_on = BTreeMap::from([
+            (0, lines(&["Error: pipeline stage 0 waiting for Grad of microbatch 0: rank 1 failed: rank 1: bad"])),
+            (1, lines(&["Error: pipeline stage 1: bad"])),
+        ]);
+        let h = headline(0, None, &passed_on, &BTreeMap::new());
+        assert_eq!(h[0], "culprit: rank 1 (named in the ranks' errors): Error: pipeline stage 1: bad");
+        let odd = BTreeMap::from([(0, lines(&["Error: x: mismatch: ...; the odd one out: rank 2; call sites: ..."]))]);
+        assert!(
+            headline(0, None, &odd, &BTreeMap::new())[0].starts_with("culprit: rank 2 (named in the ranks' errors)")
+        );
         let exits = BTreeMap::from([(0, "exit code 1".to_string()), (1, "signal 15 (SIGTERM)".to_string())]);
         let h = headline(1, Some(&a), &tails, &exits);
         assert_eq!(h, vec!["culprit: rank 0 (named by the flight recorder): no error line in its output; it ended with exit code 1"
