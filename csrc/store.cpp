@@ -48,6 +48,14 @@ int tdx_store_clone_handle(const tdx_store* s, tdx_store** out) {
   })
 }
 
+int tdx_store_clone_connection(const tdx_store* s, tdx_store** out) {
+  TDX_TRY({
+    // c10d's clone: a TCPStore client with a socket (and lock) of its own; a HashStore is itself
+    *out = new tdx_store{s->store->clone()};
+    return TDX_OK;
+  })
+}
+
 void tdx_store_free(tdx_store* s) {
   try {
     delete s;

@@ -32,6 +32,8 @@ int tdx_store_tcp(const char* host, uint16_t port, int is_server, int64_t num_wo
 int tdx_store_hash(tdx_store** out);
 int tdx_store_prefix(const char* prefix, const tdx_store* base, tdx_store** out);
 int tdx_store_clone_handle(const tdx_store* s, tdx_store** out);
+// A store on a connection of its own (c10d's Store::clone): its operations never wait behind another's.
+int tdx_store_clone_connection(const tdx_store* s, tdx_store** out);
 void tdx_store_free(tdx_store* s);
 int tdx_store_set(const tdx_store* s, const char* key, const uint8_t* data, size_t len);
 // *out is malloc'ed; free with tdx_buf_free.

@@ -61,6 +61,7 @@ extern "C" {
     pub fn tdx_store_hash(out: *mut *mut tdx_store) -> c_int;
     pub fn tdx_store_prefix(prefix: *const c_char, base: *const tdx_store, out: *mut *mut tdx_store) -> c_int;
     pub fn tdx_store_clone_handle(s: *const tdx_store, out: *mut *mut tdx_store) -> c_int;
+    pub fn tdx_store_clone_connection(s: *const tdx_store, out: *mut *mut tdx_store) -> c_int;
     pub fn tdx_store_free(s: *mut tdx_store);
     pub fn tdx_store_set(s: *const tdx_store, key: *const c_char, data: *const u8, len: size_t) -> c_int;
     pub fn tdx_store_get(s: *const tdx_store, key: *const c_char, out: *mut *mut u8, len: *mut size_t) -> c_int;

@@ -127,6 +127,17 @@ impl Store {
         Store::wrap(out, self.timeout, format!("{}/{prefix}", self.desc))
     }
 
+    /// The same store on a connection of its own (c10d's `Store::clone`): a TCPStore client blocked in a
+    /// `get` or `wait` holds its connection, so what must never wait behind one (the heartbeat) gets its
+    /// own. A HashStore is shared as it is.
+    pub(crate) fn connection(&self) -> Result<Store> {
+        let mut out = std::ptr::null_mut();
+        // SAFETY: self.ptr is a live handle; `out` receives an owned handle.
+        let code = unsafe { ffi::tdx_store_clone_connection(self.ptr.as_ptr(), &mut out) };
+        check(code, self.timeout, || format!("{}: a connection of its own", self.desc))?;
+        Store::wrap(out, self.timeout, self.desc.clone())
+    }
+
     pub fn set(&self, key: &str, value: &[u8]) -> Result<()> {
         let k = cstr("store key", key)?;
         // SAFETY: pointers valid for the call.

@@ -153,8 +153,9 @@ impl Work {
                 let code = unsafe { ffi::tdx_work_wait(ptr.as_ptr(), -1) };
                 check(code, timeout, || (self.desc)())
             }
-            // c10d's Gloo send and recv fail for good when a wait times out: they are waited for whole
-            Handle::Engine { ptr, .. } if self.trace.as_ref().is_some_and(|t| t.p2p) => {
+            // waited for whole: c10d's Gloo send and recv fail for good when a wait times out, and
+            // NCCL's wait with a timeout counts from the work's start and aborts the communicator
+            Handle::Engine { ptr, stream_wait } if *stream_wait || self.trace.as_ref().is_some_and(|t| t.p2p) => {
                 // SAFETY: we own the handle.
                 let code = unsafe { ffi::tdx_work_wait(ptr.as_ptr(), millis(timeout)) };
                 check(code, timeout, || (self.desc)())
@@ -173,6 +174,10 @@ impl Work {
         if waited.is_ok() {
             // on NCCL the stream now waits on the operation: what runs next on it comes after
             drop(self.in_use.take());
+        } else if self.trace.as_ref().is_some_and(|t| t.group.abandoned()) {
+            // given up on while it runs (a frozen peer): the engine may still write into these; the
+            // process is ending on this error, so they are never freed
+            std::mem::forget(self.in_use.take());
         }
         if let Some(t) = self.trace.take() {
             match waited {
@@ -211,22 +216,27 @@ impl Work {
             let left = deadline.map(|d| d.saturating_duration_since(Instant::now()).max(Duration::from_millis(1)));
             let last = left.is_some_and(|l| l <= HEARTBEAT_CHECK_EVERY);
             let slice = left.map_or(HEARTBEAT_CHECK_EVERY, |l| l.min(HEARTBEAT_CHECK_EVERY));
-            match wait(Some(slice)) {
-                // the slice ended with the operation still running (a failed operation is complete)
-                Err(_) if !last && !self.is_completed().unwrap_or(true) => {
-                    if let Some(e) = group.frozen_peer(&mut watch, &(self.desc)()) {
-                        return Err(e);
+            let e = match wait(Some(slice)) {
+                Ok(()) => return Ok(()),
+                Err(e @ Error::Timeout { .. }) => e,
+                // the operation itself failed
+                Err(e) => return Err(e),
+            };
+            if self.is_completed().unwrap_or(true) {
+                // it ended as the slice did: its own outcome
+                return wait(Some(Duration::from_millis(1)));
+            }
+            if last {
+                // the whole wait's timeout, not the slice's
+                return Err(match e {
+                    Error::Timeout { msg, .. } => {
+                        Error::Timeout { op: (self.desc)(), timeout: timeout.unwrap_or_default(), msg }
                     }
-                }
-                // the last slice: a timeout is the whole wait's
-                Err(Error::Timeout { .. }) if !self.is_completed().unwrap_or(true) => {
-                    return Err(Error::Timeout {
-                        op: (self.desc)(),
-                        timeout: timeout.unwrap_or_default(),
-                        msg: "the operation did not complete".into(),
-                    })
-                }
-                r => return r,
+                    other => other,
+                });
+            }
+            if let Some(e) = group.frozen_peer(&mut watch, &(self.desc)()) {
+                return Err(e);
             }
         }
     }

@@ -92,6 +92,9 @@ pub(crate) struct GroupTrace {
 #[derive(Default)]
 pub(crate) struct HeartbeatWatch {
     last: std::collections::HashMap<usize, (f64, std::time::Instant)>,
+    /// The read of the others' progress still under way (one at a time: a store that does not answer
+    /// must not collect a thread per second).
+    reading: Option<std::sync::mpsc::Receiver<Vec<PeerProgress>>>,
 }
 
 impl GroupTrace {
@@ -102,7 +105,10 @@ impl GroupTrace {
         store: &Store,
         heartbeat_timeout: Option<Duration>,
     ) -> Arc<GroupTrace> {
+        // a connection of its own: the heartbeat must not wait behind this rank's blocking store calls
+        // (a rendezvous waiting for a late rank), or a live rank would look frozen
         let store = store.prefixed("flight/").unwrap_or_else(|_| store.clone());
+        let store = store.connection().unwrap_or(store);
         let t = Arc::new(GroupTrace {
             name: name.to_string(),
             rank,
@@ -157,6 +163,11 @@ impl GroupTrace {
 
     /// The other ranks' progress, as published; bounded by [`READ_DEADLINE`] (the store may be gone).
     fn peers(self: &Arc<Self>) -> Option<Vec<PeerProgress>> {
+        self.read_peers().recv_timeout(READ_DEADLINE).ok()
+    }
+
+    /// The read of the other ranks' progress, on a thread of its own (a store call can block).
+    fn read_peers(self: &Arc<Self>) -> std::sync::mpsc::Receiver<Vec<PeerProgress>> {
         let (tx, rx) = std::sync::mpsc::channel();
         let me = self.clone();
         std::thread::spawn(move || {
@@ -173,7 +184,7 @@ impl GroupTrace {
                 .collect();
             let _ = tx.send(peers);
         });
-        rx.recv_timeout(READ_DEADLINE).ok()
+        rx
     }
 
     pub fn heartbeat_timeout(&self) -> Option<Duration> {
@@ -197,7 +208,16 @@ impl GroupTrace {
     /// published (recording off there) is not judged.
     pub fn frozen_peer(self: &Arc<Self>, watch: &mut HeartbeatWatch, op: &str) -> Option<Error> {
         let limit = self.heartbeat_timeout?;
-        let peers = self.peers()?;
+        let reading = watch.reading.take().unwrap_or_else(|| self.read_peers());
+        let peers = match reading.recv_timeout(Duration::from_millis(200)) {
+            Ok(p) => p,
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                // still reading: looked at again at the next check
+                watch.reading = Some(reading);
+                return None;
+            }
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => return None,
+        };
         let at = std::time::Instant::now();
         for p in peers.iter().filter(|p| p.seen) {
             let (beat, since) = watch.last.entry(p.rank).or_insert((p.heartbeat, at));
@@ -245,7 +265,16 @@ impl GroupTrace {
     /// that the merge sees a rank that is alive but elsewhere; waits a moment for those whose heartbeat is
     /// fresh (a stopped or dead one cannot answer).
     fn request_dumps(&self, reason: &str, peers: &[PeerProgress]) {
-        if std::env::var_os("TCH_DIST_TRACE_DIR").is_none() || self.store.set(DUMP_KEY, reason.as_bytes()).is_err() {
+        if std::env::var_os("TCH_DIST_TRACE_DIR").is_none() {
+            return;
+        }
+        // on a thread, bounded: the store's host may be the rank that is stopped
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (store, reason) = (self.store.clone(), reason.to_string());
+        std::thread::spawn(move || {
+            let _ = tx.send(store.set(DUMP_KEY, reason.as_bytes()).is_ok());
+        });
+        if rx.recv_timeout(READ_DEADLINE) != Ok(true) {
             return;
         }
         let t = now();

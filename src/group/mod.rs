@@ -92,7 +92,8 @@ pub struct GroupOptions {
     /// every second by the flight recorder, whatever that rank computes) has not changed for this long:
     /// a stopped or cut-off rank is named within it, not after the collective timeout. A slow rank that is
     /// alive is never named. `None` turns it off. Default 60 s, or `TCH_DIST_HEARTBEAT_TIMEOUT_SECS`
-    /// (0 turns it off). On NCCL, waits do not block the host: there the collective timeout applies.
+    /// (0 turns it off). On NCCL, and for plain Gloo send and recv, waits are not watched (NCCL's `wait`
+    /// does not block the host): there the collective timeout applies.
     pub heartbeat_timeout: Option<Duration>,
 }
 
@@ -681,7 +682,7 @@ impl ProcessGroup {
     pub fn barrier_async(&self) -> Result<Work> {
         let e = self.engine(self.meta_device(), &|| "barrier".to_string())?;
         // a barrier against another collective would pair with its messages: checked like the others
-        let nothing = Tensor::zeros([0], (tch::Kind::Int64, self.meta_device()));
+        let nothing = Tensor::f_zeros([0], (tch::Kind::Int64, self.meta_device()))?;
         meta::agree_on_op(self, "barrier", 8, &nothing, 0)?;
         // SAFETY: the group handle is valid.
         self.launch(e, "barrier".to_string(), |pg, out| unsafe { ffi::tdx_pg_barrier(pg, out) }, None)

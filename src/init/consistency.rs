@@ -158,6 +158,15 @@ pub(crate) fn check_launch(base: &Store, rank: usize, world: usize, timeout: Dur
             .filter(|&b| b)
             .and_then(|_| store.get(&format!("rank/{rank}")).ok())
             .and_then(|v| Launch::decode(rank, &v));
+        if first.as_ref().is_some_and(|l| l.pid == me.pid && l.host == me.host) {
+            return Err(fail(
+                &store,
+                format!(
+                    "this process (RANK={rank}) initialised a group on this store twice while the first was alive: \
+                     destroy the first (or drop its last handle) before building another from the environment"
+                ),
+            ));
+        }
         let other = first.map_or("another process".to_string(), |l| format!("pid {} on {}", l.pid, l.host));
         return Err(fail(
             &store,
@@ -197,7 +206,11 @@ fn others(store: &Store, me: &Launch, deadline: Instant, timeout: Duration) -> R
             return Err(Error::Timeout {
                 op: "launch check at rendezvous".into(),
                 timeout,
-                msg: format!("rank 0 did not arrive (this is {})", me.describe()),
+                msg: format!(
+                    "rank 0 did not arrive (this is {}); with PyTorch's ranks in the job, set TCH_DIST_VERIFY=0 on \
+                     the Rust ones (PyTorch's ranks publish no launch record)",
+                    me.describe()
+                ),
             });
         }
         backoff.sleep();
@@ -312,14 +325,14 @@ mod tests {
     }
 
     #[test]
-    fn ranks_of_one_process_on_a_shared_store_pass_and_a_duplicate_is_refused() {
+    fn ranks_of_one_process_on_a_shared_store_pass_and_a_second_init_is_refused_by_name() {
         let store = Store::hash().unwrap();
         let t = Duration::from_secs(5);
         let s1 = store.clone();
         let one = std::thread::spawn(move || check_launch(&s1, 1, 2, t));
         check_launch(&store, 0, 2, t).unwrap();
         one.join().unwrap().unwrap();
-        let dup = check_launch(&store, 1, 2, t).unwrap_err().to_string();
-        assert!(dup.contains("RANK=1 was given to two processes"), "{dup}");
+        let twice = check_launch(&store, 1, 2, t).unwrap_err().to_string();
+        assert!(twice.contains("initialised a group on this store twice"), "{twice}");
     }
 }

@@ -53,8 +53,9 @@ fn named_in_errors(tails: &BTreeMap<usize, Vec<String>>) -> Option<usize> {
         rest.split(|c: char| !c.is_ascii_digit()).next()?.parse().ok()
     };
     let lines: Vec<String> = tails.values().filter_map(|t| error_line(t)).collect();
+    // the innermost of a chain (`rank 1 failed: ... rank 2 failed: ...`) is the cause
     let failed = lines.iter().find_map(|l| {
-        let at = l.find(" failed: ")?;
+        let at = l.rfind(" failed: ")?;
         let head = &l[..at];
         let r = head.rfind("rank ")?;
         head[r + 5..].parse().ok()
