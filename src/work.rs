@@ -51,30 +51,31 @@ impl Ticket {
         self.cv.notify_all();
     }
 
-    fn is_done(&self) -> bool {
-        self.done.lock().unwrap_or_else(|e| e.into_inner()).is_some()
-    }
-
-    /// The result, once, or a timeout naming `what`.
-    fn wait(&self, timeout: Option<Duration>, what: &dyn Fn() -> String) -> Result<()> {
-        let deadline = timeout.map(|t| Instant::now() + t);
+    /// The outcome, once, if it comes within `slice` (`None`: no limit); `None` when the slice ends first.
+    fn wait_slice(&self, slice: Option<Duration>) -> Option<Result<()>> {
+        let deadline = slice.map(|t| Instant::now() + t);
         let mut d = self.done.lock().unwrap_or_else(|e| e.into_inner());
         loop {
             if let Some(r) = d.take() {
                 // later waits (there are none: wait consumes the work) would see success
                 *d = Some(Ok(()));
-                return r;
+                return Some(r);
             }
-            let Some((deadline, timeout)) = deadline.zip(timeout) else {
-                d = self.cv.wait(d).unwrap_or_else(|e| e.into_inner());
-                continue;
-            };
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return Err(Error::Timeout { op: what(), timeout, msg: "the operation did not complete".into() });
+            match deadline {
+                None => d = self.cv.wait(d).unwrap_or_else(|e| e.into_inner()),
+                Some(deadline) => {
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    if left.is_zero() {
+                        return None;
+                    }
+                    d = self.cv.wait_timeout(d, left).unwrap_or_else(|e| e.into_inner()).0;
+                }
             }
-            d = self.cv.wait_timeout(d, left).unwrap_or_else(|e| e.into_inner()).0;
         }
+    }
+
+    fn is_done(&self) -> bool {
+        self.done.lock().unwrap_or_else(|e| e.into_inner()).is_some()
     }
 }
 
@@ -164,12 +165,22 @@ impl Work {
                 let slice = slice.unwrap_or(timeout);
                 // SAFETY: we own the handle.
                 let code = unsafe { ffi::tdx_work_wait(ptr.as_ptr(), millis(slice)) };
-                check(code, slice, || (self.desc)())
+                match check(code, slice, || (self.desc)()) {
+                    Ok(()) => Some(Ok(())),
+                    // still running: the slice ended
+                    Err(_) if !self.is_completed().unwrap_or(true) => None,
+                    // it ended (perhaps as the slice did): c10d's wait again gives its own outcome
+                    Err(_) => {
+                        // SAFETY: we own the handle.
+                        let code = unsafe { ffi::tdx_work_wait(ptr.as_ptr(), 1) };
+                        Some(check(code, slice, || (self.desc)()))
+                    }
+                }
             }),
             // the queue's worker holds each operation to the group's timeout (as NCCL's watchdog does)
             // and reports why it failed: a plain wait leaves that to it
-            Handle::Ticket(t) if plain => self.watching(None, |slice| t.wait(slice, &|| (self.desc)())),
-            Handle::Ticket(t) => self.watching(Some(timeout), |slice| t.wait(slice, &|| (self.desc)())),
+            Handle::Ticket(t) if plain => self.watching(None, |slice| t.wait_slice(slice)),
+            Handle::Ticket(t) => self.watching(Some(timeout), |slice| t.wait_slice(slice)),
         };
         if waited.is_ok() {
             // on NCCL the stream now waits on the operation: what runs next on it comes after
@@ -204,11 +215,20 @@ impl Work {
 
     /// A host wait of at most `timeout` (`None`: the engine's own), in slices of
     /// [`HEARTBEAT_CHECK_EVERY`] when the group watches heartbeats: between slices, a rank whose heartbeat
-    /// stood still for the heartbeat timeout ends the wait. `wait` takes one slice (`None`: no limit) and
-    /// fails when the operation fails or the slice ends first.
-    fn watching(&self, timeout: Option<Duration>, mut wait: impl FnMut(Option<Duration>) -> Result<()>) -> Result<()> {
+    /// stood still for the heartbeat timeout ends the wait. `wait` waits at most one slice (`None`: no
+    /// limit) and returns the operation's outcome, or `None` when the slice ended first.
+    fn watching(
+        &self,
+        timeout: Option<Duration>,
+        mut wait: impl FnMut(Option<Duration>) -> Option<Result<()>>,
+    ) -> Result<()> {
+        let expired = || Error::Timeout {
+            op: (self.desc)(),
+            timeout: timeout.unwrap_or_default(),
+            msg: "the operation did not complete".into(),
+        };
         let Some(group) = self.trace.as_ref().map(|t| &t.group).filter(|g| g.watches_heartbeats()) else {
-            return wait(timeout);
+            return wait(timeout).unwrap_or_else(|| Err(expired()));
         };
         let deadline = timeout.map(|t| Instant::now() + t);
         let mut watch = HeartbeatWatch::default();
@@ -216,24 +236,11 @@ impl Work {
             let left = deadline.map(|d| d.saturating_duration_since(Instant::now()).max(Duration::from_millis(1)));
             let last = left.is_some_and(|l| l <= HEARTBEAT_CHECK_EVERY);
             let slice = left.map_or(HEARTBEAT_CHECK_EVERY, |l| l.min(HEARTBEAT_CHECK_EVERY));
-            let e = match wait(Some(slice)) {
-                Ok(()) => return Ok(()),
-                Err(e @ Error::Timeout { .. }) => e,
-                // the operation itself failed
-                Err(e) => return Err(e),
-            };
-            if self.is_completed().unwrap_or(true) {
-                // it ended as the slice did: its own outcome
-                return wait(Some(Duration::from_millis(1)));
+            if let Some(outcome) = wait(Some(slice)) {
+                return outcome;
             }
             if last {
-                // the whole wait's timeout, not the slice's
-                return Err(match e {
-                    Error::Timeout { msg, .. } => {
-                        Error::Timeout { op: (self.desc)(), timeout: timeout.unwrap_or_default(), msg }
-                    }
-                    other => other,
-                });
+                return Err(expired());
             }
             if let Some(e) = group.frozen_peer(&mut watch, &(self.desc)()) {
                 return Err(e);
