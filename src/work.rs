@@ -149,32 +149,20 @@ impl Work {
         }
         let timeout = left();
         let waited = match &self.handle {
-            Handle::Engine { ptr, stream_wait } if plain && *stream_wait => {
-                // SAFETY: we own the handle.
-                let code = unsafe { ffi::tdx_work_wait(ptr.as_ptr(), -1) };
-                check(code, timeout, || (self.desc)())
-            }
+            Handle::Engine { ptr, stream_wait } if plain && *stream_wait => self.engine_wait(*ptr, None, timeout),
             // waited for whole: c10d's Gloo send and recv fail for good when a wait times out, and
             // NCCL's wait with a timeout counts from the work's start and aborts the communicator
             Handle::Engine { ptr, stream_wait } if *stream_wait || self.trace.as_ref().is_some_and(|t| t.p2p) => {
-                // SAFETY: we own the handle.
-                let code = unsafe { ffi::tdx_work_wait(ptr.as_ptr(), millis(timeout)) };
-                check(code, timeout, || (self.desc)())
+                self.engine_wait(*ptr, Some(timeout), timeout)
             }
             Handle::Engine { ptr, .. } => self.watching(Some(timeout), |slice| {
                 let slice = slice.unwrap_or(timeout);
-                // SAFETY: we own the handle.
-                let code = unsafe { ffi::tdx_work_wait(ptr.as_ptr(), millis(slice)) };
-                match check(code, slice, || (self.desc)()) {
+                match self.engine_wait(*ptr, Some(slice), slice) {
                     Ok(()) => Some(Ok(())),
                     // still running: the slice ended
                     Err(_) if !self.is_completed().unwrap_or(true) => None,
                     // it ended (perhaps as the slice did): c10d's wait again gives its own outcome
-                    Err(_) => {
-                        // SAFETY: we own the handle.
-                        let code = unsafe { ffi::tdx_work_wait(ptr.as_ptr(), 1) };
-                        Some(check(code, slice, || (self.desc)()))
-                    }
+                    Err(_) => Some(self.engine_wait(*ptr, Some(Duration::from_millis(1)), slice)),
                 }
             }),
             // the queue's worker holds each operation to the group's timeout (as NCCL's watchdog does)
@@ -211,6 +199,14 @@ impl Work {
             Some(f) => f(),
             None => Ok(()),
         }
+    }
+
+    /// c10d's wait on the engine's handle: at most `limit` (`None`: without one, which on NCCL makes the
+    /// current stream wait and returns); errors name this work and `timeout`.
+    fn engine_wait(&self, ptr: NonNull<ffi::tdx_work>, limit: Option<Duration>, timeout: Duration) -> Result<()> {
+        // SAFETY: we own the handle.
+        let code = unsafe { ffi::tdx_work_wait(ptr.as_ptr(), limit.map_or(-1, millis)) };
+        check(code, timeout, || (self.desc)())
     }
 
     /// A host wait of at most `timeout` (`None`: the engine's own), in slices of
