@@ -17,6 +17,7 @@ const SOURCES: &[&str] = &[
     "csrc/marker.cpp",
     "csrc/recompute.cpp",
     "csrc/storage.cpp",
+    "csrc/identity.cpp",
     "csrc/optim.cpp",
     "csrc/adamw_single.cpp",
     "csrc/sync_debug.cpp",

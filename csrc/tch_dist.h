@@ -22,6 +22,7 @@ typedef struct tdx_store tdx_store;
 typedef struct tdx_pg tdx_pg;
 typedef struct tdx_work tdx_work;
 typedef struct tdx_hook tdx_hook;
+typedef struct tdx_weak tdx_weak;
 typedef void* tdx_tensor;  // at::Tensor*
 
 const char* tdx_last_error(void);
@@ -142,6 +143,13 @@ int tdx_storage_use_count(tdx_tensor t, int64_t* out);
 int tdx_storage_move(tdx_tensor dst, tdx_tensor src);
 // An identity of t's storage (its StorageImpl's address; 0 for none), shared by every tensor viewing it.
 int tdx_storage_id(tdx_tensor t, int64_t* out);
+
+// ---- identity.cpp: a tensor's identity (its TensorImpl's address, the same for every handle to it) and a
+// weak reference to it, which keeps that address from being reused while held.
+int tdx_tensor_identity(tdx_tensor t, int64_t* id, tdx_weak** out);
+// 1 once every strong reference to the tensor is gone, else 0.
+int tdx_weak_expired(const tdx_weak* w);
+void tdx_weak_free(tdx_weak* w);
 
 // ---- optim.cpp: ATen's fused AdamW over n parameters, in place (torch.optim.AdamW(fused=True)); steps[i] is
 // parameter i's step count after this step, a float32 scalar tensor.

@@ -36,15 +36,14 @@ struct Args {
 
 enum Model {
     Ddp(nn::VarStore, DistributedDataParallel<nn::Sequential>),
-    Fsdp(FullyShardedDataParallel<nn::Sequential>),
+    Fsdp(nn::VarStore, FullyShardedDataParallel<nn::Sequential>),
 }
 
 impl Model {
     fn state<'a>(&self, opt: &'a mut AdamW) -> StateDict<'a> {
         let mut sd = StateDict::new();
         match self {
-            Model::Ddp(vs, _) => sd.var_store("model", vs),
-            Model::Fsdp(f) => sd.fsdp("model", f).expect("FSDP state"),
+            Model::Ddp(vs, _) | Model::Fsdp(vs, _) => sd.var_store("model", vs),
         };
         sd.optimizer("optim", opt);
         sd
@@ -94,13 +93,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     net = net.add_fn(|x| x.relu());
                 }
             }
-            Model::Fsdp(fsdp.finish(net)?)
+            let f = fsdp.finish(net)?;
+            Model::Fsdp(vs, f)
         }
         other => return Err(format!("--mode {other}: expected ddp or zero3").into()),
     };
     let mut opt = match &model {
         Model::Ddp(vs, _) => AdamW::new(vs.trainable_variables(), 1e-3),
-        Model::Fsdp(f) => AdamW::new(f.parameters(), 1e-3),
+        Model::Fsdp(_, f) => AdamW::new(f.parameters(), 1e-3),
     };
     // one step, so the optimizer has its state
     tch::manual_seed(1000 + pg.rank() as i64);
@@ -110,7 +110,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     );
     match &model {
         Model::Ddp(_, d) => d.backward(&d.forward(&x).mse_loss(&y, tch::Reduction::Mean))?,
-        Model::Fsdp(f) => f.backward(&f.forward(&x).mse_loss(&y, tch::Reduction::Mean))?,
+        Model::Fsdp(_, f) => f.backward(&f.forward(&x).mse_loss(&y, tch::Reduction::Mean))?,
     }
     opt.step()?;
     opt.zero_grad()?;

@@ -15,7 +15,7 @@ use std::sync::Arc;
 use clap::Parser;
 use tch::{nn, nn::Module, Device, Kind, Tensor};
 use tch_dist::mesh::DeviceMesh;
-use tch_dist::optim::{AdamW, GradNorm, Optimizer};
+use tch_dist::optim::{clip_grad_norm, AdamW, Optimizer};
 use tch_dist::pipeline::schedule::Kind as Sched;
 use tch_dist::pipeline::{LayerList, Partition, PipelineRank};
 use tch_dist::tp::{
@@ -169,15 +169,6 @@ fn model(a: &Args, tp: Arc<ProcessGroup>) -> LayerList {
     })
 }
 
-/// Parameters every TP rank holds whole (their gradients are counted once over tp).
-fn is_whole(name: &str) -> bool {
-    name.ends_with(".pos")
-        || name.contains("_weight")
-        || name.contains("_bias")
-        || name.ends_with("out.bias")
-        || name.ends_with("fc2.bias")
-}
-
 /// The global batch of `step`: `rows` windows of `context + 1` bytes at pseudo-random offsets (the same
 /// in every configuration); rows `[first, first + n)` of it as (inputs, targets).
 fn batch(corpus: &Tensor, step: usize, rows: i64, first: i64, n: i64, context: i64) -> (Tensor, Tensor) {
@@ -219,9 +210,7 @@ fn main() -> Res<()> {
     // by name: every rank of a group reduces the same tensors in the same order
     let mut params: Vec<(String, Tensor)> = stage.var_stores().iter().flat_map(|vs| vs.variables()).collect();
     params.sort_by(|x, y| x.0.cmp(&y.0));
-    let (whole, sliced): (Vec<_>, Vec<_>) = params.iter().partition(|(n, _)| is_whole(n));
-    let whole: Vec<Tensor> = whole.iter().map(|p| p.1.shallow_clone()).collect();
-    let sliced: Vec<Tensor> = sliced.iter().map(|p| p.1.shallow_clone()).collect();
+    let all: Vec<Tensor> = params.iter().map(|p| p.1.shallow_clone()).collect();
     let mut opt = AdamW::new(params.iter().map(|p| p.1.shallow_clone()).collect(), a.lr);
     let loss_tp = tp.clone();
     let loss = move |logits: &Tensor, y: &Tensor| -> Tensor {
@@ -248,10 +237,8 @@ fn main() -> Res<()> {
                 let _ = g.f_div_scalar_(a.dp as f64)?;
             }
         }
-        let _norm = GradNorm::new(2.0)
-            .sharded(&sliced, &[tp.as_ref(), pp.as_ref()])
-            .sharded(&whole, &[pp.as_ref()])
-            .clip(1.0)?;
+        // each parameter's placement says how to sum it: TP slices over tp, every stage's over pp
+        let _norm = clip_grad_norm(&all, 1.0, 2.0)?;
         opt.step()?;
         stage.zero_grad()?;
         if let Some(l) = report.loss {

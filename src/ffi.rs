@@ -26,6 +26,10 @@ pub struct tdx_work {
 pub struct tdx_hook {
     _p: [u8; 0],
 }
+#[repr(C)]
+pub struct tdx_weak {
+    _p: [u8; 0],
+}
 pub type tdx_tensor = *mut c_void;
 #[repr(C)]
 pub struct tdx_event {
@@ -203,6 +207,9 @@ extern "C" {
     pub fn tdx_storage_use_count(t: tdx_tensor, out: *mut i64) -> c_int;
     pub fn tdx_storage_move(dst: tdx_tensor, src: tdx_tensor) -> c_int;
     pub fn tdx_storage_id(t: tdx_tensor, out: *mut i64) -> c_int;
+    pub fn tdx_tensor_identity(t: tdx_tensor, id: *mut i64, out: *mut *mut tdx_weak) -> c_int;
+    pub fn tdx_weak_expired(w: *const tdx_weak) -> c_int;
+    pub fn tdx_weak_free(w: *mut tdx_weak);
 
     #[allow(clippy::too_many_arguments)]
     pub fn tdx_fused_adamw(

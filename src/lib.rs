@@ -30,6 +30,7 @@ pub mod memory;
 pub mod mesh;
 pub mod optim;
 pub mod pipeline;
+pub mod placement;
 pub mod recompute;
 #[doc(hidden)] // libtorch's own bucket assignment, for tests to compare with
 pub mod reference;

@@ -153,6 +153,7 @@ impl Trainer for Ddp {
 }
 
 struct Fsdp {
+    vs: nn::VarStore,
     model: FullyShardedDataParallel<nn::Sequential>,
     opt: AdamW,
     rank: usize,
@@ -169,7 +170,8 @@ impl Trainer for Fsdp {
     }
     fn state(&mut self) -> StateDict<'_> {
         let mut sd = StateDict::new();
-        sd.fsdp("model", &self.model).unwrap().optimizer("optim", &mut self.opt);
+        // the VarStore's placements say each parameter is this rank's flat shard
+        sd.var_store("model", &self.vs).optimizer("optim", &mut self.opt);
         sd
     }
 }
@@ -197,7 +199,7 @@ impl Trainer for Tp {
     }
     fn state(&mut self) -> StateDict<'_> {
         let mut sd = StateDict::new();
-        sd.var_store("model", &self.vs).sharded(&self.mlp).unwrap().optimizer("optim", &mut self.opt);
+        sd.var_store("model", &self.vs).optimizer("optim", &mut self.opt);
         sd.describe("tp", self.groups.tp.size() as i64).describe("dp", self.groups.dp.size() as i64);
         sd
     }
@@ -266,7 +268,7 @@ fn build(layout: Layout, pg: Arc<ProcessGroup>) -> Box<dyn Trainer> {
                 .add(f.fully_shard(&(&r / "l2"), l2).unwrap());
             let model = f.finish(net).unwrap();
             let opt = AdamW::new(model.parameters(), LR);
-            Box::new(Fsdp { model, opt, rank, world })
+            Box::new(Fsdp { vs, model, opt, rank, world })
         }
         Layout::TpDp(tp) => {
             let groups = TpDpGroups::new(&pg, tp).unwrap();

@@ -50,6 +50,7 @@ impl Checkpointer {
 /// Loads the checkpoint in `dir` into `sd` on this rank alone (no process group): the state dict's
 /// layout decides what is read.
 pub fn load_dir(dir: &Path, sd: &mut StateDict) -> Result<LoadedInfo> {
+    sd.check()?;
     let meta = format::read_metadata(dir)?;
     let _g = tch::no_grad_guard();
     let mut reader = Reader { dir, meta: &meta, files: HashMap::new() };

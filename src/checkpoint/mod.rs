@@ -35,4 +35,4 @@ pub use file::{
 pub use format::METADATA;
 pub use load::{load_dir, read_full, verify, LoadedInfo};
 pub use save::{committed_steps, step_dir, Checkpointer};
-pub use state::{Sharded, StateDict, TensorShard};
+pub use state::StateDict;

@@ -154,6 +154,7 @@ impl Checkpointer {
         let _l = crate::flight::label(format!("checkpoint save, step {step}"));
         let local = (|| {
             let _g = tch::no_grad_guard();
+            sd.check()?;
             let opt_items = sd.optimizer_items()?;
             let mut out = Vec::new();
             for item in sd.items.iter().chain(&opt_items) {

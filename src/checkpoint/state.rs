@@ -11,36 +11,7 @@ use tch::{nn, Tensor};
 use super::region::{Bx, Region};
 use crate::error::{Error, Result};
 use crate::optim::{Optimizer, StateSlot};
-
-/// Where one local tensor lies in its global tensor: `tensor`, viewed as `local_shape`, is the box of
-/// the global tensor (`global_shape`) starting at `offsets`.
-#[derive(Debug)]
-pub struct TensorShard {
-    pub tensor: Tensor,
-    pub global_shape: Vec<i64>,
-    pub offsets: Vec<i64>,
-    pub local_shape: Vec<i64>,
-}
-
-impl TensorShard {
-    /// `tensor` is part `index` of `parts` equal slices of its global tensor along `dim`.
-    pub fn along(tensor: &Tensor, dim: usize, index: i64, parts: i64) -> TensorShard {
-        let local = tensor.size();
-        let mut global = local.clone();
-        let mut offsets = vec![0; local.len()];
-        if dim < local.len() {
-            global[dim] *= parts;
-            offsets[dim] = index * local[dim];
-        }
-        TensorShard { tensor: tensor.shallow_clone(), global_shape: global, offsets, local_shape: local }
-    }
-}
-
-/// Modules whose parameters are slices of larger tensors (tensor parallelism) say where each lies, so a
-/// checkpoint holds the global tensors and loads onto another tensor-parallel degree.
-pub trait Sharded {
-    fn shards(&self) -> Vec<TensorShard>;
-}
+use crate::placement::Extent;
 
 /// One local tensor and its place.
 pub(crate) struct Item {
@@ -84,6 +55,8 @@ pub struct StateDict<'a> {
     pub(crate) items: Vec<Item>,
     pub(crate) optimizers: Vec<(String, &'a mut dyn Optimizer)>,
     pub(crate) layout: BTreeMap<String, i64>,
+    /// The first variable that could not be added (see [`check`](Self::check)).
+    error: Option<Error>,
 }
 
 impl<'a> StateDict<'a> {
@@ -91,22 +64,64 @@ impl<'a> StateDict<'a> {
         Self::default()
     }
 
-    /// Every variable of `vs` (parameters and buffers), whole, as `{prefix}.{name}`: a model as a single
-    /// process, DDP, ZeRO-1/2 or a pipeline stage holds it. Mark tensor-parallel slices with
-    /// [`sharded`](Self::sharded).
+    /// Every variable of `vs` (parameters and buffers) as `{prefix}.{name}`, each where its placement
+    /// ([`crate::placement`]) says this rank's part lies: whole (a single process, DDP, ZeRO-1/2, a
+    /// pipeline stage), a tensor-parallel slice, or FSDP's flat shard (the shard itself, not the parameter
+    /// that is empty between uses). A layout a checkpoint cannot describe fails the save or load naming
+    /// the variable.
     pub fn var_store(&mut self, prefix: &str, vs: &nn::VarStore) -> &mut Self {
         let mut vars: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
         vars.sort_by(|a, b| a.0.cmp(&b.0));
         for (name, t) in vars {
-            self.items.push(Item {
-                name: format!("{prefix}.{name}"),
-                param: Some(name),
-                global: t.size(),
-                region: Region::Box(Bx::whole(&t.size())),
-                local: t,
-            });
+            if let Err(e) = self.variable(prefix, name, t) {
+                self.error.get_or_insert(e);
+            }
         }
         self
+    }
+
+    fn variable(&mut self, prefix: &str, name: String, t: Tensor) -> Result<()> {
+        let full = format!("{prefix}.{name}");
+        let Some(layout) = crate::placement::of(&t) else {
+            let region = Region::Box(Bx::whole(&t.size()));
+            self.items.push(Item { name: full, param: Some(name), global: t.size(), region, local: t });
+            return Ok(());
+        };
+        let local = layout.local().map_or(t, |l| l.shallow_clone());
+        let global = layout.global_shape().to_vec();
+        match layout.extent() {
+            Extent::Whole => {
+                let region = Region::Box(Bx::whole(&global));
+                self.items.push(Item { name: full, param: Some(name), global, region, local });
+            }
+            Extent::Box { offsets, lengths } => {
+                let bx = Bx { offsets: offsets.clone(), lengths: lengths.clone() };
+                let local = local.f_view(lengths.as_slice())?;
+                self.items.push(Item { name: full, param: Some(name), global, region: Region::Box(bx), local });
+            }
+            Extent::Flat { offset, .. } => {
+                self.flat_shard(full, Some(name), &global, *offset, &local)?;
+            }
+            Extent::Other => {
+                return Err(Error::invalid(
+                    "checkpoint",
+                    format!(
+                        "{full}: a flat shard of a tensor-parallel slice ({:?}) has no place a checkpoint can name",
+                        layout.placements()
+                    ),
+                ))
+            }
+        }
+        Ok(())
+    }
+
+    /// The first error met while adding tensors (reported by the save or load).
+    pub(crate) fn check(&self) -> Result<()> {
+        match &self.error {
+            Some(Error::Invalid { op, msg }) => Err(Error::invalid(op.clone(), msg.clone())),
+            Some(e) => Err(Error::invalid("checkpoint", e.to_string())),
+            None => Ok(()),
+        }
     }
 
     /// A tensor held whole by every rank that adds it.
@@ -160,34 +175,6 @@ impl<'a> StateDict<'a> {
         if len > 0 {
             let region = Region::Flat { start, len };
             self.items.push(Item { name, param, global: global_shape.to_vec(), region, local: t.shallow_clone() });
-        }
-        Ok(self)
-    }
-
-    /// Marks `module`'s tensor-parallel slices (added whole by [`var_store`](Self::var_store)) as the
-    /// parts of global tensors they are.
-    pub fn sharded(&mut self, module: &dyn Sharded) -> Result<&mut Self> {
-        for s in module.shards() {
-            let item =
-                self.items.iter_mut().find(|i| i.param.is_some() && same(&i.local, &s.tensor)).ok_or_else(|| {
-                    Error::invalid(
-                        "StateDict::sharded",
-                        format!(
-                            "a {:?} slice is not among the state's tensors: add its VarStore first",
-                            s.tensor.size()
-                        ),
-                    )
-                })?;
-            let bx = Bx { offsets: s.offsets.clone(), lengths: s.local_shape.clone() };
-            if !bx.fits(&s.global_shape) || bx.volume() != s.tensor.numel() as i64 {
-                return Err(Error::invalid(
-                    "StateDict::sharded",
-                    format!("{}: a {:?} slice at {:?} of {:?}", item.name, s.local_shape, s.offsets, s.global_shape),
-                ));
-            }
-            item.local = s.tensor.f_view(s.local_shape.as_slice())?;
-            item.global = s.global_shape;
-            item.region = Region::Box(bx);
         }
         Ok(self)
     }

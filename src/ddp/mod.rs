@@ -218,6 +218,9 @@ impl<M> DistributedDataParallel<M> {
             states.extend(buffers.iter().map(|b| b.shallow_clone()));
         }
         sync::broadcast_coalesced(&pg, &states, sync::BROADCAST_BUCKET_BYTES, 0)?;
+        for p in &params {
+            crate::placement::record_along(p, &pg, crate::placement::Placement::Replicate)?;
+        }
         let cfg = Config {
             world: pg.size(),
             bucket_view: opts.gradient_as_bucket_view,

@@ -321,6 +321,7 @@ impl FsdpBuilder {
             return Err(Error::invalid("FsdpBuilder::finish", "the VarStore has no trainable variables"));
         }
         self.publish_shards();
+        self.rt.record_placements()?;
         Ok(FullyShardedDataParallel { _hooks: hooks, module, rt: self.rt, root, vars: self.vars })
     }
 
@@ -505,11 +506,11 @@ impl<M> FullyShardedDataParallel<M> {
     }
 
     /// Clips the shards' gradients so that the whole model's gradient has at most `max_norm` (FSDP's
-    /// `clip_grad_norm_`; the shards' norms summed over the group, see [`crate::optim::GradNorm`]);
-    /// returns the whole model's norm before clipping. Collective; after backward, before the step.
+    /// `clip_grad_norm_`; the shards' norms summed over the group, and over any other group their
+    /// placements name, see [`crate::optim::clip_grad_norm`]); returns the whole model's norm before
+    /// clipping. Collective; after backward, before the step.
     pub fn clip_grad_norm(&self, max_norm: f64, norm_type: f64) -> Result<Tensor> {
-        let shards = self.parameters();
-        crate::optim::GradNorm::new(norm_type).sharded(&shards, &[self.rt.pg.as_ref()]).clip(max_norm)
+        crate::optim::clip_grad_norm(&self.parameters(), max_norm, norm_type)
     }
 
     /// The units' names (their path prefixes; "root" for the rest), in the order of

@@ -694,6 +694,28 @@ impl Runtime {
         st.units.iter().flat_map(|u| u.flat.slots.iter().map(|s| (s.name.clone(), s.shard.shallow_clone()))).collect()
     }
 
+    /// Records every parameter's placement: this rank's shard holds its flat chunk over the group.
+    pub fn record_placements(&self) -> Result<()> {
+        type Placed = (Tensor, Vec<i64>, Tensor, i64);
+        let slots: Vec<Placed> = {
+            let st = self.lock();
+            st.units
+                .iter()
+                .flat_map(|u| {
+                    u.flat
+                        .slots
+                        .iter()
+                        .map(|s| (s.param.shallow_clone(), s.shape.clone(), s.shard.shallow_clone(), s.chunk))
+                })
+                .collect()
+        };
+        let rank = self.pg.rank() as i64;
+        for (param, shape, shard, chunk) in slots {
+            crate::placement::record_flat_shard(&param, &shape, &shard, &self.pg, rank * chunk)?;
+        }
+        Ok(())
+    }
+
     pub fn unit_names(&self) -> Vec<String> {
         self.lock().units.iter().map(|u| u.name.clone()).collect()
     }

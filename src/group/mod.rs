@@ -256,6 +256,10 @@ impl ProcessGroup {
     pub fn rank(&self) -> usize {
         self.rank
     }
+    /// The group's name (`default`, or the name a subgroup or mesh dimension was given).
+    pub fn name(&self) -> &str {
+        &self.trace.name
+    }
     pub fn size(&self) -> usize {
         self.size
     }

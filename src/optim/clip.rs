@@ -7,43 +7,41 @@
 //! - **replicated**: every rank holds the same values (plain training, DDP after its allreduce, the
 //!   layers tensor parallelism keeps whole): counted once;
 //! - **sharded over groups**: across each of the groups the ranks hold disjoint parts (ZeRO and FSDP
-//!   shards over the data-parallel group, TP slices over the tensor-parallel group, ZeRO shards of TP
-//!   slices over both): the parts' contributions are summed over those groups.
+//!   shards over the data-parallel group, TP slices over the tensor-parallel group, pipeline stages'
+//!   parameters over the pipeline group): the parts' contributions are summed over those groups.
+//!
+//! Which is which, each parameter's [placement](crate::placement) says: the layers and wrappers that lay
+//! tensors out record it, so [`clip_grad_norm`] over any model's parameters (tch's
+//! `vs.trainable_variables()`) is right under every layout, with nothing classified by hand.
 //!
 //! A p-norm sums `|g|^p` over the parts, the ∞-norm takes their maximum; then every gradient is scaled by
-//! `min(1, max_norm / (total + 1e-6))`, as PyTorch does, in float32. The wrappers know their layouts:
-//! [`ShardedOptimizer::clip_grad_norm`](super::ShardedOptimizer::clip_grad_norm),
-//! [`FullyShardedDataParallel::clip_grad_norm`](crate::fsdp::FullyShardedDataParallel::clip_grad_norm),
-//! and the TP layers' `sharded_parameters`/`replicated_parameters`. Under [`crate::amp::GradScaler`],
+//! `min(1, max_norm / (total + 1e-6))`, as PyTorch does, in float32. Under [`crate::amp::GradScaler`],
 //! call `scaler.unscale(&mut opt)` first, as PyTorch documents, so that the norm is of true gradients.
 //!
 //! ```no_run
-//! use tch_dist::optim::GradNorm;
-//! # fn f(mlp: &tch_dist::tp::layers::ParallelMlp, head: &[tch::Tensor], tp: &tch_dist::ProcessGroup)
-//! # -> tch_dist::Result<()> {
-//! // tensor parallel × DDP: TP slices summed over the TP group, the rest counted once
-//! let norm = GradNorm::new(2.0)
-//!     .sharded(&mlp.sharded_parameters(), &[tp])
-//!     .replicated(&mlp.replicated_parameters())
-//!     .replicated(head)
-//!     .clip(1.0)?;
+//! # fn f(vs: &tch::nn::VarStore) -> tch_dist::Result<()> {
+//! // tensor parallel × pipeline × DDP: TP slices summed over the TP group, stages over the pipeline
+//! // group, whole parameters counted once, each as its placement says
+//! let norm = tch_dist::optim::clip_grad_norm(&vs.trainable_variables(), 1.0, 2.0)?;
 //! # Ok(()) }
 //! ```
 use std::collections::BTreeMap;
 
 use tch::{Device, Kind, Tensor};
 
-use super::grads_of;
+use std::sync::Arc;
+
 use crate::error::{Error, Result};
 use crate::group::{ProcessGroup, ReduceOp};
 
 /// PyTorch's epsilon in `max_norm / (total + eps)`.
 const EPS: f32 = 1e-6;
 
-/// `torch.nn.utils.clip_grad_norm_` for gradients every rank holds whole (plain training, DDP): scales
-/// the `.grad` of `params` so that their `norm_type`-norm is at most `max_norm`; returns the norm before,
-/// a float32 scalar tensor on the gradients' device (no host sync until it is read; see
-/// [`GradNorm::total`] for where groups reduce).
+/// `torch.nn.utils.clip_grad_norm_` over the gradients of `params`, laid out however their placements
+/// say ([`crate::placement`]; a parameter with none is the same on every rank): scales them so that the
+/// whole model's `norm_type`-norm is at most `max_norm`; returns the norm before, a float32 scalar tensor
+/// on the gradients' device (no host sync until it is read; see [`GradNorm::total`] for where groups
+/// reduce). Collective over the groups the parameters are laid out over.
 ///
 /// ```no_run
 /// # let vs = tch::nn::VarStore::new(tch::Device::Cpu);
@@ -53,7 +51,7 @@ const EPS: f32 = 1e-6;
 /// # Ok::<(), tch_dist::Error>(())
 /// ```
 pub fn clip_grad_norm(params: &[Tensor], max_norm: f64, norm_type: f64) -> Result<Tensor> {
-    GradNorm::new(norm_type).replicated(params).clip(max_norm)
+    GradNorm::new(norm_type).parameters(params).clip(max_norm)
 }
 
 /// `torch.linalg.vector_norm(v, p, dtype=float32)` of a 1-D tensor (a dimension given: a vector norm).
@@ -61,44 +59,67 @@ fn vector_norm(v: &Tensor, p: f64) -> Result<Tensor> {
     Ok(v.f_linalg_norm(p, Some(&[0i64][..]), false, Kind::Float)?)
 }
 
-struct Part<'a> {
+struct Part {
     grads: Vec<Tensor>,
-    over: Vec<&'a ProcessGroup>,
+    over: Vec<Arc<ProcessGroup>>,
 }
 
 /// The norm of gradients laid out across ranks (see the module docs); built part by part, then
-/// [`total`](Self::total) or [`clip`](Self::clip). Every rank builds the same parts in the same order.
-pub struct GradNorm<'a> {
+/// [`total`](Self::total) or [`clip`](Self::clip).
+pub struct GradNorm {
     norm_type: f64,
-    parts: Vec<Part<'a>>,
+    parts: Vec<Part>,
+    /// A parameter whose placement names a group that is gone (reported by `total`).
+    error: Option<Error>,
 }
 
-impl<'a> GradNorm<'a> {
+impl GradNorm {
     /// A `norm_type`-norm: any p > 0, or `f64::INFINITY` for the largest magnitude.
     pub fn new(norm_type: f64) -> Self {
-        GradNorm { norm_type, parts: Vec::new() }
+        GradNorm { norm_type, parts: Vec::new(), error: None }
     }
 
-    /// The gradients of `params`, the same on every rank: counted once. Parameters without a gradient
+    /// The gradients of `params`, each laid out as its placement says ([`crate::placement`]: a TP slice,
+    /// an FSDP shard, a pipeline stage's; none: the same on every rank). Parameters without a gradient
     /// are left out, as PyTorch does.
-    pub fn replicated(self, params: &[Tensor]) -> Self {
-        self.gradients(grads_of(params), &[])
+    pub fn parameters(mut self, params: &[Tensor]) -> Self {
+        for p in params {
+            let over = match crate::placement::of(p) {
+                None => Vec::new(),
+                Some(l) => match l.partial_groups("clip_grad_norm") {
+                    Ok(g) => g,
+                    Err(e) => {
+                        self.error.get_or_insert(e);
+                        continue;
+                    }
+                },
+            };
+            let g = p.grad();
+            if !g.defined() {
+                continue;
+            }
+            let same =
+                |q: &Part| q.over.len() == over.len() && q.over.iter().zip(&over).all(|(a, b)| Arc::ptr_eq(a, b));
+            match self.parts.iter_mut().find(|q| same(q)) {
+                Some(q) => q.grads.push(g),
+                None => self.parts.push(Part { grads: vec![g], over }),
+            }
+        }
+        self
     }
 
-    /// The gradients of `params`, of which the ranks of each group in `over` hold disjoint parts (TP
-    /// slices: `&[tp]`; ZeRO or FSDP shards: `&[dp]`; ZeRO shards of TP slices: `&[tp, dp]`).
-    pub fn sharded(self, params: &[Tensor], over: &[&'a ProcessGroup]) -> Self {
-        self.gradients(grads_of(params), over)
-    }
-
-    /// Gradient tensors themselves (e.g. an optimizer's [`gradients`](super::Optimizer::gradients)),
-    /// sharded over `over` (empty: replicated).
-    pub fn gradients(mut self, grads: Vec<Tensor>, over: &[&'a ProcessGroup]) -> Self {
-        self.parts.push(Part { grads, over: over.to_vec() });
+    /// Gradient tensors themselves (e.g. a sharded optimizer's flat
+    /// [`gradients`](super::Optimizer::gradients)), of which the ranks of each group in `over` hold
+    /// disjoint parts (empty: the same on every rank).
+    pub fn gradients(mut self, grads: Vec<Tensor>, over: &[&Arc<ProcessGroup>]) -> Self {
+        self.parts.push(Part { grads, over: over.iter().filter(|g| g.size() > 1).map(|g| (*g).clone()).collect() });
         self
     }
 
     fn check(&self) -> Result<()> {
+        if let Some(e) = &self.error {
+            return Err(Error::invalid("clip_grad_norm", e.to_string()));
+        }
         let p = self.norm_type;
         if p.is_nan() || p <= 0.0 {
             return Err(Error::invalid("clip_grad_norm", format!("norm_type must be > 0 or infinity, not {p}")));
@@ -148,18 +169,27 @@ impl<'a> GradNorm<'a> {
     pub fn total(&self) -> Result<Tensor> {
         self.check()?;
         let home = self.home();
-        let mut values: Vec<Tensor> = self.parts.iter().map(|p| self.local(&p.grads, home)).collect::<Result<_>>()?;
-        // each group once, in the order the parts name them, with the values of the parts sharded over it
-        let mut groups: Vec<&ProcessGroup> = Vec::new();
+        // every rank of a group must reduce the same groups in the same order, and its parts' values in
+        // the same order, whatever order its parameters came in: groups by name, parts by their groups'
+        let mut groups: Vec<&Arc<ProcessGroup>> = Vec::new();
         for g in self.parts.iter().flat_map(|p| p.over.iter()) {
-            if !groups.iter().any(|h| std::ptr::eq(*h, *g)) {
+            if !groups.iter().any(|h| Arc::ptr_eq(h, g)) {
                 groups.push(g);
             }
         }
+        groups.sort_by(|a, b| a.name().cmp(b.name()));
+        let rank_of = |g: &Arc<ProcessGroup>| groups.iter().position(|h| Arc::ptr_eq(h, g)).unwrap_or(usize::MAX);
+        let mut parts: Vec<&Part> = self.parts.iter().collect();
+        parts.sort_by_key(|p| {
+            let mut k: Vec<usize> = p.over.iter().map(rank_of).collect();
+            k.sort();
+            k
+        });
+        let mut values: Vec<Tensor> = parts.iter().map(|p| self.local(&p.grads, home)).collect::<Result<_>>()?;
         let op = if self.infinite() { ReduceOp::Max } else { ReduceOp::Sum };
         for (i, g) in groups.iter().enumerate() {
             let mine: Vec<usize> =
-                (0..self.parts.len()).filter(|&k| self.parts[k].over.iter().any(|h| std::ptr::eq(*h, *g))).collect();
+                (0..parts.len()).filter(|&k| parts[k].over.iter().any(|h| Arc::ptr_eq(h, g))).collect();
             let shape = [i as i64, mine.len() as i64, self.norm_type.to_bits() as i64];
             if g.checks_now(crate::group::Scope::Collective, "clip_grad_norm layout", g.scalar_device()) {
                 // ranks that built other parts would pass vectors of other lengths (Gloo aborts on that)

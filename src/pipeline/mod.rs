@@ -203,6 +203,12 @@ impl PipelineRank {
         let chunks = (0..chunks)
             .map(|c| layers.build_stage(ranges[c * p + pg.rank()].clone(), device))
             .collect::<Result<Vec<_>>>()?;
+        // the other ranks hold the other stages' variables: a norm over the model sums over the group
+        for s in &chunks {
+            for (_, t) in s.vs.variables() {
+                crate::placement::record_along(&t, &pg, crate::placement::Placement::Stage)?;
+            }
+        }
         let net = transport::GroupTransport::new(pg.clone(), device);
         Ok(PipelineRank { chunks, schedule, pg, recompute: false, net })
     }

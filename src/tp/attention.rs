@@ -73,20 +73,19 @@ impl ParallelAttention {
         };
         let qkv =
             ColumnParallelLinear::from_local(&(path / "qkv"), &mine(w_qkv)?, Some(&mine(b_qkv)?), pg.clone(), false)?;
+        // viewed as [3, d, ...] (queries, keys, values; `in_proj_weight.view(3, d, d)` in PyTorch's terms),
+        // this rank's rows are a slice along dimension 1
+        for x in std::iter::once(&qkv.ws).chain(qkv.bs.as_ref()) {
+            let size = x.size();
+            let lengths: Vec<i64> = [vec![3, d / t], size[1..].to_vec()].concat();
+            let mut global = lengths.clone();
+            global[1] = d;
+            let mut offsets = vec![0; lengths.len()];
+            offsets[1] = r * (d / t);
+            crate::placement::record_shard(x, &pg, 1, &global, &offsets, &lengths)?;
+        }
         let out = RowParallelLinear::from_full(&(path / "out"), w_out, Some(b_out), pg, true)?;
         Ok(ParallelAttention { qkv, out, local_heads: heads / t, head_dim: d / heads, causal })
-    }
-
-    /// The parameters of which each rank holds a slice.
-    pub fn sharded_parameters(&self) -> Vec<Tensor> {
-        let mut v = self.qkv.sharded_parameters();
-        v.extend(self.out.sharded_parameters());
-        v
-    }
-
-    /// The parameters every rank holds whole (the output bias).
-    pub fn replicated_parameters(&self) -> Vec<Tensor> {
-        self.out.replicated_parameters()
     }
 
     /// The attention's output `[batch, seq, d]`, the same on every rank; errors returned.

@@ -22,6 +22,17 @@ fn shard(what: &str, t: &Tensor, dim: i64, pg: &ProcessGroup) -> Result<Tensor> 
     Ok(t.f_narrow(dim, pg.rank() as i64 * (n / parts), n / parts)?.f_contiguous()?)
 }
 
+/// Records the variable `t` as this rank's slice along `dim` of a tensor `pg.size()` times as long there
+/// (in rank order), for the parts that read placements (clipping, checkpoints).
+pub(crate) fn place_slice(t: &Tensor, pg: &Arc<ProcessGroup>, dim: usize) -> Result<()> {
+    let local = t.size();
+    let mut global = local.clone();
+    let mut offsets = vec![0; local.len()];
+    global[dim] *= pg.size() as i64;
+    offsets[dim] = pg.rank() as i64 * local[dim];
+    crate::placement::record_shard(t, pg, dim, &global, &offsets, &local)
+}
+
 /// `Y = X Aᵀ + b` with A split by rows (output features) across the group: rank r computes output
 /// features `[r * out/t, (r+1) * out/t)`. Its input must be the full `X`.
 #[derive(Debug)]
@@ -38,14 +49,6 @@ pub struct ColumnParallelLinear {
 }
 
 impl ColumnParallelLinear {
-    pub(crate) fn tp_rank(&self) -> i64 {
-        self.pg.rank() as i64
-    }
-
-    pub(crate) fn tp_size(&self) -> i64 {
-        self.pg.size() as i64
-    }
-
     /// This rank's slice of `weight` (`[out, in]`) and `bias` (`[out]`), as variables under `path`.
     pub fn from_full(
         path: &nn::Path,
@@ -55,9 +58,9 @@ impl ColumnParallelLinear {
         gather_output: bool,
     ) -> Result<Self> {
         let what = "ColumnParallelLinear";
-        let ws = path.f_var_copy("weight", &shard(what, weight, 0, &pg)?)?;
-        let bs = bias.map(|b| Ok::<_, Error>(path.f_var_copy("bias", &shard(what, b, 0, &pg)?)?)).transpose()?;
-        Ok(ColumnParallelLinear { ws, bs, gather_output, sequence_parallel: false, pg })
+        let ws = shard(what, weight, 0, &pg)?;
+        let bs = bias.map(|b| shard(what, b, 0, &pg)).transpose()?;
+        Self::from_local(path, &ws, bs.as_ref(), pg, gather_output)
     }
 
     /// From this rank's slices as they are (`[out / t, in]`, `[out / t]`).
@@ -70,18 +73,10 @@ impl ColumnParallelLinear {
     ) -> Result<Self> {
         let ws = path.f_var_copy("weight", ws)?;
         let bs = bs.map(|b| path.f_var_copy("bias", b)).transpose()?;
+        for t in std::iter::once(&ws).chain(bs.as_ref()) {
+            place_slice(t, &pg, 0)?;
+        }
         Ok(ColumnParallelLinear { ws, bs, gather_output, sequence_parallel: false, pg })
-    }
-
-    /// The parameters of which each rank holds a slice (both): their gradients are summed over the TP
-    /// group when clipping ([`crate::optim::GradNorm::sharded`]).
-    pub fn sharded_parameters(&self) -> Vec<Tensor> {
-        std::iter::once(self.ws.shallow_clone()).chain(self.bs.iter().map(|b| b.shallow_clone())).collect()
-    }
-
-    /// The parameters every rank holds whole (none).
-    pub fn replicated_parameters(&self) -> Vec<Tensor> {
-        Vec::new()
     }
 
     /// Takes sequence-parallel input (see [`sequence_parallel`](Self::sequence_parallel)).
@@ -123,14 +118,6 @@ pub struct RowParallelLinear {
 }
 
 impl RowParallelLinear {
-    pub(crate) fn tp_rank(&self) -> i64 {
-        self.pg.rank() as i64
-    }
-
-    pub(crate) fn tp_size(&self) -> i64 {
-        self.pg.size() as i64
-    }
-
     pub fn from_full(
         path: &nn::Path,
         weight: &Tensor,
@@ -140,6 +127,10 @@ impl RowParallelLinear {
     ) -> Result<Self> {
         let ws = path.f_var_copy("weight", &shard("RowParallelLinear", weight, 1, &pg)?)?;
         let bs = bias.map(|b| path.f_var_copy("bias", b)).transpose()?;
+        place_slice(&ws, &pg, 1)?;
+        if let Some(b) = &bs {
+            crate::placement::record_along(b, &pg, crate::placement::Placement::Replicate)?;
+        }
         Ok(RowParallelLinear { ws, bs, input_is_parallel, sequence_parallel: false, pg })
     }
 
@@ -147,16 +138,6 @@ impl RowParallelLinear {
     pub fn with_sequence_parallel(mut self, on: bool) -> Self {
         self.sequence_parallel = on;
         self
-    }
-
-    /// The parameters of which each rank holds a slice (the weight).
-    pub fn sharded_parameters(&self) -> Vec<Tensor> {
-        vec![self.ws.shallow_clone()]
-    }
-
-    /// The parameters every rank holds whole (the bias): counted once when clipping.
-    pub fn replicated_parameters(&self) -> Vec<Tensor> {
-        self.bs.iter().map(|b| b.shallow_clone()).collect()
     }
 
     /// The layer's output (the same on every rank); errors returned.
@@ -217,20 +198,6 @@ impl ParallelMlp {
             .map_err(|_| Error::invalid("ParallelMlp::new", "expected four initial tensors"))?;
         let dev = path.device();
         Self::from_full(path, &w1.to_device(dev), &b1.to_device(dev), &w2.to_device(dev), &b2.to_device(dev), pg)
-    }
-
-    /// The parameters of which each rank holds a slice (both weights, the first bias).
-    pub fn sharded_parameters(&self) -> Vec<Tensor> {
-        let mut v = self.fc1.sharded_parameters();
-        v.extend(self.fc2.sharded_parameters());
-        v
-    }
-
-    /// The parameters every rank holds whole (the second bias).
-    pub fn replicated_parameters(&self) -> Vec<Tensor> {
-        let mut v = self.fc1.replicated_parameters();
-        v.extend(self.fc2.replicated_parameters());
-        v
     }
 
     /// The MLP's output (the same on every rank); errors returned.

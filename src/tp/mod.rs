@@ -30,7 +30,6 @@ pub mod attention;
 pub mod groups;
 pub mod layers;
 pub mod ops;
-mod shards;
 pub mod vocab;
 
 pub use attention::ParallelAttention;

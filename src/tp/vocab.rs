@@ -48,21 +48,15 @@ impl VocabParallelEmbedding {
         let what = "VocabParallelEmbedding";
         let (start, end) = vocab_range(what, weight.size()[0], &pg)?;
         let ws = path.f_var_copy("weight", &weight.f_narrow(0, start, end - start)?.f_contiguous()?)?;
+        let d = ws.size()[1..].to_vec();
+        let offsets: Vec<i64> = std::iter::once(start).chain(d.iter().map(|_| 0)).collect();
+        crate::placement::record_shard(&ws, &pg, 0, &weight.size(), &offsets, &ws.size())?;
         Ok(VocabParallelEmbedding { ws, start, end, pg })
-    }
-
-    pub(crate) fn tp_size(&self) -> i64 {
-        self.pg.size() as i64
     }
 
     /// The token ids this rank holds rows for: `[start, end)`.
     pub fn vocab_range(&self) -> (i64, i64) {
         (self.start, self.end)
-    }
-
-    /// The parameters of which each rank holds a slice (the table).
-    pub fn sharded_parameters(&self) -> Vec<Tensor> {
-        vec![self.ws.shallow_clone()]
     }
 
     /// The embeddings of `ids` (any shape, int64), `[..., d]`; errors returned.

@@ -137,7 +137,7 @@ impl ShardedOptimizer {
     pub fn clip_grad_norm(&mut self, max_norm: f64, norm_type: f64) -> Result<Tensor> {
         let grads = self.gradients()?;
         let pg = self.pg.clone();
-        super::GradNorm::new(norm_type).gradients(grads, &[pg.as_ref()]).clip(max_norm)
+        super::GradNorm::new(norm_type).gradients(grads, &[&pg]).clip(max_norm)
     }
 
     /// The inner optimizers, one per non-empty shard.

@@ -1,0 +1,313 @@
+//! Where each variable lives across ranks, in one registry that every part reads: as DTensor's
+//! placements, per process group (a mesh dimension) the variable is [`Placement::Replicate`]d,
+//! [`Placement::Shard`]ed along a dimension, a [`Placement::Flat`] range of its flattened values, or held
+//! by this rank's pipeline [`Placement::Stage`] alone.
+//!
+//! The parts that lay tensors out write it: tensor-parallel layers when they are built, FSDP when it
+//! shards, pipeline stages, DDP. The parts that must know read it: gradient clipping
+//! ([`crate::optim::clip_grad_norm`] and [`crate::optim::GradNorm::parameters`]) and sharded checkpoints
+//! ([`crate::checkpoint::StateDict::var_store`]). Users never classify parameters by hand.
+//!
+//! A record belongs to the tensor itself (every handle to it: the VarStore's entry, the layer's field, a
+//! shallow clone), not to a name, so it follows the variable wherever it is passed, and it ends with the
+//! tensor.
+//!
+//! ```no_run
+//! # fn f(vs: &tch::nn::VarStore) {
+//! for (name, t) in vs.variables() {
+//!     if let Some(l) = tch_dist::placement::of(&t) {
+//!         println!("{name}: {:?} of {:?}", l.placements(), l.global_shape());
+//!     }
+//! }
+//! # }
+//! ```
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, Weak};
+
+use tch::Tensor;
+
+use crate::error::{check, Error, Result};
+use crate::ffi;
+use crate::group::ProcessGroup;
+
+/// How a variable lies across the ranks of one group.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Placement {
+    /// Every rank of the group holds the same values.
+    Replicate,
+    /// The group's ranks hold equal consecutive slices along this dimension, in rank order.
+    Shard(usize),
+    /// The group's ranks hold consecutive ranges of the flattened values (FSDP's and ZeRO's shards); this
+    /// rank's starts at `offset`.
+    Flat { offset: i64 },
+    /// The group's ranks hold other variables altogether (pipeline stages): this one is this rank's only.
+    Stage,
+}
+
+impl Placement {
+    /// Whether the group's ranks hold disjoint parts of the model here (a norm over the model sums them).
+    pub fn is_partial(&self) -> bool {
+        !matches!(self, Placement::Replicate)
+    }
+}
+
+/// Where this rank's values lie in the whole variable.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Extent {
+    /// All of it.
+    Whole,
+    /// The box at `offsets` of `lengths` (the local tensor viewed as `lengths`).
+    Box { offsets: Vec<i64>, lengths: Vec<i64> },
+    /// Elements `[offset, offset + len)` of the flattened whole (past its end: padding).
+    Flat { offset: i64, len: i64 },
+    /// A part no box or range describes (a flat shard of a tensor-parallel slice).
+    Other,
+}
+
+/// One group the variable is laid out over.
+#[derive(Clone)]
+struct Along {
+    group: Weak<ProcessGroup>,
+    name: String,
+    size: usize,
+    placement: Placement,
+}
+
+/// A variable's layout: its whole shape, where this rank's part lies, and how it lies over each group.
+pub struct Layout {
+    global_shape: Vec<i64>,
+    extent: Extent,
+    along: Vec<Along>,
+    /// This rank's values when they are not the variable's own (FSDP's shard of a parameter that is
+    /// empty between uses).
+    local: Option<Tensor>,
+}
+
+impl Clone for Layout {
+    fn clone(&self) -> Self {
+        Layout {
+            global_shape: self.global_shape.clone(),
+            extent: self.extent.clone(),
+            along: self.along.clone(),
+            local: self.local.as_ref().map(|t| t.shallow_clone()),
+        }
+    }
+}
+
+impl std::fmt::Debug for Layout {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Layout")
+            .field("global_shape", &self.global_shape)
+            .field("extent", &self.extent)
+            .field("placements", &self.placements())
+            .finish()
+    }
+}
+
+impl Layout {
+    /// The whole variable's shape (as a checkpoint names it; the attention's projection is viewed as
+    /// `[3, d, in]`, queries, keys and values).
+    pub fn global_shape(&self) -> &[i64] {
+        &self.global_shape
+    }
+
+    /// Where this rank's values lie in the whole.
+    pub fn extent(&self) -> &Extent {
+        &self.extent
+    }
+
+    /// Each group the variable is laid out over, by name, with its placement there.
+    pub fn placements(&self) -> Vec<(String, Placement)> {
+        self.along.iter().map(|a| (a.name.clone(), a.placement)).collect()
+    }
+
+    /// This rank's values, when another tensor holds them (FSDP: the shard of a parameter that is empty
+    /// between uses).
+    pub fn local(&self) -> Option<&Tensor> {
+        self.local.as_ref()
+    }
+
+    /// The groups whose ranks hold disjoint parts (size 1 left out: nothing to sum), outermost first.
+    pub(crate) fn partial_groups(&self, what: &str) -> Result<Vec<Arc<ProcessGroup>>> {
+        let mut out = Vec::new();
+        for a in self.along.iter().filter(|a| a.placement.is_partial() && a.size > 1) {
+            let g = a.group.upgrade().ok_or_else(|| {
+                Error::invalid(what, format!("the group {:?} a variable is laid out over no longer exists", a.name))
+            })?;
+            out.push(g);
+        }
+        Ok(out)
+    }
+}
+
+/// A weak reference to a tensor, from the shim.
+struct WeakRef(*mut ffi::tdx_weak);
+
+// SAFETY: the weak reference is c10's weak_intrusive_ptr, whose counts are atomic; it is only read
+// (expired) and freed, never dereferenced to the tensor.
+unsafe impl Send for WeakRef {}
+
+impl WeakRef {
+    fn expired(&self) -> bool {
+        // SAFETY: self.0 is a live handle from tdx_tensor_identity, freed only in drop.
+        unsafe { ffi::tdx_weak_expired(self.0) != 0 }
+    }
+}
+
+impl Drop for WeakRef {
+    fn drop(&mut self) {
+        // SAFETY: self.0 came from tdx_tensor_identity and is freed once, here.
+        unsafe { ffi::tdx_weak_free(self.0) }
+    }
+}
+
+struct Entry {
+    weak: WeakRef,
+    layout: Layout,
+}
+
+/// Records by tensor identity. Each holds a weak reference, so an identity is never reused while its
+/// record exists; records of tensors that are gone are dropped as new ones come.
+static REGISTRY: Mutex<Option<HashMap<i64, Entry>>> = Mutex::new(None);
+
+fn identity(t: &Tensor) -> Result<(i64, WeakRef)> {
+    let (mut id, mut w) = (0i64, std::ptr::null_mut());
+    // SAFETY: t is live for the call; the shim hands over a new weak handle in w.
+    let code = unsafe { ffi::tdx_tensor_identity(t.as_ptr() as ffi::tdx_tensor, &mut id, &mut w) };
+    check(code, std::time::Duration::ZERO, || "read a tensor's identity".into())?;
+    Ok((id, WeakRef(w)))
+}
+
+/// The layout recorded for `t` (any handle to it), if any part laid it out.
+pub fn of(t: &Tensor) -> Option<Layout> {
+    if !t.defined() {
+        return None;
+    }
+    let (id, _w) = identity(t).ok()?;
+    let reg = REGISTRY.lock().unwrap_or_else(|e| e.into_inner());
+    reg.as_ref()?.get(&id).filter(|e| !e.weak.expired()).map(|e| e.layout.clone())
+}
+
+/// Replaces `t`'s record by what `f` makes of it (`None`: it had none).
+fn update(t: &Tensor, f: impl FnOnce(Option<Layout>) -> Result<Layout>) -> Result<()> {
+    let (id, weak) = identity(t)?;
+    let mut reg = REGISTRY.lock().unwrap_or_else(|e| e.into_inner());
+    let map = reg.get_or_insert_with(HashMap::new);
+    map.retain(|_, e| !e.weak.expired());
+    let old = map.remove(&id).map(|e| e.layout);
+    let layout = f(old)?;
+    map.insert(id, Entry { weak, layout });
+    Ok(())
+}
+
+fn along(group: &Arc<ProcessGroup>, placement: Placement) -> Along {
+    Along { group: Arc::downgrade(group), name: group.name().to_string(), size: group.size(), placement }
+}
+
+/// `t` is this rank's slice along `dim` of a variable sharded over `group` (tensor parallelism): the box
+/// at `offsets` of the whole `global_shape`, `t` viewed as `lengths` (its own shape, or the view its
+/// slice is cut from). Any earlier record of `t` is replaced.
+pub(crate) fn record_shard(
+    t: &Tensor,
+    group: &Arc<ProcessGroup>,
+    dim: usize,
+    global_shape: &[i64],
+    offsets: &[i64],
+    lengths: &[i64],
+) -> Result<()> {
+    let what = "tensor placement";
+    let fits = offsets.len() == global_shape.len()
+        && lengths.len() == global_shape.len()
+        && dim < global_shape.len()
+        && offsets.iter().zip(lengths).zip(global_shape).all(|((o, l), g)| *o >= 0 && o + l <= *g)
+        && lengths.iter().product::<i64>() == t.numel() as i64;
+    if !fits {
+        return Err(Error::invalid(
+            what,
+            format!("a {:?} slice as {lengths:?} at {offsets:?} does not fit in {global_shape:?}", t.size()),
+        ));
+    }
+    update(t, |_| {
+        Ok(Layout {
+            global_shape: global_shape.to_vec(),
+            extent: Extent::Box { offsets: offsets.to_vec(), lengths: lengths.to_vec() },
+            along: vec![along(group, Placement::Shard(dim))],
+            local: None,
+        })
+    })
+}
+
+/// Adds `group` with `placement` to `t`'s record (a whole variable's record if it had none): DDP's
+/// replicas, a pipeline stage's variables.
+pub(crate) fn record_along(t: &Tensor, group: &Arc<ProcessGroup>, placement: Placement) -> Result<()> {
+    update(t, |old| {
+        let mut l = old.unwrap_or_else(|| Layout {
+            global_shape: t.size(),
+            extent: Extent::Whole,
+            along: Vec::new(),
+            local: None,
+        });
+        // a second wrapper over the same group (a rebuilt DDP) says it again: once is enough
+        if !l.along.iter().any(|a| a.group.ptr_eq(&Arc::downgrade(group))) {
+            l.along.push(along(group, placement));
+        }
+        Ok(l)
+    })
+}
+
+/// FSDP: `shard` holds elements `[offset, offset + shard.numel())` of `param`'s values flattened (its
+/// local values, if `param` is itself a slice), laid out over `group`; `shape` is `param`'s (which is
+/// empty between uses). Both are recorded: `param`, with `shard` as its local values, and `shard`,
+/// which the optimizer steps.
+pub(crate) fn record_flat_shard(
+    param: &Tensor,
+    shape: &[i64],
+    shard: &Tensor,
+    group: &Arc<ProcessGroup>,
+    offset: i64,
+) -> Result<()> {
+    let base = of(param);
+    let make = |local: Option<Tensor>| {
+        let (global_shape, extent, mut along_) = match &base {
+            Some(b) => (b.global_shape.clone(), b.extent.clone(), b.along.clone()),
+            None => (shape.to_vec(), Extent::Whole, Vec::new()),
+        };
+        let extent = match extent {
+            Extent::Whole => Extent::Flat { offset, len: shard.numel() as i64 },
+            _ => Extent::Other,
+        };
+        along_.push(along(group, Placement::Flat { offset }));
+        Layout { global_shape, extent, along: along_, local }
+    };
+    update(param, |_| Ok(make(Some(shard.shallow_clone()))))?;
+    update(shard, |_| Ok(make(None)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tch::{Device, Kind};
+
+    #[test]
+    fn a_record_follows_every_handle_and_ends_with_the_tensor() {
+        let store = crate::Store::hash().unwrap();
+        let pg = Arc::new(ProcessGroup::new(&store, 0, 1, &Default::default()).unwrap());
+        let t = Tensor::zeros([4, 2], (Kind::Float, Device::Cpu));
+        assert!(of(&t).is_none());
+        record_shard(&t, &pg, 0, &[8, 2], &[4, 0], &[4, 2]).unwrap();
+        let l = of(&t.shallow_clone()).unwrap();
+        assert_eq!(l.global_shape(), &[8, 2]);
+        assert_eq!(l.extent(), &Extent::Box { offsets: vec![4, 0], lengths: vec![4, 2] });
+        assert_eq!(l.placements(), vec![("default".to_string(), Placement::Shard(0))]);
+        // a copy is another tensor
+        assert!(of(&t.copy()).is_none());
+        let err = record_shard(&t, &pg, 0, &[8, 2], &[6, 0], &[4, 2]).unwrap_err();
+        assert!(err.to_string().contains("does not fit"), "{err}");
+        let id = identity(&t).unwrap().0;
+        drop(t);
+        let u = Tensor::zeros([3], (Kind::Float, Device::Cpu));
+        record_along(&u, &pg, Placement::Replicate).unwrap();
+        let reg = REGISTRY.lock().unwrap();
+        assert!(!reg.as_ref().unwrap().contains_key(&id), "the record of a dropped tensor is gone");
+    }
+}
