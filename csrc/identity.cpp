@@ -15,6 +15,7 @@ extern "C" int tdx_tensor_identity(tdx_tensor t, int64_t* id, tdx_weak** out) {
     auto& x = tdx::tensor(t);
     if (!x.defined()) return tdx::set_error(TDX_EINVALID, "tensor identity: the tensor is undefined");
     *id = reinterpret_cast<int64_t>(x.unsafeGetTensorImpl());
+    if (out == nullptr) return TDX_OK;  // a lookup needs the address only
     *out = new tdx_weak{c10::weak_intrusive_ptr<c10::TensorImpl>(x.getIntrusivePtr())};
     return TDX_OK;
   })

@@ -146,6 +146,7 @@ int tdx_storage_id(tdx_tensor t, int64_t* out);
 
 // ---- identity.cpp: a tensor's identity (its TensorImpl's address, the same for every handle to it) and a
 // weak reference to it, which keeps that address from being reused while held.
+// out may be NULL (the address only).
 int tdx_tensor_identity(tdx_tensor t, int64_t* id, tdx_weak** out);
 // 1 once every strong reference to the tensor is gone, else 0.
 int tdx_weak_expired(const tdx_weak* w);

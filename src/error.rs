@@ -52,6 +52,14 @@ impl From<tch::TchError> for Error {
 
 /// The message that fails a backward with `e` (autograd carries only text): `e`'s own, marked so that
 /// the tch error the backward returns turns back into `e` (`From<TchError>`).
+/// An error kept to be reported later, again: an invalid argument as it was, any other as one.
+pub(crate) fn replay(e: &Error) -> Error {
+    match e {
+        Error::Invalid { op, msg } => Error::invalid(op.clone(), msg.clone()),
+        other => Error::invalid("tch-dist", other.to_string()),
+    }
+}
+
 pub(crate) fn crossing_autograd(e: Error) -> String {
     across::put(e)
 }

@@ -166,16 +166,26 @@ struct Entry {
     layout: Layout,
 }
 
-/// Records by tensor identity. Each holds a weak reference, so an identity is never reused while its
-/// record exists; records of tensors that are gone are dropped as new ones come.
-static REGISTRY: Mutex<Option<HashMap<i64, Entry>>> = Mutex::new(None);
+#[derive(Default)]
+struct Registry {
+    records: HashMap<i64, Entry>,
+    /// Records of tensors that are gone are dropped when the count reaches this (then twice what is
+    /// left): each record is checked a bounded number of times, not once per insert.
+    prune_at: usize,
+}
 
-fn identity(t: &Tensor) -> Result<(i64, WeakRef)> {
-    let (mut id, mut w) = (0i64, std::ptr::null_mut());
-    // SAFETY: t is live for the call; the shim hands over a new weak handle in w.
-    let code = unsafe { ffi::tdx_tensor_identity(t.as_ptr() as ffi::tdx_tensor, &mut id, &mut w) };
+/// Records by tensor identity. Each holds a weak reference, so an identity is never reused while its
+/// record exists.
+static REGISTRY: Mutex<Option<Registry>> = Mutex::new(None);
+
+/// `t`'s identity, and with `weak` a weak reference to it.
+fn identity(t: &Tensor, weak: bool) -> Result<(i64, Option<WeakRef>)> {
+    let (mut id, mut w): (i64, *mut ffi::tdx_weak) = (0, std::ptr::null_mut());
+    let out = if weak { &mut w as *mut *mut ffi::tdx_weak } else { std::ptr::null_mut() };
+    // SAFETY: t is live for the call; out is null or a slot for the new weak handle the shim hands over.
+    let code = unsafe { ffi::tdx_tensor_identity(t.as_ptr() as ffi::tdx_tensor, &mut id, out) };
     check(code, std::time::Duration::ZERO, || "read a tensor's identity".into())?;
-    Ok((id, WeakRef(w)))
+    Ok((id, (!w.is_null()).then_some(WeakRef(w))))
 }
 
 /// The layout recorded for `t` (any handle to it), if any part laid it out.
@@ -183,20 +193,24 @@ pub fn of(t: &Tensor) -> Option<Layout> {
     if !t.defined() {
         return None;
     }
-    let (id, _w) = identity(t).ok()?;
+    let (id, _) = identity(t, false).ok()?;
     let reg = REGISTRY.lock().unwrap_or_else(|e| e.into_inner());
-    reg.as_ref()?.get(&id).filter(|e| !e.weak.expired()).map(|e| e.layout.clone())
+    reg.as_ref()?.records.get(&id).filter(|e| !e.weak.expired()).map(|e| e.layout.clone())
 }
 
 /// Replaces `t`'s record by what `f` makes of it (`None`: it had none).
 fn update(t: &Tensor, f: impl FnOnce(Option<Layout>) -> Result<Layout>) -> Result<()> {
-    let (id, weak) = identity(t)?;
-    let mut reg = REGISTRY.lock().unwrap_or_else(|e| e.into_inner());
-    let map = reg.get_or_insert_with(HashMap::new);
-    map.retain(|_, e| !e.weak.expired());
-    let old = map.remove(&id).map(|e| e.layout);
+    let (id, weak) = identity(t, true)?;
+    let weak = weak.ok_or_else(|| Error::invalid("tensor placement", "the shim gave no weak reference"))?;
+    let mut guard = REGISTRY.lock().unwrap_or_else(|e| e.into_inner());
+    let reg = guard.get_or_insert_with(Registry::default);
+    if reg.records.len() >= reg.prune_at {
+        reg.records.retain(|_, e| !e.weak.expired());
+        reg.prune_at = (2 * reg.records.len()).max(64);
+    }
+    let old = reg.records.remove(&id).filter(|e| !e.weak.expired()).map(|e| e.layout);
     let layout = f(old)?;
-    map.insert(id, Entry { weak, layout });
+    reg.records.insert(id, Entry { weak, layout });
     Ok(())
 }
 
@@ -303,11 +317,15 @@ mod tests {
         assert!(of(&t.copy()).is_none());
         let err = record_shard(&t, &pg, 0, &[8, 2], &[6, 0], &[4, 2]).unwrap_err();
         assert!(err.to_string().contains("does not fit"), "{err}");
-        let id = identity(&t).unwrap().0;
+        let id = identity(&t, false).unwrap().0;
         drop(t);
-        let u = Tensor::zeros([3], (Kind::Float, Device::Cpu));
-        record_along(&u, &pg, Placement::Replicate).unwrap();
+        assert!(of(&Tensor::zeros([4, 2], (Kind::Float, Device::Cpu))).is_none());
+        // pruning comes with inserts, once the count doubles
+        let keep: Vec<Tensor> = (0..200).map(|_| Tensor::zeros([1], (Kind::Float, Device::Cpu))).collect();
+        for u in &keep {
+            record_along(u, &pg, Placement::Replicate).unwrap();
+        }
         let reg = REGISTRY.lock().unwrap();
-        assert!(!reg.as_ref().unwrap().contains_key(&id), "the record of a dropped tensor is gone");
+        assert!(!reg.as_ref().unwrap().records.contains_key(&id), "the record of a dropped tensor is gone");
     }
 }

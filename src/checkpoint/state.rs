@@ -117,11 +117,7 @@ impl<'a> StateDict<'a> {
 
     /// The first error met while adding tensors (reported by the save or load).
     pub(crate) fn check(&self) -> Result<()> {
-        match &self.error {
-            Some(Error::Invalid { op, msg }) => Err(Error::invalid(op.clone(), msg.clone())),
-            Some(e) => Err(Error::invalid("checkpoint", e.to_string())),
-            None => Ok(()),
-        }
+        self.error.as_ref().map_or(Ok(()), |e| Err(crate::error::replay(e)))
     }
 
     /// A tensor held whole by every rank that adds it.

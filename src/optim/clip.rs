@@ -26,10 +26,9 @@
 //! # Ok(()) }
 //! ```
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use tch::{Device, Kind, Tensor};
-
-use std::sync::Arc;
 
 use crate::error::{Error, Result};
 use crate::group::{ProcessGroup, ReduceOp};
@@ -118,7 +117,7 @@ impl GradNorm {
 
     fn check(&self) -> Result<()> {
         if let Some(e) = &self.error {
-            return Err(Error::invalid("clip_grad_norm", e.to_string()));
+            return Err(crate::error::replay(e));
         }
         let p = self.norm_type;
         if p.is_nan() || p <= 0.0 {
