@@ -41,7 +41,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         )?;
         Box::new(move |x| a.f_forward(x))
     } else {
-        let mlp = ParallelMlp::new(&vs.root(), D, H, pg.clone(), 0)?;
+        let mlp = ParallelMlp::new(&vs.root(), D, H, pg.clone())?;
         Box::new(move |x| mlp.f_forward(x))
     };
     let param_bytes = memory::allocated(Device::Cpu)? - before;

@@ -164,8 +164,14 @@ fn model(a: &Args, tp: Arc<ProcessGroup>) -> LayerList {
     let t = tp.clone();
     l.add("head", move |p| Head {
         ln: norm_params(p, "ln", d),
-        out: ColumnParallelLinear::from_full(&(p / "out"), &randn(&[VOCAB, d], 0.02), None, t.clone(), false)
-            .unwrap_or_else(|e| panic!("{e}")),
+        out: ColumnParallelLinear::from_full(
+            &(p / "out"),
+            &randn(&[VOCAB, d], 0.02),
+            None,
+            t.clone(),
+            Default::default(),
+        )
+        .unwrap_or_else(|e| panic!("{e}")),
     })
 }
 

@@ -18,27 +18,26 @@ pub(crate) fn randperm(n: i64, seed: u64) -> Result<Vec<i64>> {
 
 /// `torch.manual_seed(seed)` and then `torch.randn(*shape, dtype=kind)` for each shape in turn.
 pub(crate) fn randn_seq(seed: u64, kind: Kind, shapes: &[Vec<i64>]) -> Result<Vec<Tensor>> {
-    draw_seq(seed, kind, shapes, None)
+    draw_seq(seed, kind, shapes)
 }
 
-/// `torch.manual_seed(seed)` and then `torch.empty(*shape, dtype=kind).uniform_(-bound, bound)` for each
-/// `(shape, bound)` in turn: what tch's and PyTorch's layers draw for their initial weights, the same
-/// values, without reseeding the user's global generator.
-pub(crate) fn uniform_seq(seed: u64, kind: Kind, draws: &[(Vec<i64>, f64)]) -> Result<Vec<Tensor>> {
-    let (shapes, bounds): (Vec<Vec<i64>>, Vec<f64>) = draws.iter().cloned().unzip();
-    draw_seq(seed, kind, &shapes, Some(&bounds))
-}
-
-fn draw_seq(seed: u64, kind: Kind, shapes: &[Vec<i64>], bounds: Option<&[f64]>) -> Result<Vec<Tensor>> {
+fn draw_seq(seed: u64, kind: Kind, shapes: &[Vec<i64>]) -> Result<Vec<Tensor>> {
     let dtype = crate::dtype::code(kind).ok_or_else(|| Error::invalid("random draws", format!("dtype {kind:?}")))?;
     let ndims: Vec<i64> = shapes.iter().map(|s| s.len() as i64).collect();
     let sizes: Vec<i64> = shapes.iter().flatten().copied().collect();
     let mut outs: Vec<ffi::tdx_tensor> = vec![std::ptr::null_mut(); shapes.len()];
-    let bp = bounds.map_or(std::ptr::null(), |b| b.as_ptr());
-    // SAFETY: the arrays are valid for the call (`bounds`, when given, has one entry per shape) and `outs`
-    // has one slot per shape.
-    let code =
-        unsafe { ffi::tdx_draw_seq(seed, dtype, shapes.len(), ndims.as_ptr(), sizes.as_ptr(), bp, outs.as_mut_ptr()) };
+    // SAFETY: the arrays are valid for the call (no bounds: normal draws) and `outs` has one slot per shape.
+    let code = unsafe {
+        ffi::tdx_draw_seq(
+            seed,
+            dtype,
+            shapes.len(),
+            ndims.as_ptr(),
+            sizes.as_ptr(),
+            std::ptr::null(),
+            outs.as_mut_ptr(),
+        )
+    };
     // on failure the shim created none, or some: take ownership of those either way
     // SAFETY: each non-null slot is a tensor the shim just made for this call, adopted once.
     let made: Vec<Result<Tensor>> =

@@ -25,7 +25,7 @@ fn tensor_parallel_layers_record_their_slices() {
         let r = pg.rank() as i64;
         let tp = Arc::new(pg);
         let vs = nn::VarStore::new(Device::Cpu);
-        let _mlp = ParallelMlp::new(&(vs.root() / "mlp"), 8, 16, tp.clone(), 0).unwrap();
+        let _mlp = ParallelMlp::new(&(vs.root() / "mlp"), 8, 16, tp.clone()).unwrap();
         let w = |s: &[i64]| Tensor::randn(s, (Kind::Float, Device::Cpu));
         let _attn = ParallelAttention::from_full(
             &(vs.root() / "attn"),
@@ -92,7 +92,7 @@ fn fsdp_records_flat_shards_and_a_checkpoint_names_what_it_cannot_place() {
         // FSDP over a tensor-parallel layer: a flat shard of a slice, which no checkpoint box names
         let vs = nn::VarStore::new(Device::Cpu);
         let f = FsdpBuilder::new(&vs, FsdpOptions::default().process_group(pg.clone())).unwrap();
-        let mlp = ParallelMlp::new(&(vs.root() / "mlp"), 4, 8, pg.clone(), 0).unwrap();
+        let mlp = ParallelMlp::new(&(vs.root() / "mlp"), 4, 8, pg.clone()).unwrap();
         let unit = f.fully_shard(&(vs.root() / "mlp"), mlp).unwrap();
         let _model = f.finish(nn::seq().add(unit)).unwrap();
         let l = placed(&vs, "mlp.fc1.weight");

@@ -9,7 +9,7 @@ use std::time::Duration;
 use tch::{nn, nn::OptimizerConfig, Device, Kind, Tensor};
 use tch_dist::ddp::{DdpOptions, DistributedDataParallel};
 use tch_dist::tp::groups::TpDpGroups;
-use tch_dist::tp::{ColumnParallelLinear, ParallelMlp, RowParallelLinear};
+use tch_dist::tp::{ColumnParallelConfig, ColumnParallelLinear, ParallelMlp, RowParallelConfig, RowParallelLinear};
 
 const T: Duration = Duration::from_secs(60);
 /// float32, partial products summed in another order: observed ~1e-7.
@@ -83,13 +83,14 @@ fn gather_and_scatter_variants_equal_a_full_linear() {
         let pg = Arc::new(pg);
         let vs = nn::VarStore::new(Device::Cpu);
         let (w, b) = (formula(&[H, D], 1.0), formula(&[H], 2.0));
-        let col = ColumnParallelLinear::from_full(&(vs.root() / "c"), &w, Some(&b), pg.clone(), true).unwrap();
+        let gathered = ColumnParallelConfig { gather_output: true, ..Default::default() };
+        let col = ColumnParallelLinear::from_full(&(vs.root() / "c"), &w, Some(&b), pg.clone(), gathered).unwrap();
         let row = RowParallelLinear::from_full(
             &(vs.root() / "r"),
             &formula(&[D, H], 3.0),
             Some(&formula(&[D], 4.0)),
             pg,
-            false,
+            RowParallelConfig { input_is_parallel: false, ..Default::default() },
         )
         .unwrap();
         let x = formula(&[4, D], 5.0).set_requires_grad(true);
@@ -110,7 +111,8 @@ fn shapes_not_divisible_by_the_tp_size_are_refused() {
     let res = common::run_threads(2, T, |pg| {
         let vs = nn::VarStore::new(Device::Cpu);
         let e =
-            ColumnParallelLinear::from_full(&vs.root(), &formula(&[5, D], 1.0), None, Arc::new(pg), false).unwrap_err();
+            ColumnParallelLinear::from_full(&vs.root(), &formula(&[5, D], 1.0), None, Arc::new(pg), Default::default())
+                .unwrap_err();
         e.to_string()
     });
     for e in res {

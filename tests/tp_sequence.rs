@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use tch::{nn, Device, Kind, Tensor};
 use tch_dist::tp::ops::allreduce_sequence_parallel_grads;
-use tch_dist::tp::{ColumnParallelLinear, RowParallelLinear};
+use tch_dist::tp::{ColumnParallelConfig, ColumnParallelLinear, RowParallelConfig, RowParallelLinear};
 
 const T: Duration = Duration::from_secs(60);
 const TOL: f64 = 1e-5;
@@ -65,12 +65,11 @@ fn sequence_parallel_block_equals_the_full_block() {
             let w = weights();
             let ln_w = vs.root().var_copy("ln_weight", &w[0]);
             let ln_b = vs.root().var_copy("ln_bias", &w[1]);
-            let fc1 = ColumnParallelLinear::from_full(&(vs.root() / "fc1"), &w[2], Some(&w[3]), pg.clone(), false)
-                .unwrap()
-                .with_sequence_parallel(true);
-            let fc2 = RowParallelLinear::from_full(&(vs.root() / "fc2"), &w[4], Some(&w[5]), pg.clone(), true)
-                .unwrap()
-                .with_sequence_parallel(true);
+            let col = ColumnParallelConfig { sequence_parallel: true, ..Default::default() };
+            let row = RowParallelConfig { sequence_parallel: true, ..Default::default() };
+            let fc1 =
+                ColumnParallelLinear::from_full(&(vs.root() / "fc1"), &w[2], Some(&w[3]), pg.clone(), col).unwrap();
+            let fc2 = RowParallelLinear::from_full(&(vs.root() / "fc2"), &w[4], Some(&w[5]), pg.clone(), row).unwrap();
             // this rank's part of the sequence
             let x = formula(&[S, B, D], 8.0).narrow(0, rank * S / t, S / t).copy().set_requires_grad(true);
             let h = x.layer_norm([D], Some(&ln_w), Some(&ln_b), 1e-5, false);

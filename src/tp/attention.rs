@@ -71,8 +71,13 @@ impl ParallelAttention {
                 .collect::<std::result::Result<Vec<_>, _>>()?;
             Ok(Tensor::f_cat(&parts, 0)?)
         };
-        let qkv =
-            ColumnParallelLinear::from_local(&(path / "qkv"), &mine(w_qkv)?, Some(&mine(b_qkv)?), pg.clone(), false)?;
+        let qkv = ColumnParallelLinear::from_local(
+            &(path / "qkv"),
+            &mine(w_qkv)?,
+            Some(&mine(b_qkv)?),
+            pg.clone(),
+            Default::default(),
+        )?;
         // viewed as [3, d, ...] (queries, keys, values; `in_proj_weight.view(3, d, d)` in PyTorch's terms),
         // this rank's rows are a slice along dimension 1
         for x in std::iter::once(&qkv.ws).chain(qkv.bs.as_ref()) {
@@ -84,7 +89,7 @@ impl ParallelAttention {
             offsets[1] = r * (d / t);
             crate::placement::record_shard(x, &pg, 1, &global, &offsets, &lengths)?;
         }
-        let out = RowParallelLinear::from_full(&(path / "out"), w_out, Some(b_out), pg, true)?;
+        let out = RowParallelLinear::from_full(&(path / "out"), w_out, Some(b_out), pg, Default::default())?;
         Ok(ParallelAttention { qkv, out, local_heads: heads / t, head_dim: d / heads, causal })
     }
 

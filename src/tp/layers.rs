@@ -1,15 +1,68 @@
 //! Column- and row-parallel linear layers and the MLP made of them. Each rank keeps only its slice of the
-//! weights, cut from the same full matrix, so the sharded layer computes exactly what the full one does.
+//! weights: `new` draws it as tch's `nn::linear` would draw the whole layer ([`super::init`]), `from_full`
+//! cuts it from given full matrices; either way the sharded layer computes what the full one does.
 use std::sync::Arc;
 
-use tch::{nn, Kind, Tensor};
+use tch::{nn, Tensor};
 
+use super::init::{self, Part};
 use super::ops::{
     copy_to_parallel_region, gather_from_parallel_region, gather_from_sequence_parallel_region,
     reduce_from_parallel_region_owned, reduce_scatter_to_sequence_parallel_region, scatter_to_parallel_region,
 };
 use crate::error::{Error, Result};
 use crate::group::ProcessGroup;
+
+/// A [`ColumnParallelLinear`]'s configuration: tch's [`nn::LinearConfig`] (initialisation, bias) and
+/// where its input and output live.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ColumnParallelConfig {
+    /// As `nn::linear`'s (read by [`ColumnParallelLinear::new`]; `from_full` is given its values).
+    pub linear: nn::LinearConfig,
+    /// Gather the output features from every rank (default false: each keeps its own, for a
+    /// row-parallel layer after it or a vocabulary-parallel loss).
+    pub gather_output: bool,
+    /// The input is this rank's part of the sequence (`[s / t, b, in]`, Megatron's sequence
+    /// parallelism): gathered along the sequence on entry, reduce-scattered in backward.
+    pub sequence_parallel: bool,
+}
+
+/// A [`RowParallelLinear`]'s configuration, as [`ColumnParallelConfig`].
+#[derive(Clone, Copy, Debug)]
+pub struct RowParallelConfig {
+    pub linear: nn::LinearConfig,
+    /// The input arrives already split (default true: from a column-parallel layer); false splits it on
+    /// entry.
+    pub input_is_parallel: bool,
+    /// The output is this rank's part of the sequence (`[s / t, b, out]`): the partial products are
+    /// reduce-scattered along the sequence instead of allreduced (the bias added to the part).
+    pub sequence_parallel: bool,
+}
+
+impl Default for RowParallelConfig {
+    fn default() -> Self {
+        RowParallelConfig { linear: Default::default(), input_is_parallel: true, sequence_parallel: false }
+    }
+}
+
+/// `n` split in `pg.size()` equal parts, or an error naming the layer.
+fn divisible(what: &str, name: &str, n: i64, pg: &ProcessGroup) -> Result<()> {
+    if n % pg.size() as i64 != 0 {
+        return Err(Error::invalid(
+            what.to_string(),
+            format!("{name} {n} is not divisible by the tensor-parallel size {}", pg.size()),
+        ));
+    }
+    Ok(())
+}
+
+/// tch's bias initialisation for a linear layer of `in_dim` inputs (`nn::linear`'s).
+fn bias_init(c: &nn::LinearConfig, in_dim: i64) -> nn::Init {
+    c.bs_init.unwrap_or_else(|| {
+        let bound = 1.0 / (in_dim as f64).sqrt();
+        nn::Init::Uniform { lo: -bound, up: bound }
+    })
+}
 
 fn shard(what: &str, t: &Tensor, dim: i64, pg: &ProcessGroup) -> Result<Tensor> {
     let (n, parts) = (t.size()[dim as usize], pg.size() as i64);
@@ -41,26 +94,45 @@ pub struct ColumnParallelLinear {
     pub ws: Tensor,
     /// `[out / t]`
     pub bs: Option<Tensor>,
-    pub gather_output: bool,
-    /// The input is this rank's part of the sequence (`[s / t, b, in]`, Megatron's sequence
-    /// parallelism): gathered along the sequence on entry, reduce-scattered in backward.
-    pub sequence_parallel: bool,
+    pub config: ColumnParallelConfig,
     pg: Arc<ProcessGroup>,
 }
 
 impl ColumnParallelLinear {
+    /// `nn::linear(path, in_dim, out_dim, config.linear)` split over `pg`: this rank's rows of the weight
+    /// and bias that layer would draw (`in_dim` inputs, `out_dim / t` outputs here).
+    pub fn new(
+        path: &nn::Path,
+        in_dim: i64,
+        out_dim: i64,
+        pg: Arc<ProcessGroup>,
+        config: ColumnParallelConfig,
+    ) -> Result<Self> {
+        let what = "ColumnParallelLinear";
+        divisible(what, "out_dim", out_dim, &pg)?;
+        let (rank, t, opts) = (pg.rank(), pg.size(), (path.kind(), path.device()));
+        let c = &config.linear;
+        // in nn::linear's order: the bias, then the weight
+        let bs = c
+            .bias
+            .then(|| init::slice(what, bias_init(c, in_dim), &[out_dim], Part::even(0, out_dim, rank, t), opts))
+            .transpose()?;
+        let ws = init::slice(what, c.ws_init, &[out_dim, in_dim], Part::even(0, out_dim, rank, t), opts)?;
+        Self::from_local(path, &ws, bs.as_ref(), pg, config)
+    }
+
     /// This rank's slice of `weight` (`[out, in]`) and `bias` (`[out]`), as variables under `path`.
     pub fn from_full(
         path: &nn::Path,
         weight: &Tensor,
         bias: Option<&Tensor>,
         pg: Arc<ProcessGroup>,
-        gather_output: bool,
+        config: ColumnParallelConfig,
     ) -> Result<Self> {
         let what = "ColumnParallelLinear";
         let ws = shard(what, weight, 0, &pg)?;
         let bs = bias.map(|b| shard(what, b, 0, &pg)).transpose()?;
-        Self::from_local(path, &ws, bs.as_ref(), pg, gather_output)
+        Self::from_local(path, &ws, bs.as_ref(), pg, config)
     }
 
     /// From this rank's slices as they are (`[out / t, in]`, `[out / t]`).
@@ -69,31 +141,25 @@ impl ColumnParallelLinear {
         ws: &Tensor,
         bs: Option<&Tensor>,
         pg: Arc<ProcessGroup>,
-        gather_output: bool,
+        config: ColumnParallelConfig,
     ) -> Result<Self> {
-        let ws = path.f_var_copy("weight", ws)?;
         let bs = bs.map(|b| path.f_var_copy("bias", b)).transpose()?;
+        let ws = path.f_var_copy("weight", ws)?;
         for t in std::iter::once(&ws).chain(bs.as_ref()) {
             place_slice(t, &pg, 0)?;
         }
-        Ok(ColumnParallelLinear { ws, bs, gather_output, sequence_parallel: false, pg })
-    }
-
-    /// Takes sequence-parallel input (see [`sequence_parallel`](Self::sequence_parallel)).
-    pub fn with_sequence_parallel(mut self, on: bool) -> Self {
-        self.sequence_parallel = on;
-        self
+        Ok(ColumnParallelLinear { ws, bs, config, pg })
     }
 
     /// Output features of this rank (all of them with `gather_output`); errors returned.
     pub fn f_forward(&self, x: &Tensor) -> Result<Tensor> {
-        let x = if self.sequence_parallel {
+        let x = if self.config.sequence_parallel {
             gather_from_sequence_parallel_region(x, &self.pg)?
         } else {
             copy_to_parallel_region(x, &self.pg)?
         };
         let y = x.f_linear(&self.ws, self.bs.as_ref())?;
-        if self.gather_output {
+        if self.config.gather_output {
             gather_from_parallel_region(&y, &self.pg)
         } else {
             Ok(y)
@@ -109,42 +175,65 @@ pub struct RowParallelLinear {
     pub ws: Tensor,
     /// `[out]`, the same on every rank
     pub bs: Option<Tensor>,
-    /// The input arrives already split (from a column-parallel layer); otherwise it is split on entry.
-    pub input_is_parallel: bool,
-    /// The output is this rank's part of the sequence (`[s / t, b, out]`): the partial products are
-    /// reduce-scattered along the sequence instead of allreduced (the bias added to the part).
-    pub sequence_parallel: bool,
+    pub config: RowParallelConfig,
     pg: Arc<ProcessGroup>,
 }
 
 impl RowParallelLinear {
+    /// `nn::linear(path, in_dim, out_dim, config.linear)` split over `pg`: this rank's columns of the
+    /// weight that layer would draw (`in_dim / t` inputs here), and its whole bias.
+    pub fn new(
+        path: &nn::Path,
+        in_dim: i64,
+        out_dim: i64,
+        pg: Arc<ProcessGroup>,
+        config: RowParallelConfig,
+    ) -> Result<Self> {
+        let what = "RowParallelLinear";
+        divisible(what, "in_dim", in_dim, &pg)?;
+        let (rank, t, opts) = (pg.rank(), pg.size(), (path.kind(), path.device()));
+        let c = &config.linear;
+        let whole = Part { dim: 0, start: 0, len: out_dim };
+        let bs = c.bias.then(|| init::slice(what, bias_init(c, in_dim), &[out_dim], whole, opts)).transpose()?;
+        let ws = init::slice(what, c.ws_init, &[out_dim, in_dim], Part::even(1, in_dim, rank, t), opts)?;
+        Self::from_local(path, &ws, bs.as_ref(), pg, config)
+    }
+
+    /// This rank's columns of `weight` (`[out, in]`) and all of `bias` (`[out]`), as variables under
+    /// `path`.
     pub fn from_full(
         path: &nn::Path,
         weight: &Tensor,
         bias: Option<&Tensor>,
         pg: Arc<ProcessGroup>,
-        input_is_parallel: bool,
+        config: RowParallelConfig,
     ) -> Result<Self> {
-        let ws = path.f_var_copy("weight", &shard("RowParallelLinear", weight, 1, &pg)?)?;
-        let bs = bias.map(|b| path.f_var_copy("bias", b)).transpose()?;
+        let ws = shard("RowParallelLinear", weight, 1, &pg)?;
+        Self::from_local(path, &ws, bias, pg, config)
+    }
+
+    fn from_local(
+        path: &nn::Path,
+        ws: &Tensor,
+        bs: Option<&Tensor>,
+        pg: Arc<ProcessGroup>,
+        config: RowParallelConfig,
+    ) -> Result<Self> {
+        let bs = bs.map(|b| path.f_var_copy("bias", b)).transpose()?;
+        let ws = path.f_var_copy("weight", ws)?;
         place_slice(&ws, &pg, 1)?;
         if let Some(b) = &bs {
             crate::placement::record_along(b, &pg, crate::placement::Placement::Replicate)?;
         }
-        Ok(RowParallelLinear { ws, bs, input_is_parallel, sequence_parallel: false, pg })
-    }
-
-    /// Gives sequence-parallel output (see [`sequence_parallel`](Self::sequence_parallel)).
-    pub fn with_sequence_parallel(mut self, on: bool) -> Self {
-        self.sequence_parallel = on;
-        self
+        Ok(RowParallelLinear { ws, bs, config, pg })
     }
 
     /// The layer's output (the same on every rank); errors returned.
     pub fn f_forward(&self, x: &Tensor) -> Result<Tensor> {
-        let x = if self.input_is_parallel { x.shallow_clone() } else { scatter_to_parallel_region(x, &self.pg)? };
+        let x =
+            if self.config.input_is_parallel { x.shallow_clone() } else { scatter_to_parallel_region(x, &self.pg)? };
         let partial = x.f_linear::<&Tensor>(&self.ws, None)?;
-        let mut y = if self.sequence_parallel {
+        let mut y = if self.config.sequence_parallel {
             reduce_scatter_to_sequence_parallel_region(&partial, &self.pg)?
         } else {
             // the partial product is ours alone (a linear does not save its output): summed in place
@@ -177,27 +266,19 @@ impl ParallelMlp {
         pg: Arc<ProcessGroup>,
     ) -> Result<Self> {
         Ok(ParallelMlp {
-            fc1: ColumnParallelLinear::from_full(&(path / "fc1"), w1, Some(b1), pg.clone(), false)?,
-            fc2: RowParallelLinear::from_full(&(path / "fc2"), w2, Some(b2), pg, true)?,
+            fc1: ColumnParallelLinear::from_full(&(path / "fc1"), w1, Some(b1), pg.clone(), Default::default())?,
+            fc2: RowParallelLinear::from_full(&(path / "fc2"), w2, Some(b2), pg, Default::default())?,
         })
     }
 
-    /// Initialised as `nn::linear` would be after `tch::manual_seed(seed)`: every rank draws the same full
-    /// matrices (on the CPU, from a generator of its own: the global one is left alone) and keeps its
-    /// slices.
-    pub fn new(path: &nn::Path, d_model: i64, hidden: i64, pg: Arc<ProcessGroup>, seed: i64) -> Result<Self> {
-        let bound = |fan_in: i64| 1.0 / (fan_in as f64).sqrt();
-        let draws = [
-            (vec![hidden, d_model], bound(d_model)),
-            (vec![hidden], bound(d_model)),
-            (vec![d_model, hidden], bound(hidden)),
-            (vec![d_model], bound(hidden)),
-        ];
-        let [w1, b1, w2, b2]: [Tensor; 4] = crate::random::uniform_seq(seed as u64, Kind::Float, &draws)?
-            .try_into()
-            .map_err(|_| Error::invalid("ParallelMlp::new", "expected four initial tensors"))?;
-        let dev = path.device();
-        Self::from_full(path, &w1.to_device(dev), &b1.to_device(dev), &w2.to_device(dev), &b2.to_device(dev), pg)
+    /// `fc1 = nn::linear(path / "fc1", d_model, hidden)` and `fc2 = nn::linear(path / "fc2", hidden,
+    /// d_model)`, split over `pg`: the values those layers would draw from the global generator, which
+    /// ends where they would leave it.
+    pub fn new(path: &nn::Path, d_model: i64, hidden: i64, pg: Arc<ProcessGroup>) -> Result<Self> {
+        Ok(ParallelMlp {
+            fc1: ColumnParallelLinear::new(&(path / "fc1"), d_model, hidden, pg.clone(), Default::default())?,
+            fc2: RowParallelLinear::new(&(path / "fc2"), hidden, d_model, pg, Default::default())?,
+        })
     }
 
     /// The MLP's output (the same on every rank); errors returned.

@@ -9,7 +9,7 @@
 //! let world = tch_dist::ProcessGroup::from_env()?;           // e.g. 4 ranks
 //! let g = TpDpGroups::new(&world, 2)?;                         // 2-way TP x 2-way DP
 //! let vs = nn::VarStore::new(Device::Cpu);
-//! let mlp = ParallelMlp::new(&vs.root(), 1024, 4096, Arc::new(g.tp), 0)?;
+//! let mlp = ParallelMlp::new(&vs.root(), 1024, 4096, Arc::new(g.tp))?; // nn::linear's values, sliced
 //! let y = mlp.f_forward(&Tensor::randn([8, 1024], (Kind::Float, Device::Cpu)))?; // or `forward`, as an nn::Module
 //! # Ok::<(), tch_dist::Error>(())
 //! ```
@@ -28,10 +28,11 @@ macro_rules! module {
 
 pub mod attention;
 pub mod groups;
+pub(crate) mod init;
 pub mod layers;
 pub mod ops;
 pub mod vocab;
 
 pub use attention::ParallelAttention;
-pub use layers::{ColumnParallelLinear, ParallelMlp, RowParallelLinear};
+pub use layers::{ColumnParallelConfig, ColumnParallelLinear, ParallelMlp, RowParallelConfig, RowParallelLinear};
 pub use vocab::{vocab_parallel_cross_entropy, VocabParallelEmbedding};

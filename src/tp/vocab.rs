@@ -43,14 +43,40 @@ pub struct VocabParallelEmbedding {
 }
 
 impl VocabParallelEmbedding {
+    /// `nn::embedding(path, vocab, dim, config)` split over `pg`: this rank's rows of the table that
+    /// layer would draw. `padding_idx`, `sparse` and `scale_grad_by_freq` are not supported here.
+    pub fn new(
+        path: &nn::Path,
+        vocab: i64,
+        dim: i64,
+        pg: Arc<ProcessGroup>,
+        config: nn::EmbeddingConfig,
+    ) -> Result<Self> {
+        let what = "VocabParallelEmbedding";
+        if config.padding_idx >= 0 || config.sparse || config.scale_grad_by_freq {
+            return Err(Error::invalid(
+                what,
+                format!("padding_idx, sparse and scale_grad_by_freq are not supported (given {config:?})"),
+            ));
+        }
+        let (start, end) = vocab_range(what, vocab, &pg)?;
+        let part = super::init::Part { dim: 0, start, len: end - start };
+        let ws = super::init::slice(what, config.ws_init, &[vocab, dim], part, (path.kind(), path.device()))?;
+        Self::from_local(path, &ws, vocab, pg)
+    }
+
     /// This rank's rows of `weight` (`[V, d]`), as the variable `weight` under `path`.
     pub fn from_full(path: &nn::Path, weight: &Tensor, pg: Arc<ProcessGroup>) -> Result<Self> {
-        let what = "VocabParallelEmbedding";
-        let (start, end) = vocab_range(what, weight.size()[0], &pg)?;
-        let ws = path.f_var_copy("weight", &weight.f_narrow(0, start, end - start)?.f_contiguous()?)?;
-        let d = ws.size()[1..].to_vec();
-        let offsets: Vec<i64> = std::iter::once(start).chain(d.iter().map(|_| 0)).collect();
-        crate::placement::record_shard(&ws, &pg, 0, &weight.size(), &offsets, &ws.size())?;
+        let (start, end) = vocab_range("VocabParallelEmbedding", weight.size()[0], &pg)?;
+        Self::from_local(path, &weight.f_narrow(0, start, end - start)?.f_contiguous()?, weight.size()[0], pg)
+    }
+
+    fn from_local(path: &nn::Path, rows: &Tensor, vocab: i64, pg: Arc<ProcessGroup>) -> Result<Self> {
+        let (start, end) = vocab_range("VocabParallelEmbedding", vocab, &pg)?;
+        let ws = path.f_var_copy("weight", rows)?;
+        let global: Vec<i64> = std::iter::once(vocab).chain(ws.size()[1..].iter().copied()).collect();
+        let offsets: Vec<i64> = std::iter::once(start).chain(global[1..].iter().map(|_| 0)).collect();
+        crate::placement::record_shard(&ws, &pg, 0, &global, &offsets, &ws.size())?;
         Ok(VocabParallelEmbedding { ws, start, end, pg })
     }
 
