@@ -6,21 +6,20 @@
 //!   tchrun --nproc-per-node 8 -- gpt --corpus FILE --pp 2 --dp 2 --tp 2 [--steps 200] [--losses FILE]
 //!   tchrun --nproc-per-node 1 -- gpt --corpus FILE [--sample 300]    # one process, and a sample after
 //!
-//! Every configuration draws the same initial weights (each rank slices the same full matrices) and the
-//! same global batch per step, so the losses of any mesh equal the one-process run's (tests/gpt.rs).
+//! The model is written once over a `parallelize::Plan`, which gives each layer path its tensor-parallel
+//! form. Every configuration starts from the same initial weights (each rank holds its slice of what tch's
+//! layers draw) and draws the same global batch per step, so the losses of any mesh equal the
+//! one-process run's (tests/gpt.rs).
 use std::collections::BTreeMap;
 use std::io::Write;
-use std::sync::Arc;
 
 use clap::Parser;
 use tch::{nn, nn::Module, Device, Kind, Tensor};
 use tch_dist::mesh::DeviceMesh;
 use tch_dist::optim::{clip_grad_norm, AdamW, Optimizer};
+use tch_dist::parallelize::{Embedding, Linear, Plan, Style};
 use tch_dist::pipeline::schedule::Kind as Sched;
 use tch_dist::pipeline::{LayerList, Partition, PipelineRank};
-use tch_dist::tp::{
-    vocab_parallel_cross_entropy, ColumnParallelLinear, ParallelAttention, ParallelMlp, VocabParallelEmbedding,
-};
 use tch_dist::{ProcessGroup, ReduceOp};
 
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
@@ -69,14 +68,10 @@ struct Args {
     bench: Option<usize>,
 }
 
-fn randn(shape: &[i64], std: f64) -> Tensor {
-    Tensor::randn(shape, (Kind::Float, Device::Cpu)) * std
-}
-
 /// Token and position embeddings.
 #[derive(Debug)]
 struct Embed {
-    tok: VocabParallelEmbedding,
+    tok: Embedding,
     pos: Tensor,
 }
 
@@ -87,91 +82,105 @@ impl Module for Embed {
     }
 }
 
-fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor) -> Tensor {
-    x.layer_norm([w.size()[0]], Some(w), Some(b), 1e-5, true)
+/// Causal self-attention, its heads split by the plan: `q`, `k`, `v` column-wise give this rank its
+/// heads, `proj` row-wise sums the ranks' parts. The head count here is what the projections give.
+#[derive(Debug)]
+struct Attention {
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    proj: Linear,
+    head_dim: i64,
+}
+
+impl Module for Attention {
+    fn forward(&self, x: &Tensor) -> Tensor {
+        let (b, s) = (x.size()[0], x.size()[1]);
+        let heads = |l: &Linear| l.forward(x).view([b, s, -1, self.head_dim]).transpose(1, 2);
+        let (q, k, v) = (heads(&self.q), heads(&self.k), heads(&self.v));
+        let y = Tensor::scaled_dot_product_attention(&q, &k, &v, None::<Tensor>, 0.0, true, None, false);
+        self.proj.forward(&y.transpose(1, 2).contiguous().view([b, s, -1]))
+    }
 }
 
 /// A pre-LayerNorm transformer block: x + attention(LN(x)), then + MLP(LN(x)).
 #[derive(Debug)]
 struct Block {
-    ln1: (Tensor, Tensor),
-    attn: ParallelAttention,
-    ln2: (Tensor, Tensor),
-    mlp: ParallelMlp,
+    ln1: nn::LayerNorm,
+    attn: Attention,
+    ln2: nn::LayerNorm,
+    fc: Linear,
+    proj: Linear,
 }
 
 impl Module for Block {
     fn forward(&self, x: &Tensor) -> Tensor {
-        let x = x + self.attn.forward(&layer_norm(x, &self.ln1.0, &self.ln1.1));
-        &x + self.mlp.forward(&layer_norm(&x, &self.ln2.0, &self.ln2.1))
+        let x = x + self.attn.forward(&self.ln1.forward(x));
+        &x + self.proj.forward(&self.fc.forward(&self.ln2.forward(&x)).gelu("none"))
     }
 }
 
-/// The final LayerNorm and this rank's vocabulary slice of the logits.
+/// The final LayerNorm and the logits (this rank's vocabulary slice under tensor parallelism).
 #[derive(Debug)]
 struct Head {
-    ln: (Tensor, Tensor),
-    out: ColumnParallelLinear,
+    ln: nn::LayerNorm,
+    out: Linear,
 }
 
 impl Module for Head {
     fn forward(&self, x: &Tensor) -> Tensor {
-        self.out.forward(&layer_norm(x, &self.ln.0, &self.ln.1))
+        self.out.forward(&self.ln.forward(x))
     }
 }
 
-fn norm_params(p: &nn::Path, name: &str, d: i64) -> (Tensor, Tensor) {
-    let ones = Tensor::ones([d], (Kind::Float, Device::Cpu));
-    (p.var_copy(&format!("{name}_weight"), &ones), p.var_copy(&format!("{name}_bias"), &ones.zeros_like()))
+/// Where each layer's weights live under tensor parallelism (PyTorch's `parallelize_module` plan).
+fn plan(mesh: &DeviceMesh) -> tch_dist::Result<Plan> {
+    Ok(Plan::tensor_parallel(mesh, "tp")?
+        .style("embed.tok", Style::rowwise())
+        .style("*.attn.q", Style::colwise())
+        .style("*.attn.k", Style::colwise())
+        .style("*.attn.v", Style::colwise())
+        .style("*.attn.proj", Style::rowwise())
+        .style("*.mlp.fc", Style::colwise())
+        .style("*.mlp.proj", Style::rowwise())
+        .style("head.out", Style::colwise()))
 }
 
-/// The model as a list of layers (embedding, blocks, head) that a pipeline partitions. Every rank draws
-/// the same full weights (the list seeds each layer) and keeps its tensor-parallel slices.
-fn model(a: &Args, tp: Arc<ProcessGroup>) -> LayerList {
+/// The model as a list of layers (embedding, blocks, head) that a pipeline partitions, written once:
+/// the plan gives each path its layer. Every layout starts from the one-process model's values (the list
+/// seeds each layer, and a split layer holds its slice of what tch's layer draws).
+fn model(a: &Args, plan: &Plan) -> LayerList {
     let (d, ctx, heads) = (a.d, a.context, a.heads);
-    let t = tp.clone();
+    let ok = |r: tch_dist::Result<Linear>| r.unwrap_or_else(|e| panic!("{e}"));
+    let p0 = plan.clone();
     let mut l = LayerList::new().seed(7).add("embed", move |p| Embed {
-        tok: VocabParallelEmbedding::from_full(&(p / "tok"), &randn(&[VOCAB, d], 0.02), t.clone())
-            .unwrap_or_else(|e| panic!("{e}")),
-        pos: p.var_copy("pos", &randn(&[ctx, d], 0.01)),
+        tok: p0.embedding(&(p / "tok"), VOCAB, d, Default::default()).unwrap_or_else(|e| panic!("{e}")),
+        pos: p.randn("pos", &[ctx, d], 0.0, 0.01),
     });
     for i in 0..a.layers {
-        let t = tp.clone();
+        let pl = plan.clone();
         l = l.add(&format!("block{i}"), move |p| {
-            let attn = ParallelAttention::from_full(
-                &(p / "attn"),
-                &randn(&[3 * d, d], 0.02),
-                &Tensor::zeros([3 * d], (Kind::Float, Device::Cpu)),
-                &randn(&[d, d], 0.02),
-                &Tensor::zeros([d], (Kind::Float, Device::Cpu)),
-                heads,
-                true,
-                t.clone(),
-            )
-            .unwrap_or_else(|e| panic!("{e}"));
-            let mlp = ParallelMlp::from_full(
-                &(p / "mlp"),
-                &randn(&[4 * d, d], 0.02),
-                &Tensor::zeros([4 * d], (Kind::Float, Device::Cpu)),
-                &randn(&[d, 4 * d], 0.02),
-                &Tensor::zeros([d], (Kind::Float, Device::Cpu)),
-                t.clone(),
-            )
-            .unwrap_or_else(|e| panic!("{e}"));
-            Block { ln1: norm_params(p, "ln1", d), attn, ln2: norm_params(p, "ln2", d), mlp }
+            let (at, mlp) = (p / "attn", p / "mlp");
+            let lin = |q: &nn::Path, i, o| ok(pl.linear(q, i, o, Default::default()));
+            Block {
+                ln1: nn::layer_norm(p / "ln1", vec![d], Default::default()),
+                attn: Attention {
+                    q: lin(&(&at / "q"), d, d),
+                    k: lin(&(&at / "k"), d, d),
+                    v: lin(&(&at / "v"), d, d),
+                    proj: lin(&(&at / "proj"), d, d),
+                    head_dim: d / heads,
+                },
+                ln2: nn::layer_norm(p / "ln2", vec![d], Default::default()),
+                fc: lin(&(&mlp / "fc"), d, 4 * d),
+                proj: lin(&(&mlp / "proj"), 4 * d, d),
+            }
         });
     }
-    let t = tp.clone();
+    let pl = plan.clone();
     l.add("head", move |p| Head {
-        ln: norm_params(p, "ln", d),
-        out: ColumnParallelLinear::from_full(
-            &(p / "out"),
-            &randn(&[VOCAB, d], 0.02),
-            None,
-            t.clone(),
-            Default::default(),
-        )
-        .unwrap_or_else(|e| panic!("{e}")),
+        ln: nn::layer_norm(p / "ln", vec![d], Default::default()),
+        out: ok(pl.linear(&(p / "out"), d, VOCAB, nn::LinearConfig { bias: false, ..Default::default() })),
     })
 }
 
@@ -200,7 +209,7 @@ fn main() -> Res<()> {
     }
     let world = ProcessGroup::from_env()?;
     let mesh = DeviceMesh::new(&world, &[("pp", a.pp), ("dp", a.dp), ("tp", a.tp)])?;
-    let (pp, dp, tp) = (mesh.group("pp")?, mesh.group("dp")?, mesh.group("tp")?);
+    let (pp, dp) = (mesh.group("pp")?, mesh.group("dp")?);
     let bytes = std::fs::read(&a.corpus).map_err(|e| format!("--corpus {}: {e}", a.corpus))?;
     let corpus = Tensor::from_slice(&bytes).to_kind(Kind::Int64);
     if a.global_batch % a.dp as i64 != 0 {
@@ -208,7 +217,8 @@ fn main() -> Res<()> {
     }
     let per_dp = a.global_batch / a.dp as i64;
 
-    let layers = model(&a, tp.clone());
+    let plan = plan(&mesh)?;
+    let layers = model(&a, &plan);
     // stages balanced by parameter bytes
     let costs: Vec<f64> = layers.param_bytes()?.into_iter().map(|b| b as f64).collect();
     let part = Partition::balanced(&costs, a.pp)?;
@@ -218,9 +228,9 @@ fn main() -> Res<()> {
     params.sort_by(|x, y| x.0.cmp(&y.0));
     let all: Vec<Tensor> = params.iter().map(|p| p.1.shallow_clone()).collect();
     let mut opt = AdamW::new(params.iter().map(|p| p.1.shallow_clone()).collect(), a.lr);
-    let loss_tp = tp.clone();
+    let loss_plan = plan.clone();
     let loss = move |logits: &Tensor, y: &Tensor| -> Tensor {
-        vocab_parallel_cross_entropy(logits, y, &loss_tp).unwrap_or_else(|e| panic!("{e}")).mean(Kind::Float)
+        loss_plan.cross_entropy(logits, y).unwrap_or_else(|e| panic!("{e}")).mean(Kind::Float)
     };
     let reporter = mesh.coordinate("pp")? == a.pp - 1 && mesh.coordinate("dp")? == 0 && mesh.coordinate("tp")? == 0;
     let mut out = match (&a.losses, reporter) {

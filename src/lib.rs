@@ -10,6 +10,19 @@
 //! pg.allreduce(&mut t, ReduceOp::Sum)?;
 //! # Ok::<(), tch_dist::Error>(())
 //! ```
+// tch's convention: `forward` is infallible (it panics with the error), `f_forward` returns it. As
+// `nn::Module`s the layers go wherever tch expects one: `nn::seq()`, `Checkpointed`, DDP, FSDP units.
+// (Defined before the modules, which use it: macros are in scope after their definition.)
+macro_rules! module {
+    ($t:ty) => {
+        impl tch::nn::Module for $t {
+            fn forward(&self, x: &tch::Tensor) -> tch::Tensor {
+                self.f_forward(x).unwrap_or_else(|e| panic!("{e}"))
+            }
+        }
+    };
+}
+
 mod dtype;
 mod ffi;
 mod random;
@@ -29,6 +42,7 @@ pub mod launch;
 pub mod memory;
 pub mod mesh;
 pub mod optim;
+pub mod parallelize;
 pub mod pipeline;
 pub mod placement;
 pub mod recompute;

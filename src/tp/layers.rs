@@ -1,5 +1,5 @@
 //! Column- and row-parallel linear layers and the MLP made of them. Each rank keeps only its slice of the
-//! weights: `new` draws it as tch's `nn::linear` would draw the whole layer ([`super::init`]), `from_full`
+//! weights: `new` draws it as tch's `nn::linear` would draw the whole layer (`tp/init.rs`), `from_full`
 //! cuts it from given full matrices; either way the sharded layer computes what the full one does.
 use std::sync::Arc;
 

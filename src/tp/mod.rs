@@ -13,19 +13,6 @@
 //! let y = mlp.f_forward(&Tensor::randn([8, 1024], (Kind::Float, Device::Cpu)))?; // or `forward`, as an nn::Module
 //! # Ok::<(), tch_dist::Error>(())
 //! ```
-// tch's convention: `forward` is infallible (it panics with the error), `f_forward` returns it. As
-// `nn::Module`s the layers go wherever tch expects one: `nn::seq()`, `Checkpointed`, DDP, FSDP units.
-// (Defined before the modules that use it.)
-macro_rules! module {
-    ($t:ty) => {
-        impl tch::nn::Module for $t {
-            fn forward(&self, x: &tch::Tensor) -> tch::Tensor {
-                self.f_forward(x).unwrap_or_else(|e| panic!("{e}"))
-            }
-        }
-    };
-}
-
 pub mod attention;
 pub mod groups;
 pub(crate) mod init;

@@ -1,0 +1,45 @@
+//! The layers a plan returns: tch's own, or their tensor-parallel forms, behind one type each so that
+//! the model's code is the same for every layout.
+use tch::{nn, Tensor};
+
+use crate::error::Result;
+use crate::tp::{ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding};
+
+/// A linear layer: tch's, column-parallel or row-parallel.
+#[derive(Debug)]
+pub enum Linear {
+    Local(nn::Linear),
+    Column(ColumnParallelLinear),
+    Row(RowParallelLinear),
+}
+
+impl Linear {
+    /// The layer's output, errors returned.
+    pub fn f_forward(&self, x: &Tensor) -> Result<Tensor> {
+        match self {
+            Linear::Local(l) => Ok(x.f_linear(&l.ws, l.bs.as_ref())?),
+            Linear::Column(l) => l.f_forward(x),
+            Linear::Row(l) => l.f_forward(x),
+        }
+    }
+}
+
+/// An embedding: tch's, or split by vocabulary.
+#[derive(Debug)]
+pub enum Embedding {
+    Local(nn::Embedding),
+    Vocab(VocabParallelEmbedding),
+}
+
+impl Embedding {
+    /// The embeddings of `ids`, errors returned.
+    pub fn f_forward(&self, ids: &Tensor) -> Result<Tensor> {
+        match self {
+            Embedding::Local(e) => Ok(nn::Module::forward(e, ids)),
+            Embedding::Vocab(e) => e.f_forward(ids),
+        }
+    }
+}
+
+module!(Linear);
+module!(Embedding);
