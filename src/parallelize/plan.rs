@@ -66,6 +66,11 @@ fn matches(pattern: &str, path: &str) -> bool {
     p[i..].iter().all(|&c| c == b'*')
 }
 
+/// The VarStore name prefix of `path` (`"block3.mlp.fc"`).
+fn dotted(path: &nn::Path) -> String {
+    path.components().collect::<Vec<_>>().join(".")
+}
+
 impl Plan {
     /// No parallelism in the layers: every path gets tch's own layer.
     pub fn new() -> Plan {
@@ -102,7 +107,7 @@ impl Plan {
     /// The style for `path` and the group it splits over, when the layer is split.
     fn style_of(&self, path: &nn::Path) -> Option<(Style, Arc<ProcessGroup>)> {
         let pg = self.tp_group()?;
-        let name = path.components().collect::<Vec<_>>().join(".");
+        let name = dotted(path);
         self.styles.iter().find(|(p, _)| matches(p, &name)).map(|(_, s)| (*s, pg.clone()))
     }
 
@@ -135,10 +140,9 @@ impl Plan {
             None => Embedding::Local(nn::embedding(path, num, dim, config)),
             Some((Style::Rowwise(_), pg)) => Embedding::Vocab(VocabParallelEmbedding::new(path, num, dim, pg, config)?),
             Some((Style::Colwise(_), _)) => {
-                let name = path.components().collect::<Vec<_>>().join(".");
                 return Err(Error::invalid(
                     "Plan::embedding",
-                    format!("{name}: an embedding splits row-wise (its vocabulary), not column-wise"),
+                    format!("{}: an embedding splits row-wise (its vocabulary), not column-wise", dotted(path)),
                 ));
             }
         })
