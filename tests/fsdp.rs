@@ -2,7 +2,8 @@
 //! (the full batch's gradient taken as the mean of the ranks' batches), on 2 and 3 ranks, with units of
 //! 25, 35, 5 and 1 parameters (no world size here divides any; with 3 ranks some shards are empty), in
 //! float32 and with bfloat16 compute; with resharding off, without prefetching, with gradient
-//! accumulation, an unused parameter, offload and auto-wrap; each rank holds its shards only.
+//! accumulation, an unused parameter, offload and auto-wrap, and as HSDP (2 and 3 ranks a shard group, 2
+//! replicas); each rank holds its shards only.
 mod common;
 
 use std::sync::Arc;
@@ -10,6 +11,7 @@ use std::time::Duration;
 
 use tch::{nn, nn::Module, Device, Kind, Tensor};
 use tch_dist::fsdp::{FsdpBuilder, FsdpMemory, FsdpOptions, FullyShardedDataParallel};
+use tch_dist::mesh::DeviceMesh;
 use tch_dist::optim::{AdamW, Optimizer, Sgd};
 use tch_dist::recompute::Checkpointed;
 
@@ -57,7 +59,10 @@ fn init(vs: &nn::VarStore, shift: f64) {
 
 #[derive(Clone, Copy, Debug, Default)]
 struct Setup {
+    /// ranks sharing the shards (the shard group)
     world: usize,
+    /// HSDP: replicas of the shards (0 or 1: plain FSDP)
+    replicas: usize,
     bf16: bool,
     /// reduce-scatter in float32 (with bf16 compute)
     reduce_f32: bool,
@@ -166,8 +171,9 @@ fn reference(s: Setup) -> Vec<(String, Tensor)> {
         if s.bf16 {
             tch::no_grad(|| copies.iter().zip(&master).for_each(|(c, m)| c.shallow_clone().copy_(m)));
         }
+        let ranks = s.world * s.replicas.max(1);
         for micro in 0..s.accumulate.max(1) {
-            for r in 0..s.world {
+            for r in 0..ranks {
                 let params = if s.bf16 { &copies } else { &master };
                 params.iter().for_each(|p| tch_dist::hooks::set_grad(p, None).unwrap());
                 let (x, y) = batch(step, r, micro);
@@ -178,7 +184,7 @@ fn reference(s: Setup) -> Vec<(String, Tensor)> {
                         let g = p.grad();
                         if g.defined() {
                             *t = true;
-                            let _ = acc.shallow_clone().g_add_(&(g.to_kind(Kind::Float) / s.world as f64));
+                            let _ = acc.shallow_clone().g_add_(&(g.to_kind(Kind::Float) / ranks as f64));
                         }
                     }
                 });
@@ -201,10 +207,15 @@ struct Out {
 }
 
 fn train(s: Setup) -> Vec<Out> {
-    common::run_threads(s.world, Duration::from_secs(60), move |pg| {
+    common::run_threads(s.world * s.replicas.max(1), Duration::from_secs(60), move |pg| {
         let rank = pg.rank();
         let vs = nn::VarStore::new(Device::Cpu);
-        let mut opts = FsdpOptions::default().process_group(Arc::new(pg));
+        let mut opts = if s.replicas > 1 {
+            let mesh = DeviceMesh::new(&pg, &[("replicate", s.replicas), ("shard", s.world)]).unwrap();
+            FsdpOptions::default().mesh(&mesh, &["replicate", "shard"]).unwrap()
+        } else {
+            FsdpOptions::default().process_group(Arc::new(pg))
+        };
         if s.bf16 {
             opts = opts.param_dtype(Kind::BFloat16);
         }
@@ -306,6 +317,20 @@ fn fp32_equals_single_process_on_2_and_3_ranks() {
 fn one_rank_equals_single_process() {
     check(Setup { world: 1, ..Default::default() }, TOL);
     check(Setup { world: 1, keep_after_forward: true, ..Default::default() }, TOL);
+}
+
+/// HSDP: shards within 2 (and 3) ranks, replicated across 2: each replica reduce-scatters its ranks'
+/// gradients, then the replicas sum their chunks; every rank equals the single process over all 4 (6)
+/// ranks' batches, and holds the shards of its shard group only.
+#[test]
+fn hsdp_shards_within_and_replicates_across() {
+    for world in [2, 3] {
+        let outs = check(Setup { world, replicas: 2, ..Default::default() }, TOL);
+        assert_eq!(outs[0].mem.owned_elements, outs[world].mem.owned_elements, "replicas hold the same shards");
+        assert_eq!(outs.iter().map(|o| o.mem.owned_elements).sum::<i64>(), 2 * 67);
+    }
+    check(Setup { world: 2, replicas: 2, small: true, accumulate: 2, ..Default::default() }, TOL);
+    check(Setup { world: 2, replicas: 2, keep_after_forward: true, ..Default::default() }, TOL);
 }
 
 #[test]

@@ -17,18 +17,23 @@
 //! 1's, ...) travels, and is copied into place after. The copies cost little where every parameter is
 //! small; the messages saved are round trips.
 //!
+//! HSDP (a replicate group beside the shard group): a unit is sharded within the shard group and the
+//! same shards are held by every replica; a reduce-scattered chunk is then summed across the replicas
+//! before it becomes the shard's gradient (FSDP2's HSDP: reduce-scatter, then all-reduce).
+//!
 //! On CUDA a gather or a reduction may run on a side stream (FSDP2's): the caller passes it, and this
 //! file orders the side stream after the compute stream's work it depends on and records on it the
 //! compute stream's memory it uses ([`stream::record_stream`]). Offloaded shards and their gradients
 //! live in pinned host memory, copied to and from the GPU without blocking; the runtime makes the host
 //! wait for the copies once, at the end of backward, before a host optimizer reads them.
 use std::collections::VecDeque;
+use std::sync::Arc;
 
 use tch::{Device, Kind, Tensor};
 
 use crate::error::{Error, Result};
 use crate::group::flat::{self, Reduction};
-use crate::group::ProcessGroup;
+use crate::group::{ProcessGroup, ReduceOp};
 use crate::stream::{self, Stream, StreamGuard};
 use crate::work::Work;
 use crate::{hooks, storage};
@@ -107,20 +112,29 @@ pub(crate) struct FlatParam {
     pub coalesced: bool,
     /// The rank-major copy of `full` that travels when `coalesced`; storage freed between uses.
     stage: Tensor,
+    /// HSDP: the replicas of these shards, across which reduced chunks are summed.
+    replicate: Option<Arc<ProcessGroup>>,
+}
+
+/// How a unit is laid out: see [`FlatParam::new`].
+pub(crate) struct Settings {
+    /// The dtype the unit computes in (`None`: the parameters').
+    pub compute: Option<Kind>,
+    /// Where the shards live (`None`: with the parameters).
+    pub shard_device: Option<Device>,
+    /// Start from rank 0's values (of the shard group, then of the replicate group).
+    pub sync: bool,
+    /// Gathered and reduced in one message.
+    pub coalesced: bool,
+    pub replicate: Option<Arc<ProcessGroup>>,
 }
 
 impl FlatParam {
-    /// Shards `params` (one dtype and device; named): rank 0's values when `sync`. Returns with the
-    /// parameters gathered (views of `full`), so that hooks registered now see their real shapes.
-    pub fn new(
-        pg: &ProcessGroup,
-        unit: &str,
-        named: Vec<(String, Tensor)>,
-        compute: Option<Kind>,
-        shard_device: Option<Device>,
-        sync: bool,
-        coalesced: bool,
-    ) -> Result<FlatParam> {
+    /// Shards `params` (one dtype and device; named) over `pg`: rank 0's values when `sync`. Returns
+    /// with the parameters gathered (views of `full`), so that hooks registered now see their real
+    /// shapes.
+    pub fn new(pg: &ProcessGroup, unit: &str, named: Vec<(String, Tensor)>, set: Settings) -> Result<FlatParam> {
+        let Settings { compute, shard_device, sync, coalesced, replicate } = set;
         let _g = tch::no_grad_guard();
         let first = named.first().ok_or_else(|| Error::invalid("FSDP", format!("unit {unit} has no parameters")))?;
         let (kind, device, trainable) = (first.1.kind(), first.1.device(), first.1.requires_grad());
@@ -159,10 +173,11 @@ impl FlatParam {
         for ((_, p), &(numel, _, offset)) in named.iter().zip(&layout) {
             full.f_narrow(0, offset, numel)?.f_copy_(&p.f_reshape([-1])?)?;
         }
-        if sync && world > 1 {
+        if sync {
             let _l = crate::flight::label(format!("FSDP: rank 0's parameters of unit {unit}"));
-            let mut f = full.shallow_clone();
-            pg.broadcast(&mut f, 0)?;
+            for g in std::iter::once(pg).chain(replicate.as_deref()).filter(|g| g.size() > 1) {
+                g.broadcast(&mut full.shallow_clone(), 0)?;
+            }
         }
         let offloaded = shard_device.is_some();
         let shard_device = shard_device.unwrap_or(device);
@@ -191,8 +206,20 @@ impl FlatParam {
         let coalesced = coalesced && world > 1;
         let stage = Tensor::f_empty([if coalesced { total } else { 0 }], (compute, device))?;
         storage::free(&stage)?;
-        let f =
-            FlatParam { slots, full, placeholder, rank, world, trainable, offloaded, pinned, home, coalesced, stage };
+        let f = FlatParam {
+            slots,
+            full,
+            placeholder,
+            rank,
+            world,
+            trainable,
+            offloaded,
+            pinned,
+            home,
+            coalesced,
+            stage,
+            replicate,
+        };
         f.use_full()?;
         Ok(f)
     }
@@ -211,6 +238,7 @@ impl FlatParam {
             home: self.home,
             coalesced: self.coalesced,
             stage: self.stage.shallow_clone(),
+            replicate: self.replicate.clone(),
         }
     }
 
@@ -532,6 +560,7 @@ impl FlatParam {
         let _on = plan.side.as_ref().map(StreamGuard::new).transpose()?;
         // `finish` consumes the ring and with it the gradient: gone before anything new is made
         ring.finish(pg)?;
+        self.across_replicas(out)?;
         // a buffer of its own when `out` lies in `full`, which is freed next
         self.set_shard_grad(s, &out.f_narrow(0, 0, s.own)?, plan.in_full, &plan.scale)
     }
@@ -563,11 +592,22 @@ impl FlatParam {
         }
         let out = Tensor::f_empty([per], (reduce, self.full.device()))?;
         flat::reduce_scatter(pg, buf, out.shallow_clone(), None, reduce_label(index))?.finish(pg)?;
+        self.across_replicas(&out)?;
         for (s, &a) in self.slots.iter().zip(&at) {
             // views of one buffer would keep all of it while any lives
             self.set_shard_grad(s, &out.f_narrow(0, a, s.own)?, true, scale)?;
         }
         Ok(())
+    }
+
+    /// HSDP: this rank's reduced chunk summed across the replicas (each summed its own ranks' gradients),
+    /// in place, in the stream the reduce-scatter ran on. Every replica holds the same layout, so the
+    /// chunks pair up; the padding travels too, which keeps one message per chunk.
+    fn across_replicas(&self, out: &Tensor) -> Result<()> {
+        match self.replicate.as_deref().filter(|g| g.size() > 1) {
+            Some(g) => g.allreduce_unverified(&mut out.shallow_clone(), ReduceOp::Sum)?.wait(),
+            None => Ok(()),
+        }
     }
 
     /// Makes `mine`, this rank's part of slot `s`'s summed gradient, the shard's gradient (added to one

@@ -61,6 +61,7 @@ pub use unit::FsdpUnit;
 use crate::error::{Error, Result};
 use crate::group::ProcessGroup;
 use crate::hooks::{self, GradHook};
+use crate::mesh::DeviceMesh;
 use flat_param::FlatParam;
 use runtime::{Config, Role, Runtime};
 
@@ -91,8 +92,12 @@ pub struct FsdpOptions {
     /// parameters gathered through the iteration (a few per layer). 0 turns it off. DeepSpeed's
     /// `stage3_param_persistence_threshold` (there they are not sharded at all).
     pub gather_once_below: usize,
-    /// The group; `None` uses the default one ([`crate::init_process_group`]).
+    /// The group the parameters are sharded over; `None` uses the default one
+    /// ([`crate::init_process_group`]).
     pub process_group: Option<Arc<ProcessGroup>>,
+    /// HSDP (hybrid sharding): the group of replicas, each holding the same shards, whose gradients are
+    /// summed after the reduce-scatter. `None`: plain FSDP. Set both with [`FsdpOptions::mesh`].
+    pub replicate_group: Option<Arc<ProcessGroup>>,
 }
 
 impl Default for FsdpOptions {
@@ -106,6 +111,7 @@ impl Default for FsdpOptions {
             sync_module_states: true,
             gather_once_below: 1 << 14,
             process_group: None,
+            replicate_group: None,
         }
     }
 }
@@ -142,6 +148,41 @@ impl FsdpOptions {
     pub fn process_group(mut self, pg: Arc<ProcessGroup>) -> Self {
         self.process_group = Some(pg);
         self
+    }
+    pub fn replicate_group(mut self, pg: Arc<ProcessGroup>) -> Self {
+        self.replicate_group = Some(pg);
+        self
+    }
+
+    /// The groups from mesh dimensions, as PyTorch's `fully_shard(mesh=...)`: one dimension shards over
+    /// it (FSDP); two, `[replicate, shard]`, shard within the second and replicate across the first
+    /// (HSDP).
+    ///
+    /// ```no_run
+    /// # use tch_dist::{fsdp::FsdpOptions, mesh::DeviceMesh, ProcessGroup};
+    /// let world = ProcessGroup::from_env()?;
+    /// let mesh = DeviceMesh::new(&world, &[("replicate", 2), ("shard", 4)])?;
+    /// let opts = FsdpOptions::default().mesh(&mesh, &["replicate", "shard"])?;
+    /// # Ok::<(), tch_dist::Error>(())
+    /// ```
+    pub fn mesh(mut self, mesh: &DeviceMesh, dims: &[&str]) -> Result<Self> {
+        match dims {
+            [shard] => {
+                self.process_group = Some(mesh.group(shard)?);
+                self.replicate_group = None;
+            }
+            [replicate, shard] if replicate != shard => {
+                self.process_group = Some(mesh.group(shard)?);
+                self.replicate_group = Some(mesh.group(replicate)?);
+            }
+            _ => {
+                return Err(Error::invalid(
+                    "FsdpOptions::mesh",
+                    format!("{dims:?}: name one mesh dimension to shard over, or two, [replicate, shard]"),
+                ))
+            }
+        }
+        Ok(self)
     }
 }
 
@@ -180,13 +221,21 @@ impl FsdpBuilder {
                 return Err(Error::invalid("FsdpOptions", format!("{what} {k:?} is not a floating-point dtype")));
             }
         }
+        if let Some(r) = &opts.replicate_group {
+            if Arc::ptr_eq(r, &pg) {
+                return Err(Error::invalid(
+                    "FsdpOptions::replicate_group",
+                    "is the shard group itself: HSDP replicates across a group apart from the one it shards over",
+                ));
+            }
+        }
         let cfg = Config {
             reshard_after_forward: opts.reshard_after_forward,
             prefetch: opts.prefetch,
             reduce_dtype: opts.reduce_dtype,
         };
         Ok(FsdpBuilder {
-            rt: Arc::new(Runtime::new(pg, cfg)),
+            rt: Arc::new(Runtime::new(pg, opts.replicate_group.clone(), cfg)),
             vars: vs.variables_.clone(),
             opts,
             claimed: Mutex::new(HashSet::new()),
@@ -238,15 +287,14 @@ impl FsdpBuilder {
                 crate::group::meta::by_rank(rows, |r| format!("{} parameters, {} elements", r[0], r[1]), "; ");
             format!("ranks built different units here ({listing}){}", crate::group::meta::odd_ones_out(rows))
         })?;
-        let flat = FlatParam::new(
-            pg,
-            name,
-            named,
-            self.opts.param_dtype,
-            self.opts.offload,
-            self.opts.sync_module_states,
-            role == Role::Small,
-        )?;
+        let settings = flat_param::Settings {
+            compute: self.opts.param_dtype,
+            shard_device: self.opts.offload,
+            sync: self.opts.sync_module_states,
+            coalesced: role == Role::Small,
+            replicate: self.rt.replicate.clone(),
+        };
+        let flat = FlatParam::new(pg, name, named, settings)?;
         let params: Vec<Tensor> = flat.slots.iter().map(|s| s.param.shallow_clone()).collect();
         let id = self.rt.add_unit(name.to_string(), flat, role)?;
         // registered while the parameters have their shapes and compute dtype (their accumulators keep them)

@@ -115,6 +115,8 @@ struct InFlight {
 
 pub(crate) struct Runtime {
     pub pg: Arc<ProcessGroup>,
+    /// HSDP: the replicas of the shards (see FsdpOptions::replicate_group).
+    pub replicate: Option<Arc<ProcessGroup>>,
     pub cfg: Config,
     st: Mutex<State>,
     /// Made with the first unit on CUDA; none off CUDA.
@@ -149,7 +151,7 @@ fn wait_all(works: Vec<Work>) -> Result<()> {
 }
 
 impl Runtime {
-    pub fn new(pg: Arc<ProcessGroup>, cfg: Config) -> Runtime {
+    pub fn new(pg: Arc<ProcessGroup>, replicate: Option<Arc<ProcessGroup>>, cfg: Config) -> Runtime {
         let st = State {
             units: Vec::new(),
             order: Vec::new(),
@@ -164,7 +166,7 @@ impl Runtime {
             forwards: 0,
             backwards: 0,
         };
-        Runtime { pg, cfg, st: Mutex::new(st), streams: OnceLock::new() }
+        Runtime { pg, replicate, cfg, st: Mutex::new(st), streams: OnceLock::new() }
     }
 
     /// The side streams for units computing on `device`: none off CUDA, or on another device than the
@@ -548,7 +550,8 @@ impl Runtime {
             }
             let _l = crate::flight::label(format!("FSDP reduce-scatter of unit {u}"));
             let reduce = self.cfg.reduce_dtype.unwrap_or(flat.compute_kind());
-            let divisor = self.pg.size() as f64;
+            // the mean over every rank that computed a gradient: the shard group's, times the replicas'
+            let divisor = (self.pg.size() * self.replicate.as_ref().map_or(1, |r| r.size())) as f64;
             let side = self.streams_for(flat.device()).map(|s| &s.reduce);
             if side.is_some() {
                 // one reduction on the reduce stream at a time: the compute stream waits for the last
@@ -712,6 +715,11 @@ impl Runtime {
         let rank = self.pg.rank() as i64;
         for (param, shape, shard, chunk) in slots {
             crate::placement::record_flat_shard(&param, &shape, &shard, &self.pg, rank * chunk)?;
+            if let Some(r) = &self.replicate {
+                for t in [&param, &shard] {
+                    crate::placement::record_along(t, r, crate::placement::Placement::Replicate)?;
+                }
+            }
         }
         Ok(())
     }
