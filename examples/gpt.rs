@@ -1,9 +1,11 @@
-//! A small GPT trained with 3-D parallelism: pipeline stages over the mesh's "pp" dimension, tensor-
-//! parallel attention, MLPs, vocabulary-parallel embedding and cross-entropy over "tp", data parallelism
-//! over "dp"; or all in one process. Byte-level, on a real English text that ships with every CPython:
+//! A small GPT trained with any mix of parallelisms: pipeline stages over the mesh's "pp" dimension;
+//! tensor-parallel attention, MLPs, vocabulary-parallel embedding and cross-entropy over "tp"; each stage
+//! data-parallel with DDP over "dp", FSDP over "fsdp", or HSDP (shard over "fsdp", replicate over "dp");
+//! or all in one process. Byte-level, on a real English text that ships with every CPython:
 //! `pydoc_data/topics.py` (Python's documentation topics, ~750 kB), found by scripts/gpt.sh.
 //!
 //!   tchrun --nproc-per-node 8 -- gpt --corpus FILE --pp 2 --dp 2 --tp 2 [--steps 200] [--losses FILE]
+//!   tchrun --nproc-per-node 4 -- gpt --corpus FILE --hsdp 2x2        # the same as --dp 2 --fsdp 2
 //!   tchrun --nproc-per-node 1 -- gpt --corpus FILE [--sample 300]    # one process, and a sample after
 //!
 //! The model is written once over a `parallelize::Plan`, which gives each layer path its tensor-parallel
@@ -15,11 +17,12 @@ use std::io::Write;
 
 use clap::Parser;
 use tch::{nn, nn::Module, Device, Kind, Tensor};
+use tch_dist::ddp::DdpOptions;
+use tch_dist::fsdp::FsdpOptions;
 use tch_dist::mesh::DeviceMesh;
 use tch_dist::optim::{clip_grad_norm, AdamW, Optimizer};
 use tch_dist::parallelize::{Embedding, Linear, Plan, Style};
-use tch_dist::pipeline::schedule::Kind as Sched;
-use tch_dist::pipeline::{LayerList, Partition, PipelineRank};
+use tch_dist::pipeline::{DataParallel, LayerList, Partition, PipelineConfig, PipelineRank};
 use tch_dist::{ProcessGroup, ReduceOp};
 
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
@@ -33,10 +36,19 @@ struct Args {
     /// The training text (bytes).
     #[arg(long)]
     corpus: String,
+    /// Pipeline stages.
     #[arg(long, default_value_t = 1)]
     pp: usize,
+    /// Data-parallel replicas: DDP, or with --fsdp the replicas of HSDP.
     #[arg(long, default_value_t = 1)]
     dp: usize,
+    /// Ranks each stage's parameters are sharded over (FSDP).
+    #[arg(long, default_value_t = 1)]
+    fsdp: usize,
+    /// HSDP as REPLICASxSHARDS: --dp REPLICAS --fsdp SHARDS.
+    #[arg(long)]
+    hsdp: Option<String>,
+    /// Tensor-parallel ranks.
     #[arg(long, default_value_t = 1)]
     tp: usize,
     #[arg(long, default_value_t = 4)]
@@ -201,43 +213,69 @@ fn batch(corpus: &Tensor, step: usize, rows: i64, first: i64, n: i64, context: i
     (w.narrow(1, 0, context), w.narrow(1, 1, context))
 }
 
+/// `--hsdp RxS` as (R, S).
+fn hsdp(spec: &str) -> Res<(usize, usize)> {
+    let bad = || format!("--hsdp {spec}: expected REPLICASxSHARDS, e.g. 2x2");
+    let (r, s) = spec.split_once('x').ok_or_else(bad)?;
+    Ok((r.parse().map_err(|_| bad())?, s.parse().map_err(|_| bad())?))
+}
+
+/// Each stage's data parallelism over the mesh: DDP over "dp", FSDP over "fsdp", HSDP over both.
+fn data_parallel(mesh: &DeviceMesh, dp: usize, fsdp: usize) -> tch_dist::Result<DataParallel> {
+    Ok(match (dp, fsdp) {
+        (1, 1) => DataParallel::None,
+        (_, 1) => DataParallel::Ddp(DdpOptions::default().process_group(mesh.group("dp")?)),
+        (1, _) => DataParallel::Fsdp(FsdpOptions::default().mesh(mesh, &["fsdp"])?),
+        _ => DataParallel::Fsdp(FsdpOptions::default().mesh(mesh, &["dp", "fsdp"])?),
+    })
+}
+
 fn main() -> Res<()> {
-    let a = Args::parse();
+    let mut a = Args::parse();
+    if let Some(spec) = &a.hsdp {
+        (a.dp, a.fsdp) = hsdp(spec)?;
+    }
     tch::set_num_threads(1);
     if a.bench.is_some() {
         tch_dist::memory::install_cpu_counter()?;
     }
     let world = ProcessGroup::from_env()?;
-    let mesh = DeviceMesh::new(&world, &[("pp", a.pp), ("dp", a.dp), ("tp", a.tp)])?;
-    let (pp, dp) = (mesh.group("pp")?, mesh.group("dp")?);
+    let mesh = DeviceMesh::new(&world, &[("pp", a.pp), ("dp", a.dp), ("fsdp", a.fsdp), ("tp", a.tp)])?;
+    let (dp, fsdp) = (mesh.group("dp")?, mesh.group("fsdp")?);
     let bytes = std::fs::read(&a.corpus).map_err(|e| format!("--corpus {}: {e}", a.corpus))?;
     let corpus = Tensor::from_slice(&bytes).to_kind(Kind::Int64);
-    if a.global_batch % a.dp as i64 != 0 {
-        return Err(format!("--global-batch {} is not divisible by --dp {}", a.global_batch, a.dp).into());
+    // every data-parallel rank (replica or shard) draws its own rows of the global batch
+    let replicas = a.dp * a.fsdp;
+    if a.global_batch % replicas as i64 != 0 {
+        return Err(format!("--global-batch {} is not divisible by --dp x --fsdp = {replicas}", a.global_batch).into());
     }
-    let per_dp = a.global_batch / a.dp as i64;
+    let per_dp = a.global_batch / replicas as i64;
 
     let plan = plan(&mesh)?;
     let layers = model(&a, &plan);
     // stages balanced by parameter bytes
     let costs: Vec<f64> = layers.param_bytes()?.into_iter().map(|b| b as f64).collect();
     let part = Partition::balanced(&costs, a.pp)?;
-    let mut stage = PipelineRank::new(pp.clone(), &layers, &part, Device::Cpu, Sched::OneFOneB, a.microbatches, 1)?;
-    // by name: every rank of a group reduces the same tensors in the same order
-    let mut params: Vec<(String, Tensor)> = stage.var_stores().iter().flat_map(|vs| vs.variables()).collect();
-    params.sort_by(|x, y| x.0.cmp(&y.0));
-    let all: Vec<Tensor> = params.iter().map(|p| p.1.shallow_clone()).collect();
-    let mut opt = AdamW::new(params.iter().map(|p| p.1.shallow_clone()).collect(), a.lr);
+    let cfg = PipelineConfig {
+        microbatches: a.microbatches,
+        data_parallel: data_parallel(&mesh, a.dp, a.fsdp)?,
+        ..Default::default()
+    };
+    let mut stage = PipelineRank::build(mesh.group("pp")?, &layers, &part, cfg)?;
+    // what the optimizer steps (FSDP's shards); each one's placement says how clipping sums it
+    let params = stage.parameters();
+    let mut opt = AdamW::new(params.iter().map(|p| p.shallow_clone()).collect(), a.lr);
     let loss_plan = plan.clone();
     let loss = move |logits: &Tensor, y: &Tensor| -> Tensor {
         loss_plan.cross_entropy(logits, y).unwrap_or_else(|e| panic!("{e}")).mean(Kind::Float)
     };
-    let reporter = mesh.coordinate("pp")? == a.pp - 1 && mesh.coordinate("dp")? == 0 && mesh.coordinate("tp")? == 0;
+    let at = |d: &str| mesh.coordinate(d);
+    let reporter = at("pp")? == a.pp - 1 && at("dp")? == 0 && at("fsdp")? == 0 && at("tp")? == 0;
     let mut out = match (&a.losses, reporter) {
         (Some(f), true) => Some(std::fs::File::create(f).map_err(|e| format!("--losses {f}: {e}"))?),
         _ => None,
     };
-    let first = mesh.coordinate("dp")? as i64 * per_dp;
+    let first = (at("dp")? * a.fsdp + at("fsdp")?) as i64 * per_dp;
     let mut started = std::time::Instant::now();
     for step in 0..a.steps {
         if a.bench == Some(step) {
@@ -245,22 +283,17 @@ fn main() -> Res<()> {
             started = std::time::Instant::now();
         }
         let (x, y) = batch(&corpus, step, a.global_batch, first, per_dp, a.context);
+        // each stage's DDP or FSDP averages its gradients during its last backward
         let report = stage.step(&x, &y, &loss)?;
-        for (_, p) in &params {
-            let mut g = p.grad();
-            if g.defined() {
-                dp.allreduce(&mut g, ReduceOp::Sum)?;
-                let _ = g.f_div_scalar_(a.dp as f64)?;
-            }
-        }
-        // each parameter's placement says how to sum it: TP slices over tp, every stage's over pp
-        let _norm = clip_grad_norm(&all, 1.0, 2.0)?;
+        let _norm = clip_grad_norm(&params, 1.0, 2.0)?;
         opt.step()?;
         stage.zero_grad()?;
         if let Some(l) = report.loss {
+            // the mean over the data-parallel ranks of the last stage
             let mut l = Tensor::from_slice(&[l]);
             dp.allreduce(&mut l, ReduceOp::Sum)?;
-            let l = l.double_value(&[0]) / a.dp as f64;
+            fsdp.allreduce(&mut l, ReduceOp::Sum)?;
+            let l = l.double_value(&[0]) / replicas as f64;
             if reporter && (step % 20 == 0 || step + 1 == a.steps) {
                 println!("step {step}: loss {l:.4} ({:.1} s)", started.elapsed().as_secs_f64());
             }
@@ -273,7 +306,7 @@ fn main() -> Res<()> {
         world.barrier()?;
         let secs = started.elapsed().as_secs_f64();
         let tokens = (a.global_batch * a.context) as f64 * a.steps.saturating_sub(warmup) as f64;
-        let param_bytes: i64 = params.iter().map(|(_, p)| (p.numel() * p.kind().elt_size_in_bytes()) as i64).sum();
+        let param_bytes: i64 = params.iter().map(|p| (p.numel() * p.kind().elt_size_in_bytes()) as i64).sum();
         let peak = tch_dist::memory::peak(Device::Cpu)?;
         println!("bench rank {} params {param_bytes} peak {peak}", world.rank());
         if world.rank() == 0 {
@@ -286,7 +319,7 @@ fn main() -> Res<()> {
         }
         // the trained parameters into the whole model, then one byte at a time
         let full = layers.build_stage(0..layers.len(), Device::Cpu)?;
-        let trained: BTreeMap<String, Tensor> = params.into_iter().collect();
+        let trained: BTreeMap<String, Tensor> = stage.var_stores().iter().flat_map(|vs| vs.variables()).collect();
         tch::no_grad(|| -> Res<()> {
             for (n, mut t) in full.vs.variables() {
                 t.f_copy_(trained.get(&n).ok_or_else(|| format!("no trained {n}"))?)?;

@@ -1,7 +1,8 @@
 //! examples/gpt.rs, small: 20 steps of a 2-layer GPT (d 32, 2 heads, context 16) on Python's
-//! documentation text, in one process and on several meshes under tchrun (tp 2, dp 2, pp 2 × dp 2,
-//! pp 2 × dp 2 × tp 2), one model source over a `parallelize::Plan`: the losses agree within 1e-4 at
-//! every step, and fall.
+//! documentation text, in one process and on several meshes under tchrun (tp 2; DDP 2, FSDP 2, HSDP
+//! 2 × 2; pp 2 × DDP 2, pp 2 × FSDP 2, pp 2 × DDP 2 × tp 2), one model source over a
+//! `parallelize::Plan`, each stage's data parallelism run by the pipeline: the losses agree within 1e-4
+//! at every step, and fall.
 mod common;
 
 use std::process::Command;
@@ -40,10 +41,13 @@ fn every_mesh_trains_like_one_process() {
     let one = run(1, &[], &dir.join("one.txt"));
     assert_eq!(one.len(), 20);
     assert!(one[19] < one[0] - 1.0, "the loss must fall: {} -> {}", one[0], one[19]);
-    let meshes: [(usize, &[&str]); 4] = [
+    let meshes: [(usize, &[&str]); 7] = [
         (2, &["--tp", "2"]),
         (2, &["--dp", "2"]),
+        (2, &["--fsdp", "2"]),
+        (4, &["--hsdp", "2x2"]),
         (4, &["--pp", "2", "--dp", "2"]),
+        (4, &["--pp", "2", "--fsdp", "2"]),
         (8, &["--pp", "2", "--dp", "2", "--tp", "2"]),
     ];
     for (procs, mesh) in meshes {

@@ -322,6 +322,12 @@ impl<M> DistributedDataParallel<M> {
         r
     }
 
+    /// Whether the next backwards reduce gradients (default true); false accumulates them locally, as
+    /// inside [`no_sync`](Self::no_sync) (PyTorch's `require_backward_grad_sync`).
+    pub fn set_requires_gradient_sync(&self, on: bool) {
+        self.reducer.set_sync(on);
+    }
+
     pub fn module(&self) -> &M {
         &self.module
     }

@@ -536,6 +536,12 @@ impl<M> FullyShardedDataParallel<M> {
         r
     }
 
+    /// Whether the next backwards reduce-scatter gradients (default true); false accumulates them
+    /// unsharded, as inside [`no_sync`](Self::no_sync) (FSDP2's `set_requires_gradient_sync`).
+    pub fn set_requires_gradient_sync(&self, on: bool) {
+        self.rt.set_sync(on);
+    }
+
     /// Frees every gathered unit now (after a forward without backward, e.g. in evaluation, the root keeps
     /// its parameters until the next forward).
     pub fn reshard(&self) -> Result<()> {

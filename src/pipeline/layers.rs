@@ -19,8 +19,10 @@ use std::time::Instant;
 
 use tch::{nn, Device, Kind, Tensor};
 
+use super::data_parallel::{ChunkSync, DataParallel};
 use super::partition::Partition;
 use crate::error::{Error, Result};
+use crate::fsdp::FsdpBuilder;
 
 type Builder = Arc<dyn Fn(&nn::Path) -> Box<dyn nn::Module> + Send + Sync>;
 
@@ -40,6 +42,18 @@ pub struct Stage {
     pub range: Range<usize>,
     names: Vec<String>,
     layers: Vec<Box<dyn nn::Module>>,
+    /// DDP or FSDP across the ranks holding the same stage, if any.
+    sync: Option<ChunkSync>,
+}
+
+/// A built layer as a module of its own type (for FSDP to wrap).
+#[derive(Debug)]
+struct Layer(Box<dyn nn::Module>);
+
+impl nn::Module for Layer {
+    fn forward(&self, xs: &Tensor) -> Tensor {
+        self.0.forward(xs)
+    }
 }
 
 impl std::fmt::Debug for Stage {
@@ -50,11 +64,34 @@ impl std::fmt::Debug for Stage {
 
 impl nn::Module for Stage {
     fn forward(&self, xs: &Tensor) -> Tensor {
-        self.layers.iter().fold(xs.shallow_clone(), |x, l| l.forward(&x))
+        self.f_forward(xs).unwrap_or_else(|e| panic!("{e}"))
     }
 }
 
 impl Stage {
+    /// The layers in order, inside the stage's DDP or FSDP forward if it has one; errors returned (tch's
+    /// `f_` convention).
+    pub fn f_forward(&self, xs: &Tensor) -> Result<Tensor> {
+        let run = |x: &Tensor| self.layers.iter().fold(x.shallow_clone(), |x, l| l.forward(&x));
+        match &self.sync {
+            Some(s) => s.forward(xs, run),
+            None => Ok(run(xs)),
+        }
+    }
+
+    /// What the optimizer steps: the trainable variables, which are this rank's shards under FSDP.
+    pub fn parameters(&self) -> Vec<Tensor> {
+        self.vs.trainable_variables()
+    }
+
+    /// Whether the next backwards reduce gradients across the stage's data-parallel group (no-op
+    /// without one).
+    pub(crate) fn set_requires_gradient_sync(&self, on: bool) {
+        if let Some(s) = &self.sync {
+            s.set_requires_gradient_sync(on);
+        }
+    }
+
     pub fn names(&self) -> Vec<&str> {
         self.names.iter().map(|s| s.as_str()).collect()
     }
@@ -105,18 +142,41 @@ impl LayerList {
 
     /// Builds layers `range` on `device`.
     pub fn build_stage(&self, range: Range<usize>, device: Device) -> Result<Stage> {
+        self.build_stage_with(range, device, &DataParallel::None)
+    }
+
+    /// [`build_stage`](Self::build_stage), data-parallel as `dp` says. Under FSDP each layer with
+    /// parameters is sharded as soon as it is built (a unit), so the whole stage never exists at once.
+    pub(crate) fn build_stage_with(&self, range: Range<usize>, device: Device, dp: &DataParallel) -> Result<Stage> {
         if range.end > self.len() || range.is_empty() {
             return Err(Error::invalid("build_stage", format!("layers {range:?} of a list of {}", self.len())));
         }
         let vs = nn::VarStore::new(device);
+        let fsdp = match dp {
+            DataParallel::Fsdp(o) => Some(FsdpBuilder::new(&vs, o.clone())?),
+            _ => None,
+        };
         let mut layers = Vec::with_capacity(range.len());
         for i in range.clone() {
             tch::manual_seed(self.seed + i as i64);
             let (name, build) = &self.layers[i];
-            layers.push(build(&(vs.root() / name.as_str())));
+            let path = vs.root() / name.as_str();
+            let before = vs.trainable_variables().len();
+            let layer = build(&path);
+            layers.push(match &fsdp {
+                Some(f) if vs.trainable_variables().len() > before => {
+                    Box::new(f.fully_shard(&path, Layer(layer))?) as Box<dyn nn::Module>
+                }
+                _ => layer,
+            });
         }
+        let sync = match (dp, fsdp) {
+            (DataParallel::Ddp(o), _) => Some(ChunkSync::ddp(&vs, o)?),
+            (_, Some(f)) => Some(ChunkSync::Fsdp(f.finish(())?)),
+            _ => None,
+        };
         let names = self.layers[range.clone()].iter().map(|(n, _)| n.clone()).collect();
-        Ok(Stage { vs, device, range, names, layers })
+        Ok(Stage { vs, device, range, names, layers, sync })
     }
 
     /// One stage per partition part, stage `s` on `devices[s]`.

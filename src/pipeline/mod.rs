@@ -22,6 +22,7 @@
 //! println!("loss {:.4}, bubble {:.2}", report.loss, report.bubble_fraction);
 //! # Ok::<(), tch_dist::Error>(())
 //! ```
+pub mod data_parallel;
 pub mod layers;
 pub(crate) mod microbatch;
 pub mod partition;
@@ -37,6 +38,7 @@ use std::time::{Duration, Instant};
 
 use tch::{nn, Device, Tensor};
 
+pub use data_parallel::DataParallel;
 pub use layers::{LayerList, Stage};
 pub use partition::Partition;
 pub use runtime::{LossFn, RankReport};
@@ -175,8 +177,57 @@ fn summarise(schedule: &Schedule, reports: Vec<runtime::RankReport>, seconds: f6
     StepReport { loss, spans, bubble_fraction, max_in_flight, seconds }
 }
 
+/// How a [`PipelineRank`] runs (tch's Config-struct idiom: start from `Default`).
+#[derive(Clone, Debug)]
+pub struct PipelineConfig {
+    /// Where this rank's chunks live and compute.
+    pub device: Device,
+    pub schedule: schedule::Kind,
+    /// Microbatches per step (the batch is split into this many).
+    pub microbatches: usize,
+    /// Chunks (virtual stages) per rank: more than one for interleaved schedules.
+    pub chunks: usize,
+    /// Keep only each chunk's input per microbatch and recompute its forward in backward.
+    pub recompute: bool,
+    /// DDP or FSDP of each chunk across the ranks that hold the same stage.
+    pub data_parallel: DataParallel,
+}
+
+impl Default for PipelineConfig {
+    fn default() -> Self {
+        PipelineConfig {
+            device: Device::Cpu,
+            schedule: schedule::Kind::OneFOneB,
+            microbatches: 1,
+            chunks: 1,
+            recompute: false,
+            data_parallel: DataParallel::None,
+        }
+    }
+}
+
 /// One stage of a pipeline whose stages are processes: this process is `pg.rank()` and holds that
 /// stage's chunks. Activations and gradients travel by the group's send/recv.
+///
+/// ```no_run
+/// use tch::nn;
+/// use tch_dist::ddp::DdpOptions;
+/// use tch_dist::mesh::DeviceMesh;
+/// use tch_dist::pipeline::{DataParallel, LayerList, Partition, PipelineConfig, PipelineRank};
+/// let world = tch_dist::ProcessGroup::from_env()?;
+/// let mesh = DeviceMesh::new(&world, &[("pp", 2), ("dp", 2)])?;
+/// let layers = LayerList::new()
+///     .add("fc1", |p| nn::linear(p, 8, 16, Default::default()))
+///     .add_fn("tanh", |x| x.tanh())
+///     .add("fc2", |p| nn::linear(p, 16, 4, Default::default()));
+/// let cfg = PipelineConfig {
+///     microbatches: 4,
+///     data_parallel: DataParallel::Ddp(DdpOptions::default().process_group(mesh.group("dp")?)),
+///     ..Default::default()
+/// };
+/// let stage = PipelineRank::build(mesh.group("pp")?, &layers, &Partition::sizes(&[2, 1], 3)?, cfg)?;
+/// # Ok::<(), tch_dist::Error>(())
+/// ```
 pub struct PipelineRank {
     chunks: Vec<Stage>,
     schedule: Schedule,
@@ -187,7 +238,32 @@ pub struct PipelineRank {
 }
 
 impl PipelineRank {
-    /// Builds this rank's chunks only (virtual stages `c * p + rank`). `partition` has `p * v` parts.
+    /// Builds this rank's chunks only (virtual stages `c * p + rank`, `cfg.chunks` of them), each
+    /// data-parallel as `cfg.data_parallel` says. `partition` has `p * v` parts.
+    pub fn build(
+        pg: Arc<ProcessGroup>,
+        layers: &LayerList,
+        partition: &Partition,
+        cfg: PipelineConfig,
+    ) -> Result<PipelineRank> {
+        let p = pg.size();
+        let schedule = plan("PipelineRank::build", partition, cfg.schedule, p, cfg.microbatches, cfg.chunks)?;
+        let ranges = partition.ranges();
+        let chunks = (0..cfg.chunks)
+            .map(|c| layers.build_stage_with(ranges[c * p + pg.rank()].clone(), cfg.device, &cfg.data_parallel))
+            .collect::<Result<Vec<_>>>()?;
+        // the other ranks hold the other stages' variables: a norm over the model sums over the group
+        // (the modules' variables and what the optimizer steps, which are FSDP's shards)
+        for s in &chunks {
+            for t in s.vs.variables().into_values().chain(s.parameters()) {
+                crate::placement::record_along(&t, &pg, crate::placement::Placement::Stage)?;
+            }
+        }
+        let net = transport::GroupTransport::new(pg.clone(), cfg.device);
+        Ok(PipelineRank { chunks, schedule, pg, recompute: cfg.recompute, net })
+    }
+
+    /// [`build`](Self::build) without data parallelism.
     pub fn new(
         pg: Arc<ProcessGroup>,
         layers: &LayerList,
@@ -197,20 +273,8 @@ impl PipelineRank {
         microbatches: usize,
         chunks: usize,
     ) -> Result<PipelineRank> {
-        let p = pg.size();
-        let schedule = plan("PipelineRank::new", partition, kind, p, microbatches, chunks)?;
-        let ranges = partition.ranges();
-        let chunks = (0..chunks)
-            .map(|c| layers.build_stage(ranges[c * p + pg.rank()].clone(), device))
-            .collect::<Result<Vec<_>>>()?;
-        // the other ranks hold the other stages' variables: a norm over the model sums over the group
-        for s in &chunks {
-            for (_, t) in s.vs.variables() {
-                crate::placement::record_along(&t, &pg, crate::placement::Placement::Stage)?;
-            }
-        }
-        let net = transport::GroupTransport::new(pg.clone(), device);
-        Ok(PipelineRank { chunks, schedule, pg, recompute: false, net })
+        let cfg = PipelineConfig { device, schedule: kind, microbatches, chunks, ..Default::default() };
+        Self::build(pg, layers, partition, cfg)
     }
 
     pub fn recompute(mut self, on: bool) -> Self {
@@ -220,6 +284,16 @@ impl PipelineRank {
 
     pub fn var_stores(&self) -> Vec<&nn::VarStore> {
         self.chunks.iter().map(|s| &s.vs).collect()
+    }
+
+    /// This rank's chunks.
+    pub fn chunks(&self) -> &[Stage] {
+        &self.chunks
+    }
+
+    /// What the optimizer steps, chunk by chunk: the trainable variables (this rank's shards under FSDP).
+    pub fn parameters(&self) -> Vec<Tensor> {
+        self.chunks.iter().flat_map(|s| s.parameters()).collect()
     }
 
     /// Drops this rank's gradients, as [`Pipeline::zero_grad`].

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use tch::{nn::Module, Tensor};
+use tch::Tensor;
 
 use super::layers::Stage;
 use super::plan::{self, Step};
@@ -65,6 +65,14 @@ pub fn run_rank(step: &RankStep, net: &mut dyn Transport) -> Result<RankReport> 
     let next_rank = (rank + 1) % p;
     let scale = 1.0 / sch.microbatches as f64;
     let steps = plan::plan(sch)?.swap_remove(rank);
+    // per chunk, the microbatch of its last backward
+    let last_backward: HashMap<usize, usize> = steps
+        .iter()
+        .filter_map(|s| match s {
+            Step::Compute(Action::Backward { mb, chunk }) => Some((*chunk, *mb)),
+            _ => None,
+        })
+        .collect();
     let mut saved: HashMap<(usize, usize), Saved> = HashMap::new();
     // what the last compute made, for the batch that follows it
     let mut outbox: Vec<Outgoing> = Vec::new();
@@ -108,7 +116,7 @@ pub fn run_rank(step: &RankStep, net: &mut dyn Transport) -> Result<RankReport> 
                     // With recomputation the forward keeps no graph: only `input` is kept, and backward
                     // runs the forward again.
                     let _no_graph = step.recompute.then(tch::no_grad_guard);
-                    let output = stage.forward(&input);
+                    let output = stage.f_forward(&input)?;
                     let loss = if vs == last_vs { Some(last_loss(step, &output, mb, scale)?) } else { None };
                     if let Some(l) = &loss {
                         let l = l.f_detach()?;
@@ -138,8 +146,11 @@ pub fn run_rank(step: &RankStep, net: &mut dyn Transport) -> Result<RankReport> 
                     // recomputation: the forward again, this time recording the graph
                     let output = match s.output {
                         Some(o) => o,
-                        None => stage.forward(&s.input),
+                        None => stage.f_forward(&s.input)?,
                     };
+                    // a data-parallel chunk reduces its gradients during its last backward of the step only
+                    let sync = last_backward.get(&chunk) == Some(&mb);
+                    stage.set_requires_gradient_sync(sync);
                     if vs == last_vs {
                         let loss = match s.loss {
                             Some(l) => l,
@@ -150,6 +161,7 @@ pub fn run_rank(step: &RankStep, net: &mut dyn Transport) -> Result<RankReport> 
                         let g = net.recv(next_rank, (Payload::Grad, mb, vs))?;
                         crate::hooks::backward_with_grad(&output, &g.f_to_device(output.device())?)?;
                     }
+                    stage.set_requires_gradient_sync(true);
                     if vs > 0 {
                         let gin = s.input.grad();
                         if !gin.defined() {
