@@ -32,6 +32,7 @@ pub mod amp;
 pub mod checkpoint;
 pub mod data;
 pub mod ddp;
+pub mod dist_module;
 pub mod error;
 pub mod flight;
 pub mod fsdp;
@@ -54,6 +55,7 @@ pub mod sync_debug;
 pub mod tp;
 pub mod work;
 
+pub use dist_module::{DistModule, WithTrain};
 pub use error::{Error, Result};
 pub use group::{Backend, BackendConfig, CheckPolicy, Collectives, GroupOptions, P2pOp, ProcessGroup, ReduceOp};
 pub use init::{default_group, destroy_process_group, init_process_group, InitOptions};

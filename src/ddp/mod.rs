@@ -132,6 +132,8 @@ pub struct DistributedDataParallel<M> {
     /// Every parameter (frozen ones too) and, with `broadcast_buffers`, the buffers: what construction
     /// copies from rank 0, and what `join` copies from the last rank to finish.
     module_states: Vec<Tensor>,
+    /// Every variable by name, sorted: the state dict.
+    named: Vec<(String, Tensor)>,
 }
 
 /// Trainable variables in creation order with their names, and the other variables (buffers) by name.
@@ -167,7 +169,11 @@ impl<M> DistributedDataParallel<M> {
     /// copies rank 0's parameters and buffers to every rank, allocates the buckets and installs the hooks.
     pub fn new(vs: &nn::VarStore, module: M, opts: DdpOptions) -> Result<Self> {
         let (params, names, buffers) = split_vars(vs);
-        Self::from_parameters(names.into_iter().zip(params).collect(), buffers, module, opts)
+        let mut ddp = Self::from_parameters(names.into_iter().zip(params).collect(), buffers, module, opts)?;
+        let mut named: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+        named.sort_by(|a, b| a.0.cmp(&b.0));
+        ddp.named = named;
+        Ok(ddp)
     }
 
     /// As [`new`](Self::new), with the parameters given explicitly, in the order DDP indexes them. The
@@ -206,6 +212,11 @@ impl<M> DistributedDataParallel<M> {
         // As PyTorch: every parameter starts from rank 0's value, but only those that require grad (not
         // frozen) are checked, bucketed and reduced.
         let mut states: Vec<Tensor> = named.iter().map(|(_, p)| p.shallow_clone()).collect();
+        let all: Vec<(String, Tensor)> = named
+            .iter()
+            .map(|(n, p)| (n.clone(), p.shallow_clone()))
+            .chain(buffers.iter().enumerate().map(|(i, b)| (format!("buffer{i}"), b.shallow_clone())))
+            .collect();
         let (names, params): (Vec<String>, Vec<Tensor>) = named.into_iter().filter(|(_, p)| p.requires_grad()).unzip();
         if params.is_empty() {
             return Err(Error::invalid(
@@ -238,6 +249,7 @@ impl<M> DistributedDataParallel<M> {
             buffers,
             broadcast_buffers: opts.broadcast_buffers,
             module_states: states,
+            named: all,
         })
     }
 
@@ -303,14 +315,19 @@ impl<M> DistributedDataParallel<M> {
         Ok(())
     }
 
-    /// Zeroes gradients in place, keeping them in the buckets (tch's `Optimizer::zero_grad` works too: it
-    /// sets them to none, and the next backward puts them back into the buckets).
+    /// Drops the gradients (PyTorch's `zero_grad(set_to_none=True)`, as tch's `Optimizer::zero_grad`);
+    /// the next backward puts them back into the buckets.
     pub fn zero_grad(&self) -> Result<()> {
-        hooks::zero_grads(&self.parameters())?;
-        if let Ok(mut st) = self.reducer.state.lock() {
-            st.grads_zeroed = true;
+        for p in self.parameters() {
+            hooks::set_grad(&p, None)?;
         }
         Ok(())
+    }
+
+    /// Every variable (parameters and buffers) by its VarStore name, sorted; the same on every rank.
+    /// (Through [`from_parameters`](Self::from_parameters), buffers are named `buffer0`, `buffer1`, ...)
+    pub fn state_dict(&self) -> Vec<(String, Tensor)> {
+        self.named.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect()
     }
 
     /// Runs `f` without gradient synchronisation: gradients accumulate locally, and the next backward

@@ -68,9 +68,6 @@ pub(crate) struct State {
     pub events: Vec<ReducerEvent>,
     /// This backward's first error, of its kind (a lost peer stays a peer failure).
     error: Option<Error>,
-    /// Every gradient is zero since the last `zero_grad` (no backward ran since): a bucket rebuild then
-    /// need not preserve gradient values, so the old buckets can go before the new ones come.
-    pub grads_zeroed: bool,
     /// Synchronised forwards and backwards so far, compared across ranks after each backward.
     forwards: i64,
     backwards: i64,
@@ -136,7 +133,6 @@ impl Reducer {
             iterations: 0,
             events: Vec::new(),
             error: None,
-            grads_zeroed: false,
             forwards: 0,
             backwards: 0,
             frozen: false,
@@ -177,7 +173,6 @@ impl Reducer {
         // hook run after it is released.
         let (loop_counts, launches) = {
             let mut st = lock(&self.state);
-            st.grads_zeroed = false;
             if !st.sync || st.error.is_some() {
                 return;
             }
@@ -483,13 +478,10 @@ impl Reducer {
             let mut st = lock(&self.state);
             // Old and new buckets side by side would cost a third copy of the parameters at the peak.
             // The old ones can go first when nothing in them is needed: without bucket views they are
-            // scratch space; with views they hold the gradients, which after zero_grad are all zero
-            // (zeroed by our zero_grad, or found all zero: an optimizer's own zero_grad zeroes in
-            // place), or none (tch's optimizers set them to none).
-            let lean = !self.cfg.bucket_view
-                || st.grads_zeroed
-                || st.params.iter().all(|p| !p.grad().defined())
-                || all_zero(&st.buckets)?;
+            // scratch space; with views they hold the gradients, which after zero_grad are none (ours
+            // and tch's optimizers set them to none) or found all zero (an optimizer that zeroes in
+            // place).
+            let lean = !self.cfg.bucket_view || st.params.iter().all(|p| !p.grad().defined()) || all_zero(&st.buckets)?;
             if lean {
                 if self.cfg.bucket_view {
                     for p in &st.params {

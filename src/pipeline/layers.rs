@@ -14,6 +14,7 @@
 //! # Ok::<(), tch_dist::Error>(())
 //! ```
 use std::ops::Range;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -44,6 +45,8 @@ pub struct Stage {
     layers: Vec<Box<dyn nn::Module>>,
     /// DDP or FSDP across the ranks holding the same stage, if any.
     sync: Option<ChunkSync>,
+    /// The user's setting ([`Stage::set_requires_gradient_sync`]): off, no backward of a step reduces.
+    requires_sync: AtomicBool,
 }
 
 /// A built layer as a module of its own type (for FSDP to wrap).
@@ -84,12 +87,49 @@ impl Stage {
         self.vs.trainable_variables()
     }
 
-    /// Whether the next backwards reduce gradients across the stage's data-parallel group (no-op
-    /// without one).
-    pub(crate) fn set_requires_gradient_sync(&self, on: bool) {
+    /// Whether the steps reduce gradients across the stage's data-parallel group, in the last backward
+    /// of each (default true; false accumulates them over steps). Nothing to reduce without one.
+    pub fn set_requires_gradient_sync(&self, on: bool) {
+        self.requires_sync.store(on, Ordering::Relaxed);
         if let Some(s) = &self.sync {
             s.set_requires_gradient_sync(on);
         }
+    }
+
+    /// Before one of the step's backwards: it reduces if it is the `last` and the user allows it.
+    pub(crate) fn before_backward(&self, last: bool) {
+        if let Some(s) = &self.sync {
+            s.set_requires_gradient_sync(last && self.requires_sync.load(Ordering::Relaxed));
+        }
+    }
+
+    /// After one of the step's backwards: back to the user's setting.
+    pub(crate) fn after_backward(&self) {
+        if let Some(s) = &self.sync {
+            s.set_requires_gradient_sync(self.requires_sync.load(Ordering::Relaxed));
+        }
+    }
+
+    /// The stage's values by VarStore name, sorted; gathered from the shards under FSDP (collective
+    /// then).
+    pub fn state_dict(&self) -> Result<Vec<(String, Tensor)>> {
+        if let Some(ChunkSync::Fsdp(m)) = &self.sync {
+            return m.state_dict();
+        }
+        let mut all: Vec<(String, Tensor)> = self.vs.variables().into_iter().collect();
+        all.sort_by(|a, b| a.0.cmp(&b.0));
+        Ok(all)
+    }
+
+    /// Drops the gradients (set to none), the shards' and the parameters' own under FSDP.
+    pub fn zero_grad(&self) -> Result<()> {
+        if let Some(ChunkSync::Fsdp(m)) = &self.sync {
+            return m.zero_grad();
+        }
+        for v in self.vs.trainable_variables() {
+            crate::hooks::set_grad(&v, None)?;
+        }
+        Ok(())
     }
 
     pub fn names(&self) -> Vec<&str> {
@@ -176,7 +216,7 @@ impl LayerList {
             _ => None,
         };
         let names = self.layers[range.clone()].iter().map(|(n, _)| n.clone()).collect();
-        Ok(Stage { vs, device, range, names, layers, sync })
+        Ok(Stage { vs, device, range, names, layers, sync, requires_sync: AtomicBool::new(true) })
     }
 
     /// One stage per partition part, stage `s` on `devices[s]`.

@@ -119,7 +119,7 @@ impl Pipeline {
     /// Drops every stage's gradients (PyTorch's `zero_grad()`, `set_to_none=True`): their memory is free
     /// until the next backward, so the next step's forwards do not run beside last step's gradients.
     pub fn zero_grad(&self) -> Result<()> {
-        zero_grads(&self.var_stores())
+        zero_grads(&self.ranks.iter().flatten().collect::<Vec<_>>())
     }
 
     /// One training step on the batch (`x`, `y`), one thread per stage. Gradients accumulate in the
@@ -160,13 +160,8 @@ fn plan(what: &str, partition: &Partition, kind: schedule::Kind, p: usize, m: us
     Ok(schedule)
 }
 
-fn zero_grads(stores: &[&nn::VarStore]) -> Result<()> {
-    for vs in stores {
-        for v in vs.trainable_variables() {
-            crate::hooks::set_grad(&v, None)?;
-        }
-    }
-    Ok(())
+fn zero_grads(stages: &[&Stage]) -> Result<()> {
+    stages.iter().try_for_each(|s| s.zero_grad())
 }
 
 fn summarise(schedule: &Schedule, reports: Vec<runtime::RankReport>, seconds: f64) -> StepReport {
@@ -298,7 +293,7 @@ impl PipelineRank {
 
     /// Drops this rank's gradients, as [`Pipeline::zero_grad`].
     pub fn zero_grad(&self) -> Result<()> {
-        zero_grads(&self.var_stores())
+        zero_grads(&self.chunks.iter().collect::<Vec<_>>())
     }
 
     /// One training step. Every rank passes the same full batch (only the first stage reads `x`, only the
