@@ -38,7 +38,7 @@ impl ModuleT for Halving {
 fn linear(p: nn::Path, i: i64, o: i64) -> nn::Linear {
     let l = nn::linear(p, i, o, Default::default());
     tch::no_grad(|| {
-        let n = (i * o) as i64;
+        let n = i * o;
         let w = (Tensor::arange(n, (Kind::Float, Device::Cpu)) * 0.29 + o as f64).sin() * 0.5;
         l.ws.shallow_clone().copy_(&w.view([o, i]));
         if let Some(b) = &l.bs {
@@ -99,14 +99,16 @@ fn max_diff(a: &[(String, Tensor)], b: &[(String, Tensor)]) -> f64 {
 }
 
 type Trained = (Vec<(String, Tensor)>, Vec<f64>);
+/// A tensor as plain data: the rank closures must return `Send` values.
+type Plain = (String, Vec<f32>, Vec<i64>);
 
-fn plain(t: Trained) -> (Vec<(String, Vec<f32>, Vec<i64>)>, Vec<f64>) {
+fn plain(t: Trained) -> (Vec<Plain>, Vec<f64>) {
     let named =
         t.0.iter().map(|(n, x)| (n.clone(), Vec::<f32>::try_from(x.flatten(0, -1)).unwrap(), x.size())).collect();
     (named, t.1)
 }
 
-fn tensors(p: &[(String, Vec<f32>, Vec<i64>)]) -> Vec<(String, Tensor)> {
+fn tensors(p: &[Plain]) -> Vec<(String, Tensor)> {
     p.iter().map(|(n, v, s)| (n.clone(), Tensor::from_slice(v).view(s.as_slice()))).collect()
 }
 
