@@ -76,3 +76,28 @@ fn an_embedding_split_column_wise_is_refused_with_its_path() {
     });
     assert!(errs[0].contains("emb") && errs[0].contains("row-wise"), "{}", errs[0]);
 }
+
+/// The plan's FSDP builds one model: a second `finish` is refused, and so is a model whose variables
+/// live in another VarStore than the one the plan shards; a block no variable lives under is named.
+#[test]
+fn the_plans_fsdp_refuses_a_second_model_and_another_var_store() {
+    use tch_dist::fsdp::FsdpOptions;
+    let store = tch_dist::Store::hash().unwrap();
+    let pg = Arc::new(tch_dist::ProcessGroup::new(&store, 0, 1, &Default::default()).unwrap());
+    let opts = || FsdpOptions::default().process_group(pg.clone());
+    let vs = nn::VarStore::new(Device::Cpu);
+    let plan = Plan::new().fully_shard(&vs, opts()).unwrap();
+    let block = plan.unit(&(vs.root() / "b"), nn::linear(vs.root() / "b", 4, 4, Default::default())).unwrap();
+    let err = plan.unit(&(vs.root() / "none"), nn::func(|x| x.shallow_clone())).unwrap_err().to_string();
+    assert!(err.contains("no parameters under none"), "{err}");
+    let model = plan.finish(&vs, block).unwrap();
+    assert!(matches!(model, tch_dist::parallelize::Parallel::Fsdp(_)));
+    let err = plan.finish(&vs, ()).unwrap_err().to_string();
+    assert!(err.contains("finished already"), "{err}");
+
+    let other = nn::VarStore::new(Device::Cpu);
+    let plan = Plan::new().fully_shard(&vs, opts()).unwrap();
+    let _ = nn::linear(other.root() / "l", 4, 4, Default::default());
+    let err = plan.finish(&other, ()).unwrap_err().to_string();
+    assert!(err.contains("not the one given to Plan::fully_shard"), "{err}");
+}

@@ -338,6 +338,11 @@ impl FsdpBuilder {
         Ok(FsdpUnit::new(module, self.rt.clone(), id, hooks))
     }
 
+    /// Whether this builder shards the variables of `vs`.
+    pub(crate) fn shards(&self, vs: &nn::VarStore) -> bool {
+        Arc::ptr_eq(&self.vars, &vs.variables_)
+    }
+
     /// Groups consecutive layers into units of at least `min_numel` parameters (PyTorch's size-based
     /// auto-wrap policy), for models built as a sequence.
     pub fn auto_wrap(&self, min_numel: i64) -> AutoWrap<'_> {

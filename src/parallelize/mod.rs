@@ -21,7 +21,9 @@
 //! # Ok::<(), tch_dist::Error>(())
 //! ```
 mod layers;
+mod parallel;
 mod plan;
 
 pub use layers::{Embedding, Linear};
+pub use parallel::{Parallel, Unit};
 pub use plan::{Plan, Style};

@@ -1,10 +1,13 @@
-//! The plan: a tensor-parallel group and a style per path pattern.
-use std::sync::Arc;
+//! The plan: a tensor-parallel group and a style per path pattern, and the model's data parallelism.
+use std::sync::{Arc, Mutex};
 
 use tch::nn;
 
 use super::layers::{Embedding, Linear};
+use super::parallel::{Parallel, Unit};
+use crate::ddp::{DdpOptions, DistributedDataParallel};
 use crate::error::{Error, Result};
+use crate::fsdp::{FsdpBuilder, FsdpOptions};
 use crate::group::ProcessGroup;
 use crate::mesh::DeviceMesh;
 use crate::tp::VocabParallelEmbedding;
@@ -34,11 +37,34 @@ impl Style {
     }
 }
 
-/// Which layer each path gets (see the module docs). Cheap to clone; no communication.
-#[derive(Clone, Debug, Default)]
+/// Which layer each path gets, and how the whole model is data-parallel (see the module docs). Cheap to
+/// clone (the clones share the FSDP units being built); no communication but where FSDP shards.
+#[derive(Clone, Default)]
 pub struct Plan {
     tp: Option<Arc<ProcessGroup>>,
     styles: Vec<(String, Style)>,
+    dp: DataParallelism,
+}
+
+#[derive(Clone, Default)]
+enum DataParallelism {
+    #[default]
+    None,
+    Replicate(DdpOptions),
+    /// The builder of the model's units, taken by `finish`. The lock is held only to take a handle:
+    /// never across the builder's collectives.
+    Shard(Arc<Mutex<Option<Arc<FsdpBuilder>>>>),
+}
+
+impl std::fmt::Debug for Plan {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let dp = match &self.dp {
+            DataParallelism::None => "none",
+            DataParallelism::Replicate(_) => "DDP",
+            DataParallelism::Shard(_) => "FSDP",
+        };
+        f.debug_struct("Plan").field("tp", &self.tp).field("styles", &self.styles).field("data_parallel", &dp).finish()
+    }
 }
 
 /// `pattern` against a dotted path: `*` matches any run of characters (dots included), as fnmatch on
@@ -84,7 +110,67 @@ impl Plan {
 
     /// Tensor parallelism over `pg`.
     pub fn over_group(pg: Arc<ProcessGroup>) -> Plan {
-        Plan { tp: Some(pg), styles: Vec::new() }
+        Plan { tp: Some(pg), styles: Vec::new(), dp: DataParallelism::None }
+    }
+
+    /// Data parallelism by DDP (PyTorch's `replicate`): [`finish`](Self::finish) wraps the model in
+    /// [`DistributedDataParallel`] over the options' group.
+    pub fn replicate(mut self, opts: DdpOptions) -> Plan {
+        self.dp = DataParallelism::Replicate(opts);
+        self
+    }
+
+    /// Data parallelism by FSDP, or HSDP with a replicate group (PyTorch's `fully_shard`, e.g. with
+    /// [`FsdpOptions::mesh`]), over the variables of `vs`, which the model is then built in: each block
+    /// the model passes to [`unit`](Self::unit) is sharded as soon as it is built, and
+    /// [`finish`](Self::finish) makes the rest the root. The VarStore's trainable variables become this
+    /// rank's shards, so tch's optimizers built over it after `finish` step them.
+    pub fn fully_shard(mut self, vs: &nn::VarStore, opts: FsdpOptions) -> Result<Plan> {
+        self.dp = DataParallelism::Shard(Arc::new(Mutex::new(Some(Arc::new(FsdpBuilder::new(vs, opts)?)))));
+        Ok(self)
+    }
+
+    /// A block of the model (a transformer block, as torchtitan shards each): an FSDP unit of the
+    /// variables under `path` when the plan shards, else `module` as it is. Call it right after
+    /// building the block, so that the whole model never exists on one rank.
+    pub fn unit<M>(&self, path: &nn::Path, module: M) -> Result<Unit<M>> {
+        match &self.dp {
+            DataParallelism::Shard(b) => {
+                let builder =
+                    b.lock().unwrap_or_else(|e| e.into_inner()).clone().ok_or_else(|| finished("Plan::unit"))?;
+                Ok(Unit::Sharded(builder.fully_shard(path, module)?))
+            }
+            _ => Ok(Unit::Local(module)),
+        }
+    }
+
+    /// The model, built in `vs` through this plan, as it trains: under DDP, FSDP or HSDP, as the plan
+    /// says, or as it is. Once per plan under FSDP.
+    pub fn finish<M>(&self, vs: &nn::VarStore, model: M) -> Result<Parallel<M>> {
+        match &self.dp {
+            DataParallelism::None => {
+                let mut named: Vec<(String, tch::Tensor)> = vs.variables().into_iter().collect();
+                named.sort_by(|a, b| a.0.cmp(&b.0));
+                Ok(Parallel::Local { module: model, trainable: vs.trainable_variables(), named })
+            }
+            DataParallelism::Replicate(opts) => {
+                Ok(Parallel::Ddp(DistributedDataParallel::new(vs, model, opts.clone())?))
+            }
+            DataParallelism::Shard(b) => {
+                let builder =
+                    b.lock().unwrap_or_else(|e| e.into_inner()).take().ok_or_else(|| finished("Plan::finish"))?;
+                let builder = Arc::try_unwrap(builder).map_err(|_| {
+                    Error::invalid("Plan::finish", "another thread is building a unit of this plan's model")
+                })?;
+                if !builder.shards(vs) {
+                    return Err(Error::invalid(
+                        "Plan::finish",
+                        "the VarStore is not the one given to Plan::fully_shard: the model's variables must live there",
+                    ));
+                }
+                Ok(Parallel::Fsdp(builder.finish(model)?))
+            }
+        }
     }
 
     /// The layers whose path (VarStore names, dotted: `"block3.mlp.fc"`) matches `pattern` take `style`;
@@ -167,6 +253,10 @@ impl Plan {
             }
         }
     }
+}
+
+fn finished(what: &str) -> Error {
+    Error::invalid(what, "the plan's FSDP model is finished already: build a new plan for another model")
 }
 
 #[cfg(test)]

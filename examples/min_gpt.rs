@@ -1,0 +1,248 @@
+//! tch-rs's own `examples/min-gpt` (a Rust port of karpathy's minGPT; tch-rs is MIT/Apache-2.0), made
+//! distributed through a `parallelize::Plan`: its model code is tch's, except that the constructors
+//! take the plan (`plan.linear` for the linear layers, `plan.unit` for each block) and that attention
+//! views its heads as `-1` (this rank's heads under tensor parallelism). Each layout is a launch and a
+//! plan, not a model change (docs/min-gpt.md):
+//!
+//!   tchrun --nproc-per-node 1 -- min_gpt --corpus FILE              # one process
+//!   tchrun --nproc-per-node 2 -- min_gpt --corpus FILE --dp 2       # DDP
+//!   tchrun --nproc-per-node 2 -- min_gpt --corpus FILE --fsdp 2     # FSDP, a unit per block
+//!   tchrun --nproc-per-node 4 -- min_gpt --corpus FILE --hsdp 2x2   # HSDP
+//!   tchrun --nproc-per-node 2 -- min_gpt --corpus FILE --tp 2       # Megatron-style TP
+//!
+//! Training is min-gpt's: tch's own `nn::AdamW` over the VarStore with its two weight-decay groups,
+//! `backward_step_clip(&loss, 0.5)`, character-level `TextData` batches (each data-parallel rank takes
+//! its rows of the same global batch).
+use std::io::Write;
+
+use clap::Parser;
+use tch::data::TextData;
+use tch::nn::{ModuleT, OptimizerConfig};
+use tch::{nn, Device, IndexOp, Kind, Tensor};
+use tch_dist::ddp::DdpOptions;
+use tch_dist::fsdp::FsdpOptions;
+use tch_dist::mesh::DeviceMesh;
+use tch_dist::parallelize::{Linear, Plan, Style};
+use tch_dist::{ProcessGroup, ReduceOp};
+
+type Result<T> = std::result::Result<T, Box<dyn std::error::Error>>;
+
+#[derive(Parser, Debug)]
+#[command(about = "tch-rs's min-gpt under DDP, FSDP, HSDP or tensor parallelism")]
+struct Args {
+    /// The training text (characters).
+    #[arg(long)]
+    corpus: String,
+    /// DDP replicas (with --fsdp: HSDP's replicas).
+    #[arg(long, default_value_t = 1)]
+    dp: usize,
+    /// Ranks the parameters are sharded over (FSDP).
+    #[arg(long, default_value_t = 1)]
+    fsdp: usize,
+    /// HSDP as REPLICASxSHARDS: --dp REPLICAS --fsdp SHARDS.
+    #[arg(long)]
+    hsdp: Option<String>,
+    /// Tensor-parallel ranks.
+    #[arg(long, default_value_t = 1)]
+    tp: usize,
+    #[arg(long, default_value_t = 8)]
+    layers: i64,
+    #[arg(long, default_value_t = 512)]
+    n_embd: i64,
+    #[arg(long, default_value_t = 8)]
+    n_head: i64,
+    #[arg(long, default_value_t = 128)]
+    block_size: i64,
+    /// Sequences per step, over all data-parallel ranks.
+    #[arg(long, default_value_t = 64)]
+    batch_size: i64,
+    /// Dropout of attention, residuals and embeddings (min-gpt's 0.1).
+    #[arg(long, default_value_t = 0.1)]
+    pdrop: f64,
+    #[arg(long, default_value_t = 0.0003)]
+    lr: f64,
+    #[arg(long, default_value_t = 200)]
+    steps: usize,
+    /// Where the first rank writes `step loss` lines.
+    #[arg(long)]
+    losses: Option<String>,
+}
+
+// ---- tch-rs's min-gpt model code; changed lines are marked `// plan` ----
+
+#[derive(Debug, Copy, Clone)]
+struct Config {
+    vocab_size: i64,
+    n_embd: i64,
+    n_head: i64,
+    n_layer: i64,
+    block_size: i64,
+    attn_pdrop: f64,
+    resid_pdrop: f64,
+    embd_pdrop: f64,
+}
+
+// Weight decay only applies to the weight matrixes in the linear layers
+const NO_WEIGHT_DECAY_GROUP: usize = 0;
+const WEIGHT_DECAY_GROUP: usize = 1;
+
+// plan: tch's linear layer, split as the plan says for its path (min-gpt's own kept the bias in the
+// no-decay group; tch's layer keeps weight and bias in the path's group)
+fn linear(vs: nn::Path, in_dim: i64, out_dim: i64, plan: &Plan) -> Linear {
+    plan.linear(&vs.set_group(WEIGHT_DECAY_GROUP), in_dim, out_dim, Default::default()).unwrap()
+}
+
+fn linear_no_bias(vs: nn::Path, in_dim: i64, out_dim: i64, plan: &Plan) -> Linear {
+    let cfg = nn::LinearConfig { bias: false, ..Default::default() };
+    plan.linear(&vs.set_group(WEIGHT_DECAY_GROUP), in_dim, out_dim, cfg).unwrap()
+}
+
+fn causal_self_attention(p: &nn::Path, cfg: Config, plan: &Plan) -> impl ModuleT {
+    let key = linear(p / "key", cfg.n_embd, cfg.n_embd, plan);
+    let query = linear(p / "query", cfg.n_embd, cfg.n_embd, plan);
+    let value = linear(p / "value", cfg.n_embd, cfg.n_embd, plan);
+    let proj = linear(p / "proj", cfg.n_embd, cfg.n_embd, plan);
+    let mask_init = Tensor::ones([cfg.block_size, cfg.block_size], (Kind::Float, p.device())).tril(0);
+    let mask_init = mask_init.view([1, 1, cfg.block_size, cfg.block_size]);
+    // let mask = p.var_copy("mask", &mask_init);
+    let mask = mask_init;
+    nn::func_t(move |xs, train| {
+        let (sz_b, sz_t, sz_c) = xs.size3().unwrap();
+        let sizes = [sz_b, sz_t, -1, sz_c / cfg.n_head]; // plan: this rank's heads
+        let k = xs.apply(&key).view(sizes).transpose(1, 2);
+        let q = xs.apply(&query).view(sizes).transpose(1, 2);
+        let v = xs.apply(&value).view(sizes).transpose(1, 2);
+        let att = q.matmul(&k.transpose(-2, -1)) * (1.0 / f64::sqrt(sizes[3] as f64));
+        let att = att.masked_fill(&mask.i((.., .., ..sz_t, ..sz_t)).eq(0.), f64::NEG_INFINITY);
+        let att = att.softmax(-1, Kind::Float).dropout(cfg.attn_pdrop, train);
+        let ys = att.matmul(&v).transpose(1, 2).contiguous().view([sz_b, sz_t, -1]); // plan
+        ys.apply(&proj).dropout(cfg.resid_pdrop, train)
+    })
+}
+
+fn block(p: &nn::Path, cfg: Config, plan: &Plan) -> impl ModuleT {
+    let ln1 = nn::layer_norm(p / "ln1", vec![cfg.n_embd], Default::default());
+    let ln2 = nn::layer_norm(p / "ln2", vec![cfg.n_embd], Default::default());
+    let attn = causal_self_attention(p, cfg, plan);
+    let lin1 = linear(p / "lin1", cfg.n_embd, 4 * cfg.n_embd, plan);
+    let lin2 = linear(p / "lin2", 4 * cfg.n_embd, cfg.n_embd, plan);
+    nn::func_t(move |xs, train| {
+        let xs = xs + xs.apply(&ln1).apply_t(&attn, train);
+        let ys = xs.apply(&ln2).apply(&lin1).gelu("none").apply(&lin2).dropout(cfg.resid_pdrop, train);
+        xs + ys
+    })
+}
+
+fn gpt(p: nn::Path, cfg: Config, plan: &Plan) -> impl ModuleT {
+    let p = &p.set_group(NO_WEIGHT_DECAY_GROUP);
+    let tok_emb = nn::embedding(p / "tok_emb", cfg.vocab_size, cfg.n_embd, Default::default());
+    let pos_emb = p.zeros("pos_emb", &[1, cfg.block_size, cfg.n_embd]);
+    let ln_f = nn::layer_norm(p / "ln_f", vec![cfg.n_embd], Default::default());
+    let head = linear_no_bias(p / "head", cfg.n_embd, cfg.vocab_size, plan);
+    let mut blocks = nn::seq_t();
+    for block_idx in 0..cfg.n_layer {
+        let bp = p / block_idx;
+        blocks = blocks.add(plan.unit(&bp, block(&bp, cfg, plan)).unwrap()); // plan: an FSDP unit
+    }
+    nn::func_t(move |xs, train| {
+        let (_sz_b, sz_t) = xs.size2().unwrap();
+        let tok_emb = xs.apply(&tok_emb);
+        let pos_emb = pos_emb.i((.., ..sz_t, ..));
+        (tok_emb + pos_emb).dropout(cfg.embd_pdrop, train).apply_t(&blocks, train).apply(&ln_f).apply(&head)
+    })
+}
+
+// ---- the launch: a mesh and the plan for the layout ----
+
+/// `--hsdp RxS` as (R, S).
+fn hsdp(spec: &str) -> Result<(usize, usize)> {
+    let bad = || format!("--hsdp {spec}: expected REPLICASxSHARDS, e.g. 2x2");
+    let (r, s) = spec.split_once('x').ok_or_else(bad)?;
+    Ok((r.parse().map_err(|_| bad())?, s.parse().map_err(|_| bad())?))
+}
+
+/// Tensor parallelism as Megatron splits a block, and the data parallelism of the flags.
+fn plan(mesh: &DeviceMesh, vs: &nn::VarStore, a: &Args) -> tch_dist::Result<Plan> {
+    let plan = Plan::tensor_parallel(mesh, "tp")?
+        .style("*.key", Style::colwise())
+        .style("*.query", Style::colwise())
+        .style("*.value", Style::colwise())
+        .style("*.proj", Style::rowwise())
+        .style("*.lin1", Style::colwise())
+        .style("*.lin2", Style::rowwise());
+    Ok(match (a.dp, a.fsdp) {
+        (1, 1) => plan,
+        (_, 1) => plan.replicate(DdpOptions::default().process_group(mesh.group("dp")?)),
+        (1, _) => plan.fully_shard(vs, FsdpOptions::default().mesh(mesh, &["fsdp"])?)?,
+        _ => plan.fully_shard(vs, FsdpOptions::default().mesh(mesh, &["dp", "fsdp"])?)?,
+    })
+}
+
+fn main() -> Result<()> {
+    let mut a = Args::parse();
+    if let Some(spec) = &a.hsdp {
+        (a.dp, a.fsdp) = hsdp(spec)?;
+    }
+    tch::set_num_threads(1);
+    let world = ProcessGroup::from_env()?;
+    let mesh = DeviceMesh::new(&world, &[("dp", a.dp), ("fsdp", a.fsdp), ("tp", a.tp)])?;
+    let replicas = a.dp * a.fsdp;
+    if a.batch_size % replicas as i64 != 0 {
+        return Err(format!("--batch-size {} is not divisible by --dp x --fsdp = {replicas}", a.batch_size).into());
+    }
+    let data = TextData::new(&a.corpus).map_err(|e| format!("--corpus {}: {e}", a.corpus))?;
+    let cfg = Config {
+        vocab_size: data.labels(),
+        n_embd: a.n_embd,
+        n_head: a.n_head,
+        n_layer: a.layers,
+        block_size: a.block_size,
+        attn_pdrop: a.pdrop,
+        resid_pdrop: a.pdrop,
+        embd_pdrop: a.pdrop,
+    };
+    let device = Device::Cpu;
+    let vs = nn::VarStore::new(device);
+    let plan = plan(&mesh, &vs, &a)?;
+    tch::manual_seed(42); // every layout starts from the same model
+    let gpt = plan.finish(&vs, gpt(vs.root() / "gpt", cfg, &plan))?;
+    let mut opt = nn::AdamW::default().build(&vs, a.lr)?;
+    opt.set_weight_decay_group(NO_WEIGHT_DECAY_GROUP, 0.0);
+    opt.set_weight_decay_group(WEIGHT_DECAY_GROUP, 0.1);
+
+    // the same batches on every rank; each data-parallel rank trains on its rows
+    tch::manual_seed(1);
+    let batches = data.iter_shuffle(a.block_size + 1, a.batch_size);
+    let dp_rank = mesh.coordinate("dp")? * a.fsdp + mesh.coordinate("fsdp")?;
+    tch::manual_seed(100 + dp_rank as i64); // dropout differs across replicas, agrees across TP ranks
+    let rows = a.batch_size / replicas as i64;
+    let mut out = match (&a.losses, world.rank()) {
+        (Some(f), 0) => Some(std::fs::File::create(f).map_err(|e| format!("--losses {f}: {e}"))?),
+        _ => None,
+    };
+    let (dp, fsdp) = (mesh.group("dp")?, mesh.group("fsdp")?);
+    let started = std::time::Instant::now();
+    for (step, batch) in batches.take(a.steps).enumerate() {
+        let batch = batch.narrow(0, dp_rank as i64 * rows, rows);
+        let xs = batch.narrow(1, 0, a.block_size).to_kind(Kind::Int64).to_device(device);
+        let ys = batch.narrow(1, 1, a.block_size).to_kind(Kind::Int64).to_device(device);
+        let logits = xs.apply_t(&gpt, true);
+        let loss = logits
+            .view([rows * a.block_size, cfg.vocab_size])
+            .cross_entropy_for_logits(&ys.view([rows * a.block_size]));
+        opt.backward_step_clip(&loss, 0.5);
+        // the loss of the global batch: the mean over the data-parallel ranks
+        let mut l = loss.detach();
+        dp.allreduce(&mut l, ReduceOp::Sum)?;
+        fsdp.allreduce(&mut l, ReduceOp::Sum)?;
+        let l = l.double_value(&[]) / replicas as f64;
+        if world.rank() == 0 && (step % 20 == 0 || step + 1 == a.steps) {
+            println!("step {step}: loss {l:.4} ({:.1} s)", started.elapsed().as_secs_f64());
+        }
+        if let Some(f) = out.as_mut() {
+            writeln!(f, "{step} {l:.8}")?;
+        }
+    }
+    world.barrier()?;
+    Ok(())
+}

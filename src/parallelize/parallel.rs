@@ -1,0 +1,130 @@
+//! What the plan's data parallelism makes of a model: [`Unit`], a block that FSDP shards as one (or the
+//! block itself), and [`Parallel`], the whole model under DDP, FSDP or HSDP (or the model itself). Both
+//! are tch `nn::ModuleT`s, whatever the plan, so that the model code does not change between layouts.
+use tch::{nn, Tensor};
+
+use crate::ddp::DistributedDataParallel;
+use crate::dist_module::DistModule;
+use crate::error::Result;
+use crate::fsdp::{FsdpUnit, FullyShardedDataParallel};
+
+/// A block of the model: an FSDP unit when the plan shards, else the block as it was built
+/// ([`Plan::unit`](super::Plan::unit)).
+#[derive(Debug)]
+pub enum Unit<M> {
+    Local(M),
+    Sharded(FsdpUnit<M>),
+}
+
+impl<M: nn::ModuleT> nn::ModuleT for Unit<M> {
+    fn forward_t(&self, xs: &Tensor, train: bool) -> Tensor {
+        self.f_forward_t(xs, train).unwrap_or_else(|e| panic!("{e}"))
+    }
+}
+
+impl<M: nn::ModuleT> Unit<M> {
+    /// The block's forward, errors returned (tch's `f_` convention).
+    pub fn f_forward_t(&self, xs: &Tensor, train: bool) -> Result<Tensor> {
+        match self {
+            Unit::Local(m) => Ok(m.forward_t(xs, train)),
+            Unit::Sharded(u) => u.f_forward_t(xs, train),
+        }
+    }
+}
+
+impl<M: nn::Module> Unit<M> {
+    /// The forward of a block that is an `nn::Module`, errors returned.
+    pub fn f_forward(&self, xs: &Tensor) -> Result<Tensor> {
+        match self {
+            Unit::Local(m) => Ok(m.forward(xs)),
+            Unit::Sharded(u) => u.f_forward(xs),
+        }
+    }
+
+    /// [`f_forward`](Self::f_forward), panicking on error as tch's infallible methods do.
+    pub fn forward(&self, xs: &Tensor) -> Tensor {
+        self.f_forward(xs).unwrap_or_else(|e| panic!("{e}"))
+    }
+}
+
+/// The model as the plan runs it ([`Plan::finish`](super::Plan::finish)): an `nn::ModuleT`
+/// (`xs.apply_t(&model, train)`) and a [`DistModule`] whatever the layout.
+#[derive(Debug)]
+pub enum Parallel<M> {
+    /// No data parallelism: the model itself, with its VarStore's variables.
+    Local {
+        module: M,
+        trainable: Vec<Tensor>,
+        named: Vec<(String, Tensor)>,
+    },
+    Ddp(DistributedDataParallel<M>),
+    Fsdp(FullyShardedDataParallel<M>),
+}
+
+impl<M: nn::ModuleT> Parallel<M> {
+    /// The model's forward, errors returned (tch's `f_` convention).
+    pub fn f_forward_t(&self, xs: &Tensor, train: bool) -> Result<Tensor> {
+        match self {
+            Parallel::Local { module, .. } => Ok(module.forward_t(xs, train)),
+            Parallel::Ddp(d) => d.f_forward_t(xs, train),
+            Parallel::Fsdp(f) => f.f_forward_t(xs, train),
+        }
+    }
+}
+
+impl<M: nn::ModuleT> nn::ModuleT for Parallel<M> {
+    fn forward_t(&self, xs: &Tensor, train: bool) -> Tensor {
+        self.f_forward_t(xs, train).unwrap_or_else(|e| panic!("{e}"))
+    }
+}
+
+impl<M: nn::Module> Parallel<M> {
+    /// The forward of a model that is an `nn::Module`, errors returned.
+    pub fn f_forward(&self, xs: &Tensor) -> Result<Tensor> {
+        match self {
+            Parallel::Local { module, .. } => Ok(module.forward(xs)),
+            Parallel::Ddp(d) => d.f_forward(xs),
+            Parallel::Fsdp(f) => f.f_forward(xs),
+        }
+    }
+
+    /// [`f_forward`](Self::f_forward), panicking on error as tch's infallible methods do.
+    pub fn forward(&self, xs: &Tensor) -> Tensor {
+        self.f_forward(xs).unwrap_or_else(|e| panic!("{e}"))
+    }
+}
+
+impl<M> DistModule for Parallel<M> {
+    fn parameters(&self) -> Vec<Tensor> {
+        match self {
+            Parallel::Local { trainable, .. } => trainable.iter().map(|t| t.shallow_clone()).collect(),
+            Parallel::Ddp(d) => DistModule::parameters(d),
+            Parallel::Fsdp(f) => DistModule::parameters(f),
+        }
+    }
+
+    /// Without data parallelism there is nothing to reduce in backward (tensor parallelism's
+    /// collectives run inside forward and backward either way).
+    fn set_requires_gradient_sync(&self, on: bool) {
+        match self {
+            Parallel::Local { .. } => {}
+            Parallel::Ddp(d) => d.set_requires_gradient_sync(on),
+            Parallel::Fsdp(f) => f.set_requires_gradient_sync(on),
+        }
+    }
+
+    fn state_dict(&self) -> Result<Vec<(String, Tensor)>> {
+        match self {
+            Parallel::Local { named, .. } => Ok(named.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect()),
+            Parallel::Ddp(d) => DistModule::state_dict(d),
+            Parallel::Fsdp(f) => DistModule::state_dict(f),
+        }
+    }
+
+    fn zero_grad(&self) -> Result<()> {
+        match self {
+            Parallel::Fsdp(f) => DistModule::zero_grad(f),
+            _ => self.parameters().iter().try_for_each(|p| crate::hooks::set_grad(p, None)),
+        }
+    }
+}
