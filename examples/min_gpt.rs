@@ -68,7 +68,7 @@ struct Args {
     losses: Option<String>,
 }
 
-// ---- tch-rs's min-gpt model code; changed lines are marked `// plan` ----
+// ---- tch-rs's min-gpt model code: the constructors take the plan; other changes are marked `// plan` ----
 
 #[derive(Debug, Copy, Clone)]
 struct Config {
