@@ -41,8 +41,12 @@ pub trait DistModule {
     /// `require_backward_grad_sync` (DDP) and `set_requires_gradient_sync` (FSDP2).
     fn set_requires_gradient_sync(&self, on: bool);
 
-    /// The whole model's values by VarStore name, gathered where they are sharded (every rank must call
-    /// it where any rank does).
+    /// The setting [`set_requires_gradient_sync`](Self::set_requires_gradient_sync) made.
+    fn requires_gradient_sync(&self) -> bool;
+
+    /// This rank's model values by VarStore name: FSDP's gathered from the shards (a collective: every
+    /// rank calls it where any rank does; copies on the CPU); elsewhere the variables themselves, a
+    /// tensor-parallel slice as this rank holds it, a pipeline rank's own chunks.
     fn state_dict(&self) -> Result<Vec<(String, Tensor)>>;
 
     /// Drops every gradient (set to none: PyTorch's default, and tch's `Optimizer::zero_grad`).
@@ -59,15 +63,15 @@ pub trait DistModule {
         Ok(())
     }
 
-    /// Runs `f` with gradient synchronisation off (PyTorch's `no_sync()`).
+    /// Runs `f` with gradient synchronisation off (PyTorch's `no_sync()`); the setting before it comes
+    /// back after, also if `f` panics.
     fn no_sync<R>(&self, f: impl FnOnce(&Self) -> R) -> R
     where
         Self: Sized,
     {
+        let _restore = Restore(self, self.requires_gradient_sync());
         self.set_requires_gradient_sync(false);
-        let r = f(self);
-        self.set_requires_gradient_sync(true);
-        r
+        f(self)
     }
 
     /// Clips the gradients so that the whole model's norm is at most `max_norm`; returns the norm before
@@ -75,6 +79,15 @@ pub trait DistModule {
     /// [`crate::optim::clip_grad_norm`]). Collective.
     fn clip_grad_norm(&self, max_norm: f64, norm_type: f64) -> Result<Tensor> {
         crate::optim::clip_grad_norm(&self.parameters(), max_norm, norm_type)
+    }
+}
+
+/// Puts a wrapper's gradient synchronisation back to its setting when dropped.
+struct Restore<'a, W: DistModule + ?Sized>(&'a W, bool);
+
+impl<W: DistModule + ?Sized> Drop for Restore<'_, W> {
+    fn drop(&mut self) {
+        self.0.set_requires_gradient_sync(self.1);
     }
 }
 
@@ -116,6 +129,9 @@ impl<M> DistModule for DistributedDataParallel<M> {
     fn set_requires_gradient_sync(&self, on: bool) {
         DistributedDataParallel::set_requires_gradient_sync(self, on)
     }
+    fn requires_gradient_sync(&self) -> bool {
+        DistributedDataParallel::requires_gradient_sync(self)
+    }
     fn state_dict(&self) -> Result<Vec<(String, Tensor)>> {
         Ok(DistributedDataParallel::state_dict(self))
     }
@@ -127,6 +143,9 @@ impl<M> DistModule for FullyShardedDataParallel<M> {
     }
     fn set_requires_gradient_sync(&self, on: bool) {
         FullyShardedDataParallel::set_requires_gradient_sync(self, on)
+    }
+    fn requires_gradient_sync(&self) -> bool {
+        FullyShardedDataParallel::requires_gradient_sync(self)
     }
     fn state_dict(&self) -> Result<Vec<(String, Tensor)>> {
         FullyShardedDataParallel::state_dict(self)
@@ -144,6 +163,9 @@ impl DistModule for Stage {
     }
     fn set_requires_gradient_sync(&self, on: bool) {
         Stage::set_requires_gradient_sync(self, on)
+    }
+    fn requires_gradient_sync(&self) -> bool {
+        Stage::requires_gradient_sync(self)
     }
     fn state_dict(&self) -> Result<Vec<(String, Tensor)>> {
         Stage::state_dict(self)
@@ -166,6 +188,9 @@ impl DistModule for PipelineRank {
     }
     fn set_requires_gradient_sync(&self, on: bool) {
         self.chunks().iter().for_each(|c| c.set_requires_gradient_sync(on))
+    }
+    fn requires_gradient_sync(&self) -> bool {
+        self.chunks().iter().all(|c| c.requires_gradient_sync())
     }
     fn state_dict(&self) -> Result<Vec<(String, Tensor)>> {
         let mut all = Vec::new();

@@ -718,3 +718,32 @@ fn tch_s_own_adamw_over_the_var_store_steps_the_shards_with_its_groups() {
         }
     }
 }
+
+/// HSDP's replicas must hold the same shards: a replicate group whose ranks sit at different places of
+/// their shard groups (here the whole world, over shard groups of 2) is refused on every rank, naming
+/// each one's place, before any gradient is summed with an unrelated one.
+#[test]
+fn a_replicate_group_that_does_not_mirror_the_shard_groups_is_refused() {
+    let errs = common::run_threads(4, Duration::from_secs(60), |pg| {
+        let world = Arc::new(pg);
+        let mesh = DeviceMesh::new(&world, &[("replicate", 2), ("shard", 2)]).unwrap();
+        let opts = FsdpOptions::default().process_group(mesh.group("shard").unwrap()).replicate_group(world.clone());
+        let vs = nn::VarStore::new(Device::Cpu);
+        FsdpBuilder::new(&vs, opts).map(|_| ()).unwrap_err().to_string()
+    });
+    for e in errs {
+        assert!(e.contains("HSDP") && e.contains("rank 0: rank 0 of 2; rank 1: rank 1 of 2"), "{e}");
+    }
+    let err = FsdpOptions::default()
+        .mesh(
+            &DeviceMesh::new(
+                &tch_dist::ProcessGroup::new(&tch_dist::Store::hash().unwrap(), 0, 1, &Default::default()).unwrap(),
+                &[("a", 1)],
+            )
+            .unwrap(),
+            &["a", "a"],
+        )
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("[replicate, shard]"), "{err}");
+}

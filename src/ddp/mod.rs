@@ -331,18 +331,21 @@ impl<M> DistributedDataParallel<M> {
     }
 
     /// Runs `f` without gradient synchronisation: gradients accumulate locally, and the next backward
-    /// outside `no_sync` reduces the accumulated sum (PyTorch's `no_sync()` context).
+    /// outside `no_sync` reduces the accumulated sum (PyTorch's `no_sync()` context; the setting before
+    /// it comes back after, also if `f` panics).
     pub fn no_sync<R>(&self, f: impl FnOnce(&Self) -> R) -> R {
-        self.reducer.set_sync(false);
-        let r = f(self);
-        self.reducer.set_sync(true);
-        r
+        crate::DistModule::no_sync(self, f)
     }
 
     /// Whether the next backwards reduce gradients (default true); false accumulates them locally, as
     /// inside [`no_sync`](Self::no_sync) (PyTorch's `require_backward_grad_sync`).
     pub fn set_requires_gradient_sync(&self, on: bool) {
         self.reducer.set_sync(on);
+    }
+
+    /// Whether the next backwards reduce gradients.
+    pub fn requires_gradient_sync(&self) -> bool {
+        self.reducer.sync()
     }
 
     pub fn module(&self) -> &M {

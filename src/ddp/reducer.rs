@@ -621,6 +621,10 @@ impl Reducer {
     pub fn set_sync(&self, on: bool) {
         lock(&self.state).sync = on;
     }
+
+    pub fn sync(&self) -> bool {
+        lock(&self.state).sync
+    }
 }
 
 /// Whether every bucket holds only zeros; in pieces, since `any` makes a boolean copy of its input.

@@ -228,6 +228,15 @@ impl FsdpBuilder {
                     "is the shard group itself: HSDP replicates across a group apart from the one it shards over",
                 ));
             }
+            // replicas hold the same shards only if each has this rank's place in a shard group of this size
+            let mine = [pg.rank() as i64, pg.size() as i64];
+            r.meta().agree("HSDP: the replicas' places in their shard groups", &mine, |rows| {
+                let listing = crate::group::meta::by_rank(rows, |v| format!("rank {} of {}", v[0], v[1]), "; ");
+                format!(
+                    "the replicate group's ranks must hold the same place in shard groups of one size, as a \
+                     mesh's [replicate, shard] dimensions give (FsdpOptions::mesh): {listing}"
+                )
+            })?;
         }
         let cfg = Config {
             reshard_after_forward: opts.reshard_after_forward,
@@ -282,11 +291,14 @@ impl FsdpBuilder {
         let pg = &self.rt.pg;
         let numel: i64 = named.iter().map(|(_, t)| t.numel() as i64).sum();
         let mine = [named.len() as i64, numel];
-        pg.meta().agree(&format!("FSDP unit {name}"), &mine, |rows| {
-            let listing =
-                crate::group::meta::by_rank(rows, |r| format!("{} parameters, {} elements", r[0], r[1]), "; ");
-            format!("ranks built different units here ({listing}){}", crate::group::meta::odd_ones_out(rows))
-        })?;
+        // over the replicas too (HSDP): their reductions pair chunk by chunk
+        for g in std::iter::once(pg).chain(self.rt.replicate.as_ref()) {
+            g.meta().agree(&format!("FSDP unit {name}"), &mine, |rows| {
+                let listing =
+                    crate::group::meta::by_rank(rows, |r| format!("{} parameters, {} elements", r[0], r[1]), "; ");
+                format!("ranks built different units here ({listing}){}", crate::group::meta::odd_ones_out(rows))
+            })?;
+        }
         let settings = flat_param::Settings {
             compute: self.opts.param_dtype,
             shard_device: self.opts.offload,
@@ -535,16 +547,18 @@ impl<M> FullyShardedDataParallel<M> {
     /// Runs `f` without gradient reduction (FSDP2's `set_requires_gradient_sync(False)`): gradients
     /// accumulate unsharded in the parameters, and the next synchronised backward reduces their sum.
     pub fn no_sync<R>(&self, f: impl FnOnce(&Self) -> R) -> R {
-        self.rt.set_sync(false);
-        let r = f(self);
-        self.rt.set_sync(true);
-        r
+        crate::DistModule::no_sync(self, f)
     }
 
     /// Whether the next backwards reduce-scatter gradients (default true); false accumulates them
     /// unsharded, as inside [`no_sync`](Self::no_sync) (FSDP2's `set_requires_gradient_sync`).
     pub fn set_requires_gradient_sync(&self, on: bool) {
         self.rt.set_sync(on);
+    }
+
+    /// Whether the next backwards reduce-scatter gradients.
+    pub fn requires_gradient_sync(&self) -> bool {
+        self.rt.sync()
     }
 
     /// Frees every gathered unit now (after a forward without backward, e.g. in evaluation, the root keeps

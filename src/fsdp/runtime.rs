@@ -221,6 +221,10 @@ impl Runtime {
         self.lock().sync = on;
     }
 
+    pub fn sync(&self) -> bool {
+        self.lock().sync
+    }
+
     /// Makes unit `u`'s parameters the gathered ones: finishes its prefetch, or gathers it now.
     pub fn unshard(&self, u: usize) -> Result<()> {
         let (flat, job, spare) = {
@@ -413,7 +417,15 @@ impl Runtime {
     /// nested backward (a checkpointed unit's recomputation), it would run when that one ends.
     pub fn begin_backward(self: &Arc<Self>) -> Result<()> {
         self.check_loop(LoopPhase::Backward)?;
-        self.ensure_end_callback()
+        self.ensure_end_callback()?;
+        // The units of small parameters stay gathered from the iteration's first forward to the end of
+        // backward; a second backward of the same forwards (a pipeline's microbatches, after the first
+        // one's end freed them) gathers them again here.
+        let small: Vec<usize> = {
+            let st = self.lock();
+            (0..st.units.len()).filter(|&v| st.units[v].role == Role::Small).collect()
+        };
+        small.into_iter().try_for_each(|v| self.unshard(v))
     }
 
     /// DDP's loop check, at the root's forward and at the start of its backward: a rank that runs a

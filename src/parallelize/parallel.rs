@@ -113,6 +113,14 @@ impl<M> DistModule for Parallel<M> {
         }
     }
 
+    fn requires_gradient_sync(&self) -> bool {
+        match self {
+            Parallel::Local { .. } => true,
+            Parallel::Ddp(d) => d.requires_gradient_sync(),
+            Parallel::Fsdp(f) => f.requires_gradient_sync(),
+        }
+    }
+
     fn state_dict(&self) -> Result<Vec<(String, Tensor)>> {
         match self {
             Parallel::Local { named, .. } => Ok(named.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect()),

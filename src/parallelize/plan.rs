@@ -157,17 +157,28 @@ impl Plan {
                 Ok(Parallel::Ddp(DistributedDataParallel::new(vs, model, opts.clone())?))
             }
             DataParallelism::Shard(b) => {
-                let builder =
-                    b.lock().unwrap_or_else(|e| e.into_inner()).take().ok_or_else(|| finished("Plan::finish"))?;
-                let builder = Arc::try_unwrap(builder).map_err(|_| {
-                    Error::invalid("Plan::finish", "another thread is building a unit of this plan's model")
-                })?;
-                if !builder.shards(vs) {
-                    return Err(Error::invalid(
-                        "Plan::finish",
-                        "the VarStore is not the one given to Plan::fully_shard: the model's variables must live there",
-                    ));
-                }
+                let builder = {
+                    // checked before it is taken: a refused call leaves the plan as it was
+                    let mut slot = b.lock().unwrap_or_else(|e| e.into_inner());
+                    let held = slot.as_ref().ok_or_else(|| finished("Plan::finish"))?;
+                    if !held.shards(vs) {
+                        return Err(Error::invalid(
+                            "Plan::finish",
+                            "the VarStore is not the one given to Plan::fully_shard: the model's variables must live there",
+                        ));
+                    }
+                    match slot.take().map(Arc::try_unwrap) {
+                        Some(Ok(builder)) => builder,
+                        Some(Err(shared)) => {
+                            *slot = Some(shared);
+                            return Err(Error::invalid(
+                                "Plan::finish",
+                                "another thread is building a unit of this plan's model",
+                            ));
+                        }
+                        None => return Err(finished("Plan::finish")),
+                    }
+                };
                 Ok(Parallel::Fsdp(builder.finish(model)?))
             }
         }

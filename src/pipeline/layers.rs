@@ -49,6 +49,17 @@ pub struct Stage {
     requires_sync: AtomicBool,
 }
 
+/// See [`Stage::backward_sync`].
+pub(crate) struct BackwardSync<'a>(&'a Stage);
+
+impl Drop for BackwardSync<'_> {
+    fn drop(&mut self) {
+        if let Some(s) = &self.0.sync {
+            s.set_requires_gradient_sync(self.0.requires_gradient_sync());
+        }
+    }
+}
+
 /// A built layer as a module of its own type (for FSDP to wrap).
 #[derive(Debug)]
 struct Layer(Box<dyn nn::Module>);
@@ -96,18 +107,17 @@ impl Stage {
         }
     }
 
-    /// Before one of the step's backwards: it reduces if it is the `last` and the user allows it.
-    pub(crate) fn before_backward(&self, last: bool) {
-        if let Some(s) = &self.sync {
-            s.set_requires_gradient_sync(last && self.requires_sync.load(Ordering::Relaxed));
-        }
+    pub fn requires_gradient_sync(&self) -> bool {
+        self.requires_sync.load(Ordering::Relaxed)
     }
 
-    /// After one of the step's backwards: back to the user's setting.
-    pub(crate) fn after_backward(&self) {
+    /// For one of the step's backwards: it reduces if it is the `last` and the user allows it; the
+    /// user's setting comes back when the guard goes (also when the backward fails).
+    pub(crate) fn backward_sync(&self, last: bool) -> BackwardSync<'_> {
         if let Some(s) = &self.sync {
-            s.set_requires_gradient_sync(self.requires_sync.load(Ordering::Relaxed));
+            s.set_requires_gradient_sync(last && self.requires_gradient_sync());
         }
+        BackwardSync(self)
     }
 
     /// The stage's values by VarStore name, sorted; gathered from the shards under FSDP (collective
@@ -210,7 +220,9 @@ impl LayerList {
                 _ => layer,
             });
         }
+        // a chunk of parameter-free layers (activations) has nothing to reduce
         let sync = match (dp, fsdp) {
+            _ if vs.trainable_variables().is_empty() => None,
             (DataParallel::Ddp(o), _) => Some(ChunkSync::ddp(&vs, o)?),
             (_, Some(f)) => Some(ChunkSync::Fsdp(f.finish(())?)),
             _ => None,

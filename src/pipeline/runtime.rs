@@ -149,7 +149,7 @@ pub fn run_rank(step: &RankStep, net: &mut dyn Transport) -> Result<RankReport> 
                         None => stage.f_forward(&s.input)?,
                     };
                     // a data-parallel chunk reduces its gradients during its last backward of the step only
-                    stage.before_backward(last_backward.get(&chunk) == Some(&mb));
+                    let _sync = stage.backward_sync(last_backward.get(&chunk) == Some(&mb));
                     if vs == last_vs {
                         let loss = match s.loss {
                             Some(l) => l,
@@ -160,7 +160,6 @@ pub fn run_rank(step: &RankStep, net: &mut dyn Transport) -> Result<RankReport> 
                         let g = net.recv(next_rank, (Payload::Grad, mb, vs))?;
                         crate::hooks::backward_with_grad(&output, &g.f_to_device(output.device())?)?;
                     }
-                    stage.after_backward();
                     if vs > 0 {
                         let gin = s.input.grad();
                         if !gin.defined() {
