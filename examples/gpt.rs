@@ -16,6 +16,10 @@ use std::collections::BTreeMap;
 use std::io::Write;
 
 use clap::Parser;
+
+#[path = "common/layout.rs"]
+mod layout;
+use layout::Layout;
 use tch::{nn, nn::Module, Device, Kind, Tensor};
 use tch_dist::ddp::DdpOptions;
 use tch_dist::fsdp::FsdpOptions;
@@ -39,18 +43,8 @@ struct Args {
     /// Pipeline stages.
     #[arg(long, default_value_t = 1)]
     pp: usize,
-    /// Data-parallel replicas: DDP, or with --fsdp the replicas of HSDP.
-    #[arg(long, default_value_t = 1)]
-    dp: usize,
-    /// Ranks each stage's parameters are sharded over (FSDP).
-    #[arg(long, default_value_t = 1)]
-    fsdp: usize,
-    /// HSDP as REPLICASxSHARDS: --dp REPLICAS --fsdp SHARDS.
-    #[arg(long)]
-    hsdp: Option<String>,
-    /// Tensor-parallel ranks.
-    #[arg(long, default_value_t = 1)]
-    tp: usize,
+    #[command(flatten)]
+    layout: Layout,
     #[arg(long, default_value_t = 4)]
     layers: usize,
     #[arg(long, default_value_t = 128)]
@@ -213,13 +207,6 @@ fn batch(corpus: &Tensor, step: usize, rows: i64, first: i64, n: i64, context: i
     (w.narrow(1, 0, context), w.narrow(1, 1, context))
 }
 
-/// `--hsdp RxS` as (R, S).
-fn hsdp(spec: &str) -> Res<(usize, usize)> {
-    let bad = || format!("--hsdp {spec}: expected REPLICASxSHARDS, e.g. 2x2");
-    let (r, s) = spec.split_once('x').ok_or_else(bad)?;
-    Ok((r.parse().map_err(|_| bad())?, s.parse().map_err(|_| bad())?))
-}
-
 /// Each stage's data parallelism over the mesh: DDP over "dp", FSDP over "fsdp", HSDP over both.
 fn data_parallel(mesh: &DeviceMesh, dp: usize, fsdp: usize) -> tch_dist::Result<DataParallel> {
     Ok(match (dp, fsdp) {
@@ -232,20 +219,19 @@ fn data_parallel(mesh: &DeviceMesh, dp: usize, fsdp: usize) -> tch_dist::Result<
 
 fn main() -> Res<()> {
     let mut a = Args::parse();
-    if let Some(spec) = &a.hsdp {
-        (a.dp, a.fsdp) = hsdp(spec)?;
-    }
+    a.layout = a.layout.resolve()?;
     tch::set_num_threads(1);
     if a.bench.is_some() {
         tch_dist::memory::install_cpu_counter()?;
     }
     let world = ProcessGroup::from_env()?;
-    let mesh = DeviceMesh::new(&world, &[("pp", a.pp), ("dp", a.dp), ("fsdp", a.fsdp), ("tp", a.tp)])?;
+    let mesh =
+        DeviceMesh::new(&world, &[("pp", a.pp), ("dp", a.layout.dp), ("fsdp", a.layout.fsdp), ("tp", a.layout.tp)])?;
     let (dp, fsdp) = (mesh.group("dp")?, mesh.group("fsdp")?);
     let bytes = std::fs::read(&a.corpus).map_err(|e| format!("--corpus {}: {e}", a.corpus))?;
     let corpus = Tensor::from_slice(&bytes).to_kind(Kind::Int64);
     // every data-parallel rank (replica or shard) draws its own rows of the global batch
-    let replicas = a.dp * a.fsdp;
+    let replicas = a.layout.replicas();
     if a.global_batch % replicas as i64 != 0 {
         return Err(format!("--global-batch {} is not divisible by --dp x --fsdp = {replicas}", a.global_batch).into());
     }
@@ -258,7 +244,7 @@ fn main() -> Res<()> {
     let part = Partition::balanced(&costs, a.pp)?;
     let cfg = PipelineConfig {
         microbatches: a.microbatches,
-        data_parallel: data_parallel(&mesh, a.dp, a.fsdp)?,
+        data_parallel: data_parallel(&mesh, a.layout.dp, a.layout.fsdp)?,
         ..Default::default()
     };
     let mut stage = PipelineRank::build(mesh.group("pp")?, &layers, &part, cfg)?;
@@ -275,7 +261,7 @@ fn main() -> Res<()> {
         (Some(f), true) => Some(std::fs::File::create(f).map_err(|e| format!("--losses {f}: {e}"))?),
         _ => None,
     };
-    let first = (at("dp")? * a.fsdp + at("fsdp")?) as i64 * per_dp;
+    let first = (at("dp")? * a.layout.fsdp + at("fsdp")?) as i64 * per_dp;
     let mut started = std::time::Instant::now();
     for step in 0..a.steps {
         if a.bench == Some(step) {

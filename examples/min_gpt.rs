@@ -16,6 +16,10 @@
 use std::io::Write;
 
 use clap::Parser;
+
+#[path = "common/layout.rs"]
+mod layout;
+use layout::Layout;
 use tch::data::TextData;
 use tch::nn::{ModuleT, OptimizerConfig};
 use tch::{nn, Device, IndexOp, Kind, Tensor};
@@ -33,18 +37,8 @@ struct Args {
     /// The training text (characters).
     #[arg(long)]
     corpus: String,
-    /// DDP replicas (with --fsdp: HSDP's replicas).
-    #[arg(long, default_value_t = 1)]
-    dp: usize,
-    /// Ranks the parameters are sharded over (FSDP).
-    #[arg(long, default_value_t = 1)]
-    fsdp: usize,
-    /// HSDP as REPLICASxSHARDS: --dp REPLICAS --fsdp SHARDS.
-    #[arg(long)]
-    hsdp: Option<String>,
-    /// Tensor-parallel ranks.
-    #[arg(long, default_value_t = 1)]
-    tp: usize,
+    #[command(flatten)]
+    layout: Layout,
     #[arg(long, default_value_t = 8)]
     layers: i64,
     #[arg(long, default_value_t = 512)]
@@ -154,13 +148,6 @@ fn gpt(p: nn::Path, cfg: Config, plan: &Plan) -> impl ModuleT {
 
 // ---- the launch: a mesh and the plan for the layout ----
 
-/// `--hsdp RxS` as (R, S).
-fn hsdp(spec: &str) -> Result<(usize, usize)> {
-    let bad = || format!("--hsdp {spec}: expected REPLICASxSHARDS, e.g. 2x2");
-    let (r, s) = spec.split_once('x').ok_or_else(bad)?;
-    Ok((r.parse().map_err(|_| bad())?, s.parse().map_err(|_| bad())?))
-}
-
 /// Tensor parallelism as Megatron splits a block, and the data parallelism of the flags.
 fn plan(mesh: &DeviceMesh, vs: &nn::VarStore, a: &Args) -> tch_dist::Result<Plan> {
     let plan = Plan::tensor_parallel(mesh, "tp")?
@@ -170,7 +157,7 @@ fn plan(mesh: &DeviceMesh, vs: &nn::VarStore, a: &Args) -> tch_dist::Result<Plan
         .style("*.proj", Style::rowwise())
         .style("*.lin1", Style::colwise())
         .style("*.lin2", Style::rowwise());
-    Ok(match (a.dp, a.fsdp) {
+    Ok(match (a.layout.dp, a.layout.fsdp) {
         (1, 1) => plan,
         (_, 1) => plan.replicate(DdpOptions::default().process_group(mesh.group("dp")?)),
         (1, _) => plan.fully_shard(vs, FsdpOptions::default().mesh(mesh, &["fsdp"])?)?,
@@ -180,13 +167,11 @@ fn plan(mesh: &DeviceMesh, vs: &nn::VarStore, a: &Args) -> tch_dist::Result<Plan
 
 fn main() -> Result<()> {
     let mut a = Args::parse();
-    if let Some(spec) = &a.hsdp {
-        (a.dp, a.fsdp) = hsdp(spec)?;
-    }
+    a.layout = a.layout.resolve()?;
     tch::set_num_threads(1);
     let world = ProcessGroup::from_env()?;
-    let mesh = DeviceMesh::new(&world, &[("dp", a.dp), ("fsdp", a.fsdp), ("tp", a.tp)])?;
-    let replicas = a.dp * a.fsdp;
+    let mesh = DeviceMesh::new(&world, &[("dp", a.layout.dp), ("fsdp", a.layout.fsdp), ("tp", a.layout.tp)])?;
+    let replicas = a.layout.replicas();
     if a.batch_size % replicas as i64 != 0 {
         return Err(format!("--batch-size {} is not divisible by --dp x --fsdp = {replicas}", a.batch_size).into());
     }
@@ -213,7 +198,7 @@ fn main() -> Result<()> {
     // the same batches on every rank; each data-parallel rank trains on its rows
     tch::manual_seed(1);
     let batches = data.iter_shuffle(a.block_size + 1, a.batch_size);
-    let dp_rank = mesh.coordinate("dp")? * a.fsdp + mesh.coordinate("fsdp")?;
+    let dp_rank = mesh.coordinate("dp")? * a.layout.fsdp + mesh.coordinate("fsdp")?;
     tch::manual_seed(100 + dp_rank as i64); // dropout differs across replicas, agrees across TP ranks
     let rows = a.batch_size / replicas as i64;
     let mut out = match (&a.losses, world.rank()) {

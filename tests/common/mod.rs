@@ -137,3 +137,65 @@ pub fn python() -> String {
 pub fn repo_path(rel: &str) -> std::path::PathBuf {
     std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(rel)
 }
+
+/// Python's documentation topics (`pydoc_data/topics.py`): a real English text on every machine with
+/// CPython, the examples' training corpus.
+pub fn corpus() -> String {
+    let o = Command::new(python())
+        .args(["-c", "import pydoc_data.topics as t; print(t.__file__)"])
+        .output()
+        .expect("python runs");
+    assert!(o.status.success(), "{}", show(&o));
+    String::from_utf8_lossy(&o.stdout).trim().to_string()
+}
+
+/// Runs `example` on `procs` processes under tchrun with `args` and `--losses FILE`; returns the losses
+/// of its `step loss` lines.
+pub fn example_losses(example: &str, procs: usize, args: &[&str], losses: &std::path::Path) -> Vec<f64> {
+    let o = Command::new(env!("CARGO_BIN_EXE_tchrun"))
+        .args(["--standalone", "--nproc-per-node", &procs.to_string(), "--"])
+        .arg(self::example(example))
+        .args(args)
+        .arg("--losses")
+        .arg(losses)
+        .output()
+        .expect("tchrun runs");
+    assert!(o.status.success(), "{example} {args:?} on {procs} processes: {}", show(&o));
+    std::fs::read_to_string(losses)
+        .expect("the losses file")
+        .lines()
+        .map(|l| l.split_whitespace().nth(1).and_then(|x| x.parse().ok()).expect("a `step loss` line"))
+        .collect()
+}
+
+/// Runs `example` (on the corpus, with `args`, `steps` steps) in one process and on each `(processes,
+/// layout flags)`: every layout's loss equals the one process's within `tol` at every step, and the
+/// one process's falls by more than 1.
+pub fn layouts_train_like_one_process(
+    example: &str,
+    args: &[&str],
+    steps: usize,
+    layouts: &[(usize, &[&str])],
+    tol: f64,
+) {
+    let dir = std::env::temp_dir().join(format!("tch-dist-{example}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("a temporary folder");
+    let corpus = corpus();
+    let run = |procs: usize, layout: &[&str], file: &str| {
+        let mut all = vec!["--corpus", corpus.as_str()];
+        all.extend(args);
+        all.extend(layout);
+        let losses = example_losses(example, procs, &all, &dir.join(file));
+        assert_eq!(losses.len(), steps, "{layout:?}: one loss per step");
+        losses
+    };
+    let one = run(1, &[], "one.txt");
+    assert!(one[steps - 1] < one[0] - 1.0, "the loss must fall: {} -> {}", one[0], one[steps - 1]);
+    for (procs, layout) in layouts {
+        let got = run(*procs, layout, &format!("{}.txt", layout.join("")));
+        for (s, (a, b)) in one.iter().zip(&got).enumerate() {
+            assert!((a - b).abs() <= tol, "step {s}: one process {a}, {layout:?} {b}");
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
