@@ -51,10 +51,7 @@ pub trait DistModule {
 
     /// Drops every gradient (set to none: PyTorch's default, and tch's `Optimizer::zero_grad`).
     fn zero_grad(&self) -> Result<()> {
-        for p in self.parameters() {
-            crate::hooks::set_grad(&p, None)?;
-        }
-        Ok(())
+        crate::hooks::drop_grads(&self.parameters())
     }
 
     /// Backward of `loss`, errors returned (with their kind: a lost peer stays a peer failure).

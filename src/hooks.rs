@@ -107,6 +107,12 @@ pub fn grad_data_ptr(var: &Tensor) -> Result<u64> {
     Ok(out)
 }
 
+/// Sets every `.grad` to none (PyTorch's `zero_grad(set_to_none=True)`): the memory goes back until the
+/// next backward.
+pub fn drop_grads(vars: &[Tensor]) -> Result<()> {
+    vars.iter().try_for_each(|v| set_grad(v, None))
+}
+
 /// Zeroes every defined `.grad` in place, keeping bucket views intact. Use this instead of tch's
 /// `Optimizer::zero_grad` / `Tensor::zero_grad`, which call `detach_()` and fail on views.
 pub fn zero_grads(vars: &[Tensor]) -> Result<()> {

@@ -27,6 +27,7 @@ mod dtype;
 mod ffi;
 mod random;
 mod storage;
+mod var_store;
 
 pub mod amp;
 pub mod checkpoint;

@@ -176,9 +176,7 @@ pub fn load(pg: &ProcessGroup, path: &Path, targets: &[(String, Tensor)]) -> Res
 
 /// All variables of `vs` (parameters and buffers), by name, sorted.
 pub fn var_store_tensors(vs: &nn::VarStore) -> Vec<(String, Tensor)> {
-    let mut v: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
-    v.sort_by(|a, b| a.0.cmp(&b.0));
-    v
+    crate::var_store::sorted_variables(vs)
 }
 
 /// [`save`] of every variable of `vs`.

@@ -70,9 +70,7 @@ impl<'a> StateDict<'a> {
     /// that is empty between uses). A layout a checkpoint cannot describe fails the save or load naming
     /// the variable.
     pub fn var_store(&mut self, prefix: &str, vs: &nn::VarStore) -> &mut Self {
-        let mut vars: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
-        vars.sort_by(|a, b| a.0.cmp(&b.0));
-        for (name, t) in vars {
+        for (name, t) in crate::var_store::sorted_variables(vs) {
             if let Err(e) = self.variable(prefix, name, t) {
                 self.error.get_or_insert(e);
             }

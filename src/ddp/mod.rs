@@ -170,9 +170,7 @@ impl<M> DistributedDataParallel<M> {
     pub fn new(vs: &nn::VarStore, module: M, opts: DdpOptions) -> Result<Self> {
         let (params, names, buffers) = split_vars(vs);
         let mut ddp = Self::from_parameters(names.into_iter().zip(params).collect(), buffers, module, opts)?;
-        let mut named: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
-        named.sort_by(|a, b| a.0.cmp(&b.0));
-        ddp.named = named;
+        ddp.named = crate::var_store::sorted_variables(vs);
         Ok(ddp)
     }
 
@@ -318,10 +316,7 @@ impl<M> DistributedDataParallel<M> {
     /// Drops the gradients (PyTorch's `zero_grad(set_to_none=True)`, as tch's `Optimizer::zero_grad`);
     /// the next backward puts them back into the buckets.
     pub fn zero_grad(&self) -> Result<()> {
-        for p in self.parameters() {
-            hooks::set_grad(&p, None)?;
-        }
-        Ok(())
+        hooks::drop_grads(&self.parameters())
     }
 
     /// Every variable (parameters and buffers) by its VarStore name, sorted; the same on every rank.

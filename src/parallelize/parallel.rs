@@ -132,7 +132,7 @@ impl<M> DistModule for Parallel<M> {
     fn zero_grad(&self) -> Result<()> {
         match self {
             Parallel::Fsdp(f) => DistModule::zero_grad(f),
-            _ => self.parameters().iter().try_for_each(|p| crate::hooks::set_grad(p, None)),
+            _ => crate::hooks::drop_grads(&self.parameters()),
         }
     }
 }

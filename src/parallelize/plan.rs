@@ -149,8 +149,7 @@ impl Plan {
     pub fn finish<M>(&self, vs: &nn::VarStore, model: M) -> Result<Parallel<M>> {
         match &self.dp {
             DataParallelism::None => {
-                let mut named: Vec<(String, tch::Tensor)> = vs.variables().into_iter().collect();
-                named.sort_by(|a, b| a.0.cmp(&b.0));
+                let named = crate::var_store::sorted_variables(vs);
                 Ok(Parallel::Local { module: model, trainable: vs.trainable_variables(), named })
             }
             DataParallelism::Replicate(opts) => {

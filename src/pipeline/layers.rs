@@ -126,9 +126,7 @@ impl Stage {
         if let Some(ChunkSync::Fsdp(m)) = &self.sync {
             return m.state_dict();
         }
-        let mut all: Vec<(String, Tensor)> = self.vs.variables().into_iter().collect();
-        all.sort_by(|a, b| a.0.cmp(&b.0));
-        Ok(all)
+        Ok(crate::var_store::sorted_variables(&self.vs))
     }
 
     /// Drops the gradients (set to none), the shards' and the parameters' own under FSDP.
@@ -136,10 +134,7 @@ impl Stage {
         if let Some(ChunkSync::Fsdp(m)) = &self.sync {
             return m.zero_grad();
         }
-        for v in self.vs.trainable_variables() {
-            crate::hooks::set_grad(&v, None)?;
-        }
-        Ok(())
+        crate::hooks::drop_grads(&self.vs.trainable_variables())
     }
 
     pub fn names(&self) -> Vec<&str> {
