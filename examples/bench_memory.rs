@@ -20,7 +20,8 @@ use clap::Parser;
 use tch::{nn, Device, Kind, Tensor};
 use tch_dist::ddp::{DdpOptions, DistributedDataParallel};
 use tch_dist::fsdp::FsdpOptions;
-use tch_dist::optim::{AdamW, Optimizer, ShardedOptimizer, ZeroStage};
+use tch_dist::optim::{AdamW, Optimizer};
+use tch_dist::zero::{ShardedOptimizer, ZeroStage};
 use tch_dist::{memory, ProcessGroup};
 
 const WIDTH: i64 = 1024;

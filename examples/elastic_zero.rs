@@ -1,6 +1,6 @@
 //! DDP + ZeRO-2 training with a fixed global batch that survives a change of world size: sharded
 //! checkpoints every few steps, resumed (resharded) after `tchrun` restarts the job with another number
-//! of nodes. For the elastic tests of tchrun (tests/tchrun_elastic.rs).
+//! of nodes. For the elastic tests of tchrun (tests/launch/tchrun_elastic.rs).
 //!
 //!   tchrun --nnodes 2:3 --rdzv-endpoint 127.0.0.1:29400 --max-restarts 2 -- \
 //!       elastic_zero --steps 30 --every 2 --ckpt /tmp/ckpt --out /tmp/final.f32
@@ -16,7 +16,8 @@ use clap::Parser;
 use tch::{nn, Device, Kind, Tensor};
 use tch_dist::checkpoint::{self, Checkpointer, StateDict};
 use tch_dist::ddp::{DdpOptions, DistributedDataParallel};
-use tch_dist::optim::{AdamW, Optimizer, ShardedOptimizer, ZeroStage};
+use tch_dist::optim::{AdamW, Optimizer};
+use tch_dist::zero::{ShardedOptimizer, ZeroStage};
 use tch_dist::ProcessGroup;
 
 /// Rows of the global batch (divisible by 1, 2, 3, 4 and 6 ranks).

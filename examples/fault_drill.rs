@@ -1,4 +1,4 @@
-//! One rank of a training job with a fault injected, for the fault-injection suite (tests/faults.rs), run
+//! One rank of a training job with a fault injected, for the fault-injection suite (tests/launch/faults.rs), run
 //! under tchrun. `TDX_FAULT` says what goes wrong, where and when:
 //!   stop@R:S       rank R stops itself (SIGSTOP) at step S: a hung rank
 //!   exit@R:S       rank R exits with code 17 at step S
@@ -20,9 +20,10 @@ use tch::nn::OptimizerConfig;
 use tch::{nn, Device, Kind, Tensor};
 use tch_dist::ddp::{DdpOptions, DistributedDataParallel};
 use tch_dist::fsdp::{FsdpBuilder, FsdpOptions};
-use tch_dist::optim::{Optimizer, Sgd, ShardedOptimizer, ZeroStage};
+use tch_dist::optim::{Optimizer, Sgd};
 use tch_dist::pipeline::schedule::Kind as Sched;
 use tch_dist::pipeline::{LayerList, Partition, PipelineRank};
+use tch_dist::zero::{ShardedOptimizer, ZeroStage};
 use tch_dist::{ProcessGroup, ReduceOp};
 
 #[derive(Parser)]

@@ -11,7 +11,7 @@
 //! The model is written once over a `parallelize::Plan`, which gives each layer path its tensor-parallel
 //! form. Every configuration starts from the same initial weights (each rank holds its slice of what tch's
 //! layers draw) and draws the same global batch per step, so the losses of any mesh equal the
-//! one-process run's (tests/gpt.rs).
+//! one-process run's (tests/models/gpt.rs).
 use std::collections::BTreeMap;
 use std::io::Write;
 

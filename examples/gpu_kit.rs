@@ -11,7 +11,7 @@
 //!   gpu_kit bench-ddp | bench-allreduce   the Rust side of the benchmarks (the PyTorch side is torch_gpu.py)
 //!
 //! Every check compares the GPU against the same computation on the CPU. `--device cpu` runs the "GPU"
-//! side on the CPU too: CI runs every check that way (tests/gpu_kit.rs), so the comparisons themselves are
+//! side on the CPU too: CI runs every check that way (tests/models/gpu_kit.rs), so the comparisons themselves are
 //! tested where there is no GPU.
 use std::collections::BTreeMap;
 use std::error::Error;
@@ -23,12 +23,13 @@ use tch::{nn, nn::Module, nn::OptimizerConfig, Device, Kind, Tensor};
 use tch_dist::amp::{autocast, GradScaler};
 use tch_dist::ddp::{DdpOptions, DistributedDataParallel};
 use tch_dist::fsdp::{FsdpBuilder, FsdpOptions, FullyShardedDataParallel};
-use tch_dist::optim::{clip_grad_norm, AdamW, Optimizer, Sgd, ShardedOptimizer, ZeroStage};
+use tch_dist::optim::{clip_grad_norm, AdamW, Optimizer, Sgd};
 use tch_dist::pipeline::schedule::Kind as Sched;
 use tch_dist::pipeline::split::SplitModel;
 use tch_dist::pipeline::{LayerList, Partition, Pipeline, PipelineRank};
 use tch_dist::recompute::Checkpointed;
 use tch_dist::tp::ParallelMlp;
+use tch_dist::zero::{ShardedOptimizer, ZeroStage};
 use tch_dist::P2pOp;
 use tch_dist::{checkpoint, memory, Backend, BackendConfig, GroupOptions, InitOptions, ProcessGroup, ReduceOp, Store};
 

@@ -1,4 +1,4 @@
-//! One rank of the soak test (scripts/soak.sh; tests/soak.rs runs a short one): many small training steps,
+//! One rank of the soak test (scripts/soak.sh; tests/launch/soak.rs runs a short one): many small training steps,
 //! and this process's resident memory at a given step and at the end, to show nothing grows.
 //!   soak --mode ddp|zero2|amp|pipeline --steps 20000 --report-at 1000
 //! amp: bfloat16 autocast under DDP; pipeline: 2 ranks, one stage each, 1F1B. Rank 0 prints
@@ -9,9 +9,10 @@ use clap::Parser;
 use tch::{nn, Device, Kind, Tensor};
 use tch_dist::amp::autocast;
 use tch_dist::ddp::{DdpOptions, DistributedDataParallel};
-use tch_dist::optim::{AdamW, Optimizer, Sgd, ShardedOptimizer, ZeroStage};
+use tch_dist::optim::{AdamW, Optimizer, Sgd};
 use tch_dist::pipeline::schedule::Kind as Sched;
 use tch_dist::pipeline::{LayerList, Partition, PipelineRank};
+use tch_dist::zero::{ShardedOptimizer, ZeroStage};
 use tch_dist::ProcessGroup;
 
 #[derive(Parser)]

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The fault-injection drills of tests/faults.rs, timed, as the table in docs/failures.md: for each fault,
+# The fault-injection drills of tests/launch/faults.rs, timed, as the table in docs/failures.md: for each fault,
 # how long until every rank had ended, and the first error line (trimmed). Collective timeout 10 s
 # (600 s, the default, for the drills of the heartbeat, the loop check and launch mistakes), tchrun's
 # grace period 2 s.

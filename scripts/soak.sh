@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Soak: many small training steps on 2 ranks (examples/soak.rs under tchrun) in each mode (DDP, ZeRO-2,
 # bfloat16 autocast under DDP, a 2-stage pipeline), and rank 0's resident memory after 1,000 steps and at
-# the end: it must not grow by more than 1%. tests/soak.rs runs a short version (500 steps) in CI.
+# the end: it must not grow by more than 1%. tests/launch/soak.rs runs a short version (500 steps) in CI.
 #   scripts/soak.sh               # 20,000 steps per mode (about 90 s each here)
 #   STEPS=5000 scripts/soak.sh
 set -euo pipefail

@@ -18,15 +18,16 @@ RUSTDOCFLAGS="-D warnings" cargo doc -q --no-deps
 echo "== cargo test (default features), every multi-rank suite in the strict NCCL mode"
 # Some tests run the examples (forum repro, training); build them first, whatever cargo test filters.
 cargo build --examples
+# One test binary per area (tests/<area>/main.rs, a module per file; tests/cuda.rs needs the cuda feature).
 # The strict mode (NCCL's ordering rules over Gloo's point-to-point) is what CI runs Rust's ranks under.
-# Python peers speak plain Gloo, so the interop suites run plain; collectives and failures run in both
-# modes (plain point-to-point, its agreement checks); tests/strict_nccl.rs compares the two itself.
-plain_suites=(interop ddp_interop)
-both_suites=(collectives failures)
+# Python peers speak plain Gloo, so the interop binary runs plain; collectives (with failures) runs in both
+# modes (plain point-to-point, its agreement checks); tests/training/strict_nccl.rs compares the two itself.
+plain_suites=(interop)
+both_suites=(collectives)
 strict_suites=()
-for f in tests/*.rs; do
-  n=$(basename "$f" .rs)
-  [[ " ${plain_suites[*]} cuda " == *" $n "* ]] || strict_suites+=("--test=$n")
+for f in tests/*/main.rs; do
+  n=$(basename "$(dirname "$f")")
+  [[ " ${plain_suites[*]} " == *" $n "* ]] || strict_suites+=("--test=$n")
 done
 TCH_DIST_STRICT_NCCL=1 cargo test --lib --bins "${strict_suites[@]}" -- --skip cuda_
 plain=("${plain_suites[@]}" "${both_suites[@]}")
@@ -34,8 +35,10 @@ cargo test "${plain[@]/#/--test=}" -- --skip cuda_
 cargo test --doc
 
 echo "== NCCL's check-once policy on Gloo (TCH_DIST_VERIFY=once): every rank decides alike"
-once_suites=(collectives ddp zero clip pipeline)
-TCH_DIST_VERIFY=once cargo test "${once_suites[@]/#/--test=}" -- --skip cuda_
+# the modules (files) that run again under it, in their area's binaries
+once_binaries=(collectives ddp sharding training pipeline)
+once_modules=(collectives:: ddp:: zero:: clip:: pipeline::)
+TCH_DIST_VERIFY=once cargo test "${once_binaries[@]/#/--test=}" -- --skip cuda_ "${once_modules[@]}"
 
 echo "== cuda feature: the GPU tests, linked against libtorch_cuda (clippy above compiled every target)"
 cargo test --features cuda --test cuda -- --nocapture

@@ -55,6 +55,7 @@ pub mod stream;
 pub mod sync_debug;
 pub mod tp;
 pub mod work;
+pub mod zero;
 
 pub use dist_module::{DistModule, WithTrain};
 pub use error::{Error, Result};

@@ -2,7 +2,7 @@
 //! dimensions, with one process group per dimension for each rank: the ranks that differ from it in that
 //! coordinate only. With `[("pp", 2), ("dp", 2), ("tp", 2)]` on 8 ranks, rank 5 sits at (1, 0, 1); its
 //! "tp" group is ranks 4 and 5, its "dp" group 5 and 7, its "pp" group 1 and 5 — the same layout and
-//! groups as PyTorch's for the same shape (`tests/mesh.rs` asks PyTorch).
+//! groups as PyTorch's for the same shape (`tests/tp/mesh.rs` asks PyTorch).
 //!
 //! ```no_run
 //! use tch_dist::mesh::DeviceMesh;

@@ -77,7 +77,7 @@ fn cuda_gloo_two_processes_share_one_gpu() {
     if gpu().is_none() {
         return;
     }
-    common::run_ranks_ok("worker_cuda_gloo", 2, &[], Duration::from_secs(120));
+    common::run_ranks_ok(&common::test_name!("worker_cuda_gloo"), 2, &[], Duration::from_secs(120));
     println!("gloo with CUDA tensors, 2 processes on cuda:0: ok");
 }
 

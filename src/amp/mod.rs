@@ -3,7 +3,7 @@
 //! underflow, skipping steps whose gradients overflowed (on every rank alike).
 //!
 //! For memory, the other form is 16-bit parameters with float32 master weights kept by
-//! [`crate::optim::ShardedOptimizer`] (the ZeRO paper's mixed precision: 2 bytes per parameter on every
+//! [`crate::zero::ShardedOptimizer`] (the ZeRO paper's mixed precision: 2 bytes per parameter on every
 //! rank, the float32 copy and Adam's state sharded).
 //!
 //! ```no_run

@@ -71,7 +71,7 @@ impl<M> DistributedDataParallel<M> {
     /// and gradient shards, and how many parameter elements this rank updates.
     ///
     /// ```no_run
-    /// # fn f<M>(ddp: &tch_dist::ddp::DistributedDataParallel<M>, opt: &tch_dist::optim::ShardedOptimizer) -> tch_dist::Result<()> {
+    /// # fn f<M>(ddp: &tch_dist::ddp::DistributedDataParallel<M>, opt: &tch_dist::zero::ShardedOptimizer) -> tch_dist::Result<()> {
     /// let m = ddp.memory_breakdown_with(opt)?;
     /// println!("params {} grads {} state {} (shard of {} elements)", m.parameters, m.buckets + m.gradient_shards, m.optimizer_state, m.owned_elements);
     /// # Ok(()) }

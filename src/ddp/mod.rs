@@ -26,11 +26,11 @@
 #[doc(hidden)] // the assignment rules, public for tests
 pub mod bucket;
 pub mod comm_hook;
+mod grad_sink;
 pub mod join;
 mod memory;
 pub mod powersgd;
 mod reducer;
-mod shard;
 pub(crate) mod sync;
 
 use std::sync::Arc;
@@ -38,6 +38,7 @@ use std::sync::Arc;
 use tch::{nn, Tensor};
 
 pub use comm_hook::{CommHook, GradBucket, HookFuture};
+pub(crate) use grad_sink::{FixedBucket, GradSink};
 pub use join::JoinOptions;
 pub use memory::DdpMemory;
 pub use powersgd::{PowerSgd, PowerSgdOptions};
@@ -369,26 +370,23 @@ impl<M> DistributedDataParallel<M> {
         self.reducer.state.lock().map(|s| s.events.clone()).unwrap_or_default()
     }
 
-    /// Fixes the bucket layout (see [`crate::optim::ShardedOptimizer`]); returns parameter indices per bucket.
-    pub(crate) fn freeze_layout(&self) -> Result<Vec<Vec<usize>>> {
-        self.reducer.freeze_layout()
+    /// Fixes the bucket layout for good; returns each bucket's parameters and gradient buffer (the
+    /// averaged gradients after a synchronised backward).
+    pub(crate) fn fix_layout(&self) -> Result<Vec<FixedBucket>> {
+        self.reducer.fix_layout()
     }
 
-    /// ZeRO-2: reduce-scatter instead of allreduce; returns this rank's gradient shard per bucket.
-    pub(crate) fn shard_gradients(&self) -> Result<Vec<Tensor>> {
+    /// Sends synchronised backwards' gradients to a sink instead of the buckets (see [`GradSink`]).
+    /// `owner` names the caller in the error a comm hook gets: the sink reduces buckets itself.
+    pub(crate) fn route_to(
+        &self,
+        owner: &str,
+        make: impl FnOnce(&[(i64, Tensor)]) -> Result<Box<dyn GradSink>>,
+    ) -> Result<()> {
         if self.reducer.cfg.comm_hook.is_some() {
-            return Err(Error::invalid("ZeRO-2", "ZeRO-2 reduce-scatters buckets itself; remove the comm hook"));
+            return Err(Error::invalid(owner, "it reduces buckets itself; remove the comm hook"));
         }
-        self.reducer.shard_gradients()
-    }
-
-    /// Each bucket's flat gradient buffer (the averaged gradients after a synchronised backward).
-    pub(crate) fn bucket_grads(&self) -> Vec<Tensor> {
-        self.reducer
-            .state
-            .lock()
-            .map(|s| s.buckets.iter().map(|b| b.flat.shallow_clone()).collect())
-            .unwrap_or_default()
+        self.reducer.route_to(make).map_err(|e| e.in_op(owner.to_string()))
     }
 
     /// Whether buckets were rebuilt from the observed gradient order.

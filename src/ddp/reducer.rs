@@ -6,7 +6,7 @@ use tch::Tensor;
 
 use super::bucket::{self, TensorSpec};
 use super::comm_hook::{CommHook, GradBucket, HookFuture};
-use super::shard::GradShards;
+use super::grad_sink::{FixedBucket, GradSink};
 use super::sync;
 use crate::error::{Error, Result};
 use crate::group::loop_check::{agree_on_loop, LoopPhase};
@@ -37,7 +37,7 @@ pub(crate) struct Config {
 }
 
 pub(crate) struct Bucket {
-    /// The bucket's gradients (empty once gradients are sharded: ZeRO-2).
+    /// The bucket's gradients (empty once gradients go to a sink).
     pub flat: Tensor,
     pub params: Vec<usize>,
     pub views: Vec<Tensor>,
@@ -71,10 +71,10 @@ pub(crate) struct State {
     /// Synchronised forwards and backwards so far, compared across ranks after each backward.
     forwards: i64,
     backwards: i64,
-    /// The layout no longer changes (ZeRO keeps parameters and state in it).
+    /// The layout no longer changes (a layer above keeps parameters and state in it).
     pub frozen: bool,
-    /// ZeRO-2: buckets are reduce-scattered into per-rank shards instead of allreduced.
-    pub shards: Option<GradShards>,
+    /// Where gradients go instead of the buckets (reduce-scattered into shards, say).
+    pub sink: Option<Box<dyn GradSink>>,
     /// Inside `join`: uneven inputs are being shadowed.
     join: Option<super::join::JoinOptions>,
     /// Gradients are divided by this (the world size unless joining asks otherwise).
@@ -85,8 +85,8 @@ pub(crate) struct State {
 
 /// A complete bucket whose reduction can start.
 enum Launch {
-    /// ZeRO-2: reduce-scatter into the shards.
-    Shard(usize),
+    /// Into the sink.
+    Sink(usize),
     Reduce(GradBucket),
 }
 
@@ -136,7 +136,7 @@ impl Reducer {
             forwards: 0,
             backwards: 0,
             frozen: false,
-            shards: None,
+            sink: None,
             join: None,
             divisor: cfg.world as f64,
             forward_param_sync: true,
@@ -237,8 +237,8 @@ impl Reducer {
         let grad = st.params[i].grad();
         // a comm hook gets the local gradients as they are and averages them itself (PyTorch's rule)
         let scale = if self.cfg.comm_hook.is_some() { 1.0 } else { 1.0 / st.divisor };
-        if let Some(sh) = st.shards.as_mut() {
-            sh.accept(b, st.buckets[b].offsets[k], st.specs[i].numel as i64, &grad)?;
+        if let Some(sink) = st.sink.as_mut() {
+            sink.accept(b, st.buckets[b].offsets[k], st.specs[i].numel as i64, &grad, 1.0 / st.divisor)?;
             if grad.defined() {
                 // the bucket buffer has it now; only the shard survives this backward
                 hooks::set_grad(&st.params[i], None)?;
@@ -275,8 +275,8 @@ impl Reducer {
         let mut launches = Vec::new();
         while st.next_launch < st.buckets.len() && st.pending[st.next_launch] == 0 {
             let nb = st.next_launch;
-            launches.push(if st.shards.is_some() {
-                Launch::Shard(nb)
+            launches.push(if st.sink.is_some() {
+                Launch::Sink(nb)
             } else {
                 Launch::Reduce(GradBucket {
                     index: nb,
@@ -291,17 +291,17 @@ impl Reducer {
         Ok(launches)
     }
 
-    /// Starts the reductions of complete buckets, in order, with no lock held (they may block, as
-    /// ZeRO-2's waits for the previous bucket, and run the user's comm hook).
+    /// Starts the reductions of complete buckets, in order, with no lock held (they may block, as a
+    /// sink that waits for the previous bucket, and run the user's comm hook).
     fn start(&self, launches: Vec<Launch>) -> Result<()> {
         for l in launches {
             match l {
-                Launch::Shard(nb) => {
+                Launch::Sink(nb) => {
                     let _l = crate::flight::label(format!("DDP bucket {nb}"));
                     // out of the state while it runs (one backward at a time drives it)
-                    let Some(mut sh) = lock(&self.state).shards.take() else { continue };
-                    let r = sh.launch(&self.pg, nb);
-                    lock(&self.state).shards = Some(sh);
+                    let Some(mut sink) = lock(&self.state).sink.take() else { continue };
+                    let r = sink.launch(&self.pg, nb);
+                    lock(&self.state).sink = Some(sink);
                     r?;
                 }
                 Launch::Reduce(bucket) => {
@@ -368,13 +368,13 @@ impl Reducer {
         // 2. no lock held while the reductions run and are waited for
         self.start(launches)?;
         let _g = tch::no_grad_guard();
-        let (in_flight, shards) = {
+        let (in_flight, sink) = {
             let mut st = lock(&self.state);
-            (std::mem::take(&mut st.in_flight), st.shards.take())
+            (std::mem::take(&mut st.in_flight), st.sink.take())
         };
-        if let Some(mut sh) = shards {
-            let r = sh.finish(&self.pg);
-            lock(&self.state).shards = Some(sh);
+        if let Some(mut sink) = sink {
+            let r = sink.finish(&self.pg);
+            lock(&self.state).sink = Some(sink);
             return r;
         }
         for f in in_flight {
@@ -534,10 +534,10 @@ impl Reducer {
     pub fn shadow_backward(&self) -> Result<()> {
         let (zero_buckets, n) = {
             let st = lock(&self.state);
-            if st.shards.is_some() {
+            if st.sink.is_some() {
                 return Err(Error::invalid(
                     "DDP join",
-                    "ZeRO-2's sharded gradients cannot be shadowed yet; join is for DDP",
+                    "this DDP's gradients are reduce-scattered into shards, which join cannot shadow yet",
                 ));
             }
             let count = st.buckets.len();
@@ -577,13 +577,13 @@ impl Reducer {
         Ok(())
     }
 
-    /// Fixes the bucket layout for good (ZeRO lays parameters and optimizer state out by bucket). Before
-    /// the first rebuild, buckets are cut to the configured caps in reverse parameter order, the order
-    /// PyTorch starts from; gradients present are kept. Returns the parameters per bucket.
-    pub fn freeze_layout(&self) -> Result<Vec<Vec<usize>>> {
+    /// Fixes the bucket layout for good (a layer above lays parameters and optimizer state out by
+    /// bucket). Before the first rebuild, buckets are cut to the configured caps in reverse parameter
+    /// order, the order PyTorch starts from; gradients present are kept.
+    pub fn fix_layout(&self) -> Result<Vec<FixedBucket>> {
         let mut st = lock(&self.state);
         if st.active {
-            return Err(Error::invalid("ZeRO setup", "a backward is in progress"));
+            return Err(Error::invalid("fixing DDP's bucket layout", "a backward is in progress"));
         }
         if !st.rebuilt && !st.frozen {
             let limits = [self.cfg.first_bucket_bytes, self.cfg.bucket_bytes];
@@ -592,30 +592,34 @@ impl Reducer {
             init_buckets(&mut st, &self.cfg, assignment, false)?;
         }
         st.frozen = true;
-        Ok(st.buckets.iter().map(|b| b.params.clone()).collect())
+        Ok(st.buckets.iter().map(|b| FixedBucket { params: b.params.clone(), grads: b.flat.shallow_clone() }).collect())
     }
 
-    /// Switches to reduce-scatter (ZeRO-2) and returns this rank's gradient shard per bucket. The buckets'
-    /// full-size buffers and any gradients present are dropped; from now on parameters have no `.grad`
-    /// after a synchronised backward, only the shards hold the averaged gradient.
-    pub fn shard_gradients(&self) -> Result<Vec<Tensor>> {
-        self.freeze_layout()?;
+    /// Sends every synchronised backward's gradients to the sink `make` builds from the fixed layout
+    /// (elements and a parameter, for dtype and device, per bucket). The buckets' full-size buffers and
+    /// any gradients present are dropped; from now on parameters have no `.grad` after a synchronised
+    /// backward. Once only: one sink owns the gradients.
+    pub fn route_to(&self, make: impl FnOnce(&[(i64, Tensor)]) -> Result<Box<dyn GradSink>>) -> Result<()> {
+        self.fix_layout()?;
         let mut st = lock(&self.state);
-        if st.shards.is_none() {
-            for p in &st.params {
-                hooks::set_grad(p, None)?;
-            }
-            let like: Vec<(i64, Tensor)> =
-                st.buckets.iter().map(|b| (b.numel, st.params[b.params[0]].shallow_clone())).collect();
-            let refs: Vec<(i64, &Tensor)> = like.iter().map(|(n, t)| (*n, t)).collect();
-            let shards = GradShards::new(&refs, self.cfg.world)?;
-            for b in st.buckets.iter_mut() {
-                b.views.clear();
-                b.flat = Tensor::f_empty([0], (b.flat.kind(), b.flat.device()))?;
-            }
-            st.shards = Some(shards);
+        if st.sink.is_some() {
+            return Err(Error::invalid(
+                "routing DDP's gradients",
+                "they go to another sink already (one sharded optimizer per DDP model)",
+            ));
         }
-        Ok(st.shards.as_ref().map(|s| s.shards.iter().map(|t| t.shallow_clone()).collect()).unwrap_or_default())
+        let like: Vec<(i64, Tensor)> =
+            st.buckets.iter().map(|b| (b.numel, st.params[b.params[0]].shallow_clone())).collect();
+        let sink = make(&like)?;
+        for p in &st.params {
+            hooks::set_grad(p, None)?;
+        }
+        for b in st.buckets.iter_mut() {
+            b.views.clear();
+            b.flat = Tensor::f_empty([0], (b.flat.kind(), b.flat.device()))?;
+        }
+        st.sink = Some(sink);
+        Ok(())
     }
 
     pub fn set_sync(&self, on: bool) {
@@ -647,8 +651,8 @@ fn all_zero(buckets: &[Bucket]) -> Result<bool> {
 fn reset_iteration(st: &mut State) {
     st.active = false;
     st.in_flight.clear();
-    if let Some(sh) = st.shards.as_mut() {
-        sh.reset();
+    if let Some(sink) = st.sink.as_mut() {
+        sink.reset();
     }
     st.next_launch = 0;
     st.ready.iter_mut().for_each(|r| *r = false);

@@ -5,7 +5,7 @@
 //! optimizer's state (the paper's 2 + 2 + K with K = 12 under mixed-precision Adam: float32 master weight,
 //! momentum and variance). Stage 1 shards the optimizer state over the N ranks, stage 2 the gradients
 //! too, stage 3 the parameters too; a shard is ⌈Ψ/N⌉ elements. These are the same quantities
-//! `memory_breakdown` reports for a running model (`tests/memory_plan.rs` checks the two agree on a
+//! `memory_breakdown` reports for a running model (`tests/sharding/memory_plan.rs` checks the two agree on a
 //! small model), so a plan made here predicts what a real run holds, activations and buffers aside.
 //!
 //! ```

@@ -1,6 +1,6 @@
 //! Optimizers in Rust over tch tensors, updating parameters in place (no autograd), so they work with
 //! DDP's bucket views and expose their state for checkpoints. The arithmetic follows `torch.optim`'s
-//! single-tensor implementations, step for step (`tests/optim.rs` compares with PyTorch).
+//! single-tensor implementations, step for step (`tests/training/optim.rs` compares with PyTorch).
 //!
 //! ```no_run
 //! use tch_dist::optim::{AdamW, Optimizer};
@@ -14,14 +14,12 @@
 mod adamw;
 mod clip;
 mod sgd;
-mod zero;
 
 #[doc(hidden)]
 pub use adamw::two_pass_variant;
 pub use adamw::AdamW;
 pub use clip::{clip_grad_norm, GradNorm};
 pub use sgd::Sgd;
-pub use zero::{ShardedOptimizer, ZeroStage};
 
 use tch::Tensor;
 

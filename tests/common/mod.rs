@@ -61,7 +61,27 @@ pub fn run_threads_with<T: Send + 'static>(
     handles.into_iter().map(|h| h.join().expect("rank thread panicked")).collect()
 }
 
-/// Starts `world` copies of this test binary, each running the ignored test `worker` with torchrun's
+/// libtest's name of test `f` in the module whose `module_path!()` is `module`: a test binary holds one
+/// module per file, and its tests' names start with the module's path below the crate.
+pub fn qualified(module: &str, f: &str) -> String {
+    match module.split_once("::") {
+        Some((_, below)) => format!("{below}::{f}"),
+        None => f.to_string(),
+    }
+}
+
+/// The libtest name of the calling module's test `f` (for `--exact`, re-running this binary as a rank).
+#[allow(unused_macros)] // a binary whose tests start no processes has no use for it
+macro_rules! test_name {
+    ($f:literal) => {
+        $crate::common::qualified(module_path!(), $f)
+    };
+}
+#[allow(unused_imports)]
+pub(crate) use test_name;
+
+/// Starts `world` copies of this test binary, each running the ignored test `worker` (its full name,
+/// [`test_name!`]) with torchrun's
 /// environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) plus `env`. Returns the children.
 pub fn spawn_ranks(worker: &str, world: usize, env: &[(&str, String)]) -> Vec<std::process::Child> {
     let port = free_port();

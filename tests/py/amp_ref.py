@@ -1,4 +1,4 @@
-"""PyTorch's side of tests/amp.rs. Prints one line of numbers per tensor.
+"""PyTorch's side of tests/training/amp.rs. Prints one line of numbers per tensor.
 
   amp_ref.py autocast   -> output dtype line, then output, grad w1, b1, w2, b2 (bf16 autocast forward)
   amp_ref.py scaler     -> per step: scale, then p (GradScaler on CPU, SGD, infs at steps 2 and 6)

@@ -1,4 +1,4 @@
-"""torch.nn.utils.clip_grad_norm_ on given gradients (tests/clip.rs): reads JSON cases from stdin, each
+"""torch.nn.utils.clip_grad_norm_ on given gradients (tests/training/clip.rs): reads JSON cases from stdin, each
 {"grads": [[shape, flat values], ...], "norm_type": p, "max_norm": m}; prints, per case, JSON
 {"total": the returned norm, "grads": the clipped gradients, flat}."""
 import json

@@ -1,5 +1,5 @@
 """A PyTorch DDP rank training the same MLP on the same data as tests/common/model.rs, for the mixed
-PyTorch/tch-dist DDP test (tests/ddp_interop.rs). Writes its final parameters (float32, in parameter
+PyTorch/tch-dist DDP test (tests/interop/ddp_interop.rs). Writes its final parameters (float32, in parameter
 order) to the file named by DDP_OUT."""
 import os
 import sys
@@ -45,7 +45,7 @@ def main():
     find_unused = os.environ.get("DDP_FIND_UNUSED") == "1"
     ddp = DDP(model, bucket_cap_mb=float(os.environ.get("DDP_CAP_MB", "25")), find_unused_parameters=find_unused)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    # uneven inputs (tests/ddp_join.rs): DDP_STEPS="5,3" gives rank 0 five batches and rank 1 three, under
+    # uneven inputs (tests/ddp/ddp_join.rs): DDP_STEPS="5,3" gives rank 0 five batches and rank 1 three, under
     # torch.distributed.algorithms.Join
     steps = [int(n) for n in os.environ["DDP_STEPS"].split(",")][rank] if "DDP_STEPS" in os.environ else STEPS
     join = None

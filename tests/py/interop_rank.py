@@ -1,6 +1,6 @@
-"""A PyTorch rank that runs the same collectives, in the same order, as tests/collectives.rs's scenario.
+"""A PyTorch rank that runs the same collectives, in the same order, as tests/collectives/collectives.rs's scenario.
 
-Started by tests/interop.rs with torchrun's environment; joins the group with
+Started by tests/interop/interop.rs with torchrun's environment; joins the group with
 torch.distributed.init_process_group("gloo", init_method="env://") and checks every result.
 """
 import math

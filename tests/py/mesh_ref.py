@@ -1,4 +1,4 @@
-"""PyTorch's init_device_mesh layouts (tests/mesh.rs): for each shape given as NAME=SIZE,NAME=SIZE...,
+"""PyTorch's init_device_mesh layouts (tests/tp/mesh.rs): for each shape given as NAME=SIZE,NAME=SIZE...,
 prints one JSON line per rank: {"shape": ..., "rank": r, "coords": [...], "groups": {name: [ranks]}}.
 Each rank is simulated in this one process over the fake process group (no communication)."""
 import json

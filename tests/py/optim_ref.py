@@ -1,4 +1,4 @@
-"""torch.optim reference for tests/optim.rs: the same parameters, gradients and steps; prints the final
+"""torch.optim reference for tests/training/optim.rs: the same parameters, gradients and steps; prints the final
 parameters, one line per tensor. Usage: optim_ref.py sgd LR MOMENTUM DAMPENING NESTEROV WD STEPS
                                       or optim_ref.py adamw LR BETA1 BETA2 EPS WD STEPS [fused]"""
 import os
@@ -7,7 +7,7 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts"))
 import torch  # noqa: E402
 
-SHAPES = [(4, 3), (5,), (2, 2, 2), (300, 500)]  # as tests/optim.rs
+SHAPES = [(4, 3), (5,), (2, 2, 2), (300, 500)]  # as tests/training/optim.rs
 
 
 def formula(n, k):
@@ -28,7 +28,7 @@ def main():
     for step in range(steps):
         for i, p in enumerate(params):
             g = formula(p.numel(), step * 0.7 + i + 10)
-            g[::3] = 0  # as tests/optim.rs: every third element exactly zero (a dead unit)
+            g[::3] = 0  # as tests/training/optim.rs: every third element exactly zero (a dead unit)
             p.grad = g.view(p.shape)
         opt.step()
     for p in params:

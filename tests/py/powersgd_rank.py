@@ -1,5 +1,5 @@
 """A PyTorch DDP rank training with PyTorch's own PowerSGD hook (torch.distributed.algorithms.
-ddp_comm_hooks.powerSGD_hook), for tests/ddp_powersgd.rs: the MLP, data and initial values of
+ddp_comm_hooks.powerSGD_hook), for tests/ddp/ddp_powersgd.rs: the MLP, data and initial values of
 tests/py/ddp_rank.py. The only substitution: the seeds of the random initial Qs come from the splitmix64
 sequence tch-dist uses instead of numpy's RandomState (the Qs drawn from a seed are torch's own).
 Env: POWERSGD_RANK, STEPS, DDP_CAP_MB; rank 0 writes its final parameters (float32) to DDP_OUT and the

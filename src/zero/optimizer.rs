@@ -1,0 +1,285 @@
+//! ZeRO-1 and ZeRO-2's optimizer: each rank steps its shards of DDP's buckets, then the shards are
+//! all-gathered back into every rank's parameters.
+use std::collections::VecDeque;
+use std::sync::Arc;
+
+use tch::{Kind, Tensor};
+
+use super::flat::{self, FlatBucket};
+use super::grad_shards::GradShards;
+use super::ZeroStage;
+use crate::ddp::DistributedDataParallel;
+use crate::ddp::GradSink;
+use crate::error::Result;
+use crate::group::ProcessGroup;
+use crate::hooks;
+use crate::optim::{self, Optimizer, OptimizerMemory};
+
+pub(super) struct Shard {
+    pub(super) params: FlatBucket,
+    /// The averaged gradient of this rank's shard (a view into DDP's bucket, or ZeRO-2's shard).
+    pub(super) grad: Tensor,
+    /// What the inner optimizer steps: the parameter shard itself, or its float32 master copy.
+    pub(super) stepped: Tensor,
+    pub(super) master: bool,
+    /// One optimizer per shard, so that a step's temporaries (float32 gradient copies included) are one
+    /// bucket's at a time. Where this rank's shard is all padding it steps an empty tensor, so every rank
+    /// holds the same state entries (consolidation gathers them).
+    pub(super) opt: Box<dyn Optimizer + Send>,
+    /// The bucket's parameters: (index in DDP's order, offset in the flat buffer, shape).
+    pub(super) members: Vec<(usize, i64, Vec<i64>)>,
+}
+
+/// An optimizer sharded across the ranks of a DDP model (ZeRO stage 1 or 2, see the module docs).
+pub struct ShardedOptimizer {
+    pub(super) pg: Arc<ProcessGroup>,
+    stage: ZeroStage,
+    pub(super) shards: Vec<Shard>,
+    /// The model's parameters, and the full gradient buffers to zero: DDP's buckets (stage 1) or the
+    /// gradient shards (stage 2).
+    pub(super) params: Vec<Tensor>,
+    full_grads: Vec<Tensor>,
+    /// Gradients of `stepped` set (and, with master weights, cast) for the coming step.
+    prepared: bool,
+}
+
+impl ShardedOptimizer {
+    /// Shards `ddp`'s parameters: fixes its bucket layout, moves each bucket's parameters into a flat
+    /// buffer, and builds an inner optimizer with `make` for each of this rank's non-empty shards (one
+    /// tensor each), e.g. `|p| Box::new(AdamW::new(p, 1e-3))`. Call before training: with
+    /// `ZeroStage::Two`, gradients present are dropped.
+    pub fn new<M>(
+        ddp: &DistributedDataParallel<M>,
+        stage: ZeroStage,
+        make: impl Fn(Vec<Tensor>) -> Box<dyn Optimizer + Send>,
+    ) -> Result<ShardedOptimizer> {
+        let pg = ddp.process_group().clone();
+        let (rank, world) = (pg.rank(), pg.size());
+        let layout = ddp.fix_layout()?;
+        let params = ddp.parameters();
+        let grads = match stage {
+            ZeroStage::One => layout.iter().map(|b| b.grads.shallow_clone()).collect(),
+            ZeroStage::Two => {
+                let mut shards = Vec::new();
+                ddp.route_to("ZeRO-2 setup", |buckets| {
+                    let sink = GradShards::new(buckets, world)?;
+                    shards = sink.shards.iter().map(|t| t.shallow_clone()).collect();
+                    Ok(Box::new(sink) as Box<dyn GradSink>)
+                })?;
+                shards
+            }
+        };
+        let mut shards = Vec::with_capacity(layout.len());
+        for (b, idx) in layout.iter().map(|b| &b.params).enumerate() {
+            let members: Vec<Tensor> = idx.iter().map(|&i| params[i].shallow_clone()).collect();
+            let flat = FlatBucket::new(&members, rank, world)?;
+            let grad = match stage {
+                // DDP's bucket is unpadded: a rank whose shard is all padding gets an empty slice at the end
+                ZeroStage::One => {
+                    grads[b].f_narrow(0, (rank as i64 * flat.len).min(grads[b].numel() as i64), flat.own)?
+                }
+                ZeroStage::Two => grads[b].f_narrow(0, 0, flat.own)?,
+            };
+            let view = flat.shard()?;
+            let master = matches!(view.kind(), Kind::Half | Kind::BFloat16);
+            let stepped = if master { view.f_to_kind(Kind::Float)? } else { view.f_detach()? }.set_requires_grad(true);
+            let opt = make(vec![stepped.shallow_clone()]);
+            let members = idx.iter().zip(&flat.offsets).map(|(&i, &off)| (i, off, params[i].size())).collect();
+            shards.push(Shard { params: flat, grad, stepped, master, opt, members });
+        }
+        Ok(ShardedOptimizer { pg, stage, shards, params, full_grads: grads, prepared: false })
+    }
+
+    pub fn stage(&self) -> ZeroStage {
+        self.stage
+    }
+
+    /// Elements of parameters this rank updates (the sum of its shards).
+    pub fn shard_numel(&self) -> i64 {
+        self.shards.iter().map(|s| s.params.own).sum()
+    }
+
+    /// Clips the gradients this rank steps (its shards) so that the whole model's gradient has at most
+    /// `max_norm` (see [`GradNorm`](optim::GradNorm)): the shards' norms are summed over the group.
+    /// Returns the whole model's norm before clipping. Collective; after backward, before the step.
+    pub fn clip_grad_norm(&mut self, max_norm: f64, norm_type: f64) -> Result<Tensor> {
+        let grads = self.gradients()?;
+        let pg = self.pg.clone();
+        optim::GradNorm::new(norm_type).gradients(grads, &[&pg]).clip(max_norm)
+    }
+
+    /// The inner optimizers, one per non-empty shard.
+    pub fn inner_mut(&mut self) -> impl Iterator<Item = &mut (dyn Optimizer + Send + 'static)> {
+        self.shards.iter_mut().map(|s| s.opt.as_mut() as &mut (dyn Optimizer + Send + 'static))
+    }
+
+    /// Points the inner optimizers at all gradients at once (for [`Optimizer::gradients`]).
+    fn prepare(&mut self) -> Result<()> {
+        if !self.prepared {
+            for s in &self.shards {
+                s.prepare()?;
+            }
+            self.prepared = true;
+        }
+        Ok(())
+    }
+}
+
+impl Shard {
+    /// This rank's update of its shard of the bucket. `prepared`: the gradient is in place already (the
+    /// caller unscaled or clipped it).
+    fn step_local(&mut self, prepared: bool) -> Result<()> {
+        if !prepared {
+            // one bucket at a time (a float32 gradient copy lives for this bucket's step only)
+            self.prepare()?;
+        }
+        self.opt.step()?;
+        if self.master {
+            self.params.shard()?.f_copy_(&self.stepped)?;
+            hooks::set_grad(&self.stepped, None)?; // the float32 copy of the gradient is scratch
+        }
+        Ok(())
+    }
+
+    /// Gives the stepped tensor its gradient: the shard's own, or a float32 copy for master weights.
+    fn prepare(&self) -> Result<()> {
+        let g = if self.master { self.grad.f_to_kind(Kind::Float)? } else { self.grad.shallow_clone() };
+        hooks::set_grad(&self.stepped, Some(&g))?;
+        Ok(())
+    }
+}
+
+impl Optimizer for ShardedOptimizer {
+    fn step(&mut self) -> Result<()> {
+        let _g = tch::no_grad_guard();
+        // bucket b's gather runs while bucket b+1 steps
+        let mut pending = VecDeque::new();
+        // A rank whose own step fails still takes part in every gather (with its shard as it is), so
+        // the others are not left waiting; then every rank learns of the failure at once.
+        let mut local = Ok(());
+        let prepared = self.prepared;
+        for (b, s) in self.shards.iter_mut().enumerate() {
+            if local.is_ok() {
+                local = s.step_local(prepared);
+            }
+            let _l = crate::flight::label(format!("ZeRO gather, bucket {b}"));
+            s.params.all_gather(&self.pg, b, &mut pending, flat::GATHERS_IN_FLIGHT)?;
+        }
+        for w in pending.into_iter().flatten() {
+            w.wait()?;
+        }
+        self.prepared = false;
+        self.pg.meta().outcome("ZeRO step", local)
+    }
+
+    /// Zeroes the gradients the next step reads: DDP's buckets and any `.grad` (stage 1), or the shards
+    /// (stage 2; a step without a backward then changes parameters by weight decay only, as unsharded).
+    fn zero_grad(&mut self) -> Result<()> {
+        let _g = tch::no_grad_guard();
+        hooks::zero_grads(&self.params)?;
+        for g in &self.full_grads {
+            let _ = g.shallow_clone().f_zero_()?;
+        }
+        for s in &self.shards {
+            if s.master {
+                hooks::set_grad(&s.stepped, None)?;
+            }
+        }
+        self.prepared = false;
+        Ok(())
+    }
+
+    fn gradients(&mut self) -> Result<Vec<Tensor>> {
+        self.prepare()?;
+        Ok(self.shards.iter().filter(|s| s.params.own > 0).map(|s| s.stepped.grad()).collect())
+    }
+
+    /// Each shard's inner state under `zero.{bucket}.`, and master weights as `zero.{bucket}.master`.
+    fn state_dict(&self) -> Vec<(String, Tensor)> {
+        let mut out = Vec::new();
+        for (b, sh) in self.shards.iter().enumerate() {
+            out.extend(sh.opt.state_dict().into_iter().map(|(k, t)| (format!("zero.{b}.{k}"), t)));
+            if sh.master {
+                out.push((format!("zero.{b}.master"), sh.stepped.detach()));
+            }
+        }
+        out
+    }
+
+    fn load_state_dict(&mut self, state: &[(String, Tensor)]) -> Result<()> {
+        for (b, sh) in self.shards.iter_mut().enumerate() {
+            let prefix = format!("zero.{b}.");
+            if sh.master {
+                let saved = optim::find(state, &format!("{prefix}master"), &sh.stepped)?;
+                if saved.data_ptr() != sh.stepped.data_ptr() {
+                    sh.stepped.detach().f_copy_(saved)?;
+                }
+            }
+            let mine: Vec<(String, Tensor)> = state
+                .iter()
+                .filter_map(|(k, t)| k.strip_prefix(&prefix).map(|rest| (rest.to_string(), t.shallow_clone())))
+                .collect();
+            sh.opt.load_state_dict(&mine)?;
+        }
+        Ok(())
+    }
+
+    /// Each shard's inner slots, keyed under `zero.{bucket}.`: the parameter slices of this rank's part of
+    /// the bucket, and the bucket's first parameter as the anchor of per-tensor state.
+    fn state_slots(&self) -> Vec<optim::StateSlot> {
+        let rank = self.pg.rank() as i64;
+        let mut out = Vec::new();
+        for (b, sh) in self.shards.iter().enumerate() {
+            let (lo, hi) = (rank * sh.params.len, rank * sh.params.len + sh.params.own);
+            for inner in sh.opt.state_slots() {
+                let segments = sh
+                    .members
+                    .iter()
+                    .filter_map(|(i, off, shape)| {
+                        let n: i64 = shape.iter().product();
+                        let (s, e) = (lo.max(*off), hi.min(off + n));
+                        (e > s).then(|| optim::Segment {
+                            param: self.params[*i].shallow_clone(),
+                            start: s - off,
+                            len: e - s,
+                            at: s - lo,
+                        })
+                    })
+                    .collect();
+                out.push(optim::StateSlot {
+                    prefix: format!("zero.{b}.{}", inner.prefix),
+                    master_key: sh.master.then(|| format!("zero.{b}.master")),
+                    stepped: sh.stepped.shallow_clone(),
+                    segments,
+                    anchor: sh.members.first().map(|m| self.params[m.0].shallow_clone()),
+                });
+            }
+        }
+        out
+    }
+
+    fn memory(&self) -> OptimizerMemory {
+        let mut m = OptimizerMemory::default();
+        for s in &self.shards {
+            m.state += s.opt.memory().state;
+        }
+        m.master = self.shards.iter().filter(|s| s.master).map(|s| optim::bytes(&s.stepped)).sum();
+        if self.stage == ZeroStage::Two {
+            m.gradient_shards = self.shards.iter().map(|s| optim::bytes(&s.grad)).sum();
+        }
+        m.owned_elements = self.shard_numel();
+        m
+    }
+}
+
+impl std::fmt::Debug for ShardedOptimizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "ShardedOptimizer({:?}, {} buckets, {} elements owned)",
+            self.stage,
+            self.shards.len(),
+            self.shard_numel()
+        )
+    }
+}

@@ -1,0 +1,98 @@
+//! Checkpoints: round trip, a clear error for a mismatched model, PyTorch can open them, and a process
+//! killed while writing leaves the previous checkpoint intact and loadable.
+use crate::common;
+
+use std::process::Command;
+use std::time::Duration;
+
+use tch::{nn, Device, Kind, Tensor};
+use tch_dist::{checkpoint, ProcessGroup, Store};
+
+fn solo() -> ProcessGroup {
+    ProcessGroup::new(&Store::hash().unwrap(), 0, 1, &common::gloo_opts(Duration::from_secs(30))).unwrap()
+}
+
+fn tmp(name: &str) -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!("tdx-ckpt-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+#[test]
+fn round_trip_through_a_var_store_and_pytorch_can_read_it() {
+    let pg = solo();
+    let d = tmp("roundtrip");
+    let path = d.join("c.safetensors");
+    let vs = nn::VarStore::new(Device::Cpu);
+    let _l = nn::linear(vs.root() / "fc", 3, 2, Default::default());
+    let mut buf = vs.root().zeros_no_train("running_mean", &[2]);
+    let _ = buf.fill_(7.0);
+    assert_eq!(checkpoint::load_var_store(&pg, &path, &vs).unwrap(), None, "no file yet");
+    checkpoint::save_var_store(&pg, &path, 42, &vs).unwrap();
+
+    let vs2 = nn::VarStore::new(Device::Cpu);
+    let _l2 = nn::linear(vs2.root() / "fc", 3, 2, Default::default());
+    let _b2 = vs2.root().zeros_no_train("running_mean", &[2]);
+    assert_eq!(checkpoint::load_var_store(&pg, &path, &vs2).unwrap(), Some(42));
+    for ((n1, t1), (n2, t2)) in
+        checkpoint::var_store_tensors(&vs).iter().zip(checkpoint::var_store_tensors(&vs2).iter())
+    {
+        assert_eq!(n1, n2);
+        assert!(t1.equal(t2), "{n1}");
+    }
+    // PyTorch users open it with safetensors
+    let py = "import sys; from safetensors.torch import load_file; d = load_file(sys.argv[1]); \
+              print(int(d['__step__'][0]), sorted(k for k in d if not k.startswith('__')), float(d['running_mean'].sum()))";
+    let o = Command::new(common::python()).args(["-c", py]).arg(&path).output().unwrap();
+    assert!(o.status.success(), "{}", common::show(&o));
+    assert_eq!(String::from_utf8_lossy(&o.stdout).trim(), "42 ['fc.bias', 'fc.weight', 'running_mean'] 14.0");
+
+    // a model of another shape is refused, naming the tensor
+    let vs3 = nn::VarStore::new(Device::Cpu);
+    let _l3 = nn::linear(vs3.root() / "fc", 3, 5, Default::default());
+    let _b3 = vs3.root().zeros_no_train("running_mean", &[2]);
+    let e = checkpoint::load_var_store(&pg, &path, &vs3).unwrap_err().to_string();
+    assert!(e.contains("fc.bias: saved [2], model has [5]"), "{e}");
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+#[test]
+#[ignore = "process killed mid-write by a_kill_during_save_leaves_the_previous_checkpoint_intact"]
+fn worker_saves_forever() {
+    let path = std::path::PathBuf::from(std::env::var("CKPT").unwrap());
+    for step in 1.. {
+        // 32 MB, every element equal to the step: a torn file would show mixed values or fail to parse
+        let t = Tensor::full([8 << 20], step as f64, (Kind::Float, Device::Cpu));
+        checkpoint::write_atomic(&path, step, &[("w".to_string(), t)]).unwrap();
+    }
+}
+
+#[test]
+fn a_kill_during_save_leaves_the_previous_checkpoint_intact() {
+    let d = tmp("kill");
+    let path = d.join("c.safetensors");
+    for delay_ms in [150u64, 400, 700] {
+        let mut child = Command::new(std::env::current_exe().unwrap())
+            .args(["--ignored", "--exact", common::test_name!("worker_saves_forever").as_str(), "--nocapture"])
+            .env("CKPT", &path)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let start = std::time::Instant::now();
+        while !path.exists() && start.elapsed() < Duration::from_secs(30) {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        std::thread::sleep(Duration::from_millis(delay_ms));
+        child.kill().unwrap(); // SIGKILL, most likely in the middle of writing the next one
+        child.wait().unwrap();
+        let (step, tensors) = checkpoint::read(&path).expect("the checkpoint must still load");
+        assert_eq!(tensors.len(), 1);
+        let w = &tensors[0].1;
+        assert_eq!(w.numel(), 8 << 20);
+        let (lo, hi) = (w.min().double_value(&[]), w.max().double_value(&[]));
+        assert!(lo == hi && lo == step as f64, "torn checkpoint: values {lo}..{hi}, step {step}");
+    }
+    let _ = std::fs::remove_dir_all(&d);
+}

@@ -1,0 +1,11 @@
+//! Launching: tchrun, elastic rounds, the environment, a user crate, fault drills and soaks.
+//! One test binary per area: each module is one file of tests.
+#[path = "../common/mod.rs"]
+mod common;
+
+mod faults;
+mod init_env;
+mod soak;
+mod tchrun;
+mod tchrun_elastic;
+mod user_crate;

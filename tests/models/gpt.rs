@@ -1,0 +1,22 @@
+//! examples/gpt.rs, small: 20 steps of a 2-layer GPT (d 32, 2 heads, context 16) on Python's
+//! documentation text, in one process and on several meshes under tchrun (tp 2; DDP 2, FSDP 2, HSDP
+//! 2 × 2; pp 2 × DDP 2, pp 2 × FSDP 2, pp 2 × DDP 2 × tp 2, pp 2 × HSDP 2 × 2), one model source over a
+//! `parallelize::Plan`, each stage's data parallelism run by the pipeline: the losses agree within 1e-4
+//! at every step, and fall.
+use crate::common;
+
+#[test]
+fn every_mesh_trains_like_one_process() {
+    let model = ["--layers", "2", "--d", "32", "--heads", "2", "--context", "16", "--global-batch", "8"];
+    let meshes: [(usize, &[&str]); 8] = [
+        (2, &["--tp", "2"]),
+        (2, &["--dp", "2"]),
+        (2, &["--fsdp", "2"]),
+        (4, &["--hsdp", "2x2"]),
+        (4, &["--pp", "2", "--dp", "2"]),
+        (4, &["--pp", "2", "--fsdp", "2"]),
+        (8, &["--pp", "2", "--dp", "2", "--tp", "2"]),
+        (8, &["--pp", "2", "--hsdp", "2x2"]),
+    ];
+    common::layouts_train_like_one_process("gpt", &[&model[..], &["--steps", "20"]].concat(), 20, &meshes, 1e-4);
+}

@@ -1,0 +1,11 @@
+//! Whole programs: the examples trained in every layout against one process, the forum demo, the GPU kit on the CPU.
+//! One test binary per area: each module is one file of tests.
+#[path = "../common/mod.rs"]
+mod common;
+
+mod forum;
+mod gpt;
+mod gpu_kit;
+mod layout;
+mod min_gpt;
+mod train;

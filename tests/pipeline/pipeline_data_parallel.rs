@@ -1,0 +1,274 @@
+//! Pipeline stages that are data-parallel (pp 2 × dp 2, four ranks): each stage's DDP or FSDP, chosen in
+//! `PipelineConfig::data_parallel`, reduces its gradients during the last microbatch's backward only
+//! (counted in the flight recorder), and the losses of every step equal the unsplit model's on the full
+//! batch; with GPipe, 1F1B and interleaved 1F1B (two chunks per rank), FSDP with units of small
+//! parameters (gathered again for each microbatch's backward), and with tch's own SGD built over each
+//! stage's VarStore (which under FSDP steps the shards). A step under `no_sync` reduces nothing, and the
+//! next one reduces both steps' sum.
+use crate::common;
+
+use std::time::Duration;
+
+use tch::{nn, nn::Module, nn::OptimizerConfig, Device, Kind, Tensor};
+use tch_dist::ddp::DdpOptions;
+use tch_dist::fsdp::FsdpOptions;
+use tch_dist::mesh::DeviceMesh;
+use tch_dist::pipeline::schedule::Kind as Sched;
+use tch_dist::pipeline::{DataParallel, LayerList, Partition, PipelineConfig, PipelineRank};
+use tch_dist::ReduceOp;
+
+const STEPS: usize = 4;
+const BATCH: i64 = 8;
+const LR: f64 = 0.1;
+/// float32 sums in another order: observed ~1e-8.
+const TOL: f64 = 1e-6;
+
+/// A linear layer with values set by its shape (the threads share tch's generator, so nothing here may
+/// depend on it).
+fn linear(i: i64, o: i64) -> impl Fn(&nn::Path) -> nn::Linear + Send + Sync {
+    move |p| {
+        let l = nn::linear(p, i, o, Default::default());
+        tch::no_grad(|| {
+            let mut w = l.ws.shallow_clone();
+            let n = w.numel() as i64;
+            w.copy_(&((Tensor::arange(n, (Kind::Float, Device::Cpu)) * 0.37 + o as f64).sin() * 0.3).view([o, i]));
+            if let Some(b) = &l.bs {
+                b.shallow_clone().copy_(&(Tensor::arange(o, (Kind::Float, Device::Cpu)) * 0.11 - i as f64).cos());
+            }
+        });
+        l
+    }
+}
+
+/// A linear layer whose output is scaled by a gain per feature: the gain (16 elements, small beside the
+/// weight) is read by backward, so it must be gathered for every microbatch's backward under FSDP.
+#[derive(Debug)]
+struct Scaled {
+    lin: nn::Linear,
+    gain: Tensor,
+}
+
+impl nn::Module for Scaled {
+    fn forward(&self, xs: &Tensor) -> Tensor {
+        self.lin.forward(xs) * &self.gain
+    }
+}
+
+fn scaled(i: i64, o: i64) -> impl Fn(&nn::Path) -> Scaled + Send + Sync {
+    let lin = linear(i, o);
+    move |p| {
+        let gain = p.var("gain", &[o], nn::Init::Const(0.0));
+        tch::no_grad(|| {
+            gain.shallow_clone().copy_(&((Tensor::arange(o, (Kind::Float, Device::Cpu)) * 0.2).cos() + 0.5))
+        });
+        Scaled { lin: lin(p), gain }
+    }
+}
+
+fn layers() -> LayerList {
+    LayerList::new()
+        .add("l0", linear(6, 16))
+        .add_fn("a0", |x| x.tanh())
+        .add("l1", scaled(16, 16))
+        .add_fn("a1", |x| x.tanh())
+        .add("l2", linear(16, 12))
+        .add("l3", linear(12, 3))
+}
+
+fn data(step: usize) -> (Tensor, Tensor) {
+    let rows = Tensor::arange(BATCH, (Kind::Float, Device::Cpu)).unsqueeze(1) + (step as f64) * 100.0;
+    let x = (&rows * 0.21 + Tensor::arange(6, (Kind::Float, Device::Cpu)).unsqueeze(0) * 0.4).sin();
+    let y = (&rows * 0.07 - Tensor::arange(3, (Kind::Float, Device::Cpu)).unsqueeze(0)).cos();
+    (x, y)
+}
+
+fn loss(out: &Tensor, y: &Tensor) -> Tensor {
+    out.mse_loss(y, tch::Reduction::Mean)
+}
+
+/// The unsplit model on the full batch: the loss of each step.
+fn reference() -> Vec<f64> {
+    let l = layers();
+    let stage = l.build_stage(0..l.len(), Device::Cpu).unwrap();
+    let mut opt = nn::Sgd::default().build(&stage.vs, LR).unwrap();
+    (0..STEPS)
+        .map(|s| {
+            let (x, y) = data(s);
+            opt.zero_grad();
+            let lo = loss(&stage.forward(&x), &y);
+            lo.backward();
+            opt.step();
+            lo.double_value(&[])
+        })
+        .collect()
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Dp {
+    Ddp,
+    Fsdp,
+    /// FSDP with the biases and the gain (16 and 12 elements) in units of small parameters
+    FsdpSmall,
+}
+
+/// DDP bucket reductions (each rank's allreduce) recorded after the recorder's entry `after`.
+fn ddp_reductions(after: u64) -> usize {
+    let bucket = |e: &tch_dist::flight::Entry| e.label.starts_with("DDP bucket") && e.op.starts_with("allreduce");
+    tch_dist::flight::entries().iter().filter(|e| e.id > after && bucket(e)).count()
+}
+
+fn last_entry() -> u64 {
+    tch_dist::flight::entries().last().map_or(0, |e| e.id)
+}
+
+/// pp 2 × dp 2 on threads: the losses the last stage reports, averaged over dp (rank 0's view).
+fn train(dp_kind: Dp, schedule: Sched, chunks: usize, sizes: &'static [usize]) -> Vec<f64> {
+    let outs = common::run_threads(4, Duration::from_secs(60), move |world| {
+        let mesh = DeviceMesh::new(&world, &[("pp", 2), ("dp", 2)]).unwrap();
+        let (pp, dp) = (mesh.group("pp").unwrap(), mesh.group("dp").unwrap());
+        let data_parallel = match dp_kind {
+            Dp::Ddp => DataParallel::Ddp(DdpOptions::default().process_group(dp.clone())),
+            Dp::Fsdp => DataParallel::Fsdp(FsdpOptions::default().mesh(&mesh, &["dp"]).unwrap()),
+            Dp::FsdpSmall => {
+                DataParallel::Fsdp(FsdpOptions::default().mesh(&mesh, &["dp"]).unwrap().gather_once_below(100))
+            }
+        };
+        let l = layers();
+        let part = Partition::sizes(sizes, l.len()).unwrap();
+        let cfg = PipelineConfig { schedule, microbatches: 2, chunks, data_parallel, ..Default::default() };
+        let mut stage = PipelineRank::build(pp, &l, &part, cfg).unwrap();
+        let mut opts: Vec<_> = stage.var_stores().iter().map(|vs| nn::Sgd::default().build(vs, LR).unwrap()).collect();
+        let half = BATCH / 2;
+        let first = mesh.coordinate("dp").unwrap() as i64 * half;
+        let mut losses = Vec::new();
+        for s in 0..STEPS {
+            let (x, y) = data(s);
+            let r = stage.step(&x.narrow(0, first, half), &y.narrow(0, first, half), &loss).unwrap();
+            opts.iter_mut().for_each(|o| o.step());
+            stage.zero_grad().unwrap();
+            if let Some(l) = r.loss {
+                let mut t = Tensor::from_slice(&[l]);
+                dp.allreduce(&mut t, ReduceOp::Sum).unwrap();
+                losses.push(t.double_value(&[0]) / 2.0);
+            }
+        }
+        losses
+    });
+    let reported: Vec<&Vec<f64>> = outs.iter().filter(|l| !l.is_empty()).collect();
+    assert_eq!(reported.len(), 2, "the two ranks of the last stage report");
+    assert_eq!(reported[0], reported[1]);
+    reported[0].clone()
+}
+
+/// The only test of this file with DDP: the reductions it counts are its own.
+#[test]
+fn ddp_and_fsdp_stages_train_as_the_unsplit_model() {
+    let want = reference();
+    for dp in [Dp::Ddp, Dp::Fsdp, Dp::FsdpSmall] {
+        for (schedule, chunks, sizes) in [
+            (Sched::GPipe, 1, &[3, 3][..]),
+            (Sched::OneFOneB, 1, &[3, 3][..]),
+            (Sched::Interleaved1F1B, 2, &[2, 2, 1, 1][..]),
+        ] {
+            let before = last_entry();
+            let got = train(dp, schedule, chunks, sizes);
+            assert_eq!(got.len(), STEPS);
+            for (s, (a, b)) in want.iter().zip(&got).enumerate() {
+                assert!((a - b).abs() < TOL, "{dp:?} {schedule:?}: step {s}: unsplit {a}, pipeline {b}");
+            }
+            if let Dp::Ddp = dp {
+                // one bucket per chunk, on each of the 4 ranks, once per step (not once per microbatch)
+                assert_eq!(ddp_reductions(before), STEPS * 4 * chunks, "{schedule:?}");
+            }
+        }
+    }
+    accumulating_over_steps_under_no_sync();
+}
+
+/// Two steps, the first under `no_sync` (no reduction), then one optimizer step: the unsplit model with
+/// both batches' gradients summed.
+fn accumulating_over_steps_under_no_sync() {
+    let l = layers();
+    let stage = l.build_stage(0..l.len(), Device::Cpu).unwrap();
+    let mut opt = nn::Sgd::default().build(&stage.vs, LR).unwrap();
+    for s in 0..2 {
+        let (x, y) = data(s);
+        loss(&stage.forward(&x), &y).backward();
+    }
+    opt.step();
+    let after = {
+        let (x, y) = data(2);
+        loss(&stage.forward(&x), &y).double_value(&[])
+    };
+    let before = last_entry();
+    let got = common::run_threads(4, Duration::from_secs(60), move |world| {
+        use tch_dist::DistModule;
+        let mesh = DeviceMesh::new(&world, &[("pp", 2), ("dp", 2)]).unwrap();
+        let dp = mesh.group("dp").unwrap();
+        let data_parallel = DataParallel::Ddp(DdpOptions::default().process_group(dp.clone()));
+        let l = layers();
+        let cfg = PipelineConfig { microbatches: 2, data_parallel, ..Default::default() };
+        let mut stage =
+            PipelineRank::build(mesh.group("pp").unwrap(), &l, &Partition::sizes(&[3, 3], 6).unwrap(), cfg).unwrap();
+        let mut opts: Vec<_> = stage.var_stores().iter().map(|vs| nn::Sgd::default().build(vs, LR).unwrap()).collect();
+        let first = mesh.coordinate("dp").unwrap() as i64 * (BATCH / 2);
+        let rows = |s| {
+            let (x, y) = data(s);
+            (x.narrow(0, first, BATCH / 2), y.narrow(0, first, BATCH / 2))
+        };
+        let (x, y) = rows(0);
+        stage.set_requires_gradient_sync(false);
+        stage.step(&x, &y, &loss).unwrap();
+        stage.set_requires_gradient_sync(true);
+        // every rank is done with the quiet step, and none has begun the next
+        world.barrier().unwrap();
+        let quiet = ddp_reductions(before);
+        world.barrier().unwrap();
+        let (x, y) = rows(1);
+        stage.step(&x, &y, &loss).unwrap();
+        opts.iter_mut().for_each(|o| o.step());
+        stage.zero_grad().unwrap();
+        let (x, y) = rows(2);
+        let l = stage.step(&x, &y, &loss).unwrap().loss.map(|l| {
+            let mut t = Tensor::from_slice(&[l]);
+            dp.allreduce(&mut t, ReduceOp::Sum).unwrap();
+            t.double_value(&[0]) / 2.0
+        });
+        (quiet, l)
+    });
+    // a rank counts every rank's reductions so far: none while the first step ran under no_sync
+    let quiet: Vec<usize> = got.iter().map(|g| g.0).collect();
+    assert!(quiet.iter().all(|&q| q == 0), "reductions during the no_sync step: {quiet:?}");
+    let losses: Vec<f64> = got.iter().filter_map(|g| g.1).collect();
+    assert_eq!(losses.len(), 2);
+    for l in losses {
+        // the summed (not averaged over steps) gradient: the unsplit model's sum over both batches
+        assert!((l - after).abs() < TOL, "after two accumulated steps: unsplit {after}, pipeline {l}");
+    }
+}
+
+/// Without the stages' data parallelism the replicas drift apart from the unsplit model (the test
+/// above could not pass by chance).
+#[test]
+fn without_data_parallelism_the_replicas_differ() {
+    let outs = common::run_threads(4, Duration::from_secs(60), |world| {
+        let mesh = DeviceMesh::new(&world, &[("pp", 2), ("dp", 2)]).unwrap();
+        let l = layers();
+        let part = Partition::sizes(&[3, 3], l.len()).unwrap();
+        let cfg = PipelineConfig { microbatches: 2, ..Default::default() };
+        let mut stage = PipelineRank::build(mesh.group("pp").unwrap(), &l, &part, cfg).unwrap();
+        let mut opts: Vec<_> = stage.var_stores().iter().map(|vs| nn::Sgd::default().build(vs, LR).unwrap()).collect();
+        let first = mesh.coordinate("dp").unwrap() as i64 * (BATCH / 2);
+        let mut last = None;
+        for s in 0..STEPS {
+            let (x, y) = data(s);
+            last = stage.step(&x.narrow(0, first, BATCH / 2), &y.narrow(0, first, BATCH / 2), &loss).unwrap().loss;
+            opts.iter_mut().for_each(|o| o.step());
+            stage.zero_grad().unwrap();
+        }
+        last
+    });
+    let finals: Vec<f64> = outs.into_iter().flatten().collect();
+    assert_eq!(finals.len(), 2);
+    assert!((finals[0] - finals[1]).abs() > 1e-4, "replicas trained on different rows: {finals:?}");
+}

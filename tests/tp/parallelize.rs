@@ -1,0 +1,103 @@
+//! A model written once over a `parallelize::Plan`: on 2 ranks with column- and row-wise styles by path,
+//! its output and its input's gradient equal the same code on one rank (tch's own layers); paths no
+//! style matches get tch's layers; a style that cannot apply is named.
+use crate::common;
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tch::{nn, nn::Module, Device, Kind, Tensor};
+use tch_dist::parallelize::{Embedding, Linear, Plan, Style};
+
+static GENERATOR: Mutex<()> = Mutex::new(());
+
+/// Embedding → fc (colwise) → gelu → proj (rowwise) → out (no style), the same code for every plan.
+fn forward(plan: &Plan, ids: &Tensor) -> (Vec<String>, Tensor, Tensor) {
+    let vs = nn::VarStore::new(Device::Cpu);
+    let (emb, fc, proj, out) = {
+        let _g = GENERATOR.lock().unwrap_or_else(|e| e.into_inner());
+        tch::manual_seed(11);
+        let r = vs.root();
+        (
+            plan.embedding(&(&r / "tok"), 16, 8, Default::default()).unwrap(),
+            plan.linear(&(&r / "mlp" / "fc"), 8, 32, Default::default()).unwrap(),
+            plan.linear(&(&r / "mlp" / "proj"), 32, 8, Default::default()).unwrap(),
+            plan.linear(&(&r / "out"), 8, 4, Default::default()).unwrap(),
+        )
+    };
+    let kinds = [
+        match &emb {
+            Embedding::Local(_) => "local",
+            Embedding::Vocab(_) => "vocab",
+        },
+        kind(&fc),
+        kind(&proj),
+        kind(&out),
+    ];
+    let x = emb.forward(ids).detach().set_requires_grad(true);
+    let y = out.forward(&proj.forward(&fc.forward(&x).gelu("none")));
+    y.square().sum(Kind::Float).backward();
+    (kinds.iter().map(|s| s.to_string()).collect(), y.detach(), x.grad())
+}
+
+fn kind(l: &Linear) -> &'static str {
+    match l {
+        Linear::Local(_) => "local",
+        Linear::Column(_) => "column",
+        Linear::Row(_) => "row",
+    }
+}
+
+#[test]
+fn one_model_source_on_two_ranks_computes_what_it_does_on_one() {
+    let ids = || Tensor::from_slice(&[1i64, 5, 9, 15, 0, 7]).view([2, 3]);
+    let (kinds, want_y, want_gx) = forward(&Plan::new(), &ids());
+    assert!(kinds.iter().all(|k| k == "local"), "{kinds:?}");
+    let got = common::run_threads(2, Duration::from_secs(60), move |pg| {
+        let plan = Plan::over_group(Arc::new(pg))
+            .style("tok", Style::rowwise())
+            .style("*.fc", Style::colwise())
+            .style("*.proj", Style::rowwise());
+        forward(&plan, &ids())
+    });
+    for (rank, (kinds, y, gx)) in got.iter().enumerate() {
+        assert_eq!(kinds, &["vocab", "column", "row", "local"], "rank {rank}");
+        assert!(y.allclose(&want_y, 1e-5, 1e-6, false), "rank {rank}: {y:?} vs one rank's {want_y:?}");
+        assert!(gx.allclose(&want_gx, 1e-5, 1e-6, false), "rank {rank}: input gradient differs");
+    }
+}
+
+#[test]
+fn an_embedding_split_column_wise_is_refused_with_its_path() {
+    let errs = common::run_threads(2, Duration::from_secs(30), |pg| {
+        let plan = Plan::over_group(Arc::new(pg)).style("emb*", Style::colwise());
+        let vs = nn::VarStore::new(Device::Cpu);
+        plan.embedding(&(vs.root() / "emb"), 8, 4, Default::default()).unwrap_err().to_string()
+    });
+    assert!(errs[0].contains("emb") && errs[0].contains("row-wise"), "{}", errs[0]);
+}
+
+/// The plan's FSDP builds one model: a second `finish` is refused, and so is a model whose variables
+/// live in another VarStore than the one the plan shards; a block no variable lives under is named.
+#[test]
+fn the_plans_fsdp_refuses_a_second_model_and_another_var_store() {
+    use tch_dist::fsdp::FsdpOptions;
+    let store = tch_dist::Store::hash().unwrap();
+    let pg = Arc::new(tch_dist::ProcessGroup::new(&store, 0, 1, &Default::default()).unwrap());
+    let opts = || FsdpOptions::default().process_group(pg.clone());
+    let vs = nn::VarStore::new(Device::Cpu);
+    let plan = Plan::new().fully_shard(&vs, opts()).unwrap();
+    let block = plan.unit(&(vs.root() / "b"), nn::linear(vs.root() / "b", 4, 4, Default::default())).unwrap();
+    let err = plan.unit(&(vs.root() / "none"), nn::func(|x| x.shallow_clone())).unwrap_err().to_string();
+    assert!(err.contains("no parameters under none"), "{err}");
+    let model = plan.finish(&vs, block).unwrap();
+    assert!(matches!(model, tch_dist::parallelize::Parallel::Fsdp(_)));
+    let err = plan.finish(&vs, ()).unwrap_err().to_string();
+    assert!(err.contains("finished already"), "{err}");
+
+    let other = nn::VarStore::new(Device::Cpu);
+    let plan = Plan::new().fully_shard(&vs, opts()).unwrap();
+    let _ = nn::linear(other.root() / "l", 4, 4, Default::default());
+    let err = plan.finish(&other, ()).unwrap_err().to_string();
+    assert!(err.contains("not the one given to Plan::fully_shard"), "{err}");
+}
