@@ -12,12 +12,14 @@ source scripts/env.sh
 echo "== rustfmt, clippy (default and cuda features), rustdoc: all clean"
 cargo fmt --check
 cargo clippy -q --all-targets -- -D warnings
+# the libraries as a user's crate gets them: without the tests' features (testing, plot)
+cargo clippy -q --lib -p tch-dist -p tch-dist-sys -- -D warnings
 cargo clippy -q --all-targets --features cuda -- -D warnings
 RUSTDOCFLAGS="-D warnings" cargo doc -q --no-deps
 
 echo "== cargo test (default features), every multi-rank suite in the strict NCCL mode"
 # Some tests run the examples (forum repro, training); build them first, whatever cargo test filters.
-cargo build --examples
+cargo build --bins --examples
 # One test binary per area (tests/<area>/main.rs, a module per file; tests/cuda.rs needs the cuda feature).
 # The strict mode (NCCL's ordering rules over Gloo's point-to-point) is what CI runs Rust's ranks under.
 # Python peers speak plain Gloo, so the interop binary runs plain; collectives (with failures) runs in both

@@ -1,6 +1,7 @@
 //! tch-dist: what `torch.distributed` gives PyTorch users, for tch-rs.
 //!
-//! Layers, bottom up: a thin C++ shim over libtorch's c10d (`csrc/`, reached through the private `ffi` module); safe wrappers
+//! Layers, bottom up: a thin C++ shim over libtorch's c10d (the `tch-dist-sys` crate: `csrc/` and its raw
+//! FFI); safe wrappers
 //! ([`store`], [`group`], [`work`], [`hooks`], [`memory`]); and the features built on them.
 //!
 //! ```no_run
@@ -40,7 +41,6 @@ pub mod fsdp;
 pub mod group;
 pub mod hooks;
 pub mod init;
-pub mod launch;
 pub mod memory;
 pub mod mesh;
 pub mod optim;
@@ -48,7 +48,8 @@ pub mod parallelize;
 pub mod pipeline;
 pub mod placement;
 pub mod recompute;
-#[doc(hidden)] // libtorch's own bucket assignment, for tests to compare with
+#[cfg(feature = "testing")]
+#[doc(hidden)] // libtorch's own bucket assignment and object layouts, for tests to compare with
 pub mod reference;
 pub mod store;
 pub mod stream;
@@ -63,3 +64,6 @@ pub use group::{Backend, BackendConfig, CheckPolicy, Collectives, GroupOptions, 
 pub use init::{default_group, destroy_process_group, init_process_group, InitOptions};
 pub use store::{Store, TcpStoreOptions};
 pub use work::Work;
+
+/// The libtorch directory tch-dist was built against (its `lib/`, holding `libtorch_cpu.so`).
+pub const LIBTORCH_LIB: &str = ffi::LIBTORCH_LIB;

@@ -125,5 +125,5 @@ pub fn set_cuda_device(index: usize) -> Result<()> {
 
 /// Path of `libtch_dist_memory.so`, the CPU ruler for Python processes (ctypes), as built with this crate.
 pub fn ruler_library_path() -> &'static str {
-    env!("TCH_DIST_MEMORY_LIB")
+    crate::ffi::MEMORY_RULER_LIB
 }

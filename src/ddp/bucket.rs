@@ -47,6 +47,8 @@ pub struct TensorSpec {
 }
 
 impl TensorSpec {
+    /// A CPU tensor's spec (tests build layouts from these).
+    #[cfg(feature = "testing")]
     pub fn cpu(numel: usize, kind: Kind) -> Self {
         TensorSpec { numel, kind, device: Device::Cpu }
     }

@@ -23,8 +23,11 @@
 //! Semantics follow PyTorch's `DistributedDataParallel` (see `reducer.rs`), with one default changed:
 //! `gradient_as_bucket_view` is on, so gradients live inside the communication buckets and DDP costs one
 //! copy of the parameters, not two.
-#[doc(hidden)] // the assignment rules, public for tests
+#[cfg(feature = "testing")]
+#[doc(hidden)] // the assignment rules, compared with libtorch's by tests
 pub mod bucket;
+#[cfg(not(feature = "testing"))]
+mod bucket;
 pub mod comm_hook;
 mod grad_sink;
 pub mod join;

@@ -267,7 +267,7 @@ fn dump_path(dir: &std::path::Path, rank: usize) -> PathBuf {
 /// Removes the dumps of `ranks` left in `dir` by an earlier job, before this job's workers start: a
 /// launcher's default directory is named after its process id, which the system reuses, and a stale
 /// dump read as this job's would hide the real culprit (the rank that left none).
-pub(crate) fn clear_dumps(dir: &std::path::Path, ranks: std::ops::Range<usize>) -> Result<()> {
+pub fn clear_dumps(dir: &std::path::Path, ranks: std::ops::Range<usize>) -> Result<()> {
     for r in ranks {
         for p in [dump_path(dir, r), dir.join(TORCH_DIR).join(format!("{}{r}", super::torch_format::PREFIX))] {
             match std::fs::remove_file(&p) {

@@ -58,7 +58,8 @@ pub fn write_chrome_trace(path: &Path, spans: &[Span]) -> Result<()> {
 }
 
 /// Draws the timeline: one row per stage, forwards in blue, backwards in green (darker for later
-/// chunks), idle time white.
+/// chunks), idle time white. With the `plot` feature (plotters).
+#[cfg(feature = "plot")]
 pub fn write_png(path: &Path, spans: &[Span], stages: usize) -> Result<()> {
     use plotters::prelude::*;
     let err = |e: String| Error::invalid(format!("write timeline {}", path.display()), e);

@@ -23,6 +23,15 @@ pub fn example(name: &str) -> std::path::PathBuf {
     p
 }
 
+/// The tchrun binary of this workspace (target/<profile>/tchrun, a package of its own: scripts/test.sh
+/// builds it with the examples, `cargo build --bins --examples`).
+pub fn tchrun() -> std::path::PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let p = exe.parent().unwrap().parent().unwrap().join("tchrun");
+    assert!(p.exists(), "{} not built (cargo build --bins, as scripts/test.sh does)", p.display());
+    p
+}
+
 pub fn gloo_opts(timeout: Duration) -> GroupOptions {
     GroupOptions {
         backend: Backend::Gloo.into(),
@@ -172,7 +181,7 @@ pub fn corpus() -> String {
 /// Runs `example` on `procs` processes under tchrun with `args` and `--losses FILE`; returns the losses
 /// of its `step loss` lines.
 pub fn example_losses(example: &str, procs: usize, args: &[&str], losses: &std::path::Path) -> Vec<f64> {
-    let o = Command::new(env!("CARGO_BIN_EXE_tchrun"))
+    let o = Command::new(tchrun())
         .args(["--standalone", "--nproc-per-node", &procs.to_string(), "--"])
         .arg(self::example(example))
         .args(args)

@@ -20,7 +20,7 @@ fn drill(ranks: usize, mode: &str, fault: &str, extra: &[&str]) -> (Output, f64)
 /// The same, with more environment variables (they win over the drill's own).
 fn drill_env(ranks: usize, mode: &str, fault: &str, extra: &[&str], env: &[(&str, &str)]) -> (Output, f64) {
     let start = Instant::now();
-    let o = Command::new(env!("CARGO_BIN_EXE_tchrun"))
+    let o = Command::new(common::tchrun())
         .args(["--standalone", "--nproc-per-node", &ranks.to_string(), "--grace-secs", "2", "--"])
         .arg(common::example("fault_drill"))
         .args(["--mode", mode, "--steps", "8"])
@@ -186,7 +186,7 @@ fn bad_environment_values_are_named() {
         let t = text(&o);
         assert!(!o.status.success() && t.contains(want), "{var}={value}:\n{t}");
     }
-    let o = Command::new(env!("CARGO_BIN_EXE_tchrun")).args(["--grace-secs", "inf", "--", "true"]).output().unwrap();
+    let o = Command::new(common::tchrun()).args(["--grace-secs", "inf", "--", "true"]).output().unwrap();
     assert!(!o.status.success() && text(&o).contains("--grace-secs inf is not a number of seconds"), "{}", text(&o));
 }
 
@@ -223,7 +223,7 @@ fn launchers_that_disagree_on_nproc_per_node_are_named_at_once() {
         .iter()
         .enumerate()
         .map(|(node, n)| {
-            Command::new(env!("CARGO_BIN_EXE_tchrun"))
+            Command::new(common::tchrun())
                 .args(["--nnodes", "2", "--node-rank", &node.to_string(), "--nproc-per-node", &n.to_string()])
                 .args(["--master-addr", "127.0.0.1", "--master-port", &port, "--grace-secs", "2", "--"])
                 .arg(common::example("fault_drill"))

@@ -10,7 +10,7 @@ use std::process::Command;
 #[test]
 fn resident_memory_stays_flat_in_every_mode() {
     for mode in ["ddp", "zero2", "amp", "pipeline"] {
-        let o = Command::new(env!("CARGO_BIN_EXE_tchrun"))
+        let o = Command::new(common::tchrun())
             .args(["--standalone", "--nproc-per-node", "2", "--"])
             .arg(common::example("soak"))
             .args(["--mode", mode, "--steps", "500", "--report-at", "250"])

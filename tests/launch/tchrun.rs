@@ -8,7 +8,7 @@ use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 fn tchrun() -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_tchrun"));
+    let mut c = Command::new(common::tchrun());
     c.env("TCH_DIST_TIMEOUT_SECS", "20").stdin(Stdio::null());
     c
 }

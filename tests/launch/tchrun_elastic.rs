@@ -21,7 +21,7 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
 }
 
 fn tchrun() -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_tchrun"));
+    let mut c = Command::new(common::tchrun());
     c.env("TCH_DIST_TIMEOUT_SECS", "20").stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
     c
 }

@@ -35,7 +35,7 @@ fn a_new_users_crate_trains_on_two_ranks_under_tchrun_and_alone_without_a_librar
     assert!(alone.status.success(), "{}", common::show(&alone));
     assert!(String::from_utf8_lossy(&alone.stdout).contains("rank 0 of 1: last loss"), "{}", common::show(&alone));
 
-    let run = Command::new(env!("CARGO_BIN_EXE_tchrun"))
+    let run = Command::new(common::tchrun())
         .args(["--standalone", "--nproc-per-node", "2", "--"])
         .arg(&bin)
         .env_remove("LD_LIBRARY_PATH")

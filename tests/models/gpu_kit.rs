@@ -51,7 +51,7 @@ fn the_two_process_kit_checks_pass_on_the_cpu() {
         ["ddp-views-on", "ddp-views-off", "zero2", "fsdp-prefetch", "fsdp-offload", "fsdp-no-reshard", "pipeline-1f1b"]
     );
     for name in &names {
-        let o = Command::new(env!("CARGO_BIN_EXE_tchrun"))
+        let o = Command::new(common::tchrun())
             .args(["--standalone", "--nproc-per-node", "2", "--"])
             .arg(&kit)
             .args(["rank", name, "--device", "cpu"])
@@ -65,7 +65,7 @@ fn the_two_process_kit_checks_pass_on_the_cpu() {
         }
     }
     // an unknown two-process check fails on every rank
-    let o = Command::new(env!("CARGO_BIN_EXE_tchrun"))
+    let o = Command::new(common::tchrun())
         .args(["--standalone", "--nproc-per-node", "2", "--"])
         .arg(&kit)
         .args(["rank", "no-such-check", "--device", "cpu"])

@@ -3,7 +3,7 @@
 //! rank that exited with code 0 is never it (it finished its loop: the others ran more steps than it).
 use std::collections::BTreeMap;
 
-use crate::flight::Analysis;
+use tch_dist::flight::Analysis;
 
 fn exited_normally(how: &str) -> bool {
     how == "exit code 0"

@@ -4,7 +4,7 @@
 //! heartbeating, or a node waits to join, every node stops its workers and the survivors form the next
 //! round (at least MIN nodes, ranks reassigned, `TORCHELASTIC_RESTART_COUNT` = the round). Failures count
 //! against `--max-restarts`; membership changes do not. Workers resume from their latest checkpoint,
-//! resharded to the new world size by [`crate::checkpoint::Checkpointer`].
+//! resharded to the new world size by [`tch_dist::checkpoint::Checkpointer`].
 //!
 //! The launcher that hosts the rendezvous store (the first to bind the endpoint) must live as long as
 //! the job, as with torchrun's c10d rendezvous.
@@ -12,9 +12,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use super::invalid;
 use super::rendezvous::{NoRound, Rendezvous, Round};
 use super::{describe_status, report_failure, Attempt, LaunchConfig};
-use crate::error::{Error, Result};
+use tch_dist::{Error, Result};
 
 /// Membership bounds and the rendezvous's timing.
 #[derive(Clone, Debug)]
@@ -37,13 +38,13 @@ pub struct ElasticConfig {
 impl ElasticConfig {
     pub fn validate(&self) -> Result<()> {
         if self.min_nodes == 0 || self.max_nodes < self.min_nodes {
-            return Err(Error::invalid(
+            return Err(invalid(
                 "tchrun --nnodes",
                 format!("{}:{} is not MIN:MAX with 1 <= MIN <= MAX", self.min_nodes, self.max_nodes),
             ));
         }
         if self.endpoint_host.trim().is_empty() {
-            return Err(Error::invalid("tchrun --rdzv-endpoint", "no host"));
+            return Err(invalid("tchrun --rdzv-endpoint", "no host"));
         }
         Ok(())
     }
@@ -51,7 +52,7 @@ impl ElasticConfig {
 
 /// `N` or `MIN:MAX`.
 pub fn parse_nnodes(s: &str) -> Result<(usize, usize)> {
-    let bad = || Error::invalid("tchrun --nnodes", format!("{s:?} is not N or MIN:MAX"));
+    let bad = || invalid("tchrun --nnodes", format!("{s:?} is not N or MIN:MAX"));
     match s.split_once(':') {
         Some((a, b)) => Ok((a.trim().parse().map_err(|_| bad())?, b.trim().parse().map_err(|_| bad())?)),
         None => {
@@ -126,7 +127,7 @@ impl<'a> Watch<'a> {
         }
         self.last_check = Instant::now();
         let store_gone = |e: Error| {
-            Error::invalid(
+            invalid(
                 "tchrun rendezvous",
                 format!(
                     "the store at {}:{} is gone (its launcher died?): {e}",

@@ -16,7 +16,9 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
-use tch_dist::launch::{self, LaunchConfig};
+mod launch;
+
+use launch::LaunchConfig;
 
 #[derive(Parser, Debug)]
 #[command(

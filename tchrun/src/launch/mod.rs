@@ -7,6 +7,11 @@ mod elastic;
 mod rendezvous;
 mod summary;
 
+/// tchrun's refusals: `op` is the flag or phase, `msg` what is wrong with it.
+fn invalid(op: impl Into<String>, msg: impl Into<String>) -> Error {
+    Error::Invalid { op: op.into(), msg: msg.into() }
+}
+
 pub use elastic::{parse_nnodes, ElasticConfig};
 use std::collections::VecDeque;
 use std::io::{BufRead, BufReader, Write};
@@ -17,7 +22,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::error::{Error, Result};
+use tch_dist::{Error, Result};
 
 /// Everything the launcher needs; `tchrun`'s flags map onto it one to one.
 #[derive(Clone, Debug)]
@@ -50,7 +55,7 @@ pub struct LaunchConfig {
 /// libtorch's lib directory: the one this crate was built against while it exists, else that of the
 /// `python3` on `PATH` that imports torch (binaries carried to another machine).
 pub fn libtorch_dir() -> Option<PathBuf> {
-    let built = PathBuf::from(env!("TCH_DIST_LIBTORCH_LIB"));
+    let built = PathBuf::from(tch_dist::LIBTORCH_LIB);
     if built.join("libtorch_cpu.so").exists() {
         return Some(built);
     }
@@ -75,7 +80,7 @@ fn with_lib_dir(current: Option<std::ffi::OsString>, dir: &std::path::Path) -> s
 
 impl LaunchConfig {
     pub fn validate(&self) -> Result<()> {
-        let bad = |m: String| Err(Error::invalid("tchrun", m));
+        let bad = |m: String| Err(invalid("tchrun", m));
         if self.nproc_per_node == 0 {
             return bad("--nproc-per-node must be at least 1".into());
         }
@@ -107,7 +112,7 @@ pub fn free_port() -> Result<u16> {
     std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .map(|a| a.port())
-        .map_err(|e| Error::invalid("tchrun --standalone", format!("no free port: {e}")))
+        .map_err(|e| invalid("tchrun --standalone", format!("no free port: {e}")))
 }
 
 /// How a worker ended.
@@ -193,7 +198,7 @@ fn pump(
 fn spawn(cfg: &LaunchConfig, restart: usize) -> Result<Vec<Worker>> {
     if let Some(dir) = trace_dir(cfg, restart) {
         let first = cfg.node_rank * cfg.nproc_per_node;
-        crate::flight::clear_dumps(&dir, first..first + cfg.nproc_per_node)?;
+        tch_dist::flight::clear_dumps(&dir, first..first + cfg.nproc_per_node)?;
     }
     let mut workers = Vec::with_capacity(cfg.nproc_per_node);
     for local in 0..cfg.nproc_per_node {
@@ -245,7 +250,7 @@ fn spawn(cfg: &LaunchConfig, restart: usize) -> Result<Vec<Worker>> {
             Ok(ch) => ch,
             Err(e) => {
                 stop(&mut workers, Duration::ZERO);
-                return Err(Error::invalid("tchrun", format!("cannot start {:?} for rank {rank}: {e}", cfg.program)));
+                return Err(invalid("tchrun", format!("cannot start {:?} for rank {rank}: {e}", cfg.program)));
             }
         };
         let tail = Arc::new(Mutex::new(VecDeque::with_capacity(cfg.tail_lines)));
@@ -265,10 +270,9 @@ fn spawn(cfg: &LaunchConfig, restart: usize) -> Result<Vec<Worker>> {
 fn open_log(cfg: &LaunchConfig, rank: usize, restart: usize) -> Result<Option<Arc<Mutex<std::fs::File>>>> {
     let Some(dir) = &cfg.redirect_logs else { return Ok(None) };
     std::fs::create_dir_all(dir)
-        .map_err(|e| Error::invalid(format!("tchrun --redirect-logs {}", dir.display()), e.to_string()))?;
+        .map_err(|e| invalid(format!("tchrun --redirect-logs {}", dir.display()), e.to_string()))?;
     let p = dir.join(format!("rank{rank}.restart{restart}.log"));
-    let f =
-        std::fs::File::create(&p).map_err(|e| Error::invalid(format!("tchrun log {}", p.display()), e.to_string()))?;
+    let f = std::fs::File::create(&p).map_err(|e| invalid(format!("tchrun log {}", p.display()), e.to_string()))?;
     Ok(Some(Arc::new(Mutex::new(f))))
 }
 
@@ -396,12 +400,12 @@ fn read_flight(
     cfg: &LaunchConfig,
     restart: usize,
     exits: &std::collections::BTreeMap<usize, String>,
-) -> Option<(PathBuf, Result<crate::flight::Analysis>)> {
+) -> Option<(PathBuf, Result<tch_dist::flight::Analysis>)> {
     let dir = trace_dir(cfg, restart)?;
     if !dir.exists() {
         return None;
     }
-    let a = crate::flight::analyze(&dir, Some(cfg.world_size()), exits);
+    let a = tch_dist::flight::analyze(&dir, Some(cfg.world_size()), exits);
     Some((dir, a))
 }
 

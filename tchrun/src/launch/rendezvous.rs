@@ -12,8 +12,9 @@
 //! (nodes that saw the end: the host keeps the store up until all have).
 use std::time::{Duration, Instant};
 
-use crate::error::{Error, Result};
-use crate::store::{Store, TcpStoreOptions};
+use super::invalid;
+use tch_dist::store::{Store, TcpStoreOptions};
+use tch_dist::{Error, Result};
 
 use super::elastic::ElasticConfig;
 
@@ -68,7 +69,7 @@ impl Rendezvous {
                 client.num_workers = None;
                 client.wait_workers = false;
                 let s = Store::tcp(&client).map_err(|e| {
-                    Error::invalid(
+                    invalid(
                         format!("tchrun --rdzv-endpoint {host}:{port}"),
                         format!("cannot host or reach the rendezvous store: {e}"),
                     )
@@ -132,7 +133,7 @@ impl Rendezvous {
             let closed = if idx == 0 { self.lead(r, deadline)? } else { self.await_close(r, deadline)? };
             let nodes = match closed {
                 Ok(n) => n,
-                Err(why) => return Err(NoRound::Failed(Error::invalid("tchrun rendezvous", why))),
+                Err(why) => return Err(NoRound::Failed(invalid("tchrun rendezvous", why))),
             };
             if idx >= nodes {
                 // too late for this round: wait for the next, and tell the running nodes
@@ -146,7 +147,7 @@ impl Rendezvous {
                 let port = std::net::TcpListener::bind((local_addr, 0))
                     .and_then(|l| l.local_addr())
                     .map(|a| a.port())
-                    .map_err(|e| Error::invalid("tchrun", format!("no free port on {local_addr}: {e}")))?;
+                    .map_err(|e| invalid("tchrun", format!("no free port on {local_addr}: {e}")))?;
                 self.store.set(&key, format!("{local_addr}:{port}").as_bytes())?;
             }
             self.store.wait(&key, self.cfg.timeout)?;
@@ -154,7 +155,7 @@ impl Rendezvous {
             let (addr, port) = master
                 .rsplit_once(':')
                 .and_then(|(a, p)| p.parse().ok().map(|p| (a.to_string(), p)))
-                .ok_or_else(|| Error::invalid("tchrun rendezvous", format!("bad master address {master:?}")))?;
+                .ok_or_else(|| invalid("tchrun rendezvous", format!("bad master address {master:?}")))?;
             return Ok(Round { index: r, node_rank: idx, nodes, master_addr: addr, master_port: port });
         }
     }
