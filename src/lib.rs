@@ -14,6 +14,7 @@
 // tch's convention: `forward` is infallible (it panics with the error), `f_forward` returns it. As
 // `nn::Module`s the layers go wherever tch expects one: `nn::seq()`, `Checkpointed`, DDP, FSDP units.
 // (Defined before the modules, which use it: macros are in scope after their definition.)
+#![warn(unreachable_pub)]
 macro_rules! module {
     ($t:ty) => {
         impl tch::nn::Module for $t {

@@ -43,7 +43,7 @@ pub(crate) struct Ticket {
 }
 
 impl Ticket {
-    pub fn complete(&self, r: Result<()>) {
+    pub(crate) fn complete(&self, r: Result<()>) {
         let mut d = self.done.lock().unwrap_or_else(|e| e.into_inner());
         if d.is_none() {
             *d = Some(r);

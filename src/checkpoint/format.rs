@@ -61,7 +61,7 @@ pub(crate) struct ChunkMeta {
 }
 
 impl ChunkMeta {
-    pub fn bx(&self) -> Bx {
+    pub(super) fn bx(&self) -> Bx {
         Bx { offsets: self.offsets.clone(), lengths: self.lengths.clone() }
     }
 }

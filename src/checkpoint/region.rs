@@ -13,16 +13,16 @@ pub(crate) struct Bx {
 
 impl Bx {
     /// The whole of a tensor of `shape`.
-    pub fn whole(shape: &[i64]) -> Bx {
+    pub(crate) fn whole(shape: &[i64]) -> Bx {
         Bx { offsets: vec![0; shape.len()], lengths: shape.to_vec() }
     }
 
-    pub fn volume(&self) -> i64 {
+    pub(crate) fn volume(&self) -> i64 {
         self.lengths.iter().product()
     }
 
     /// The common part of two boxes of one tensor, if any.
-    pub fn intersect(&self, other: &Bx) -> Option<Bx> {
+    pub(crate) fn intersect(&self, other: &Bx) -> Option<Bx> {
         let mut offsets = Vec::with_capacity(self.offsets.len());
         let mut lengths = Vec::with_capacity(self.offsets.len());
         for d in 0..self.offsets.len() {
@@ -38,7 +38,7 @@ impl Bx {
     }
 
     /// Whether the box lies inside a tensor of `shape`.
-    pub fn fits(&self, shape: &[i64]) -> bool {
+    pub(crate) fn fits(&self, shape: &[i64]) -> bool {
         self.offsets.len() == shape.len()
             && (0..shape.len())
                 .all(|d| self.offsets[d] >= 0 && self.lengths[d] >= 0 && self.offsets[d] + self.lengths[d] <= shape[d])
@@ -57,7 +57,7 @@ pub(crate) enum Region {
 impl Region {
     /// Elements `lo..lo + len` of the local tensor's own flattening, as a region of the global tensor.
     /// A flat part of a box is only expressible when the box is the whole tensor.
-    pub fn part(&self, global: &[i64], lo: i64, len: i64) -> Option<Region> {
+    pub(crate) fn part(&self, global: &[i64], lo: i64, len: i64) -> Option<Region> {
         match self {
             Region::Flat { start, .. } => Some(Region::Flat { start: start + lo, len }),
             Region::Box(b) if b == &Bx::whole(global) => Some(Region::Flat { start: lo, len }),
@@ -68,7 +68,7 @@ impl Region {
 
     /// The region as boxes, with where each starts in the local tensor's flattening (boxes are contiguous
     /// there, and in order).
-    pub fn boxes(&self, global: &[i64]) -> Vec<(Bx, i64)> {
+    pub(crate) fn boxes(&self, global: &[i64]) -> Vec<(Bx, i64)> {
         match self {
             Region::Box(b) => vec![(b.clone(), 0)],
             Region::Flat { start, len } => {

@@ -25,7 +25,7 @@ pub(crate) struct Item {
 
 impl Item {
     /// The item's boxes, each with the local tensor's part that holds it (a view).
-    pub fn pieces(&self) -> Result<Vec<(Bx, Tensor)>> {
+    pub(crate) fn pieces(&self) -> Result<Vec<(Bx, Tensor)>> {
         match &self.region {
             Region::Box(b) => Ok(vec![(b.clone(), self.local.shallow_clone())]),
             Region::Flat { .. } => {

@@ -12,6 +12,7 @@
 //! // 4 KB limit: the first two tensors close a bucket each; the last is left over.
 //! assert_eq!(assign(&specs, &[4000], None), vec![vec![0], vec![1], vec![2]]);
 //! ```
+#![cfg_attr(not(feature = "testing"), allow(unreachable_pub))] // public for tests only
 use tch::{Device, Kind, Tensor};
 
 use crate::error::{Error, Result};

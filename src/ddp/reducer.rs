@@ -106,7 +106,12 @@ fn lock(m: &Mutex<State>) -> MutexGuard<'_, State> {
 }
 
 impl Reducer {
-    pub fn new(pg: Arc<ProcessGroup>, cfg: Config, params: Vec<Tensor>, names: Vec<String>) -> Result<Arc<Reducer>> {
+    pub(super) fn new(
+        pg: Arc<ProcessGroup>,
+        cfg: Config,
+        params: Vec<Tensor>,
+        names: Vec<String>,
+    ) -> Result<Arc<Reducer>> {
         let specs: Vec<TensorSpec> = params.iter().map(TensorSpec::of).collect();
         // First iteration, as PyTorch: without unused-parameter search, one bucket per dtype/device
         // (rebuilt after the first backward from the order gradients arrived); with it, the usual caps.
@@ -146,7 +151,7 @@ impl Reducer {
     }
 
     /// Registers one AccumulateGrad hook per parameter. The hooks hold a weak reference.
-    pub fn install_hooks(self: &Arc<Self>) -> Result<Vec<GradHook>> {
+    pub(super) fn install_hooks(self: &Arc<Self>) -> Result<Vec<GradHook>> {
         let params: Vec<Tensor> = lock(&self.state).params.iter().map(|p| p.shallow_clone()).collect();
         params
             .iter()
@@ -329,7 +334,7 @@ impl Reducer {
     }
 
     /// End of backward: reduce what is left, wait for every bucket, write results into `.grad`.
-    pub fn finalize(&self) -> Result<()> {
+    pub(super) fn finalize(&self) -> Result<()> {
         let r = self.finalize_inner();
         let mut st = lock(&self.state);
         reset_iteration(&mut st);
@@ -426,7 +431,7 @@ impl Reducer {
 
     /// Start of a forward: fails clearly if the last backward did not finish its reduction. Returns
     /// whether this iteration synchronises gradients (not inside `no_sync`).
-    pub fn begin_forward(&self) -> Result<bool> {
+    pub(super) fn begin_forward(&self) -> Result<bool> {
         let mut st = lock(&self.state);
         if st.active || st.ready.iter().any(|&r| r) {
             reset_iteration(&mut st);
@@ -439,7 +444,7 @@ impl Reducer {
     }
 
     /// Our check that every rank is at the same forward (agreement checks on, not joining).
-    pub fn check_forward_loop(&self) -> Result<()> {
+    pub(super) fn check_forward_loop(&self) -> Result<()> {
         let counts = {
             let st = lock(&self.state);
             if !st.sync {
@@ -457,7 +462,7 @@ impl Reducer {
     /// Rebuilds the buckets once, after the first synchronised iteration, from the order gradients
     /// arrived, with rank 0's assignment. `shadow`: this rank has joined (see `join`) and follows the
     /// others' rebuild, proposing its current layout if it never saw a whole backward itself.
-    pub fn rebuild_if_due(&self, shadow: bool) -> Result<()> {
+    pub(super) fn rebuild_if_due(&self, shadow: bool) -> Result<()> {
         let (local, n, device) = {
             let mut st = lock(&self.state);
             let have_order = st.ready_order.len() == st.params.len();
@@ -504,34 +509,34 @@ impl Reducer {
     }
 
     /// Join mode (see `ddp::join`): `Some` while a rank's training loop runs inside `join`.
-    pub fn set_join(&self, join: Option<super::join::JoinOptions>) {
+    pub(super) fn set_join(&self, join: Option<super::join::JoinOptions>) {
         let mut st = lock(&self.state);
         st.join = join;
         st.divisor = self.cfg.world as f64;
     }
 
-    pub fn join_options(&self) -> Option<super::join::JoinOptions> {
+    pub(super) fn join_options(&self) -> Option<super::join::JoinOptions> {
         lock(&self.state).join
     }
 
     /// What gradients are divided by this iteration (the world size, or in join mode the ranks still
     /// training, if asked).
-    pub fn set_divisor(&self, d: f64) {
+    pub(super) fn set_divisor(&self, d: f64) {
         lock(&self.state).divisor = d;
     }
 
     /// PyTorch's `require_forward_param_sync`: buffers are broadcast in a forward after a synchronised one.
-    pub fn forward_param_sync(&self) -> bool {
+    pub(super) fn forward_param_sync(&self) -> bool {
         lock(&self.state).forward_param_sync
     }
 
-    pub fn set_forward_param_sync(&self, on: bool) {
+    pub(super) fn set_forward_param_sync(&self, on: bool) {
         lock(&self.state).forward_param_sync = on;
     }
 
     /// A joined rank's share of a backward it does not run: every bucket reduced as zeros, through the
     /// comm hook if there is one, in bucket order; then the unused-parameter map, as zeros.
-    pub fn shadow_backward(&self) -> Result<()> {
+    pub(super) fn shadow_backward(&self) -> Result<()> {
         let (zero_buckets, n) = {
             let st = lock(&self.state);
             if st.sink.is_some() {
@@ -580,7 +585,7 @@ impl Reducer {
     /// Fixes the bucket layout for good (a layer above lays parameters and optimizer state out by
     /// bucket). Before the first rebuild, buckets are cut to the configured caps in reverse parameter
     /// order, the order PyTorch starts from; gradients present are kept.
-    pub fn fix_layout(&self) -> Result<Vec<FixedBucket>> {
+    pub(super) fn fix_layout(&self) -> Result<Vec<FixedBucket>> {
         let mut st = lock(&self.state);
         if st.active {
             return Err(Error::invalid("fixing DDP's bucket layout", "a backward is in progress"));
@@ -599,7 +604,7 @@ impl Reducer {
     /// (elements and a parameter, for dtype and device, per bucket). The buckets' full-size buffers and
     /// any gradients present are dropped; from now on parameters have no `.grad` after a synchronised
     /// backward. Once only: one sink owns the gradients.
-    pub fn route_to(&self, make: impl FnOnce(&[(i64, Tensor)]) -> Result<Box<dyn GradSink>>) -> Result<()> {
+    pub(super) fn route_to(&self, make: impl FnOnce(&[(i64, Tensor)]) -> Result<Box<dyn GradSink>>) -> Result<()> {
         self.fix_layout()?;
         let mut st = lock(&self.state);
         if st.sink.is_some() {
@@ -622,11 +627,11 @@ impl Reducer {
         Ok(())
     }
 
-    pub fn set_sync(&self, on: bool) {
+    pub(super) fn set_sync(&self, on: bool) {
         lock(&self.state).sync = on;
     }
 
-    pub fn sync(&self) -> bool {
+    pub(super) fn sync(&self) -> bool {
         lock(&self.state).sync
     }
 }

@@ -7,7 +7,7 @@ use crate::error::{Error, Result};
 use crate::group::{meta, tensor_meta, ProcessGroup};
 
 /// PyTorch DDP's `broadcast_bucket_size`.
-pub const BROADCAST_BUCKET_BYTES: usize = 250 * 1024 * 1024;
+pub(crate) const BROADCAST_BUCKET_BYTES: usize = 250 * 1024 * 1024;
 
 /// Checks that all ranks hold the same parameters (count, then dtype and shape of each), before anything
 /// is broadcast. Errors name the first mismatching parameter and the ranks involved.
@@ -16,7 +16,7 @@ pub const BROADCAST_BUCKET_BYTES: usize = 250 * 1024 * 1024;
 /// collective ever sees mismatched sizes). With them off, this is PyTorch's own protocol
 /// (`_verify_param_shape_across_processes`: all_gather of the count, broadcast of sizes and strides, on
 /// the parameters' device), so a PyTorch DDP rank can join.
-pub fn verify_params(pg: &ProcessGroup, params: &[Tensor], names: &[String]) -> Result<()> {
+pub(crate) fn verify_params(pg: &ProcessGroup, params: &[Tensor], names: &[String]) -> Result<()> {
     const WHAT: &str = "DDP parameter check";
     let meta = pg.meta_as_pytorch(params.first().map_or(Device::Cpu, |p| p.device()));
     // 1. parameter counts (both protocols)
@@ -75,7 +75,7 @@ fn op(pg: &ProcessGroup, what: &str) -> String {
 
 /// Broadcasts `tensors` from `root` in place, flattened into chunks of at most `limit` bytes per dtype
 /// (PyTorch's `_broadcast_coalesced`): few large messages instead of one per tensor.
-pub fn broadcast_coalesced(pg: &ProcessGroup, tensors: &[Tensor], limit: usize, root: usize) -> Result<()> {
+pub(crate) fn broadcast_coalesced(pg: &ProcessGroup, tensors: &[Tensor], limit: usize, root: usize) -> Result<()> {
     let _g = tch::no_grad_guard();
     for group in take_tensors(tensors, limit) {
         let flats: Vec<Tensor> =
@@ -122,7 +122,7 @@ fn take_tensors(tensors: &[Tensor], limit: usize) -> Vec<Vec<usize>> {
 
 /// Makes every rank use rank 0's bucket assignment (PyTorch's `sync_bucket_indices`: a broadcast of the
 /// flattened indices plus the bucket count, then of the bucket sizes, as int32 on the parameters' device).
-pub fn sync_bucket_indices(
+pub(crate) fn sync_bucket_indices(
     pg: &ProcessGroup,
     buckets: &[Vec<usize>],
     n_params: usize,

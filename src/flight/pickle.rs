@@ -11,12 +11,12 @@ pub(crate) enum Py {
 }
 
 impl Py {
-    pub fn str(s: impl Into<String>) -> Py {
+    pub(super) fn str(s: impl Into<String>) -> Py {
         Py::Str(s.into())
     }
 
     /// The whole pickle: protocol header, the value, STOP.
-    pub fn to_pickle(&self) -> Vec<u8> {
+    pub(super) fn to_pickle(&self) -> Vec<u8> {
         let mut out = vec![0x80, 2];
         self.write(&mut out);
         out.push(b'.');

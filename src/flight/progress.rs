@@ -98,7 +98,7 @@ pub(crate) struct HeartbeatWatch {
 }
 
 impl GroupTrace {
-    pub fn new(
+    pub(crate) fn new(
         name: &str,
         rank: usize,
         size: usize,
@@ -129,7 +129,7 @@ impl GroupTrace {
     }
 
     /// A collective starts on this rank: the next sequence number, and its recording.
-    pub fn enter(&self, op: &str, backend: &str) -> (u64, Option<Recording>) {
+    pub(crate) fn enter(&self, op: &str, backend: &str) -> (u64, Option<Recording>) {
         let seq = self.seq.fetch_add(1, Ordering::Relaxed) + 1;
         if !enabled() {
             return (seq, None);
@@ -187,18 +187,18 @@ impl GroupTrace {
         rx
     }
 
-    pub fn heartbeat_timeout(&self) -> Option<Duration> {
+    pub(crate) fn heartbeat_timeout(&self) -> Option<Duration> {
         self.heartbeat_timeout
     }
 
     /// Whether a wait gave up on a collective that still runs (see [`GroupTrace::frozen_peer`]).
-    pub fn abandoned(&self) -> bool {
+    pub(crate) fn abandoned(&self) -> bool {
         self.abandoned.load(Ordering::SeqCst)
     }
 
     /// Whether waits in this group watch the other ranks' heartbeats: recording on (heartbeats are
     /// published), more than one rank, and a heartbeat timeout set.
-    pub fn watches_heartbeats(&self) -> bool {
+    pub(crate) fn watches_heartbeats(&self) -> bool {
         self.heartbeat_timeout.is_some() && enabled() && self.size > 1
     }
 
@@ -206,7 +206,7 @@ impl GroupTrace {
     /// as the error that ends the wait. A rank that is slow but alive keeps publishing its heartbeat (a
     /// thread of its own does it, whatever the rank computes) and is never named; one that never
     /// published (recording off there) is not judged.
-    pub fn frozen_peer(self: &Arc<Self>, watch: &mut HeartbeatWatch, op: &str) -> Option<Error> {
+    pub(crate) fn frozen_peer(self: &Arc<Self>, watch: &mut HeartbeatWatch, op: &str) -> Option<Error> {
         let limit = self.heartbeat_timeout?;
         let reading = watch.reading.take().unwrap_or_else(|| self.read_peers());
         let peers = match reading.recv_timeout(Duration::from_millis(200)) {
@@ -245,7 +245,7 @@ impl GroupTrace {
     /// A collective of this group failed: name the ranks that never arrived in the error (from their
     /// published progress), and dump the ring (when `TCH_DIST_TRACE_DIR` is set).
     /// `p2p`: a send or recv, whose sequence numbers do not pair up across ranks (only liveness is told).
-    pub fn on_failure(self: &Arc<Self>, seq: u64, p2p: bool, err: Error) -> Error {
+    pub(crate) fn on_failure(self: &Arc<Self>, seq: u64, p2p: bool, err: Error) -> Error {
         if !enabled() || !matches!(err, Error::Timeout { .. } | Error::PeerGone { .. } | Error::Mismatch { .. }) {
             return err;
         }

@@ -142,7 +142,7 @@ pub(crate) struct Recording {
 
 impl Recording {
     /// Starts recording (None when recording is off).
-    pub fn start(group: &str, rank: usize, size: usize, seq: Seq, op: &str, backend: &str) -> Option<Recording> {
+    pub(crate) fn start(group: &str, rank: usize, size: usize, seq: Seq, op: &str, backend: &str) -> Option<Recording> {
         let r = ring();
         if r.capacity == 0 {
             return None;
@@ -172,7 +172,7 @@ impl Recording {
         Some(Recording { id })
     }
 
-    pub fn end(&self, error: Option<&str>) {
+    pub(crate) fn end(&self, error: Option<&str>) {
         let mut ring = ring().entries.lock().unwrap_or_else(|p| p.into_inner());
         let Some(first) = ring.front().map(|e| e.id) else { return };
         // ids are consecutive in the ring; an entry already pushed out is simply gone

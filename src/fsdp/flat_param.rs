@@ -133,7 +133,7 @@ impl FlatParam {
     /// Shards `params` (one dtype and device; named) over `pg`: rank 0's values when `sync`. Returns
     /// with the parameters gathered (views of `full`), so that hooks registered now see their real
     /// shapes.
-    pub fn new(pg: &ProcessGroup, unit: &str, named: Vec<(String, Tensor)>, set: Settings) -> Result<FlatParam> {
+    pub(crate) fn new(pg: &ProcessGroup, unit: &str, named: Vec<(String, Tensor)>, set: Settings) -> Result<FlatParam> {
         let Settings { compute, shard_device, sync, coalesced, replicate } = set;
         let _g = tch::no_grad_guard();
         let first = named.first().ok_or_else(|| Error::invalid("FSDP", format!("unit {unit} has no parameters")))?;
@@ -225,7 +225,7 @@ impl FlatParam {
     }
 
     /// Handles on the same tensors, to work on them without holding the runtime's lock.
-    pub fn handles(&self) -> FlatParam {
+    pub(crate) fn handles(&self) -> FlatParam {
         FlatParam {
             slots: self.slots.iter().map(Slot::handles).collect(),
             full: self.full.shallow_clone(),
@@ -242,18 +242,18 @@ impl FlatParam {
         }
     }
 
-    pub fn compute_kind(&self) -> Kind {
+    pub(crate) fn compute_kind(&self) -> Kind {
         self.full.kind()
     }
 
     /// Where the unit computes.
-    pub fn device(&self) -> Device {
+    pub(crate) fn device(&self) -> Device {
         self.full.device()
     }
 
     /// Whether the shards are in pinned host memory, read and written by copies the host must wait for
     /// before it touches them.
-    pub fn pinned(&self) -> bool {
+    pub(crate) fn pinned(&self) -> bool {
         self.pinned
     }
 
@@ -285,7 +285,7 @@ impl FlatParam {
     /// With `side`, the copies and the gathers queue on that stream, after the compute stream's work so
     /// far; `full` and the stage are the compute stream's memory, and the caller makes the compute stream
     /// wait for the side stream before it uses or frees them.
-    pub fn start_gather(
+    pub(crate) fn start_gather(
         &self,
         pg: &ProcessGroup,
         index: usize,
@@ -354,7 +354,7 @@ impl FlatParam {
     }
 
     /// After the gather's messages have arrived: a coalesced unit's rank-major copy goes into place.
-    pub fn finish_gather(&self) -> Result<()> {
+    pub(crate) fn finish_gather(&self) -> Result<()> {
         if !self.coalesced {
             return Ok(());
         }
@@ -369,7 +369,7 @@ impl FlatParam {
 
     /// Points the parameters at their views of `full` (which must be gathered), and the shards too when
     /// they live there.
-    pub fn use_full(&self) -> Result<()> {
+    pub(crate) fn use_full(&self) -> Result<()> {
         for s in &self.slots {
             let view = self.full.f_narrow(0, s.offset, s.numel)?.f_view(s.shape.as_slice())?;
             s.param.shallow_clone().f_set_data(&view)?;
@@ -385,7 +385,7 @@ impl FlatParam {
     /// next unit's gather. (libtorch's CPU allocator asks glibc for 64-byte aligned blocks, and a freed
     /// block is then a little too small for the next request of its own size: every gather would take
     /// fresh pages, and the process's resident memory grow far past what it uses.)
-    pub fn release(&self, keep: bool) -> Result<Option<Tensor>> {
+    pub(crate) fn release(&self, keep: bool) -> Result<Option<Tensor>> {
         let _g = tch::no_grad_guard();
         for s in &self.slots {
             let chunk = self.own_chunk(s)?;
@@ -405,12 +405,12 @@ impl FlatParam {
     }
 
     /// Bytes `full` holds now (0 while sharded).
-    pub fn gathered_bytes(&self) -> Result<i64> {
+    pub(crate) fn gathered_bytes(&self) -> Result<i64> {
         storage::nbytes(&self.full)
     }
 
     /// Bytes of the shards that have storage of their own (not living in `full`).
-    pub fn shard_bytes(&self) -> Result<i64> {
+    pub(crate) fn shard_bytes(&self) -> Result<i64> {
         let gathered = self.home && self.gathered_bytes()? > 0;
         Ok(if gathered {
             0
@@ -436,7 +436,7 @@ impl FlatParam {
     /// into its shard's gradient on the side stream, after the compute stream's work so far: the host
     /// does not wait, and the compute stream must wait for the side stream before it reads the shards'
     /// gradients.
-    pub fn reduce_grads(
+    pub(crate) fn reduce_grads(
         &self,
         pg: &ProcessGroup,
         index: usize,
@@ -460,7 +460,7 @@ impl FlatParam {
 
     /// [`reduce_grads`](Self::reduce_grads) left running: every parameter's reduction is posted, and
     /// [`finish_reduce`](Self::finish_reduce) completes them. Not for a coalesced unit.
-    pub fn start_reduce(
+    pub(crate) fn start_reduce(
         &self,
         pg: &ProcessGroup,
         index: usize,
@@ -489,7 +489,7 @@ impl FlatParam {
     }
 
     /// Completes what [`start_reduce`](Self::start_reduce) posted.
-    pub fn finish_reduce(&self, pg: &ProcessGroup, r: ReduceInFlight) -> Result<()> {
+    pub(crate) fn finish_reduce(&self, pg: &ProcessGroup, r: ReduceInFlight) -> Result<()> {
         let _g = tch::no_grad_guard();
         for (s, (ring, out)) in self.slots.iter().zip(r.parts) {
             self.finish_slot(pg, s, ring, &out, &r.plan)?;

@@ -151,7 +151,7 @@ fn wait_all(works: Vec<Work>) -> Result<()> {
 }
 
 impl Runtime {
-    pub fn new(pg: Arc<ProcessGroup>, replicate: Option<Arc<ProcessGroup>>, cfg: Config) -> Runtime {
+    pub(crate) fn new(pg: Arc<ProcessGroup>, replicate: Option<Arc<ProcessGroup>>, cfg: Config) -> Runtime {
         let st = State {
             units: Vec::new(),
             order: Vec::new(),
@@ -181,7 +181,7 @@ impl Runtime {
     }
 
     /// Registers a unit (gathered, as FlatParam::new leaves it) and returns its index.
-    pub fn add_unit(&self, name: String, flat: FlatParam, role: Role) -> Result<usize> {
+    pub(crate) fn add_unit(&self, name: String, flat: FlatParam, role: Role) -> Result<usize> {
         let device = flat.device();
         if self.streams.get().is_none() && device.is_cuda() {
             let (gather, reduce) = (Stream::high_priority(device)?, Stream::high_priority(device)?);
@@ -193,14 +193,14 @@ impl Runtime {
         Ok(st.units.len() - 1)
     }
 
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.lock().units.len()
     }
 
     /// Runs `f` on each unit's flat parameter (handles, outside the lock), in unit order. A unit still
     /// being prefetched has its shards in the gathered buffer, written on the gather stream: the compute
     /// stream waits for that first, so that `f` reads them as they are.
-    pub fn for_each<T>(&self, mut f: impl FnMut(usize, &str, &FlatParam) -> Result<T>) -> Result<Vec<T>> {
+    pub(crate) fn for_each<T>(&self, mut f: impl FnMut(usize, &str, &FlatParam) -> Result<T>) -> Result<Vec<T>> {
         let units: Vec<(String, FlatParam)> = {
             let st = self.lock();
             for u in &st.units {
@@ -213,20 +213,20 @@ impl Runtime {
         units.iter().enumerate().map(|(i, (n, fp))| f(i, n, fp)).collect()
     }
 
-    pub fn compute_kind(&self, u: usize) -> Kind {
+    pub(crate) fn compute_kind(&self, u: usize) -> Kind {
         self.lock().units[u].flat.compute_kind()
     }
 
-    pub fn set_sync(&self, on: bool) {
+    pub(crate) fn set_sync(&self, on: bool) {
         self.lock().sync = on;
     }
 
-    pub fn sync(&self) -> bool {
+    pub(crate) fn sync(&self) -> bool {
         self.lock().sync
     }
 
     /// Makes unit `u`'s parameters the gathered ones: finishes its prefetch, or gathers it now.
-    pub fn unshard(&self, u: usize) -> Result<()> {
+    pub(crate) fn unshard(&self, u: usize) -> Result<()> {
         let (flat, job, spare) = {
             let mut st = self.lock();
             let unit = &mut st.units[u];
@@ -303,7 +303,7 @@ impl Runtime {
     }
 
     /// Frees unit `u`'s gathered parameters (after any gather of it still running).
-    pub fn reshard(&self, u: usize) -> Result<()> {
+    pub(crate) fn reshard(&self, u: usize) -> Result<()> {
         self.reshard_keeping(u, false)
     }
 
@@ -347,7 +347,7 @@ impl Runtime {
 
     /// The root's forward begins an iteration: the order of forwards is recorded afresh (after a backward
     /// that failed before its end, what it left is cleaned up first).
-    pub fn begin_iteration(&self) -> Result<()> {
+    pub(crate) fn begin_iteration(&self) -> Result<()> {
         if self.lock().in_backward {
             self.recover();
         }
@@ -368,7 +368,7 @@ impl Runtime {
     /// units of small parameters) and prefetches the units that followed it last iteration. A forward
     /// inside backward (a checkpointed block recomputed) prefetches nothing: the backward's own
     /// prefetching looks the other way.
-    pub fn begin_forward(&self, u: usize) -> Result<()> {
+    pub(crate) fn begin_forward(&self, u: usize) -> Result<()> {
         let (small, next): (Vec<usize>, Vec<usize>) = {
             let mut st = self.lock();
             // the first forward of an iteration (begin_iteration cleared the order) takes them along
@@ -400,7 +400,7 @@ impl Runtime {
     /// `has_backward`: in each of the last two, the unit's backward comes next and would gather it again
     /// at once (DeepSpeed's reuse distance; FSDP2 keeps the root only). Unused, it is freed when the next
     /// iteration begins.
-    pub fn end_forward(&self, u: usize, has_backward: bool) -> Result<()> {
+    pub(crate) fn end_forward(&self, u: usize, has_backward: bool) -> Result<()> {
         let keep = {
             let st = self.lock();
             let last = has_backward && st.last_order.last() == Some(&u);
@@ -415,7 +415,7 @@ impl Runtime {
     /// The first thing a backward through the model's output does (a marker the root puts on it): the
     /// end-of-backward step is queued here, in the backward the user started. Queued from inside a
     /// nested backward (a checkpointed unit's recomputation), it would run when that one ends.
-    pub fn begin_backward(self: &Arc<Self>) -> Result<()> {
+    pub(crate) fn begin_backward(self: &Arc<Self>) -> Result<()> {
         self.check_loop(LoopPhase::Backward)?;
         self.ensure_end_callback()?;
         // The units of small parameters stay gathered from the iteration's first forward to the end of
@@ -450,7 +450,7 @@ impl Runtime {
     /// Just before unit `u`'s backward (its output's gradient is complete): reduces the units whose
     /// gradients are in (before anything is gathered), gathers `u` again and prefetches the units whose
     /// backward comes next.
-    pub fn pre_backward(self: &Arc<Self>, u: usize) -> Result<()> {
+    pub(crate) fn pre_backward(self: &Arc<Self>, u: usize) -> Result<()> {
         let (next, sync): (Vec<usize>, bool) = {
             let st = self.lock();
             let at = st.order.iter().position(|&x| x == u).unwrap_or(0);
@@ -476,7 +476,7 @@ impl Runtime {
 
     /// One parameter of unit `u` has its gradient (called from its accumulator's hook). Counted only: the
     /// reduction waits until autograd lets go of the gradient (see the module's note).
-    pub fn grad_arrived(self: &Arc<Self>, u: usize) {
+    pub(crate) fn grad_arrived(self: &Arc<Self>, u: usize) {
         // one lock per gradient on this hot path: the end-of-backward flag (normally set by the root's
         // marker already) and the arrival count together
         let queue = {
@@ -677,7 +677,7 @@ impl Runtime {
 
     /// With pinned offload: the host waits for the copies between the shards (and their gradients) and
     /// the GPU queued so far, before anything on the host reads or writes them.
-    pub fn wait_for_pinned_copies(&self) -> Result<()> {
+    pub(crate) fn wait_for_pinned_copies(&self) -> Result<()> {
         let mut devices: Vec<Device> =
             self.lock().units.iter().filter(|u| u.flat.pinned()).map(|u| u.flat.device()).collect();
         devices.dedup();
@@ -704,13 +704,13 @@ impl Runtime {
     }
 
     /// This rank's shards with their parameters' names, unit by unit (what the optimizer steps).
-    pub fn shards(&self) -> Vec<(String, Tensor)> {
+    pub(crate) fn shards(&self) -> Vec<(String, Tensor)> {
         let st = self.lock();
         st.units.iter().flat_map(|u| u.flat.slots.iter().map(|s| (s.name.clone(), s.shard.shallow_clone()))).collect()
     }
 
     /// Records every parameter's placement: this rank's shard holds its flat chunk over the group.
-    pub fn record_placements(&self) -> Result<()> {
+    pub(crate) fn record_placements(&self) -> Result<()> {
         type Placed = (Tensor, Vec<i64>, Tensor, i64);
         let slots: Vec<Placed> = {
             let st = self.lock();
@@ -736,7 +736,7 @@ impl Runtime {
         Ok(())
     }
 
-    pub fn unit_names(&self) -> Vec<String> {
+    pub(crate) fn unit_names(&self) -> Vec<String> {
         self.lock().units.iter().map(|u| u.name.clone()).collect()
     }
 }

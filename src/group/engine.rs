@@ -23,7 +23,7 @@ unsafe impl Sync for Engine {}
 
 impl Engine {
     /// Builds the engine on `store` (already under its device prefix). Blocks until all ranks joined.
-    pub fn new(
+    pub(crate) fn new(
         store: &Store,
         backend: Backend,
         rank: usize,
@@ -69,11 +69,11 @@ impl Engine {
         Ok(Engine { ptr, backend, abandoned: std::sync::atomic::AtomicBool::new(false) })
     }
 
-    pub fn as_ptr(&self) -> *mut ffi::tdx_pg {
+    pub(crate) fn as_ptr(&self) -> *mut ffi::tdx_pg {
         self.ptr.as_ptr()
     }
 
-    pub fn set_timeout(&self, timeout: Duration) -> Result<()> {
+    pub(crate) fn set_timeout(&self, timeout: Duration) -> Result<()> {
         // SAFETY: the handle is valid.
         let code = unsafe { ffi::tdx_pg_set_timeout(self.ptr.as_ptr(), millis(timeout)) };
         check(code, timeout, || format!("set_timeout ({})", self.backend))

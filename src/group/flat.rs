@@ -171,7 +171,7 @@ pub(crate) fn reduce_scatter(
 
 impl Reduction {
     /// Waits until this rank's chunk is in `out`.
-    pub fn finish(self, pg: &ProcessGroup) -> Result<()> {
+    pub(crate) fn finish(self, pg: &ProcessGroup) -> Result<()> {
         match self {
             Reduction::Ring(r) => r.finish(pg),
             Reduction::Native(w) => w.wait(),

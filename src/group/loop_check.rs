@@ -28,7 +28,7 @@ impl LoopPhase {
     }
     /// The check's kind (see [`ProcessGroup::checks_now`]) for DDP or FSDP (`fsdp`); fixed names, so
     /// that the hot path allocates nothing.
-    pub fn kind(self, fsdp: bool) -> &'static str {
+    pub(crate) fn kind(self, fsdp: bool) -> &'static str {
         match (fsdp, self) {
             (false, LoopPhase::Forward) => "DDP loop at forward",
             (false, LoopPhase::Backward) => "DDP loop at backward",

@@ -746,7 +746,7 @@ pub(crate) struct ExternalRecorder {
 }
 
 impl ExternalRecorder {
-    pub fn record(&self, op: &str) -> Option<crate::flight::Recording> {
+    pub(crate) fn record(&self, op: &str) -> Option<crate::flight::Recording> {
         self.trace.enter(op, self.backend).1
     }
 }

@@ -17,7 +17,7 @@ use crate::work::Work;
 
 /// Start of the ring collectives' tags, clear of the small tags users pick and of the verification
 /// headers at 2^30. Each ring takes the next of 2^24 tags, in the order every rank starts them.
-pub const TAG_BASE: i32 = 1 << 29;
+pub(crate) const TAG_BASE: i32 = 1 << 29;
 
 impl ProcessGroup {
     /// The next ring's tag.
@@ -58,7 +58,7 @@ impl RingReduce {
     /// Posts the first step of reducing `buf` (`world * out.numel()` elements) into `out`, with the
     /// receive buffer of the intermediate steps (more than two ranks; like `out`, apart from `buf`) given
     /// or allocated. `label` names it in the flight recorder.
-    pub fn start(
+    pub(crate) fn start(
         pg: &ProcessGroup,
         buf: Tensor,
         out: Tensor,
@@ -96,7 +96,7 @@ impl RingReduce {
     }
 
     /// Runs the remaining steps; `out` holds this rank's reduced chunk when it returns.
-    pub fn finish(mut self, pg: &ProcessGroup) -> Result<()> {
+    pub(crate) fn finish(mut self, pg: &ProcessGroup) -> Result<()> {
         let (world, rank) = (pg.size() as i64, pg.rank() as i64);
         while self.step < world - 1 {
             if let Some(w) = self.pending.take() {

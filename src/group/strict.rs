@@ -119,7 +119,7 @@ fn tag(group: bool, seq: u32, body: bool) -> i32 {
 }
 
 impl Strict {
-    pub fn new(engine: Arc<Engine>, rank: usize, store: Store, timeout: Duration) -> Strict {
+    pub(super) fn new(engine: Arc<Engine>, rank: usize, store: Store, timeout: Duration) -> Strict {
         Strict {
             engine,
             rank,
@@ -130,7 +130,7 @@ impl Strict {
         }
     }
 
-    pub fn set_timeout(&self, t: Duration) {
+    pub(super) fn set_timeout(&self, t: Duration) {
         *self.timeout.lock().unwrap_or_else(|e| e.into_inner()) = t;
     }
 
@@ -139,7 +139,7 @@ impl Strict {
     }
 
     /// Queues an unbatched send or receive on its pair's queue.
-    pub fn post_single(&self, op: Op, what: String) -> Result<Arc<Ticket>> {
+    pub(super) fn post_single(&self, op: Op, what: String) -> Result<Arc<Ticket>> {
         let peer = op.peer;
         let known = self.pairs.lock().unwrap_or_else(|e| e.into_inner()).contains_key(&peer);
         if !known {
@@ -156,7 +156,7 @@ impl Strict {
     }
 
     /// Queues a batch as one unit on the group's queue.
-    pub fn post_batch(&self, ops: Vec<Op>, what: String) -> Result<Arc<Ticket>> {
+    pub(super) fn post_batch(&self, ops: Vec<Op>, what: String) -> Result<Arc<Ticket>> {
         let mut g = self.group.lock().unwrap_or_else(|e| e.into_inner());
         let (queue, seqs) = g.get_or_insert_with(|| {
             (self.start_queue(format!("the group stream of rank {}", self.rank)), Seqs::default())

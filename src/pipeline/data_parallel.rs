@@ -32,19 +32,19 @@ pub(crate) enum ChunkSync {
 
 impl ChunkSync {
     /// The wrapper for a chunk whose variables are in `vs` (for FSDP, its units are built already).
-    pub fn ddp(vs: &nn::VarStore, opts: &DdpOptions) -> Result<ChunkSync> {
+    pub(crate) fn ddp(vs: &nn::VarStore, opts: &DdpOptions) -> Result<ChunkSync> {
         Ok(ChunkSync::Ddp(DistributedDataParallel::new(vs, (), opts.clone())?))
     }
 
     /// `f`, the chunk's layers, as this wrapper's forward.
-    pub fn forward(&self, x: &Tensor, f: impl FnOnce(&Tensor) -> Tensor) -> Result<Tensor> {
+    pub(crate) fn forward(&self, x: &Tensor, f: impl FnOnce(&Tensor) -> Tensor) -> Result<Tensor> {
         match self {
             ChunkSync::Ddp(d) => d.forward_with(|_| f(x)),
             ChunkSync::Fsdp(m) => m.forward_with(x, |_, x| f(x)),
         }
     }
 
-    pub fn set_requires_gradient_sync(&self, on: bool) {
+    pub(crate) fn set_requires_gradient_sync(&self, on: bool) {
         match self {
             ChunkSync::Ddp(d) => d.set_requires_gradient_sync(on),
             ChunkSync::Fsdp(m) => m.set_requires_gradient_sync(on),

@@ -29,7 +29,7 @@ pub struct RankReport {
 }
 
 /// Inputs of one rank's step.
-pub struct RankStep<'a> {
+pub(crate) struct RankStep<'a> {
     pub rank: usize,
     pub schedule: &'a Schedule,
     /// This rank's chunks: `chunks[c]` is virtual stage `c * p + rank`.
@@ -43,7 +43,7 @@ pub struct RankStep<'a> {
 }
 
 /// Wall-clock seconds since the Unix epoch: comparable across the stage processes of one machine.
-pub fn now() -> f64 {
+pub(crate) fn now() -> f64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64())
 }
 
@@ -55,7 +55,7 @@ struct Saved {
 
 /// Executes `step.schedule.actions[rank]` with `net` carrying tensors, batch by batch as the schedule's
 /// plan (`plan`) says.
-pub fn run_rank(step: &RankStep, net: &mut dyn Transport) -> Result<RankReport> {
+pub(crate) fn run_rank(step: &RankStep, net: &mut dyn Transport) -> Result<RankReport> {
     let sch = step.schedule;
     let p = sch.stages;
     let last_vs = p * sch.chunks - 1;
@@ -232,7 +232,7 @@ fn missing(rank: usize, a: Action) -> Error {
 
 /// Runs a step with one thread per rank. `ranks[s]` holds stage `s`'s chunks. A failure on any stage
 /// stops the others (no hang) and is returned.
-pub fn run_threads(
+pub(crate) fn run_threads(
     schedule: &Schedule,
     ranks: &mut [Vec<Stage>],
     inputs: &[Tensor],

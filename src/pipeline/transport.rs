@@ -15,16 +15,16 @@ use crate::work::Work;
 
 /// What travels.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Payload {
+pub(crate) enum Payload {
     Activation,
     Grad,
 }
 
 /// (payload, microbatch, virtual stage that receives it)
-pub type Key = (Payload, usize, usize);
+pub(crate) type Key = (Payload, usize, usize);
 
 /// A tensor leaving with a batch.
-pub struct Outgoing {
+pub(crate) struct Outgoing {
     pub to: usize,
     pub key: Key,
     pub tensor: Tensor,
@@ -34,9 +34,9 @@ pub struct Outgoing {
 }
 
 /// The batches of a plan a failing rank has not posted: (sends, receives) of each.
-pub type Rest = [(Vec<(usize, Key)>, Vec<(usize, Key)>)];
+pub(crate) type Rest = [(Vec<(usize, Key)>, Vec<(usize, Key)>)];
 
-pub trait Transport {
+pub(crate) trait Transport {
     /// A step begins; `input` is its full batch (every rank passes the same one).
     fn begin(&mut self, _input: &Tensor) -> Result<()> {
         Ok(())
@@ -56,7 +56,7 @@ pub trait Transport {
 }
 
 /// Channels between stage threads. A failing stage raises `abort`, so the others stop waiting.
-pub struct ChannelTransport {
+pub(crate) struct ChannelTransport {
     pub(crate) rank: usize,
     pub(crate) senders: Vec<Sender<(Key, Tensor)>>, // indexed by destination rank
     pub(crate) inbox: Receiver<(Key, Tensor)>,
@@ -66,7 +66,7 @@ pub struct ChannelTransport {
 }
 
 /// One transport per stage thread, all connected.
-pub fn channels(ranks: usize, abort: Arc<AtomicBool>, timeout: Duration) -> Vec<ChannelTransport> {
+pub(crate) fn channels(ranks: usize, abort: Arc<AtomicBool>, timeout: Duration) -> Vec<ChannelTransport> {
     let (txs, rxs): (Vec<_>, Vec<_>) = (0..ranks).map(|_| crossbeam_channel::unbounded()).unzip();
     rxs.into_iter()
         .enumerate()
@@ -141,7 +141,7 @@ impl Transport for ChannelTransport {
 /// shape then changes anyway fails, naming it). A failing stage posts the rest of its batches with
 /// placeholders and leaves its message in the store: the receiver of a placeholder fails at once (on
 /// CPU, where it can look at the bytes without a device sync; elsewhere at the end of the step).
-pub struct GroupTransport {
+pub(crate) struct GroupTransport {
     pub(crate) pg: Arc<ProcessGroup>,
     /// Where received tensors are put.
     pub(crate) device: Device,
@@ -185,7 +185,7 @@ const ABORT: i64 = 1;
 const PLACEHOLDER: [u8; 8] = *b"tchdis\xf8\x7f";
 
 impl GroupTransport {
-    pub fn new(pg: Arc<ProcessGroup>, device: Device) -> Self {
+    pub(crate) fn new(pg: Arc<ProcessGroup>, device: Device) -> Self {
         GroupTransport {
             pg,
             device,

@@ -110,7 +110,7 @@ pub(crate) struct Part {
 
 impl Part {
     /// Rank `rank`'s equal part of `n` along `dim`, of `parts`.
-    pub fn even(dim: usize, n: i64, rank: usize, parts: usize) -> Part {
+    pub(crate) fn even(dim: usize, n: i64, rank: usize, parts: usize) -> Part {
         let len = n / parts as i64;
         Part { dim, start: rank as i64 * len, len }
     }

@@ -10,7 +10,7 @@ use crate::work::Work;
 
 /// Gather steps left running while later buckets step. They allocate nothing (the ring receives in
 /// place), so this only caps outstanding requests.
-pub const GATHERS_IN_FLIGHT: usize = 64;
+pub(super) const GATHERS_IN_FLIGHT: usize = 64;
 
 pub(crate) struct FlatBucket {
     /// `world * len` elements; the parameters are views into it.
@@ -28,7 +28,7 @@ pub(crate) struct FlatBucket {
 impl FlatBucket {
     /// Copies `params` (one dtype and device, in bucket order) into a new flat buffer and makes each
     /// parameter's data a view of it. One parameter at a time, so the old storage goes as the new comes.
-    pub fn new(params: &[Tensor], rank: usize, world: usize) -> Result<FlatBucket> {
+    pub(super) fn new(params: &[Tensor], rank: usize, world: usize) -> Result<FlatBucket> {
         let _g = tch::no_grad_guard();
         let (rank, world) = (rank as i64, world as i64);
         let numel: i64 = params.iter().map(|p| p.numel() as i64).sum();
@@ -49,13 +49,13 @@ impl FlatBucket {
     }
 
     /// This rank's shard of the parameters (a view: updating it updates the model).
-    pub fn shard(&self) -> Result<Tensor> {
+    pub(super) fn shard(&self) -> Result<Tensor> {
         Ok(self.flat.f_narrow(0, self.rank * self.len, self.own)?)
     }
 
     /// Every rank's shard into every rank's buffer, in place (`group::flat`: the engine's algorithm); the last
     /// step is left running in `pending` so the gather overlaps whatever the caller does next.
-    pub fn all_gather(
+    pub(super) fn all_gather(
         &self,
         pg: &ProcessGroup,
         bucket: usize,

@@ -31,7 +31,7 @@ pub(crate) struct GradShards {
 
 impl GradShards {
     /// `buckets`: (elements, a parameter of the bucket for dtype and device) per bucket.
-    pub fn new(buckets: &[(i64, Tensor)], world: usize) -> Result<GradShards> {
+    pub(super) fn new(buckets: &[(i64, Tensor)], world: usize) -> Result<GradShards> {
         let world = world as i64;
         let mut lens = Vec::with_capacity(buckets.len());
         let mut shards = Vec::with_capacity(buckets.len());
