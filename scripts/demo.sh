@@ -3,7 +3,7 @@
 # Runs the forum's program (Linear(1000, 1000), 2 ranks over Gloo) in PyTorch (scripts/forum_repro.py)
 # and in Rust with tch-dist (examples/forum_repro.rs), with gradient_as_bucket_view off and on, and prints
 # rank 0's memory at each step side by side. On CPU both processes use the same ruler: tch-dist's
-# counting allocator (csrc/memory.cpp), loaded into PyTorch through ctypes.
+# counting allocator (tch-dist-sys/csrc/memory.cpp), loaded into PyTorch through ctypes.
 #   scripts/demo.sh                 # CPU
 #   scripts/demo.sh --device cuda   # on a GPU machine (both ranks share cuda:0)
 set -euo pipefail

@@ -1,6 +1,6 @@
 """The tch-dist CPU memory ruler for Python processes.
 
-Loads libtch_dist_memory.so (built by `cargo build` from csrc/memory.cpp, the very code the Rust side
+Loads libtch_dist_memory.so (built by `cargo build` from tch-dist-sys/csrc/memory.cpp, the very code the Rust side
 uses) and installs its counting allocator under PyTorch's CPU allocator, so PyTorch and tch-dist are
 measured with one ruler. Import it and call install() before creating any tensor you want counted.
 

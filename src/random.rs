@@ -1,4 +1,4 @@
-//! Draws from a CPU generator of their own, seeded explicitly (through the shim, csrc/random.cpp): the
+//! Draws from a CPU generator of their own, seeded explicitly (through the shim, tch-dist-sys/csrc/random.cpp): the
 //! values PyTorch gives for `torch.Generator().manual_seed(seed)`, while the global generator the user's
 //! program draws from is left alone.
 use tch::{Kind, Tensor};

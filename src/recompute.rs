@@ -2,7 +2,7 @@
 //! recomputation): a block's forward keeps none of its activations; backward runs the forward again, with
 //! the random numbers (dropout) and autocast state of the first run, and goes back through it.
 //!
-//! The backward is an autograd node in the shim (`csrc/recompute.cpp`). Its gradient edges lead to the
+//! The backward is an autograd node in the shim (`tch-dist-sys/csrc/recompute.cpp`). Its gradient edges lead to the
 //! block's input and to the block's parameters, so parameter gradients arrive from the backward the user
 //! started: DDP's, ZeRO's and FSDP's hooks fire as without checkpointing, and it composes with all of
 //! them, and with tensor-parallel layers inside the block. The parameters are found on the first forward

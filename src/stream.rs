@@ -1,6 +1,6 @@
 //! CUDA streams and events, which tch does not expose: PyTorch's `torch.cuda.Stream`, `torch.cuda.Event`,
 //! `with torch.cuda.stream(s)`, `Tensor.record_stream`, `copy_(non_blocking=True)` and pinned memory,
-//! through the shim (csrc/stream.cpp). FSDP runs its gathers and reduce-scatters on streams of their own
+//! through the shim (tch-dist-sys/csrc/stream.cpp). FSDP runs its gathers and reduce-scatters on streams of their own
 //! with them, as FSDP2 does.
 //!
 //! ```no_run

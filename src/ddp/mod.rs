@@ -387,7 +387,10 @@ impl<M> DistributedDataParallel<M> {
         make: impl FnOnce(&[(i64, Tensor)]) -> Result<Box<dyn GradSink>>,
     ) -> Result<()> {
         if self.reducer.cfg.comm_hook.is_some() {
-            return Err(Error::invalid(owner, "it reduces buckets itself; remove the comm hook"));
+            return Err(Error::invalid(
+                owner,
+                format!("the DDP model has a comm hook, but {owner} reduces its buckets itself; remove the hook"),
+            ));
         }
         self.reducer.route_to(make).map_err(|e| e.in_op(owner.to_string()))
     }

@@ -9,7 +9,7 @@
 //! CUDA's generator places its draws by kernel launch, so a slice of a CUDA draw cannot be drawn alone.
 //! This relies on ATen's CPU kernels: `uniform_` draws one number per element in order, and `normal_`
 //! transforms blocks of 16 draws (the last 16 elements drawn again when the count is not a multiple of
-//! 16); blocks are cut to keep both. `tests/tp/tp_init.rs` checks every rank against tch's layers.
+//! 16); blocks are cut to keep both. `tests/alone/tp_init.rs` checks every rank against tch's layers.
 use tch::nn::init::{FanInOut, NormalOrUniform};
 use tch::nn::Init;
 use tch::{Device, Kind, Tensor};

@@ -1,5 +1,5 @@
 //! The conjugate operators (Megatron-LM's f and g, and the gather/scatter pair) as autograd ops. Their
-//! backward runs the collective inside libtorch's autograd (csrc/tp.cpp), so they compose with any model.
+//! backward runs the collective inside libtorch's autograd (tch-dist-sys/csrc/tp.cpp), so they compose with any model.
 use tch::Tensor;
 
 use std::sync::{Arc, Mutex};

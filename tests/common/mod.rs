@@ -70,6 +70,13 @@ pub fn run_threads_with<T: Send + 'static>(
     handles.into_iter().map(|h| h.join().expect("rank thread panicked")).collect()
 }
 
+/// Held by every test of a binary whose tests must not run beside each other (tests/alone/): the
+/// process-wide allocation counter and tch's global generator are shared by every thread.
+pub fn alone() -> std::sync::MutexGuard<'static, ()> {
+    static ONE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    ONE.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// libtest's name of test `f` in the module whose `module_path!()` is `module`: a test binary holds one
 /// module per file, and its tests' names start with the module's path below the crate.
 pub fn qualified(module: &str, f: &str) -> String {

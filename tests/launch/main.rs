@@ -1,4 +1,4 @@
-//! Launching: tchrun, elastic rounds, the environment, a user crate, fault drills and soaks.
+//! Launching: tchrun, elastic rounds, the environment, fault drills and soaks.
 //! One test binary per area: each module is one file of tests.
 #[path = "../common/mod.rs"]
 mod common;
@@ -8,4 +8,3 @@ mod init_env;
 mod soak;
 mod tchrun;
 mod tchrun_elastic;
-mod user_crate;

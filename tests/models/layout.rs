@@ -1,4 +1,4 @@
-//! Checks against the linked libtorch: the declaration-only gloo headers (csrc/gloo_decl) agree with the
+//! Checks against the linked libtorch: the declaration-only gloo headers (tch-dist-sys/csrc/gloo_decl) agree with the
 //! library's object layout, and libtorch's own DDP bucket assignment is reachable.
 use tch::Kind;
 use tch_dist::reference;

@@ -1,4 +1,4 @@
-"""PyTorch's DistributedSampler for tests/training/data.rs: reads one combination per line on stdin,
+"""PyTorch's DistributedSampler for tests/alone/data.rs: reads one combination per line on stdin,
 `n world rank seed epoch drop_last shuffle`, and prints the indices PyTorch yields, space-separated,
 one line per combination (an empty line for none)."""
 import sys

@@ -510,3 +510,34 @@ fn consolidated_state_is_the_unsharded_optimizers_and_reshards() {
         "steps continue from the saved count"
     );
 }
+
+/// ZeRO-2 reduce-scatters DDP's buckets itself: a DDP model with a comm hook is refused by name, and so is
+/// a second ZeRO-2 optimizer over the same model (one sink owns its gradients); the model still trains
+/// under the first.
+#[test]
+fn zero2_refuses_a_comm_hook_and_a_second_sharding_by_name() {
+    let outs = common::run_threads(2, Duration::from_secs(60), |pg| {
+        let pg = Arc::new(pg);
+        let make = |p: Vec<Tensor>| Box::new(Sgd::new(p, 0.1)) as Box<dyn Optimizer + Send>;
+        let hooked = {
+            let vs = nn::VarStore::new(Device::Cpu);
+            let net = model(&vs);
+            let opts = DdpOptions::default().process_group(pg.clone()).comm_hook(tch_dist::ddp::comm_hook::allreduce());
+            let ddp = DistributedDataParallel::new(&vs, net, opts).unwrap();
+            ShardedOptimizer::new(&ddp, ZeroStage::Two, make).unwrap_err().to_string()
+        };
+        let vs = nn::VarStore::new(Device::Cpu);
+        let net = model(&vs);
+        let ddp = DistributedDataParallel::new(&vs, net, DdpOptions::default().process_group(pg.clone())).unwrap();
+        let mut first = ShardedOptimizer::new(&ddp, ZeroStage::Two, make).unwrap();
+        let second = ShardedOptimizer::new(&ddp, ZeroStage::Two, make).unwrap_err().to_string();
+        let loss = ddp.forward(&batch(0, pg.rank(), 0)).square().mean(Kind::Float);
+        ddp.backward(&loss).unwrap();
+        first.step().unwrap();
+        (hooked, second)
+    });
+    for (hooked, second) in outs {
+        assert!(hooked.contains("ZeRO-2") && hooked.contains("comm hook"), "{hooked}");
+        assert!(second.contains("ZeRO-2") && second.contains("another sink"), "{second}");
+    }
+}

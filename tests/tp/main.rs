@@ -1,14 +1,12 @@
-//! Tensor parallelism, the plan by path, device meshes and placements.
+//! Tensor parallelism, device meshes and placements.
 //! One test binary per area: each module is one file of tests.
 #[path = "../common/mod.rs"]
 mod common;
 
 mod mesh;
 mod mesh_3d;
-mod parallelize;
 mod placement;
 mod tp;
 mod tp_attention;
-mod tp_init;
 mod tp_sequence;
 mod tp_vocab;

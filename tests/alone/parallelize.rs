@@ -50,6 +50,7 @@ fn kind(l: &Linear) -> &'static str {
 
 #[test]
 fn one_model_source_on_two_ranks_computes_what_it_does_on_one() {
+    let _alone = common::alone();
     let ids = || Tensor::from_slice(&[1i64, 5, 9, 15, 0, 7]).view([2, 3]);
     let (kinds, want_y, want_gx) = forward(&Plan::new(), &ids());
     assert!(kinds.iter().all(|k| k == "local"), "{kinds:?}");
@@ -69,6 +70,7 @@ fn one_model_source_on_two_ranks_computes_what_it_does_on_one() {
 
 #[test]
 fn an_embedding_split_column_wise_is_refused_with_its_path() {
+    let _alone = common::alone();
     let errs = common::run_threads(2, Duration::from_secs(30), |pg| {
         let plan = Plan::over_group(Arc::new(pg)).style("emb*", Style::colwise());
         let vs = nn::VarStore::new(Device::Cpu);
@@ -81,6 +83,7 @@ fn an_embedding_split_column_wise_is_refused_with_its_path() {
 /// live in another VarStore than the one the plan shards; a block no variable lives under is named.
 #[test]
 fn the_plans_fsdp_refuses_a_second_model_and_another_var_store() {
+    let _alone = common::alone();
     use tch_dist::fsdp::FsdpOptions;
     let store = tch_dist::Store::hash().unwrap();
     let pg = Arc::new(tch_dist::ProcessGroup::new(&store, 0, 1, &Default::default()).unwrap());

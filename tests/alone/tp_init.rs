@@ -1,7 +1,8 @@
 //! Tensor-parallel layers created by `new` hold, on every rank, the slice of what tch's own layer draws
 //! after the same seed, and leave the global generator where tch's layer leaves it: a model of any
-//! tensor-parallel size starts from the one-process model's values. (A file of its own: the global
-//! generator is shared by a binary's test threads, so each rank draws under one lock.)
+//! tensor-parallel size starts from the one-process model's values. (In tests/alone/: the global
+//! generator is shared by the process's threads, so tests run one at a time and each rank draws under one
+//! lock.)
 use crate::common;
 
 use std::sync::{Arc, Mutex};
@@ -40,6 +41,7 @@ fn tch_draws() -> (Vec<Tensor>, Tensor) {
 
 #[test]
 fn every_rank_holds_its_slice_of_tch_s_layers_and_the_generator_moves_as_tch_s() {
+    let _alone = common::alone();
     let (want, after) = tch_draws();
     for t in [1usize, 2, 4] {
         let got = common::run_threads(t, Duration::from_secs(60), |pg| {
@@ -96,6 +98,7 @@ fn every_rank_holds_its_slice_of_tch_s_layers_and_the_generator_moves_as_tch_s()
 
 #[test]
 fn a_size_not_divisible_by_the_group_is_named() {
+    let _alone = common::alone();
     let errs = common::run_threads(2, Duration::from_secs(30), |pg| {
         let vs = nn::VarStore::new(Device::Cpu);
         let pg = Arc::new(pg);

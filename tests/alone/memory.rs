@@ -7,12 +7,9 @@ use std::process::Command;
 use tch::{nn, Device, Kind, Tensor};
 use tch_dist::memory;
 
-/// The tests of this process that allocate run one at a time, so each sees its own bytes.
-static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
 #[test]
 fn cpu_counter_counts_tensors_and_peak() {
-    let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _alone = common::alone();
     memory::install_cpu_counter().unwrap();
     assert!(memory::cpu_counter_installed());
     let before = memory::allocated(Device::Cpu).unwrap();
@@ -30,9 +27,9 @@ fn cpu_counter_counts_tensors_and_peak() {
 
 #[test]
 fn kernels_that_use_raw_allocate_work_under_the_counter() {
+    let _alone = common::alone();
     // gelu's CPU kernel takes scratch memory through Allocator::raw_allocate, which requires the
     // DataPtr's context to be its data pointer (a first version of the counter failed this).
-    let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     memory::install_cpu_counter().unwrap();
     let x = Tensor::randn([64, 8192], (Kind::Float, Device::Cpu));
     let y = x.f_gelu("none").unwrap();
@@ -56,6 +53,7 @@ fn last_number(out: &std::process::Output) -> i64 {
 
 #[test]
 fn rust_and_pytorch_agree_on_linear_1000() {
+    let _alone = common::alone();
     // Each in its own process so that nothing else allocates meanwhile.
     let rust = Command::new(std::env::current_exe().unwrap())
         .args(["--ignored", "--exact", common::test_name!("worker_linear_memory").as_str(), "--nocapture"])

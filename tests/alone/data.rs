@@ -11,6 +11,7 @@ use tch_dist::data::{Batches, DistributedSampler, SamplerOptions};
 
 #[test]
 fn sampler_indices_equal_pytorchs() {
+    let _alone = common::alone();
     let mut combos = Vec::new();
     for n in [0usize, 1, 2, 5, 10, 17, 100, 1001] {
         for world in [1usize, 2, 3, 4, 7] {
@@ -61,6 +62,7 @@ fn sampler_indices_equal_pytorchs() {
 
 #[test]
 fn sampler_leaves_the_global_generator_alone_and_refuses_bad_ranks() {
+    let _alone = common::alone();
     tch::manual_seed(5);
     let a = Tensor::rand([3], (Kind::Float, Device::Cpu));
     tch::manual_seed(5);
@@ -73,6 +75,7 @@ fn sampler_leaves_the_global_generator_alone_and_refuses_bad_ranks() {
 
 #[test]
 fn batches_cover_the_indices_in_order() {
+    let _alone = common::alone();
     let xs = Tensor::arange(20, (Kind::Float, Device::Cpu)).view([10, 2]);
     let ys = Tensor::arange(10, (Kind::Int64, Device::Cpu));
     let idx = vec![9, 0, 3, 3, 7];

@@ -3,7 +3,8 @@
 //! tch-dist as a path dependency, trains on 2 ranks under tchrun with no environment variables set. Its
 //! build script is the README's one line that embeds libtorch's directory, so its binary also runs
 //! without tchrun (torchrun's variables set by hand, no LD_LIBRARY_PATH).
-use crate::common;
+#[path = "../common/mod.rs"]
+mod common;
 
 use std::process::Command;
 

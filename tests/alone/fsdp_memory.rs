@@ -1,5 +1,5 @@
-//! FSDP memory, measured with the counting CPU allocator (alone in its test binary, so no other test's
-//! allocations are counted): a unit whose gather has started holds its shards inside the gathered buffer,
+//! FSDP memory, measured with the counting CPU allocator (in tests/alone/, one test at a time, so no
+//! other test's allocations are counted): a unit whose gather has started holds its shards inside the gathered buffer,
 //! so a prefetched unit costs its full size, not its full size plus its shards.
 use crate::common;
 
@@ -14,6 +14,7 @@ const WIDTH: i64 = 512;
 
 #[test]
 fn a_prefetched_unit_costs_its_full_size_only() {
+    let _alone = common::alone();
     memory::install_cpu_counter().unwrap();
     // One rank: a unit's shards are the whole unit, so a gathered unit whose shards live inside its
     // buffer adds nothing, and one whose shards were copied in adds one unit (1 MiB here).

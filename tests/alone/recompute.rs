@@ -97,6 +97,7 @@ fn gradients(checkpointed: bool, autocast: bool) -> (Vec<Tensor>, Tensor, usize)
 
 #[test]
 fn gradients_equal_the_uncheckpointed_model_with_dropout() {
+    let _alone = common::alone();
     let _turn = turn();
     let (plain, plain_x, n) = gradients(false, false);
     let (ckpt, ckpt_x, m) = gradients(true, false);
@@ -109,6 +110,7 @@ fn gradients_equal_the_uncheckpointed_model_with_dropout() {
 
 #[test]
 fn autocast_is_recomputed_alike() {
+    let _alone = common::alone();
     let _turn = turn();
     let (plain, plain_x, _) = gradients(false, true);
     let (ckpt, ckpt_x, _) = gradients(true, true);
@@ -120,6 +122,7 @@ fn autocast_is_recomputed_alike() {
 
 #[test]
 fn activations_are_not_kept() {
+    let _alone = common::alone();
     let _turn = turn();
     memory::install_cpu_counter().unwrap();
     // a wide block: each activation is 256 x 4096 floats = 4 MiB
@@ -150,6 +153,7 @@ fn activations_are_not_kept() {
 
 #[test]
 fn a_parameter_missing_from_the_first_forward_fails_the_backward() {
+    let _alone = common::alone();
     let _turn = turn();
     let vs = nn::VarStore::new(Device::Cpu);
     let (w1, w2) = (vs.root().ones("w1", &[D]), vs.root().ones("w2", &[D]));
@@ -169,6 +173,7 @@ fn a_parameter_missing_from_the_first_forward_fails_the_backward() {
 
 #[test]
 fn an_input_changed_in_place_fails_the_backward() {
+    let _alone = common::alone();
     let _turn = turn();
     let vs = nn::VarStore::new(Device::Cpu);
     let w = vs.root().ones("w", &[D]);
@@ -181,6 +186,7 @@ fn an_input_changed_in_place_fails_the_backward() {
 
 #[test]
 fn an_error_in_the_recomputation_fails_the_backward() {
+    let _alone = common::alone();
     let _turn = turn();
     let calls = Arc::new(AtomicUsize::new(0));
     let c = calls.clone();
@@ -231,6 +237,7 @@ fn train(checkpointed: bool, zero: bool) -> Vec<Vec<Tensor>> {
 
 #[test]
 fn composes_with_ddp_and_zero2() {
+    let _alone = common::alone();
     let _turn = turn();
     for zero in [false, true] {
         let plain = train(false, zero);
@@ -245,6 +252,7 @@ fn composes_with_ddp_and_zero2() {
 
 #[test]
 fn composes_with_tensor_parallel_layers() {
+    let _alone = common::alone();
     let _turn = turn();
     let run = |checkpointed: bool| {
         common::run_threads(2, Duration::from_secs(60), move |pg| {
