@@ -29,7 +29,27 @@ pub fn tchrun() -> std::path::PathBuf {
     let exe = std::env::current_exe().unwrap();
     let p = exe.parent().unwrap().parent().unwrap().join("tchrun");
     assert!(p.exists(), "{} not built (cargo build --bins, as scripts/test.sh does)", p.display());
+    // `cargo test` builds this crate's tests, not another package's binary: an older tchrun than its
+    // sources (its own and the library's) would test the launcher as it was
+    let built = std::fs::metadata(&p).and_then(|m| m.modified()).unwrap();
+    let newest = [repo_path("tchrun/src"), repo_path("src")].iter().filter_map(|d| newest_file(d)).max();
+    assert!(
+        newest.is_none_or(|n| n <= built),
+        "{} is older than its sources: rebuild it (cargo build --bins, as scripts/test.sh does)",
+        p.display()
+    );
     p
+}
+
+/// The latest modification time of the files below `dir`.
+fn newest_file(dir: &std::path::Path) -> Option<std::time::SystemTime> {
+    let mut newest = None;
+    for e in std::fs::read_dir(dir).ok()?.flatten() {
+        let path = e.path();
+        let t = if path.is_dir() { newest_file(&path) } else { e.metadata().and_then(|m| m.modified()).ok() };
+        newest = newest.max(t);
+    }
+    newest
 }
 
 pub fn gloo_opts(timeout: Duration) -> GroupOptions {
