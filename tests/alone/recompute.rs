@@ -68,14 +68,6 @@ fn input(seed: i64) -> Tensor {
     ((Tensor::arange(8 * D, (Kind::Float, Device::Cpu)) * 0.1 + seed as f64).sin()).view([8, D])
 }
 
-/// The tests take turns: the test threads share libtorch's global generator (dropout masks, and the
-/// initialisation of every layer built).
-static GENERATOR: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-fn turn() -> std::sync::MutexGuard<'static, ()> {
-    GENERATOR.lock().unwrap_or_else(|e| e.into_inner())
-}
-
 /// Parameter gradients and the input's gradient after one backward, with dropout.
 fn gradients(checkpointed: bool, autocast: bool) -> (Vec<Tensor>, Tensor, usize) {
     let vs = nn::VarStore::new(Device::Cpu);
@@ -97,8 +89,7 @@ fn gradients(checkpointed: bool, autocast: bool) -> (Vec<Tensor>, Tensor, usize)
 
 #[test]
 fn gradients_equal_the_uncheckpointed_model_with_dropout() {
-    let _alone = common::alone();
-    let _turn = turn();
+    let _alone = common::alone(); // the global generator: dropout masks, every layer's initialisation
     let (plain, plain_x, n) = gradients(false, false);
     let (ckpt, ckpt_x, m) = gradients(true, false);
     assert_eq!((n, m), (10, 10), "every parameter gets a gradient");
@@ -111,7 +102,6 @@ fn gradients_equal_the_uncheckpointed_model_with_dropout() {
 #[test]
 fn autocast_is_recomputed_alike() {
     let _alone = common::alone();
-    let _turn = turn();
     let (plain, plain_x, _) = gradients(false, true);
     let (ckpt, ckpt_x, _) = gradients(true, true);
     let (fp32, _, _) = gradients(false, false);
@@ -123,7 +113,6 @@ fn autocast_is_recomputed_alike() {
 #[test]
 fn activations_are_not_kept() {
     let _alone = common::alone();
-    let _turn = turn();
     memory::install_cpu_counter().unwrap();
     // a wide block: each activation is 256 x 4096 floats = 4 MiB
     let alive_after_forward = |checkpointed: bool| {
@@ -154,7 +143,6 @@ fn activations_are_not_kept() {
 #[test]
 fn a_parameter_missing_from_the_first_forward_fails_the_backward() {
     let _alone = common::alone();
-    let _turn = turn();
     let vs = nn::VarStore::new(Device::Cpu);
     let (w1, w2) = (vs.root().ones("w1", &[D]), vs.root().ones("w2", &[D]));
     let calls = Arc::new(AtomicUsize::new(0));
@@ -174,7 +162,6 @@ fn a_parameter_missing_from_the_first_forward_fails_the_backward() {
 #[test]
 fn an_input_changed_in_place_fails_the_backward() {
     let _alone = common::alone();
-    let _turn = turn();
     let vs = nn::VarStore::new(Device::Cpu);
     let w = vs.root().ones("w", &[D]);
     let mut x = input(2).set_requires_grad(true) * 1.0; // not a leaf, so it can change in place
@@ -187,7 +174,6 @@ fn an_input_changed_in_place_fails_the_backward() {
 #[test]
 fn an_error_in_the_recomputation_fails_the_backward() {
     let _alone = common::alone();
-    let _turn = turn();
     let calls = Arc::new(AtomicUsize::new(0));
     let c = calls.clone();
     let vs = nn::VarStore::new(Device::Cpu);
@@ -238,7 +224,6 @@ fn train(checkpointed: bool, zero: bool) -> Vec<Vec<Tensor>> {
 #[test]
 fn composes_with_ddp_and_zero2() {
     let _alone = common::alone();
-    let _turn = turn();
     for zero in [false, true] {
         let plain = train(false, zero);
         let ckpt = train(true, zero);
@@ -253,7 +238,6 @@ fn composes_with_ddp_and_zero2() {
 #[test]
 fn composes_with_tensor_parallel_layers() {
     let _alone = common::alone();
-    let _turn = turn();
     let run = |checkpointed: bool| {
         common::run_threads(2, Duration::from_secs(60), move |pg| {
             let pg = Arc::new(pg);

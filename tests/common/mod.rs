@@ -15,10 +15,15 @@ pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("free port")
 }
 
+/// target/<profile>/, where cargo puts the binaries (this test binary is in its deps/).
+fn profile_dir() -> std::path::PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    exe.parent().unwrap().parent().unwrap().to_path_buf()
+}
+
 /// An example built beside the test binaries (target/<profile>/examples/; scripts/test.sh builds them).
 pub fn example(name: &str) -> std::path::PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let p = exe.parent().unwrap().parent().unwrap().join("examples").join(name);
+    let p = profile_dir().join("examples").join(name);
     assert!(p.exists(), "{} not built (scripts/test.sh builds the examples first)", p.display());
     p
 }
@@ -26,8 +31,7 @@ pub fn example(name: &str) -> std::path::PathBuf {
 /// The tchrun binary of this workspace (target/<profile>/tchrun, a package of its own: scripts/test.sh
 /// builds it with the examples, `cargo build --bins --examples`).
 pub fn tchrun() -> std::path::PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let p = exe.parent().unwrap().parent().unwrap().join("tchrun");
+    let p = profile_dir().join("tchrun");
     assert!(p.exists(), "{} not built (cargo build --bins, as scripts/test.sh does)", p.display());
     // `cargo test` builds this crate's tests, not another package's binary: an older tchrun than its
     // sources (its own and the library's) would test the launcher as it was
