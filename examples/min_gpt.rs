@@ -1,7 +1,8 @@
 //! tch-rs's own `examples/min-gpt` (a Rust port of karpathy's minGPT; tch-rs is MIT/Apache-2.0), made
-//! distributed through a `parallelize::Plan`: its model code is tch's, except that the constructors
-//! take the plan (`plan.linear` for the linear layers, `plan.unit` for each block) and that attention
-//! views its heads as `-1` (this rank's heads under tensor parallelism). Each layout is a launch and a
+//! distributed through a `parallelize::Plan`: its model code is tch's, built while the plan is entered,
+//! except that the linear layers come from `parallelize::linear`, each block passes through
+//! `parallelize::unit`, and attention views its heads as `-1` (this rank's heads under tensor
+//! parallelism). Each layout is a launch and a
 //! plan, not a model change (docs/min-gpt.md):
 //!
 //!   tchrun --nproc-per-node 1 -- min_gpt --corpus FILE              # one process
@@ -26,7 +27,7 @@ use tch::{nn, Device, IndexOp, Kind, Tensor};
 use tch_dist::ddp::DdpOptions;
 use tch_dist::fsdp::FsdpOptions;
 use tch_dist::mesh::DeviceMesh;
-use tch_dist::parallelize::{Linear, Plan, Style};
+use tch_dist::parallelize::{self, Linear, Plan, Style};
 use tch_dist::{ProcessGroup, ReduceOp};
 
 type Result<T> = std::result::Result<T, Box<dyn std::error::Error>>;
@@ -62,7 +63,7 @@ struct Args {
     losses: Option<String>,
 }
 
-// ---- tch-rs's min-gpt model code: the constructors take the plan; other changes are marked `// plan` ----
+// ---- tch-rs's min-gpt model code; changes are marked `// plan` ----
 
 #[derive(Debug, Copy, Clone)]
 struct Config {
@@ -82,20 +83,20 @@ const WEIGHT_DECAY_GROUP: usize = 1;
 
 // plan: tch's linear layer, split as the plan says for its path (min-gpt's own kept the bias in the
 // no-decay group; tch's layer keeps weight and bias in the path's group)
-fn linear(vs: nn::Path, in_dim: i64, out_dim: i64, plan: &Plan) -> Linear {
-    plan.linear(&vs.set_group(WEIGHT_DECAY_GROUP), in_dim, out_dim, Default::default()).unwrap()
+fn linear(vs: nn::Path, in_dim: i64, out_dim: i64) -> Linear {
+    parallelize::linear(&vs.set_group(WEIGHT_DECAY_GROUP), in_dim, out_dim, Default::default()).unwrap()
 }
 
-fn linear_no_bias(vs: nn::Path, in_dim: i64, out_dim: i64, plan: &Plan) -> Linear {
+fn linear_no_bias(vs: nn::Path, in_dim: i64, out_dim: i64) -> Linear {
     let cfg = nn::LinearConfig { bias: false, ..Default::default() };
-    plan.linear(&vs.set_group(WEIGHT_DECAY_GROUP), in_dim, out_dim, cfg).unwrap()
+    parallelize::linear(&vs.set_group(WEIGHT_DECAY_GROUP), in_dim, out_dim, cfg).unwrap()
 }
 
-fn causal_self_attention(p: &nn::Path, cfg: Config, plan: &Plan) -> impl ModuleT {
-    let key = linear(p / "key", cfg.n_embd, cfg.n_embd, plan);
-    let query = linear(p / "query", cfg.n_embd, cfg.n_embd, plan);
-    let value = linear(p / "value", cfg.n_embd, cfg.n_embd, plan);
-    let proj = linear(p / "proj", cfg.n_embd, cfg.n_embd, plan);
+fn causal_self_attention(p: &nn::Path, cfg: Config) -> impl ModuleT {
+    let key = linear(p / "key", cfg.n_embd, cfg.n_embd);
+    let query = linear(p / "query", cfg.n_embd, cfg.n_embd);
+    let value = linear(p / "value", cfg.n_embd, cfg.n_embd);
+    let proj = linear(p / "proj", cfg.n_embd, cfg.n_embd);
     let mask_init = Tensor::ones([cfg.block_size, cfg.block_size], (Kind::Float, p.device())).tril(0);
     let mask_init = mask_init.view([1, 1, cfg.block_size, cfg.block_size]);
     // let mask = p.var_copy("mask", &mask_init);
@@ -114,12 +115,12 @@ fn causal_self_attention(p: &nn::Path, cfg: Config, plan: &Plan) -> impl ModuleT
     })
 }
 
-fn block(p: &nn::Path, cfg: Config, plan: &Plan) -> impl ModuleT {
+fn block(p: &nn::Path, cfg: Config) -> impl ModuleT {
     let ln1 = nn::layer_norm(p / "ln1", vec![cfg.n_embd], Default::default());
     let ln2 = nn::layer_norm(p / "ln2", vec![cfg.n_embd], Default::default());
-    let attn = causal_self_attention(p, cfg, plan);
-    let lin1 = linear(p / "lin1", cfg.n_embd, 4 * cfg.n_embd, plan);
-    let lin2 = linear(p / "lin2", 4 * cfg.n_embd, cfg.n_embd, plan);
+    let attn = causal_self_attention(p, cfg);
+    let lin1 = linear(p / "lin1", cfg.n_embd, 4 * cfg.n_embd);
+    let lin2 = linear(p / "lin2", 4 * cfg.n_embd, cfg.n_embd);
     nn::func_t(move |xs, train| {
         let xs = xs + xs.apply(&ln1).apply_t(&attn, train);
         let ys = xs.apply(&ln2).apply(&lin1).gelu("none").apply(&lin2).dropout(cfg.resid_pdrop, train);
@@ -127,16 +128,16 @@ fn block(p: &nn::Path, cfg: Config, plan: &Plan) -> impl ModuleT {
     })
 }
 
-fn gpt(p: nn::Path, cfg: Config, plan: &Plan) -> impl ModuleT {
+fn gpt(p: nn::Path, cfg: Config) -> impl ModuleT {
     let p = &p.set_group(NO_WEIGHT_DECAY_GROUP);
     let tok_emb = nn::embedding(p / "tok_emb", cfg.vocab_size, cfg.n_embd, Default::default());
     let pos_emb = p.zeros("pos_emb", &[1, cfg.block_size, cfg.n_embd]);
     let ln_f = nn::layer_norm(p / "ln_f", vec![cfg.n_embd], Default::default());
-    let head = linear_no_bias(p / "head", cfg.n_embd, cfg.vocab_size, plan);
+    let head = linear_no_bias(p / "head", cfg.n_embd, cfg.vocab_size);
     let mut blocks = nn::seq_t();
     for block_idx in 0..cfg.n_layer {
         let bp = p / block_idx;
-        blocks = blocks.add(plan.unit(&bp, block(&bp, cfg, plan)).unwrap()); // plan: an FSDP unit
+        blocks = blocks.add(parallelize::unit(&bp, block(&bp, cfg)).unwrap()); // plan: an FSDP unit
     }
     nn::func_t(move |xs, train| {
         let (_sz_b, sz_t) = xs.size2().unwrap();
@@ -190,7 +191,11 @@ fn main() -> Result<()> {
     let vs = nn::VarStore::new(device);
     let plan = plan(&mesh, &vs, &a)?;
     tch::manual_seed(42); // every layout starts from the same model
-    let gpt = plan.finish(&vs, gpt(vs.root() / "gpt", cfg, &plan))?;
+    let model = {
+        let _plan = plan.enter(); // the model's layers and units are built through the plan
+        gpt(vs.root() / "gpt", cfg)
+    };
+    let gpt = plan.finish(&vs, model)?;
     let mut opt = nn::AdamW::default().build(&vs, a.lr)?;
     opt.set_weight_decay_group(NO_WEIGHT_DECAY_GROUP, 0.0);
     opt.set_weight_decay_group(WEIGHT_DECAY_GROUP, 0.1);

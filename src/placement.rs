@@ -81,6 +81,24 @@ pub struct Layout {
     /// This rank's values when they are not the variable's own (FSDP's shard of a parameter that is
     /// empty between uses).
     local: Option<Tensor>,
+    /// For a tensor made of parts of several variables (ZeRO's shard of a bucket): those parts.
+    pieces: Vec<Piece>,
+}
+
+/// Elements `start..start + len` of `variable`'s flattening are elements `at..at + len` of the tensor
+/// recorded with it. A piece of length 0 names the variable whose per-tensor state (a step count) the
+/// tensor shares when it holds no part of any (a shard that is all padding).
+pub(crate) struct Piece {
+    pub(crate) variable: Tensor,
+    pub(crate) start: i64,
+    pub(crate) len: i64,
+    pub(crate) at: i64,
+}
+
+impl Clone for Piece {
+    fn clone(&self) -> Self {
+        Piece { variable: self.variable.shallow_clone(), start: self.start, len: self.len, at: self.at }
+    }
 }
 
 impl Clone for Layout {
@@ -90,6 +108,7 @@ impl Clone for Layout {
             extent: self.extent.clone(),
             along: self.along.clone(),
             local: self.local.as_ref().map(|t| t.shallow_clone()),
+            pieces: self.pieces.clone(),
         }
     }
 }
@@ -125,6 +144,11 @@ impl Layout {
     /// between uses).
     pub fn local(&self) -> Option<&Tensor> {
         self.local.as_ref()
+    }
+
+    /// The parts of variables this tensor holds, when it is made of several (ZeRO's shard of a bucket).
+    pub(crate) fn pieces(&self) -> &[Piece] {
+        &self.pieces
     }
 
     /// The groups whose ranks hold disjoint parts (size 1 left out: nothing to sum), outermost first.
@@ -247,6 +271,7 @@ pub(crate) fn record_shard(
             extent: Extent::Box { offsets: offsets.to_vec(), lengths: lengths.to_vec() },
             along: vec![along(group, Placement::Shard(dim))],
             local: None,
+            pieces: Vec::new(),
         })
     })
 }
@@ -260,6 +285,7 @@ pub(crate) fn record_along(t: &Tensor, group: &Arc<ProcessGroup>, placement: Pla
             extent: Extent::Whole,
             along: Vec::new(),
             local: None,
+            pieces: Vec::new(),
         });
         // a second wrapper over the same group (a rebuilt DDP) says it again: once is enough
         if !l.along.iter().any(|a| a.group.ptr_eq(&Arc::downgrade(group))) {
@@ -291,10 +317,38 @@ pub(crate) fn record_flat_shard(
             _ => Extent::Other,
         };
         along_.push(along(group, Placement::Flat { offset }));
-        Layout { global_shape, extent, along: along_, local }
+        Layout { global_shape, extent, along: along_, local, pieces: Vec::new() }
     };
     update(param, |_| Ok(make(Some(shard.shallow_clone()))))?;
     update(shard, |_| Ok(make(None)))
+}
+
+/// ZeRO: `t` holds elements `[offset, offset + t.numel())` of a flat bucket of `total` elements laid out
+/// over `group` (past its end: padding), which concatenates variables; `pieces` say which parts of
+/// which variables those are.
+pub(crate) fn record_pieces(
+    t: &Tensor,
+    group: &Arc<ProcessGroup>,
+    offset: i64,
+    total: i64,
+    pieces: Vec<Piece>,
+) -> Result<()> {
+    let len = t.numel() as i64;
+    let fits = pieces.iter().all(|p| {
+        p.start >= 0 && p.len >= 0 && p.at >= 0 && p.at + p.len <= len && p.start + p.len <= p.variable.numel() as i64
+    });
+    if !fits || offset < 0 {
+        return Err(Error::invalid("tensor placement", format!("pieces that do not fit in a {len}-element shard")));
+    }
+    update(t, |_| {
+        Ok(Layout {
+            global_shape: vec![total],
+            extent: Extent::Flat { offset, len },
+            along: vec![along(group, Placement::Flat { offset })],
+            local: None,
+            pieces,
+        })
+    })
 }
 
 #[cfg(test)]

@@ -11,7 +11,7 @@ use tch::{Kind, Tensor};
 use super::format::{self, Metadata, TensorMeta};
 use super::region::{Bx, Region};
 use super::save::{committed_steps, step_dir, Checkpointer};
-use super::state::{owners, state_name, Item, StateDict};
+use super::state::{owners, pieces, state_name, Item, StateDict};
 use crate::error::{Error, Result};
 
 /// A local tensor (or a part of one) to fill from the stored tensor `source`.
@@ -78,8 +78,9 @@ pub fn load_dir(dir: &Path, sd: &mut StateDict) -> Result<LoadedInfo> {
         // elementwise state the optimizer has already is loaded in place
         let live = opt.state_dict();
         let mut state = Vec::new();
-        for slot in opt.state_slots() {
-            let Some(anchor) = owners(&slot).into_iter().next() else { continue };
+        for st in opt.stepped() {
+            let pieces = pieces(&st.tensor);
+            let Some(anchor) = owners(&pieces).into_iter().next() else { continue };
             let anchor = sd.param_item(prefix, &anchor)?;
             let stem = state_name(prefix, anchor, "");
             let mut fields: Vec<(&str, &TensorMeta)> = meta
@@ -88,19 +89,19 @@ pub fn load_dir(dir: &Path, sd: &mut StateDict) -> Result<LoadedInfo> {
                 .take_while(|(n, _)| n.starts_with(&stem))
                 .filter_map(|(n, t)| n[stem.len()..].split_once('.').is_none().then_some((&n[stem.len()..], t)))
                 .collect();
-            let master_fallback = slot.master_key.is_some() && !fields.iter().any(|(f, _)| *f == "master");
+            let master_fallback = st.master_key.is_some() && !fields.iter().any(|(f, _)| *f == "master");
             let model = meta.tensors.get(&anchor.name);
             if let (true, Some(m)) = (master_fallback, model) {
                 fields.push(("master", m)); // master weights from the saved parameters themselves
             }
             for (field, saved) in fields {
                 let key = if field == "master" {
-                    match &slot.master_key {
+                    match &st.master_key {
                         Some(k) => k.clone(),
                         None => continue,
                     }
                 } else {
-                    format!("{}{field}", slot.prefix)
+                    format!("{}{field}", st.prefix)
                 };
                 let is_float = matches!(
                     format::dtype_kind(&saved.dtype)?,
@@ -111,20 +112,15 @@ pub fn load_dir(dir: &Path, sd: &mut StateDict) -> Result<LoadedInfo> {
                     let current = live.iter().find(|(k, _)| *k == key).map(|(_, t)| t);
                     let local = match current {
                         Some(t)
-                            if t.size() == slot.stepped.size()
-                                && t.kind() == slot.stepped.kind()
-                                && t.is_contiguous() =>
+                            if t.size() == st.tensor.size() && t.kind() == st.tensor.kind() && t.is_contiguous() =>
                         {
                             t.shallow_clone()
                         }
-                        _ => Tensor::f_zeros(
-                            slot.stepped.size().as_slice(),
-                            (slot.stepped.kind(), slot.stepped.device()),
-                        )?,
+                        _ => Tensor::f_zeros(st.tensor.size().as_slice(), (st.tensor.kind(), st.tensor.device()))?,
                     };
                     let flat = local.f_reshape([-1])?;
-                    for seg in slot.segments.iter().filter(|s| s.len > 0) {
-                        let item = sd.param_item(prefix, &seg.param)?;
+                    for seg in pieces.iter().filter(|s| s.len > 0) {
+                        let item = sd.param_item(prefix, &seg.variable)?;
                         let source = if field == "master" && master_fallback {
                             item.name.clone()
                         } else {

@@ -10,8 +10,8 @@ use tch::{nn, Tensor};
 
 use super::region::{Bx, Region};
 use crate::error::{Error, Result};
-use crate::optim::{Optimizer, StateSlot};
-use crate::placement::Extent;
+use crate::optim::{Optimizer, Stepped};
+use crate::placement::{Extent, Piece};
 
 /// One local tensor and its place.
 pub(crate) struct Item {
@@ -202,20 +202,21 @@ impl<'a> StateDict<'a> {
         let mut out = Vec::new();
         for (prefix, opt) in &self.optimizers {
             let state = opt.state_dict();
-            let slots = opt.state_slots();
-            if slots.is_empty() && !state.is_empty() {
+            let stepped = opt.stepped();
+            if stepped.is_empty() && !state.is_empty() {
                 return Err(Error::invalid(
                     format!("checkpoint: optimizer {prefix:?}"),
-                    "it does not say how its state maps onto parameters (Optimizer::state_slots)",
+                    "it does not say which tensors it steps (Optimizer::stepped)",
                 ));
             }
-            for slot in &slots {
+            for st in &stepped {
+                let pieces = pieces(&st.tensor);
                 for (key, t) in &state {
-                    let Some(field) = field_of(slot, key) else { continue };
-                    if elementwise(slot, t) {
+                    let Some(field) = field_of(st, key) else { continue };
+                    if elementwise(st, t) {
                         let flat = t.f_contiguous()?.f_reshape([-1])?;
-                        for seg in slot.segments.iter().filter(|s| s.len > 0) {
-                            let item = self.param_item(prefix, &seg.param)?;
+                        for seg in pieces.iter().filter(|s| s.len > 0) {
+                            let item = self.param_item(prefix, &seg.variable)?;
                             let region = item.region.part(&item.global, seg.start, seg.len).ok_or_else(|| {
                                 Error::invalid(
                                     format!("checkpoint: optimizer {prefix:?}"),
@@ -230,7 +231,7 @@ impl<'a> StateDict<'a> {
                             out.push(Item { name, param: None, global: item.global.clone(), region, local });
                         }
                     } else {
-                        for p in owners(slot) {
+                        for p in owners(&pieces) {
                             let item = self.param_item(prefix, &p)?;
                             let name = state_name(prefix, item, field);
                             out.push(Item {
@@ -254,25 +255,35 @@ pub(crate) fn same(a: &Tensor, b: &Tensor) -> bool {
     a.numel() > 0 && a.numel() == b.numel() && a.data_ptr() == b.data_ptr()
 }
 
-/// The field a state key of `slot` holds (`exp_avg`, `master`), if it is one of its keys.
-pub(crate) fn field_of<'k>(slot: &StateSlot, key: &'k str) -> Option<&'k str> {
-    if slot.master_key.as_deref() == Some(key) {
+/// The parts of variables `stepped` holds: those its placement names (ZeRO's shard of a bucket), else
+/// all of itself (a variable, or FSDP's shard of one, found among the state dict's items).
+pub(crate) fn pieces(stepped: &Tensor) -> Vec<Piece> {
+    match crate::placement::of(stepped) {
+        Some(l) if !l.pieces().is_empty() => l.pieces().to_vec(),
+        _ => vec![Piece { variable: stepped.shallow_clone(), start: 0, len: stepped.numel() as i64, at: 0 }],
+    }
+}
+
+/// The field a state key of `st` holds (`exp_avg`, `master`), if it is one of its keys.
+pub(crate) fn field_of<'k>(st: &Stepped, key: &'k str) -> Option<&'k str> {
+    if st.master_key.as_deref() == Some(key) {
         return Some("master");
     }
-    key.strip_prefix(slot.prefix.as_str()).filter(|f| !f.contains('.') && !f.is_empty())
+    key.strip_prefix(st.prefix.as_str()).filter(|f| !f.contains('.') && !f.is_empty())
 }
 
 /// Elementwise state (moments, momentum, master weights) has the stepped tensor's shape and dtype;
 /// anything else (a step count) belongs to the tensor as a whole.
-pub(crate) fn elementwise(slot: &StateSlot, t: &Tensor) -> bool {
-    t.kind() == slot.stepped.kind() && t.size() == slot.stepped.size()
+pub(crate) fn elementwise(st: &Stepped, t: &Tensor) -> bool {
+    t.kind() == st.tensor.kind() && t.size() == st.tensor.size()
 }
 
-/// The parameters whose per-tensor state a slot holds: those it has a part of, or its anchor.
-pub(crate) fn owners(slot: &StateSlot) -> Vec<Tensor> {
-    let v: Vec<Tensor> = slot.segments.iter().filter(|s| s.len > 0).map(|s| s.param.shallow_clone()).collect();
+/// The variables whose per-tensor state a stepped tensor holds: those it has a part of, or the one a
+/// piece of length 0 names.
+pub(crate) fn owners(pieces: &[Piece]) -> Vec<Tensor> {
+    let v: Vec<Tensor> = pieces.iter().filter(|s| s.len > 0).map(|s| s.variable.shallow_clone()).collect();
     if v.is_empty() {
-        slot.anchor.iter().map(|a| a.shallow_clone()).collect()
+        pieces.iter().take(1).map(|a| a.variable.shallow_clone()).collect()
     } else {
         v
     }

@@ -207,8 +207,8 @@ impl Optimizer for AdamW {
         super::memory_of(&self.state_dict(), &self.params)
     }
 
-    fn state_slots(&self) -> Vec<super::StateSlot> {
-        super::whole_slots("adamw", &self.params)
+    fn stepped(&self) -> Vec<super::Stepped> {
+        super::stepped_params("adamw", &self.params)
     }
 
     fn load_state_dict(&mut self, state: &[(String, Tensor)]) -> Result<()> {

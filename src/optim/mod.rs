@@ -40,51 +40,30 @@ pub trait Optimizer {
     fn gradients(&mut self) -> Result<Vec<Tensor>>;
     /// What the optimizer holds, in bytes.
     fn memory(&self) -> OptimizerMemory;
-    /// How the state maps onto the parameters, for sharded checkpoints
-    /// ([`crate::checkpoint::StateDict::optimizer`]); empty when it cannot say.
-    #[doc(hidden)]
-    fn state_slots(&self) -> Vec<StateSlot> {
+    /// The tensors it steps and how their state is keyed, for sharded checkpoints
+    /// ([`crate::checkpoint::StateDict::optimizer`]); empty when it cannot say. Where a stepped tensor
+    /// lies is read from [`crate::placement`]: a variable (whole, a tensor-parallel slice, FSDP's shard),
+    /// or the parts of several that a ZeRO shard holds.
+    fn stepped(&self) -> Vec<Stepped> {
         Vec::new()
     }
 }
 
-/// One tensor an optimizer steps, and the parts of parameters it holds: a whole parameter for a plain
-/// optimizer, a run of parameter slices for a ZeRO shard.
-#[doc(hidden)]
-pub struct StateSlot {
-    /// The tensor's state keys are `{prefix}{field}` (`adamw.3.exp_avg`).
+/// One tensor an optimizer steps, and the keys of its state in [`Optimizer::state_dict`].
+pub struct Stepped {
+    pub tensor: Tensor,
+    /// Its state keys are `{prefix}{field}` (`adamw.3.exp_avg`).
     pub prefix: String,
     /// The key of its float32 master weights, where kept.
     pub master_key: Option<String>,
-    /// The tensor stepped: elementwise state has its shape and dtype.
-    pub stepped: Tensor,
-    pub segments: Vec<Segment>,
-    /// The parameter whose per-tensor state (a step count) it shares when it holds no part of any.
-    pub anchor: Option<Tensor>,
 }
 
-/// Elements `start..start + len` of `param`'s flattening are elements `at..at + len` of the stepped
-/// tensor's.
-#[doc(hidden)]
-pub struct Segment {
-    pub param: Tensor,
-    pub start: i64,
-    pub len: i64,
-    pub at: i64,
-}
-
-/// The slots of an optimizer stepping whole parameters, keyed `{name}.{index}.{field}`.
-pub(crate) fn whole_slots(name: &str, params: &[Tensor]) -> Vec<StateSlot> {
+/// The stepped tensors of an optimizer over `params`, keyed `{name}.{index}.{field}`.
+pub(crate) fn stepped_params(name: &str, params: &[Tensor]) -> Vec<Stepped> {
     params
         .iter()
         .enumerate()
-        .map(|(i, p)| StateSlot {
-            prefix: format!("{name}.{i}."),
-            master_key: None,
-            stepped: p.shallow_clone(),
-            segments: vec![Segment { param: p.shallow_clone(), start: 0, len: p.numel() as i64, at: 0 }],
-            anchor: None,
-        })
+        .map(|(i, p)| Stepped { tensor: p.shallow_clone(), prefix: format!("{name}.{i}."), master_key: None })
         .collect()
 }
 

@@ -96,8 +96,8 @@ impl Optimizer for Sgd {
         super::memory_of(&self.state_dict(), &self.params)
     }
 
-    fn state_slots(&self) -> Vec<super::StateSlot> {
-        super::whole_slots("sgd", &self.params)
+    fn stepped(&self) -> Vec<super::Stepped> {
+        super::stepped_params("sgd", &self.params)
     }
 
     fn load_state_dict(&mut self, state: &[(String, Tensor)]) -> Result<()> {

@@ -20,9 +20,12 @@
 //! let y = proj.forward(&fc.forward(&Tensor::randn([8, 64], (Kind::Float, Device::Cpu))).gelu("none"));
 //! # Ok::<(), tch_dist::Error>(())
 //! ```
+mod current;
 mod layers;
 mod parallel;
 mod plan;
+
+pub use current::{current, embedding, linear, unit, PlanGuard};
 
 pub use layers::{Embedding, Linear};
 pub use parallel::{Parallel, Unit};

@@ -14,6 +14,7 @@ use crate::error::Result;
 use crate::group::ProcessGroup;
 use crate::hooks;
 use crate::optim::{self, Optimizer, OptimizerMemory};
+use crate::placement::{self, Piece};
 
 pub(super) struct Shard {
     pub(super) params: FlatBucket,
@@ -84,7 +85,9 @@ impl ShardedOptimizer {
             let master = matches!(view.kind(), Kind::Half | Kind::BFloat16);
             let stepped = if master { view.f_to_kind(Kind::Float)? } else { view.f_detach()? }.set_requires_grad(true);
             let opt = make(vec![stepped.shallow_clone()]);
-            let members = idx.iter().zip(&flat.offsets).map(|(&i, &off)| (i, off, params[i].size())).collect();
+            let members: Vec<(usize, i64, Vec<i64>)> =
+                idx.iter().zip(&flat.offsets).map(|(&i, &off)| (i, off, params[i].size())).collect();
+            record_pieces(&stepped, &pg, &flat, &members, &params)?;
             shards.push(Shard { params: flat, grad, stepped, master, opt, members });
         }
         Ok(ShardedOptimizer { pg, stage, shards, params, full_grads: grads, prepared: false })
@@ -123,6 +126,33 @@ impl ShardedOptimizer {
         }
         Ok(())
     }
+}
+
+/// Records which slices of the bucket's parameters this rank's `stepped` shard holds: elements
+/// `[rank * len, rank * len + own)` of the bucket; the bucket's first parameter when they are all padding.
+fn record_pieces(
+    stepped: &Tensor,
+    pg: &Arc<ProcessGroup>,
+    flat: &FlatBucket,
+    members: &[(usize, i64, Vec<i64>)],
+    params: &[Tensor],
+) -> Result<()> {
+    let lo = pg.rank() as i64 * flat.len;
+    let hi = lo + flat.own;
+    let mut pieces: Vec<Piece> = members
+        .iter()
+        .filter_map(|(i, off, shape)| {
+            let n: i64 = shape.iter().product();
+            let (s, e) = (lo.max(*off), hi.min(off + n));
+            (e > s).then(|| Piece { variable: params[*i].shallow_clone(), start: s - off, len: e - s, at: s - lo })
+        })
+        .collect();
+    if pieces.is_empty() {
+        if let Some((i, _, _)) = members.first() {
+            pieces.push(Piece { variable: params[*i].shallow_clone(), start: 0, len: 0, at: 0 });
+        }
+    }
+    placement::record_pieces(stepped, pg, lo, pg.size() as i64 * flat.len, pieces)
 }
 
 impl Shard {
@@ -224,34 +254,16 @@ impl Optimizer for ShardedOptimizer {
         Ok(())
     }
 
-    /// Each shard's inner slots, keyed under `zero.{bucket}.`: the parameter slices of this rank's part of
-    /// the bucket, and the bucket's first parameter as the anchor of per-tensor state.
-    fn state_slots(&self) -> Vec<optim::StateSlot> {
-        let rank = self.pg.rank() as i64;
+    /// Each shard's stepped tensor, keyed under `zero.{bucket}.`; its placement names the parameter
+    /// slices it holds.
+    fn stepped(&self) -> Vec<optim::Stepped> {
         let mut out = Vec::new();
         for (b, sh) in self.shards.iter().enumerate() {
-            let (lo, hi) = (rank * sh.params.len, rank * sh.params.len + sh.params.own);
-            for inner in sh.opt.state_slots() {
-                let segments = sh
-                    .members
-                    .iter()
-                    .filter_map(|(i, off, shape)| {
-                        let n: i64 = shape.iter().product();
-                        let (s, e) = (lo.max(*off), hi.min(off + n));
-                        (e > s).then(|| optim::Segment {
-                            param: self.params[*i].shallow_clone(),
-                            start: s - off,
-                            len: e - s,
-                            at: s - lo,
-                        })
-                    })
-                    .collect();
-                out.push(optim::StateSlot {
+            for inner in sh.opt.stepped() {
+                out.push(optim::Stepped {
+                    tensor: sh.stepped.shallow_clone(),
                     prefix: format!("zero.{b}.{}", inner.prefix),
                     master_key: sh.master.then(|| format!("zero.{b}.master")),
-                    stepped: sh.stepped.shallow_clone(),
-                    segments,
-                    anchor: sh.members.first().map(|m| self.params[m.0].shallow_clone()),
                 });
             }
         }

@@ -1,28 +1,38 @@
 //! A model written once over a `parallelize::Plan`: on 2 ranks with column- and row-wise styles by path,
 //! its output and its input's gradient equal the same code on one rank (tch's own layers); paths no
-//! style matches get tch's layers; a style that cannot apply is named.
+//! style matches get tch's layers; a style that cannot apply is named. Model code that takes no plan
+//! builds the same layers while the plan is entered.
 use crate::common;
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tch::{nn, nn::Module, Device, Kind, Tensor};
-use tch_dist::parallelize::{Embedding, Linear, Plan, Style};
+use tch_dist::parallelize::{self, Embedding, Linear, Plan, Style};
 
 static GENERATOR: Mutex<()> = Mutex::new(());
 
-/// Embedding → fc (colwise) → gelu → proj (rowwise) → out (no style), the same code for every plan.
-fn forward(plan: &Plan, ids: &Tensor) -> (Vec<String>, Tensor, Tensor) {
+/// Embedding → fc (colwise) → gelu → proj (rowwise) → out (no style), the same code for every plan:
+/// `plan`'s methods, or (`None`) the free functions that read the entered plan.
+fn forward(plan: Option<&Plan>, ids: &Tensor) -> (Vec<String>, Tensor, Tensor) {
     let vs = nn::VarStore::new(Device::Cpu);
+    let linear = |p: &nn::Path, i, o| match plan {
+        Some(plan) => plan.linear(p, i, o, Default::default()).unwrap(),
+        None => parallelize::linear(p, i, o, Default::default()).unwrap(),
+    };
     let (emb, fc, proj, out) = {
         let _g = GENERATOR.lock().unwrap_or_else(|e| e.into_inner());
         tch::manual_seed(11);
         let r = vs.root();
+        let tok = &r / "tok";
         (
-            plan.embedding(&(&r / "tok"), 16, 8, Default::default()).unwrap(),
-            plan.linear(&(&r / "mlp" / "fc"), 8, 32, Default::default()).unwrap(),
-            plan.linear(&(&r / "mlp" / "proj"), 32, 8, Default::default()).unwrap(),
-            plan.linear(&(&r / "out"), 8, 4, Default::default()).unwrap(),
+            match plan {
+                Some(plan) => plan.embedding(&tok, 16, 8, Default::default()).unwrap(),
+                None => parallelize::embedding(&tok, 16, 8, Default::default()).unwrap(),
+            },
+            linear(&(&r / "mlp" / "fc"), 8, 32),
+            linear(&(&r / "mlp" / "proj"), 32, 8),
+            linear(&(&r / "out"), 8, 4),
         )
     };
     let kinds = [
@@ -52,16 +62,21 @@ fn kind(l: &Linear) -> &'static str {
 fn one_model_source_on_two_ranks_computes_what_it_does_on_one() {
     let _alone = common::alone();
     let ids = || Tensor::from_slice(&[1i64, 5, 9, 15, 0, 7]).view([2, 3]);
-    let (kinds, want_y, want_gx) = forward(&Plan::new(), &ids());
+    let (kinds, want_y, want_gx) = forward(Some(&Plan::new()), &ids());
     assert!(kinds.iter().all(|k| k == "local"), "{kinds:?}");
     let got = common::run_threads(2, Duration::from_secs(60), move |pg| {
         let plan = Plan::over_group(Arc::new(pg))
             .style("tok", Style::rowwise())
             .style("*.fc", Style::colwise())
             .style("*.proj", Style::rowwise());
-        forward(&plan, &ids())
+        let explicit = forward(Some(&plan), &ids());
+        let entered = {
+            let _plan = plan.enter();
+            forward(None, &ids())
+        };
+        [explicit, entered]
     });
-    for (rank, (kinds, y, gx)) in got.iter().enumerate() {
+    for (rank, (kinds, y, gx)) in got.into_iter().flatten().enumerate().map(|(i, r)| (i / 2, r)) {
         assert_eq!(kinds, &["vocab", "column", "row", "local"], "rank {rank}");
         assert!(y.allclose(&want_y, 1e-5, 1e-6, false), "rank {rank}: {y:?} vs one rank's {want_y:?}");
         assert!(gx.allclose(&want_gx, 1e-5, 1e-6, false), "rank {rank}: input gradient differs");
@@ -103,4 +118,36 @@ fn the_plans_fsdp_refuses_a_second_model_and_another_var_store() {
     let _ = nn::linear(other.root() / "l", 4, 4, Default::default());
     let err = plan.finish(&other, ()).unwrap_err().to_string();
     assert!(err.contains("not the one given to Plan::fully_shard"), "{err}");
+}
+
+#[test]
+fn an_entered_plan_holds_for_its_scope_on_its_thread() {
+    let _alone = common::alone();
+    let kinds = common::run_threads(2, Duration::from_secs(30), |pg| {
+        let plan = Plan::over_group(Arc::new(pg)).style("fc*", Style::colwise());
+        let vs = nn::VarStore::new(Device::Cpu);
+        let fc = |n: &str| kind(&parallelize::linear(&(vs.root() / n), 4, 8, Default::default()).unwrap());
+        let mut seen = vec![fc("fc0")];
+        {
+            let _plan = plan.enter();
+            seen.push(fc("fc1"));
+            let other = std::thread::scope(|s| {
+                s.spawn(|| kind(&parallelize::linear(&(vs.root() / "fc2"), 4, 8, Default::default()).unwrap()))
+                    .join()
+                    .unwrap()
+            });
+            seen.push(other);
+            {
+                let _none = Plan::new().enter();
+                seen.push(fc("fc3"));
+            }
+            seen.push(fc("fc4"));
+        }
+        seen.push(fc("fc5"));
+        seen
+    });
+    for k in &kinds {
+        // before; entered; another thread; an inner plan; the outer again; after
+        assert_eq!(k, &["local", "column", "local", "local", "column", "local"]);
+    }
 }

@@ -1,0 +1,88 @@
+//! The plan a model is being built under, for model code that does not pass one along: inside
+//! `let _plan = plan.enter();`, [`linear`] is `plan.linear`, [`embedding`] is `plan.embedding` and
+//! [`unit`] is `plan.unit`; with no plan entered they give tch's own layers and the block itself. The
+//! scope is the thread's, as tch's `no_grad_guard` is, so that a model's constructors keep tch's
+//! signatures. It covers building the model; what runs later (a vocabulary-parallel loss) takes the
+//! plan itself ([`Plan::cross_entropy`]).
+//!
+//! ```no_run
+//! use tch::{nn, nn::Module, Device};
+//! use tch_dist::parallelize::{self, Plan, Style};
+//! # fn main() -> tch_dist::Result<()> {
+//! # let mesh = tch_dist::mesh::DeviceMesh::new(&tch_dist::ProcessGroup::from_env()?, &[("tp", 2)])?;
+//! // the model's code, as in tch: no plan in its signatures
+//! fn mlp(p: &nn::Path) -> impl Module {
+//!     let fc = parallelize::linear(&(p / "fc"), 64, 256, Default::default()).unwrap();
+//!     let proj = parallelize::linear(&(p / "proj"), 256, 64, Default::default()).unwrap();
+//!     nn::func(move |xs| xs.apply(&fc).gelu("none").apply(&proj))
+//! }
+//! let plan = Plan::tensor_parallel(&mesh, "tp")?.style("*.fc", Style::colwise()).style("*.proj", Style::rowwise());
+//! let vs = nn::VarStore::new(Device::Cpu);
+//! let model = {
+//!     let _plan = plan.enter();
+//!     mlp(&(vs.root() / "mlp"))
+//! };
+//! # Ok(()) }
+//! ```
+use std::cell::RefCell;
+use std::marker::PhantomData;
+
+use tch::nn;
+
+use super::layers::{Embedding, Linear};
+use super::parallel::Unit;
+use super::plan::Plan;
+use crate::error::Result;
+
+thread_local! {
+    /// The plans entered on this thread, innermost last.
+    static ENTERED: RefCell<Vec<Plan>> = const { RefCell::new(Vec::new()) };
+}
+
+/// While it lives, this thread builds layers through the plan it came from ([`Plan::enter`]); dropping it
+/// returns to the plan entered before (or none).
+#[must_use = "the plan is left as soon as the guard is dropped"]
+pub struct PlanGuard {
+    /// The number of plans entered before this one.
+    depth: usize,
+    /// The scope is the thread's: the guard must be dropped where it was made.
+    _thread: PhantomData<*const ()>,
+}
+
+impl Drop for PlanGuard {
+    fn drop(&mut self) {
+        ENTERED.with(|e| e.borrow_mut().truncate(self.depth));
+    }
+}
+
+impl Plan {
+    /// Builds this thread's layers through this plan until the guard is dropped (see the module docs).
+    pub fn enter(&self) -> PlanGuard {
+        let depth = ENTERED.with(|e| {
+            let mut e = e.borrow_mut();
+            e.push(self.clone());
+            e.len() - 1
+        });
+        PlanGuard { depth, _thread: PhantomData }
+    }
+}
+
+/// The plan entered on this thread, innermost; a plan of no parallelism when none is.
+pub fn current() -> Plan {
+    ENTERED.with(|e| e.borrow().last().cloned()).unwrap_or_default()
+}
+
+/// [`Plan::linear`] of the entered plan: tch's `nn::linear` when none is, or its split form.
+pub fn linear(path: &nn::Path, in_dim: i64, out_dim: i64, config: nn::LinearConfig) -> Result<Linear> {
+    current().linear(path, in_dim, out_dim, config)
+}
+
+/// [`Plan::embedding`] of the entered plan: tch's `nn::embedding` when none is, or its split form.
+pub fn embedding(path: &nn::Path, num: i64, dim: i64, config: nn::EmbeddingConfig) -> Result<Embedding> {
+    current().embedding(path, num, dim, config)
+}
+
+/// [`Plan::unit`] of the entered plan: an FSDP unit of the block when it shards, else the block itself.
+pub fn unit<M>(path: &nn::Path, module: M) -> Result<Unit<M>> {
+    current().unit(path, module)
+}
