@@ -561,6 +561,19 @@ impl<M> FullyShardedDataParallel<M> {
         self.rt.sync()
     }
 
+    /// Whether a backward frees the units it gathered (default true). Off, they stay gathered for the
+    /// forwards and backwards that follow, with no step between them: a pipeline step's microbatches
+    /// (FSDP2's `set_reshard_after_backward`; pipelining turns it off until the last backward). A
+    /// backward that reduces frees its units anyway, as its reduction takes their buffers; turning it
+    /// on again frees the rest at the next forward.
+    pub fn set_reshard_after_backward(&self, on: bool) {
+        self.rt.set_reshard_after_backward(on);
+    }
+
+    pub fn reshard_after_backward(&self) -> bool {
+        self.rt.reshard_after_backward()
+    }
+
     /// Frees every gathered unit now (after a forward without backward, e.g. in evaluation, the root keeps
     /// its parameters until the next forward).
     pub fn reshard(&self) -> Result<()> {

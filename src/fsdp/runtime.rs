@@ -83,6 +83,9 @@ struct State {
     /// The end-of-backward callback is queued: a backward is running.
     in_backward: bool,
     sync: bool,
+    /// Off: a backward leaves its units gathered, and the next forward uses them as they are (FSDP2's
+    /// `set_reshard_after_backward(False)`, between a pipeline step's microbatches).
+    reshard_after_backward: bool,
     /// This backward's first error, of its kind (a lost peer stays a peer failure).
     error: Option<Error>,
     /// The memory of the unit reduced and freed last in backward, for the gather that follows in the same
@@ -159,6 +162,7 @@ impl Runtime {
             reduced: 0,
             in_backward: false,
             sync: true,
+            reshard_after_backward: true,
             error: None,
             spare: None,
             in_flight: None,
@@ -223,6 +227,14 @@ impl Runtime {
 
     pub(crate) fn sync(&self) -> bool {
         self.lock().sync
+    }
+
+    pub(crate) fn set_reshard_after_backward(&self, on: bool) {
+        self.lock().reshard_after_backward = on;
+    }
+
+    pub(crate) fn reshard_after_backward(&self) -> bool {
+        self.lock().reshard_after_backward
     }
 
     /// Makes unit `u`'s parameters the gathered ones: finishes its prefetch, or gathers it now.
@@ -353,9 +365,12 @@ impl Runtime {
         }
         self.check_loop(LoopPhase::Forward)?;
         // Units still gathered from a forward without backward (evaluation) are freed, so this forward
-        // sees shards changed since (an optimizer step, a loaded checkpoint).
-        for u in 0..self.len() {
-            self.reshard(u)?;
+        // sees shards changed since (an optimizer step, a loaded checkpoint); with resharding after
+        // backward off, the units a backward kept are this forward's (no step comes between).
+        if self.reshard_after_backward() {
+            for u in 0..self.len() {
+                self.reshard(u)?;
+            }
         }
         let mut st = self.lock();
         st.order.clear();
@@ -631,16 +646,20 @@ impl Runtime {
         done.and(freed)
     }
 
-    /// The end of a backward: reduces what is left, frees every gathered unit, and reports the first
-    /// error of this backward (the backward fails with it).
+    /// The end of a backward: reduces what is left, frees every gathered unit (unless resharding after
+    /// backward is off: a reduction frees its unit anyway), and reports the first error of this
+    /// backward (the backward fails with it).
     fn end_backward(&self) -> Result<()> {
-        let sync = self.lock().sync;
+        let (sync, reshard) = {
+            let st = self.lock();
+            (st.sync, st.reshard_after_backward)
+        };
         let mut r = if sync { self.reduce_ready(true, false) } else { Ok(()) };
         let finished = self.finish_in_flight();
         if r.is_ok() {
             r = finished;
         }
-        for u in 0..self.len() {
+        for u in (0..self.len()).filter(|_| reshard) {
             let freed = self.reshard(u);
             if r.is_ok() {
                 r = freed;

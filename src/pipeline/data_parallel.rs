@@ -3,7 +3,11 @@
 //!
 //! A step runs several backwards per chunk, one per microbatch. Gradients accumulate locally through all
 //! but the chunk's last one and are reduced during that one (pipelining's `backward_maybe_with_nosync`),
-//! so the reduction of the last microbatch overlaps its own backward, once per step.
+//! so the reduction of the last microbatch overlaps its own backward, once per step. Under FSDP the units
+//! a backward gathers stay gathered until that last backward (pipelining's
+//! `set_reshard_after_backward(False)`), so a microbatch does not gather again what the one before
+//! left; with `FsdpOptions::reshard_after_forward(false)`, as torchtitan sets under pipelining, each unit
+//! is gathered once per step.
 use tch::{nn, Tensor};
 
 use crate::ddp::{DdpOptions, DistributedDataParallel};
@@ -49,6 +53,23 @@ impl ChunkSync {
             ChunkSync::Ddp(d) => d.set_requires_gradient_sync(on),
             ChunkSync::Fsdp(m) => m.set_requires_gradient_sync(on),
         }
+    }
+
+    /// FSDP's units stay gathered after a backward (off) or are freed (on); nothing to keep under DDP.
+    pub(crate) fn set_reshard_after_backward(&self, on: bool) {
+        if let ChunkSync::Fsdp(m) = self {
+            m.set_reshard_after_backward(on);
+        }
+    }
+
+    /// A step begins: FSDP frees what an earlier forward left gathered (the optimizer may have stepped
+    /// since), then keeps what the step's backwards gather.
+    pub(crate) fn begin_step(&self) -> Result<()> {
+        if let ChunkSync::Fsdp(m) = self {
+            m.reshard()?;
+            m.set_reshard_after_backward(false);
+        }
+        Ok(())
     }
 }
 

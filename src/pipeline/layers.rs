@@ -52,6 +52,17 @@ pub struct Stage {
 /// See [`Stage::backward_sync`].
 pub(crate) struct BackwardSync<'a>(&'a Stage);
 
+/// See [`Stage::keep_gathered`].
+pub(crate) struct KeepGathered<'a>(&'a Stage);
+
+impl Drop for KeepGathered<'_> {
+    fn drop(&mut self) {
+        if let Some(s) = &self.0.sync {
+            s.set_reshard_after_backward(true);
+        }
+    }
+}
+
 impl Drop for BackwardSync<'_> {
     fn drop(&mut self) {
         if let Some(s) = &self.0.sync {
@@ -116,8 +127,22 @@ impl Stage {
     pub(crate) fn backward_sync(&self, last: bool) -> BackwardSync<'_> {
         if let Some(s) = &self.sync {
             s.set_requires_gradient_sync(last && self.requires_gradient_sync());
+            if last {
+                s.set_reshard_after_backward(true);
+            }
         }
         BackwardSync(self)
+    }
+
+    /// For one step: FSDP keeps the units a backward gathered for the microbatches that follow, until
+    /// the chunk's last backward ([`backward_sync`](Self::backward_sync)) frees them; the guard turns
+    /// resharding back on, also when the step fails, so that the next forward frees what is left.
+    pub(crate) fn keep_gathered(&self) -> Result<KeepGathered<'_>> {
+        let keep = KeepGathered(self);
+        if let Some(s) = &self.sync {
+            s.begin_step()?;
+        }
+        Ok(keep)
     }
 
     /// The stage's values by VarStore name, sorted; gathered from the shards under FSDP (collective

@@ -82,6 +82,7 @@ pub(crate) fn run_rank(step: &RankStep, net: &mut dyn Transport) -> Result<RankR
     if let Some(x) = step.inputs.first() {
         net.begin(x)?;
     }
+    let _keep = step.chunks.iter().map(|c| c.keep_gathered()).collect::<Result<Vec<_>>>()?;
     for (i, st) in steps.iter().enumerate() {
         // tch's infallible ops (layers, loss functions) panic on bad shapes: that is this stage's error too
         let done = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| -> Result<()> {

@@ -4,7 +4,8 @@
 //! batch; with GPipe, 1F1B and interleaved 1F1B (two chunks per rank), FSDP with units of small
 //! parameters (gathered again for each microbatch's backward), and with tch's own SGD built over each
 //! stage's VarStore (which under FSDP steps the shards). A step under `no_sync` reduces nothing, and the
-//! next one reduces both steps' sum.
+//! next one reduces both steps' sum. FSDP keeps the units a backward gathered for the step's next
+//! microbatches: without resharding after forward, a step gathers as much with 4 microbatches as with 2.
 use crate::common;
 
 use std::time::Duration;
@@ -271,4 +272,71 @@ fn without_data_parallelism_the_replicas_differ() {
     let finals: Vec<f64> = outs.into_iter().flatten().collect();
     assert_eq!(finals.len(), 2);
     assert!((finals[0] - finals[1]).abs() > 1e-4, "replicas trained on different rows: {finals:?}");
+}
+
+/// FSDP stages with `reshard_after_forward(false)` (torchtitan's setting under pipelining): the units
+/// one microbatch gathered serve the next, in forward and backward, so the gathers of a step (counted in
+/// the flight recorder on the stages' data-parallel groups) do not grow with the microbatches; the
+/// losses still equal the unsplit model's.
+#[test]
+fn fsdp_stages_keep_their_units_gathered_through_a_step() {
+    let want = reference();
+    for schedule in [Sched::GPipe, Sched::OneFOneB] {
+        let gathers: Vec<usize> = [2usize, 4].into_iter().map(|m| step_gathers(schedule, m, &want)).collect();
+        assert!(gathers[0] > 0, "{schedule:?}: no gather was recorded");
+        assert_eq!(gathers[0], gathers[1], "{schedule:?}: gathers with 2 and 4 microbatches");
+    }
+}
+
+/// The parameters' gathers on the stages' data-parallel groups over `STEPS` steps of `microbatches`,
+/// checking the losses on the way. The recorder keeps its last entries only: a run whose first entry
+/// was dropped before it was counted (other tests record too) runs again.
+fn step_gathers(schedule: Sched, microbatches: usize, want: &[f64]) -> usize {
+    for _ in 0..5 {
+        let outs = common::run_threads(4, Duration::from_secs(60), move |world| {
+            // a dimension name of its own: its groups' entries are this test's
+            let mesh = DeviceMesh::new(&world, &[("pp", 2), ("keep", 2)]).unwrap();
+            let opts = FsdpOptions::default().mesh(&mesh, &["keep"]).unwrap().reshard_after_forward(false);
+            let l = layers();
+            let part = Partition::sizes(&[3, 3], l.len()).unwrap();
+            let data_parallel = DataParallel::Fsdp(opts);
+            let cfg = PipelineConfig { schedule, microbatches, data_parallel, ..Default::default() };
+            let mut stage = PipelineRank::build(mesh.group("pp").unwrap(), &l, &part, cfg).unwrap();
+            let mut opts: Vec<_> =
+                stage.var_stores().iter().map(|vs| nn::Sgd::default().build(vs, LR).unwrap()).collect();
+            let first = mesh.coordinate("keep").unwrap() as i64 * (BATCH / 2);
+            let dp = mesh.group("keep").unwrap();
+            let mut losses = Vec::new();
+            // no rank gathers before every rank has read this
+            let start = last_entry();
+            world.barrier().unwrap();
+            for s in 0..STEPS {
+                let (x, y) = data(s);
+                let r = stage.step(&x.narrow(0, first, BATCH / 2), &y.narrow(0, first, BATCH / 2), &loss);
+                opts.iter_mut().for_each(|o| o.step());
+                stage.zero_grad().unwrap();
+                if let Some(l) = r.unwrap().loss {
+                    let mut t = Tensor::from_slice(&[l]);
+                    dp.allreduce(&mut t, ReduceOp::Sum).unwrap();
+                    losses.push(t.double_value(&[0]) / 2.0);
+                }
+            }
+            (start, losses)
+        });
+        for (a, b) in outs.iter().flat_map(|o| want.iter().zip(&o.1)) {
+            assert!((a - b).abs() < TOL, "{schedule:?}, {microbatches} microbatches: unsplit {a}, pipeline {b}");
+        }
+        assert_eq!(outs.iter().filter(|o| !o.1.is_empty()).count(), 2, "the last stage reports");
+        let start = outs.iter().map(|o| o.0).min().unwrap_or(0);
+        let entries = tch_dist::flight::entries();
+        if entries.first().is_some_and(|e| e.id > start + 1) {
+            continue;
+        }
+        // the parameters' gathers (the strict mode's loop checks gather too, once per microbatch)
+        return entries
+            .iter()
+            .filter(|e| e.id > start && e.group.contains("keep") && e.label.starts_with("FSDP all-gather"))
+            .count();
+    }
+    panic!("the flight recorder dropped this test's entries in each of 5 runs");
 }
