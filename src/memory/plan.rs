@@ -1,5 +1,6 @@
 //! Model-state bytes per rank before running anything: the ZeRO paper's accounting (Rajbhandari et al.,
-//! 2020, §5) for data parallelism and ZeRO stages 1–3, at any size and world.
+//! 2020, §5) for data parallelism and ZeRO stages 1–3, at any size and world; for a model built in any
+//! layout, its size is read from the placements ([`model_elements`]).
 //!
 //! Each parameter costs `param` bytes for itself, `grad` for its gradient and `optimizer` for the
 //! optimizer's state (the paper's 2 + 2 + K with K = 12 under mixed-precision Adam: float32 master weight,
@@ -58,6 +59,21 @@ impl ModelStates {
     pub fn total(&self) -> u64 {
         self.parameters + self.gradients + self.optimizer
     }
+}
+
+/// The whole model's trainable elements (the paper's Ψ) from a rank that may hold only part of it: each
+/// trainable variable of `vs` counts the elements of its global shape as its placement
+/// ([`crate::placement`]) records it (FSDP's shard and a tensor-parallel slice count the whole
+/// parameter), so that `model_states(model_elements(&vs), world, stage, p)` plans another layout of the
+/// same model. A pipeline stage's VarStore counts that stage's variables.
+pub fn model_elements(vs: &tch::nn::VarStore) -> u64 {
+    vs.trainable_variables()
+        .iter()
+        .map(|t| match crate::placement::of(t) {
+            Some(l) => l.global_shape().iter().product::<i64>() as u64,
+            None => t.numel() as u64,
+        })
+        .sum()
 }
 
 /// Per-rank model-state bytes of `params` parameters on `world` ranks at `stage`.

@@ -1,5 +1,7 @@
 //! The memory plan predicts what `memory_breakdown` measures on a running model: DDP, ZeRO-1, ZeRO-2 and
 //! FSDP on 2 and 3 ranks, float32 AdamW, after a step; and at scale it gives the ZeRO paper's Figure 1.
+//! The model's size, read from the placements on a rank that holds shards or slices, is the whole
+//! model's.
 use crate::common;
 
 use std::sync::Arc;
@@ -8,7 +10,7 @@ use std::time::Duration;
 use tch::{nn, nn::Module, Device, Kind, Tensor};
 use tch_dist::ddp::{DdpOptions, DistributedDataParallel};
 use tch_dist::fsdp::{FsdpBuilder, FsdpOptions};
-use tch_dist::memory::plan::{model_states, ModelStates, Precision, Stage};
+use tch_dist::memory::plan::{model_elements, model_states, ModelStates, Precision, Stage};
 use tch_dist::optim::{AdamW, Optimizer};
 use tch_dist::zero::{ShardedOptimizer, ZeroStage};
 
@@ -72,6 +74,7 @@ fn data_parallel(world: usize, stage: Stage) -> Vec<ModelStates> {
         ddp.backward(&step_loss(&ddp.f_forward(&input(rank)).unwrap())).unwrap();
         opt.step().unwrap();
         let m = ddp.memory_breakdown_with(opt.as_ref()).unwrap();
+        assert_eq!(model_elements(&vs), psi());
         ModelStates {
             parameters: m.parameters as u64,
             gradients: (m.gradients + m.buckets + m.gradient_shards) as u64,
@@ -94,6 +97,10 @@ fn fsdp(world: usize) -> Vec<ModelStates> {
         opt.step().unwrap();
         let m = model.memory_breakdown_with(&opt).unwrap();
         assert_eq!(m.gathered_parameters, 0);
+        // this rank holds shards; the placements give the whole model's size
+        let held: u64 = vs.trainable_variables().iter().map(|t| t.numel() as u64).sum();
+        assert!(held < psi());
+        assert_eq!(model_elements(&vs), psi());
         ModelStates {
             parameters: m.sharded_parameters as u64,
             gradients: (m.gradient_shards + m.unsharded_gradients) as u64,
@@ -123,4 +130,21 @@ fn at_scale_the_plan_gives_the_papers_figure() {
     let gb = |s| format!("{:.1}", model_states(7_500_000_000, 64, s, Precision::MIXED_ADAM).total() as f64 / 1e9);
     let got: Vec<String> = [Stage::Replicated, Stage::One, Stage::Two, Stage::Three].into_iter().map(gb).collect();
     assert_eq!(got, ["120.0", "31.4", "16.6", "1.9"]);
+}
+
+/// A tensor-parallel rank holds slices; the placements give the whole layers' size.
+#[test]
+fn a_tensor_parallel_rank_reads_the_whole_models_size_from_placements() {
+    let got = common::run_threads(2, T, |pg| {
+        let pg = Arc::new(pg);
+        let vs = nn::VarStore::new(Device::Cpu);
+        let col = tch_dist::tp::ColumnParallelLinear::new(&(vs.root() / "c"), 8, 6, pg.clone(), Default::default());
+        let row = tch_dist::tp::RowParallelLinear::new(&(vs.root() / "r"), 6, 8, pg, Default::default());
+        let _ = (col.unwrap(), row.unwrap());
+        let held: u64 = vs.trainable_variables().iter().map(|t| t.numel() as u64).sum();
+        (held, model_elements(&vs))
+    });
+    // column: 3 x 8 weight, 3 bias; row: 8 x 3 weight, the whole 8-element bias
+    let whole = (8 * 6 + 6 + 6 * 8 + 8) as u64;
+    assert_eq!(got, vec![(3 * 8 + 3 + 8 * 3 + 8, whole); 2]);
 }
