@@ -54,6 +54,7 @@ pub mod recompute;
 pub mod reference;
 pub mod store;
 pub mod stream;
+pub mod sync_batch_norm;
 pub mod sync_debug;
 pub mod tp;
 pub mod work;

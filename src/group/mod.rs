@@ -9,6 +9,7 @@ pub(crate) mod loop_check;
 pub(crate) mod meta;
 mod p2p;
 pub(crate) mod ring;
+pub(crate) mod shim_op;
 mod strict;
 pub(crate) mod tensor_meta;
 

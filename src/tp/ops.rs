@@ -2,63 +2,19 @@
 //! backward runs the collective inside libtorch's autograd (tch-dist-sys/csrc/tp.cpp), so they compose with any model.
 use tch::Tensor;
 
-use std::sync::{Arc, Mutex};
-
-use crate::error::{check, Error, Result};
+use crate::error::Result;
 use crate::ffi;
-use crate::flight::Recording;
+use crate::group::shim_op::{self, Collectives};
 use crate::group::ProcessGroup;
-use crate::hooks;
 
 fn op(code: i32, name: &str, x: &Tensor, pg: &ProcessGroup) -> Result<Tensor> {
-    let desc = || format!("{name} of {} on {pg:?}", crate::group::describe(x));
-    let engine = pg.engine_ptr(x.device(), &desc)?;
-    // the flight recorder sees the shim's collectives too: the backward's from markers around the op
-    // (the one on the output starts its entry, the one on the input ends it)
-    let backward = backward_entry(code, name, x, pg);
-    let input = match &backward {
-        Some(slot) => {
-            let slot = slot.clone();
-            hooks::backward_marker(x, "TpBackwardEnd", move || {
-                if let Some(r) = lock(&slot).1.take() {
-                    r.end(None);
-                }
-                Ok(())
-            })?
-            .0
-        }
-        None => x.shallow_clone(),
-    };
-    let forward =
-        forward_collective(code, x, pg).and_then(|d| pg.record_external(x.device(), &format!("{d} ({name})")));
-    let mut out: ffi::tdx_tensor = std::ptr::null_mut();
-    // SAFETY: the input and the engine are live for the call (the autograd node keeps its own reference
-    // to the engine); on success `out` is a new at::Tensor* we own.
-    let rc = unsafe { ffi::tdx_tp_op(engine, code, input.as_ptr() as ffi::tdx_tensor, &mut out) };
-    let done = check(rc, pg.timeout(), desc);
-    if let Some(r) = forward {
-        r.end(done.as_ref().err().map(|e| e.to_string()).as_deref());
-    }
-    done?;
-    if out.is_null() {
-        return Err(Error::invalid(name, "shim returned no tensor"));
-    }
-    // SAFETY: ownership of the new tensor passes to Rust.
-    let y = unsafe { Tensor::from_ptr(out as *mut torch_sys::C_tensor) };
-    let Some((slot, recorder)) = backward.zip(pg.external_recorder(x.device())) else { return Ok(y) };
-    let (y, _) = hooks::backward_marker(&y, "TpBackwardBegin", move || {
-        let mut s = lock(&slot);
-        s.1 = recorder.record(&s.0);
-        Ok(())
-    })?;
-    Ok(y)
-}
-
-/// A backward's entry: what it is, and its recording while it runs.
-type Slot = Arc<Mutex<(String, Option<Recording>)>>;
-
-fn lock(s: &Slot) -> std::sync::MutexGuard<'_, (String, Option<Recording>)> {
-    s.lock().unwrap_or_else(|p| p.into_inner())
+    let collectives =
+        Collectives { forward: forward_collective(code, x, pg), backward: backward_collective(code, x, pg) };
+    shim_op::run(x, pg, name, collectives, |engine, input, out| {
+        // SAFETY: the input and the engine are live for the call (the autograd node keeps its own
+        // reference to the engine); on success `out` receives a new at::Tensor* that `run` takes over.
+        unsafe { ffi::tdx_tp_op(engine, code, input, out) }
+    })
 }
 
 /// `x`'s description with dimension `dim` divided by the group size (a rank's part of it).
@@ -83,20 +39,15 @@ fn forward_collective(code: i32, x: &Tensor, pg: &ProcessGroup) -> Option<String
     }
 }
 
-/// The slot for the backward's entry, when the operator's backward runs a collective and the recorder
-/// is on (the markers attach only when a backward will run).
-fn backward_entry(code: i32, name: &str, x: &Tensor, pg: &ProcessGroup) -> Option<Slot> {
-    if !crate::flight::recording() || !x.requires_grad() {
-        return None;
+/// The collective the operator's backward runs, as the recorder names it.
+fn backward_collective(code: i32, x: &Tensor, pg: &ProcessGroup) -> Option<String> {
+    match code {
+        0 => Some(format!("allreduce(Sum) of {}", crate::group::describe(x))),
+        3 => Some(format!("all_gather of {}", part(x, usize::MAX, pg))),
+        4 => Some(format!("reduce_scatter(Sum) into {}", crate::group::describe(x))),
+        5 | 6 => Some(format!("all_gather of {}", part(x, 0, pg))),
+        _ => None,
     }
-    let what = match code {
-        0 => format!("allreduce(Sum) of {}", crate::group::describe(x)),
-        3 => format!("all_gather of {}", part(x, usize::MAX, pg)),
-        4 => format!("reduce_scatter(Sum) into {}", crate::group::describe(x)),
-        5 | 6 => format!("all_gather of {}", part(x, 0, pg)),
-        _ => return None,
-    };
-    Some(Arc::new(Mutex::new((format!("{what} ({name} backward)"), None))))
 }
 
 /// f: identity forward, allreduce (sum) of the gradient backward. Enters a parallel region.

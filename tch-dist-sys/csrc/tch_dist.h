@@ -114,6 +114,13 @@ int tdx_ref_bucket_assignment(const int64_t* numels, const int* dtypes, const in
 // *out receives a new at::Tensor* owned by the caller.
 int tdx_tp_op(tdx_pg* pg, int op, tdx_tensor x, tdx_tensor* out);
 
+// ---- sync_bn.cpp: SyncBatchNorm's training forward on group pg, with its backward as an autograd node
+// (PyTorch's protocol: all_gather of [mean, invstd, count], then in backward an allreduce of [sum_dy,
+// sum_dy_xmu] when x needs a gradient). weight, bias, running_mean and running_var may be null; the running
+// statistics are updated in place. *out receives a new at::Tensor* owned by the caller.
+int tdx_sync_batch_norm(tdx_pg* pg, tdx_tensor x, tdx_tensor weight, tdx_tensor bias, tdx_tensor running_mean,
+                        tdx_tensor running_var, double eps, double momentum, tdx_tensor* out);
+
 // ---- marker.cpp: an identity whose backward first runs fn(ctx) (a non-zero return fails the backward with
 // the message fn wrote). The shim owns ctx from the call on and frees it with drop when the node goes, or at
 // once when *attached is 0 (grad mode off, or x does not require grad).

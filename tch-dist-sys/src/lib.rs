@@ -181,6 +181,18 @@ extern "C" {
 
     pub fn tdx_tp_op(pg: *mut tdx_pg, op: c_int, x: tdx_tensor, out: *mut tdx_tensor) -> c_int;
 
+    pub fn tdx_sync_batch_norm(
+        pg: *mut tdx_pg,
+        x: tdx_tensor,
+        weight: tdx_tensor,
+        bias: tdx_tensor,
+        running_mean: tdx_tensor,
+        running_var: tdx_tensor,
+        eps: f64,
+        momentum: f64,
+        out: *mut tdx_tensor,
+    ) -> c_int;
+
     pub fn tdx_backward_marker(
         x: tdx_tensor,
         f: tdx_callback_fn,
