@@ -5,3 +5,4 @@ mod common;
 
 mod ddp_interop;
 mod interop;
+mod sync_batch_norm;
