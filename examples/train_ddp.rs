@@ -6,10 +6,13 @@
 //! Started with torchrun's environment (scripts/train-ddp.sh runs it on 1 and on 2 ranks and compares);
 //! with WORLD_SIZE=1 it is the single-process baseline with the same global batch.
 //!   train_ddp [--epochs N] [--data path/to/digits.csv.gz]
-use std::io::{IsTerminal, Read};
+use std::io::IsTerminal;
 use std::sync::Arc;
 
 use clap::Parser;
+
+#[path = "common/digits.rs"]
+mod digits;
 use indicatif::{ProgressBar, ProgressStyle};
 use tch::{nn, nn::Module, nn::OptimizerConfig, Device, Kind, Tensor};
 use tch_dist::data::{Batches, DistributedSampler, SamplerOptions};
@@ -28,53 +31,19 @@ struct Args {
     data: Option<std::path::PathBuf>,
 }
 
-/// scikit-learn's copy of the UCI digits, found in the torch venv that scripts/setup.sh made.
-fn default_data() -> Result<std::path::PathBuf, String> {
-    let venv =
-        std::env::var("TCH_DIST_VENV").map_err(|_| "TCH_DIST_VENV is not set: source scripts/env.sh or pass --data")?;
-    let lib = std::path::Path::new(&venv).join("lib");
-    for e in std::fs::read_dir(&lib).map_err(|e| format!("{}: {e}", lib.display()))?.flatten() {
-        let p = e.path().join("site-packages/sklearn/datasets/data/digits.csv.gz");
-        if p.exists() {
-            return Ok(p);
-        }
-    }
-    Err(format!("digits.csv.gz not found under {}: is scikit-learn installed?", lib.display()))
-}
-
-fn load(path: &std::path::Path) -> Result<(Tensor, Tensor), Box<dyn std::error::Error>> {
-    let mut text = String::new();
-    flate2::read::GzDecoder::new(std::fs::File::open(path)?).read_to_string(&mut text)?;
-    let (mut xs, mut ys) = (Vec::new(), Vec::new());
-    for (n, line) in text.lines().enumerate() {
-        let v: Vec<f32> = line
-            .split(',')
-            .map(|s| s.trim().parse())
-            .collect::<Result<_, _>>()
-            .map_err(|e| format!("{}:{}: {e}", path.display(), n + 1))?;
-        if v.len() != 65 {
-            return Err(format!("{}:{}: {} columns, expected 65", path.display(), n + 1, v.len()).into());
-        }
-        xs.extend(v[..64].iter().map(|p| p / 16.0));
-        ys.push(v[64] as i64);
-    }
-    let n = ys.len() as i64;
-    Ok((Tensor::from_slice(&xs).view([n, 64]), Tensor::from_slice(&ys)))
-}
-
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse();
     let epochs = args.epochs;
     let data = match args.data {
         Some(p) => p,
-        None => default_data()?,
+        None => digits::default_data()?,
     };
     let pg = Arc::new(ProcessGroup::from_env()?);
     let (rank, world) = (pg.rank(), pg.size() as i64);
     if GLOBAL_BATCH % world != 0 {
         return Err(format!("global batch {GLOBAL_BATCH} is not divisible by WORLD_SIZE={world}").into());
     }
-    let (x, y) = load(&data)?;
+    let (x, y) = digits::load(&data)?;
     // The same split on every rank: a fixed permutation, 1,500 images to train, the rest to test.
     tch::manual_seed(0);
     let perm = Tensor::randperm(x.size()[0], (Kind::Int64, Device::Cpu));

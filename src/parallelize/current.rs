@@ -1,6 +1,6 @@
 //! The plan a model is being built under, for model code that does not pass one along: inside
-//! `let _plan = plan.enter();`, [`linear`] is `plan.linear`, [`embedding`] is `plan.embedding` and
-//! [`unit`] is `plan.unit`; with no plan entered they give tch's own layers and the block itself. The
+//! `let _plan = plan.enter();`, [`linear`] is `plan.linear`, [`embedding`] is `plan.embedding`,
+//! [`batch_norm2d`] is `plan.batch_norm` and [`unit`] is `plan.unit`; with no plan entered they give tch's own layers and the block itself. The
 //! scope is the thread's, as tch's `no_grad_guard` is, so that a model's constructors keep tch's
 //! signatures. It covers building the model; what runs later (a vocabulary-parallel loss) takes the
 //! plan itself ([`Plan::cross_entropy`]).
@@ -29,7 +29,7 @@ use std::marker::PhantomData;
 
 use tch::nn;
 
-use super::layers::{Embedding, Linear};
+use super::layers::{BatchNorm, Embedding, Linear};
 use super::parallel::Unit;
 use super::plan::Plan;
 use crate::error::Result;
@@ -80,6 +80,22 @@ pub fn linear(path: &nn::Path, in_dim: i64, out_dim: i64, config: nn::LinearConf
 /// [`Plan::embedding`] of the entered plan: tch's `nn::embedding` when none is, or its split form.
 pub fn embedding(path: &nn::Path, num: i64, dim: i64, config: nn::EmbeddingConfig) -> Result<Embedding> {
     current().embedding(path, num, dim, config)
+}
+
+/// [`Plan::batch_norm`] of the entered plan, 2-d: tch's `nn::batch_norm2d` when none is, or its
+/// synchronised form ([`Plan::sync_batch_norm`]).
+pub fn batch_norm2d(path: &nn::Path, out_dim: i64, config: nn::BatchNormConfig) -> Result<BatchNorm> {
+    current().batch_norm(path, 2, out_dim, config)
+}
+
+/// [`Plan::batch_norm`] of the entered plan, 1-d.
+pub fn batch_norm1d(path: &nn::Path, out_dim: i64, config: nn::BatchNormConfig) -> Result<BatchNorm> {
+    current().batch_norm(path, 1, out_dim, config)
+}
+
+/// [`Plan::batch_norm`] of the entered plan, 3-d.
+pub fn batch_norm3d(path: &nn::Path, out_dim: i64, config: nn::BatchNormConfig) -> Result<BatchNorm> {
+    current().batch_norm(path, 3, out_dim, config)
 }
 
 /// [`Plan::unit`] of the entered plan: an FSDP unit of the block when it shards, else the block itself.

@@ -1,8 +1,9 @@
-//! The layers a plan returns: tch's own, or their tensor-parallel forms, behind one type each so that
-//! the model's code is the same for every layout.
+//! The layers a plan returns: tch's own, or their tensor-parallel (or synchronised) forms, behind one
+//! type each so that the model's code is the same for every layout.
 use tch::{nn, Tensor};
 
 use crate::error::Result;
+use crate::sync_batch_norm::SyncBatchNorm;
 use crate::tp::{ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding};
 
 /// A linear layer: tch's, column-parallel or row-parallel.
@@ -38,6 +39,29 @@ impl Embedding {
             Embedding::Local(e) => Ok(nn::Module::forward(e, ids)),
             Embedding::Vocab(e) => e.f_forward(ids),
         }
+    }
+}
+
+/// A batch-normalization layer: tch's, or one whose training statistics are a group's.
+#[derive(Debug)]
+pub enum BatchNorm {
+    Local(nn::BatchNorm),
+    Sync(SyncBatchNorm),
+}
+
+impl BatchNorm {
+    /// The layer's output, errors returned.
+    pub fn f_forward_t(&self, x: &Tensor, train: bool) -> Result<Tensor> {
+        match self {
+            BatchNorm::Local(b) => Ok(nn::ModuleT::forward_t(b, x, train)),
+            BatchNorm::Sync(b) => b.f_forward_t(x, train),
+        }
+    }
+}
+
+impl nn::ModuleT for BatchNorm {
+    fn forward_t(&self, x: &Tensor, train: bool) -> Tensor {
+        self.f_forward_t(x, train).unwrap_or_else(|e| panic!("{e}"))
     }
 }
 

@@ -25,8 +25,8 @@ mod layers;
 mod parallel;
 mod plan;
 
-pub use current::{current, embedding, linear, unit, PlanGuard};
+pub use current::{batch_norm1d, batch_norm2d, batch_norm3d, current, embedding, linear, unit, PlanGuard};
 
-pub use layers::{Embedding, Linear};
+pub use layers::{BatchNorm, Embedding, Linear};
 pub use parallel::{Parallel, Unit};
 pub use plan::{Plan, Style};

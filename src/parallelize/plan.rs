@@ -3,7 +3,7 @@ use std::sync::{Arc, Mutex};
 
 use tch::nn;
 
-use super::layers::{Embedding, Linear};
+use super::layers::{BatchNorm, Embedding, Linear};
 use super::parallel::{Parallel, Unit};
 use crate::ddp::{DdpOptions, DistributedDataParallel};
 use crate::error::{Error, Result};
@@ -44,6 +44,8 @@ pub struct Plan {
     tp: Option<Arc<ProcessGroup>>,
     styles: Vec<(String, Style)>,
     dp: DataParallelism,
+    /// The group batch-normalization layers take their statistics over, when they synchronise.
+    sync_bn: Option<Arc<ProcessGroup>>,
 }
 
 #[derive(Clone, Default)]
@@ -63,7 +65,12 @@ impl std::fmt::Debug for Plan {
             DataParallelism::Replicate(_) => "DDP",
             DataParallelism::Shard(_) => "FSDP",
         };
-        f.debug_struct("Plan").field("tp", &self.tp).field("styles", &self.styles).field("data_parallel", &dp).finish()
+        f.debug_struct("Plan")
+            .field("tp", &self.tp)
+            .field("styles", &self.styles)
+            .field("data_parallel", &dp)
+            .field("sync_batch_norm", &self.sync_bn)
+            .finish()
     }
 }
 
@@ -110,7 +117,7 @@ impl Plan {
 
     /// Tensor parallelism over `pg`.
     pub fn over_group(pg: Arc<ProcessGroup>) -> Plan {
-        Plan { tp: Some(pg), styles: Vec::new(), dp: DataParallelism::None }
+        Plan { tp: Some(pg), ..Plan::default() }
     }
 
     /// Data parallelism by DDP (PyTorch's `replicate`): [`finish`](Self::finish) wraps the model in
@@ -181,6 +188,39 @@ impl Plan {
                 Ok(Parallel::Fsdp(builder.finish(model)?))
             }
         }
+    }
+
+    /// Batch normalization built through the plan takes its training statistics over `pg` (a
+    /// [`SyncBatchNorm`](crate::sync_batch_norm::SyncBatchNorm); PyTorch's `convert_sync_batchnorm`), as a
+    /// rule the data-parallel group. A group of one rank keeps tch's layer.
+    pub fn sync_batch_norm(mut self, pg: Arc<ProcessGroup>) -> Plan {
+        self.sync_bn = Some(pg);
+        self
+    }
+
+    /// tch's `nn::batch_norm1d` / `2d` / `3d` (`nd` = 1, 2, 3) at `path`, or its synchronised form when
+    /// the plan says so ([`sync_batch_norm`](Self::sync_batch_norm)); the same variables either way.
+    pub fn batch_norm(
+        &self,
+        path: &nn::Path,
+        nd: usize,
+        out_dim: i64,
+        config: nn::BatchNormConfig,
+    ) -> Result<BatchNorm> {
+        Ok(match (&self.sync_bn, nd) {
+            (_, 0 | 4..) => {
+                return Err(Error::invalid(
+                    "Plan::batch_norm",
+                    format!("{}: {nd} spatial dimensions (batch norm has 1, 2 or 3)", dotted(path)),
+                ))
+            }
+            (Some(pg), _) if pg.size() > 1 => {
+                BatchNorm::Sync(crate::sync_batch_norm::SyncBatchNorm::new(path, nd, out_dim, config, pg.clone()))
+            }
+            (_, 1) => BatchNorm::Local(nn::batch_norm1d(path, out_dim, config)),
+            (_, 2) => BatchNorm::Local(nn::batch_norm2d(path, out_dim, config)),
+            (_, _) => BatchNorm::Local(nn::batch_norm3d(path, out_dim, config)),
+        })
     }
 
     /// The layers whose path (VarStore names, dotted: `"block3.mlp.fc"`) matches `pattern` take `style`;

@@ -55,7 +55,7 @@ fn worker_rust_sync_bn_rank() {
     ];
     let ddp =
         DistributedDataParallel::from_parameters(params, vec![], bn, DdpOptions::default().process_group(pg)).unwrap();
-    tch::no_grad(|| ddp.module().f_forward_t(&batch(rank + 10, n).0, true).unwrap());
+    let _ = tch::no_grad(|| ddp.module().f_forward_t(&batch(rank + 10, n).0, true).unwrap());
     let (x, t) = batch(rank, n);
     let x = x.set_requires_grad(true);
     let y = ddp.forward_with(|m| m.f_forward_t(&x, true)).unwrap().unwrap();
@@ -100,7 +100,7 @@ fn reference(sizes: &[i64]) -> Vec<Vec<Tensor>> {
         let ts: Vec<&Tensor> = parts.iter().map(|p| &p.1).collect();
         (Tensor::cat(&xs, 0), Tensor::cat(&ts, 0))
     };
-    tch::no_grad(|| bn.forward_t(&cat(10).0, true));
+    let _ = tch::no_grad(|| bn.forward_t(&cat(10).0, true));
     let (x, t) = cat(0);
     let x = x.set_requires_grad(true);
     let y = bn.forward_t(&x, true);

@@ -3,6 +3,7 @@
 #[path = "../common/mod.rs"]
 mod common;
 
+mod cnn;
 mod forum;
 mod gpt;
 mod gpu_kit;
