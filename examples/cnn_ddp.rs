@@ -19,7 +19,7 @@ use clap::Parser;
 mod digits;
 
 use tch::nn::{ModuleT, OptimizerConfig};
-use tch::{nn, Device, Kind, Tensor};
+use tch::{nn, Device, Kind};
 use tch_dist::data::{Batches, DistributedSampler, SamplerOptions};
 use tch_dist::ddp::DdpOptions;
 use tch_dist::parallelize::{self, Plan};
@@ -96,12 +96,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         return Err(format!("global batch {GLOBAL_BATCH} is not divisible by WORLD_SIZE={world}").into());
     }
     let (x, y) = digits::load(&data)?;
-    // the same split on every rank
-    tch::manual_seed(0);
-    let perm = Tensor::randperm(x.size()[0], (Kind::Int64, Device::Cpu));
-    let (train_idx, test_idx) = (perm.narrow(0, 0, TRAIN), perm.narrow(0, TRAIN, x.size()[0] - TRAIN));
-    let (xtr, ytr) = (x.index_select(0, &train_idx), y.index_select(0, &train_idx));
-    let (xte, yte) = (x.index_select(0, &test_idx), y.index_select(0, &test_idx));
+    let ((xtr, ytr), (xte, yte)) = digits::split(&x, &y, TRAIN);
 
     // DDP over the world, batch norm's statistics over it too (one process: tch's layers as they are)
     let plan = Plan::new().replicate(DdpOptions::default().process_group(pg.clone()));

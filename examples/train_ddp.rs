@@ -14,7 +14,7 @@ use clap::Parser;
 #[path = "common/digits.rs"]
 mod digits;
 use indicatif::{ProgressBar, ProgressStyle};
-use tch::{nn, nn::Module, nn::OptimizerConfig, Device, Kind, Tensor};
+use tch::{nn, nn::Module, nn::OptimizerConfig, Device};
 use tch_dist::data::{Batches, DistributedSampler, SamplerOptions};
 use tch_dist::ddp::{DdpOptions, DistributedDataParallel};
 use tch_dist::ProcessGroup;
@@ -44,12 +44,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         return Err(format!("global batch {GLOBAL_BATCH} is not divisible by WORLD_SIZE={world}").into());
     }
     let (x, y) = digits::load(&data)?;
-    // The same split on every rank: a fixed permutation, 1,500 images to train, the rest to test.
-    tch::manual_seed(0);
-    let perm = Tensor::randperm(x.size()[0], (Kind::Int64, Device::Cpu));
-    let (train_idx, test_idx) = (perm.narrow(0, 0, 1500), perm.narrow(0, 1500, x.size()[0] - 1500));
-    let (xtr, ytr) = (x.index_select(0, &train_idx), y.index_select(0, &train_idx));
-    let (xte, yte) = (x.index_select(0, &test_idx), y.index_select(0, &test_idx));
+    let ((xtr, ytr), (xte, yte)) = digits::split(&x, &y, 1500);
 
     tch::manual_seed(1); // same initial weights everywhere (DDP broadcasts rank 0's anyway)
     let vs = nn::VarStore::new(Device::Cpu);

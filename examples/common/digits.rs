@@ -2,7 +2,7 @@
 //! train on it: where the venv has it, and its pixels (scaled to [0, 1]) and labels.
 use std::io::Read;
 
-use tch::Tensor;
+use tch::{Device, Kind, Tensor};
 
 /// scikit-learn's copy of the UCI digits, found in the torch venv that scripts/setup.sh made.
 pub fn default_data() -> Result<std::path::PathBuf, String> {
@@ -36,4 +36,16 @@ pub fn load(path: &std::path::Path) -> Result<(Tensor, Tensor), Box<dyn std::err
     }
     let n = ys.len() as i64;
     Ok((Tensor::from_slice(&xs).view([n, 64]), Tensor::from_slice(&ys)))
+}
+
+/// `(train_x, train_y), (test_x, test_y)`.
+pub type Split = ((Tensor, Tensor), (Tensor, Tensor));
+
+/// The same split on every rank: a fixed permutation, `train` images to train on, the rest to test.
+pub fn split(x: &Tensor, y: &Tensor, train: i64) -> Split {
+    tch::manual_seed(0);
+    let n = x.size()[0];
+    let perm = Tensor::randperm(n, (Kind::Int64, Device::Cpu));
+    let (tr, te) = (perm.narrow(0, 0, train), perm.narrow(0, train, n - train));
+    ((x.index_select(0, &tr), y.index_select(0, &tr)), (x.index_select(0, &te), y.index_select(0, &te)))
 }

@@ -1,5 +1,6 @@
 //! Helpers shared by the integration tests: ranks as threads (HashStore) or as processes (TCPStore).
 #![allow(dead_code)]
+pub mod bn;
 pub mod model;
 pub mod pipe;
 pub mod scenario;
@@ -124,19 +125,42 @@ pub(crate) use test_name;
 /// [`test_name!`]) with torchrun's
 /// environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) plus `env`. Returns the children.
 pub fn spawn_ranks(worker: &str, world: usize, env: &[(&str, String)]) -> Vec<std::process::Child> {
+    spawn_mixed(worker, world, &[], "", env)
+}
+
+/// [`spawn_ranks`] with the ranks in `python_ranks` running the script `script` (a path under the
+/// repository) in the torch venv's Python instead: a group of PyTorch and tch-dist ranks. The tch-dist
+/// ranks speak PyTorch's exact protocol then (`TCH_DIST_VERIFY=0`).
+pub fn spawn_mixed(
+    worker: &str,
+    world: usize,
+    python_ranks: &[usize],
+    script: &str,
+    env: &[(&str, String)],
+) -> Vec<std::process::Child> {
     let port = free_port();
     let exe = std::env::current_exe().expect("current exe");
     (0..world)
         .map(|rank| {
-            let mut c = Command::new(&exe);
-            c.args(["--ignored", "--exact", worker, "--nocapture", "--test-threads=1"])
-                .env("RANK", rank.to_string())
+            let mut c = if python_ranks.contains(&rank) {
+                let mut c = Command::new(python());
+                c.arg(repo_path(script));
+                c
+            } else {
+                let mut c = Command::new(&exe);
+                c.args(["--ignored", "--exact", worker, "--nocapture", "--test-threads=1"]);
+                c
+            };
+            c.env("RANK", rank.to_string())
                 .env("LOCAL_RANK", rank.to_string())
                 .env("WORLD_SIZE", world.to_string())
                 .env("MASTER_ADDR", "127.0.0.1")
                 .env("MASTER_PORT", port.to_string())
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped());
+            if !python_ranks.is_empty() {
+                c.env("TCH_DIST_VERIFY", "0");
+            }
             for (k, v) in env {
                 c.env(k, v);
             }

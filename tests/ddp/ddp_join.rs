@@ -4,7 +4,6 @@
 //! join in one group (the protocol is PyTorch's). `throw_on_early_termination` fails every rank at once.
 use crate::common;
 
-use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -62,39 +61,23 @@ fn read_f32(path: &std::path::Path) -> Vec<f32> {
 
 /// Two processes, PyTorch or ours per rank (`python[r]`); every rank's final parameters.
 fn run(python: [bool; 2], steps: &str, divide_by_world: bool, find_unused: bool) -> Vec<Vec<f32>> {
-    let port = common::free_port();
     // tests of this file run at once: each run its own directory
     static RUNS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
     let n = RUNS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
     let dir = std::env::temp_dir().join(format!("tdx-join-{}-{n}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let out = dir.join("rankRANK.f32");
-    let children: Vec<_> = (0..2)
-        .map(|rank| {
-            let mut c = if python[rank] {
-                let mut c = Command::new(common::python());
-                c.arg(common::repo_path("tests/py/ddp_rank.py"));
-                c
-            } else {
-                let mut c = Command::new(std::env::current_exe().unwrap());
-                c.args(["--ignored", "--exact", common::test_name!("worker_rust_join_rank").as_str(), "--nocapture"]);
-                c
-            };
-            c.env("RANK", rank.to_string())
-                .env("WORLD_SIZE", "2")
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", port.to_string())
-                .env("TCH_DIST_VERIFY", "0") // PyTorch's protocol only
-                .env("TCH_DIST_TIMEOUT_SECS", "60")
-                .env("DDP_STEPS", steps)
-                .env("DDP_DIVIDE_BY_WORLD", if divide_by_world { "1" } else { "0" })
-                .env("DDP_FIND_UNUSED", if find_unused { "1" } else { "0" })
-                .env("DDP_OUT", &out)
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped());
-            c.spawn().unwrap()
-        })
-        .collect();
+    let flag = |on: bool| if on { "1" } else { "0" }.to_string();
+    let env = [
+        ("TCH_DIST_VERIFY", "0".to_string()), // PyTorch's protocol only, whoever runs each rank
+        ("TCH_DIST_TIMEOUT_SECS", "60".to_string()),
+        ("DDP_STEPS", steps.to_string()),
+        ("DDP_DIVIDE_BY_WORLD", flag(divide_by_world)),
+        ("DDP_FIND_UNUSED", flag(find_unused)),
+        ("DDP_OUT", dir.join("rankRANK.f32").display().to_string()),
+    ];
+    let pythons: Vec<usize> = (0..2).filter(|&r| python[r]).collect();
+    let worker = common::test_name!("worker_rust_join_rank");
+    let children = common::spawn_mixed(&worker, 2, &pythons, "tests/py/ddp_rank.py", &env);
     for (r, o) in common::wait_all(children, Duration::from_secs(120)).iter().enumerate() {
         assert!(o.status.success(), "rank {r}:\n{}", common::show(o));
     }

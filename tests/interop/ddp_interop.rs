@@ -3,7 +3,6 @@
 //! single-process run on the concatenated batch.
 use crate::common;
 
-use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -44,7 +43,7 @@ fn worker_rust_ddp_rank() {
     let flat = Tensor::cat(&model::params(&vs).iter().map(|t| t.reshape([-1])).collect::<Vec<_>>(), 0);
     let v = Vec::<f32>::try_from(&flat).unwrap();
     let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
-    std::fs::write(std::env::var("DDP_OUT").unwrap(), bytes).unwrap();
+    std::fs::write(std::env::var("DDP_OUT").unwrap().replace("RANK", &rank.to_string()), bytes).unwrap();
     ddp.process_group().barrier().unwrap(); // the PyTorch rank ends with a barrier too
     println!("rust rank {rank} ok");
 }
@@ -59,34 +58,16 @@ fn mixed(python_rank: usize, cap_mb: &str) {
 
 /// `frozen`: a layer ("l2") whose parameters do not require grad on either side.
 fn mixed_frozen(python_rank: usize, cap_mb: &str, frozen: &str) {
-    let port = common::free_port();
     let dir = std::env::temp_dir().join(format!("tdx-ddp-interop-{}-{python_rank}-{cap_mb}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let children: Vec<_> = (0..2)
-        .map(|rank| {
-            let mut c = if rank == python_rank {
-                let mut c = Command::new(common::python());
-                c.arg(common::repo_path("tests/py/ddp_rank.py"));
-                c
-            } else {
-                let mut c = Command::new(std::env::current_exe().unwrap());
-                c.args(["--ignored", "--exact", common::test_name!("worker_rust_ddp_rank").as_str(), "--nocapture"]);
-                c
-            };
-            c.env("RANK", rank.to_string())
-                .env("WORLD_SIZE", "2")
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", port.to_string())
-                .env("TCH_DIST_VERIFY", "0") // speak PyTorch's exact protocol
-                .env("TCH_DIST_TIMEOUT_SECS", "60")
-                .env("DDP_CAP_MB", cap_mb)
-                .env("DDP_FROZEN", frozen)
-                .env("DDP_OUT", dir.join(format!("rank{rank}.f32")))
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped());
-            c.spawn().unwrap()
-        })
-        .collect();
+    let worker = common::test_name!("worker_rust_ddp_rank");
+    let env = [
+        ("TCH_DIST_TIMEOUT_SECS", "60".to_string()),
+        ("DDP_CAP_MB", cap_mb.to_string()),
+        ("DDP_FROZEN", frozen.to_string()),
+        ("DDP_OUT", dir.join("rankRANK.f32").display().to_string()),
+    ];
+    let children = common::spawn_mixed(&worker, 2, &[python_rank], "tests/py/ddp_rank.py", &env);
     let outs = common::wait_all(children, Duration::from_secs(120));
     for (r, o) in outs.iter().enumerate() {
         assert!(o.status.success(), "rank {r}:\n{}", common::show(o));

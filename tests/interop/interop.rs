@@ -5,7 +5,6 @@
 //! ("cpu:gloo") is tested; the NCCL half runs in the GPU kit.
 use crate::common;
 
-use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use tch_dist::ProcessGroup;
@@ -27,37 +26,9 @@ fn mixed_group(world: usize, python_ranks: &[usize]) {
 }
 
 fn mixed_group_on(world: usize, python_ranks: &[usize], backend: &str) {
-    let port = common::free_port();
-    let exe = std::env::current_exe().unwrap();
-    let script = common::repo_path("tests/py/interop_rank.py");
-    let children: Vec<_> = (0..world)
-        .map(|rank| {
-            let mut c = if python_ranks.contains(&rank) {
-                let mut c = Command::new(common::python());
-                c.arg(&script);
-                c
-            } else {
-                let mut c = Command::new(&exe);
-                c.args([
-                    "--ignored",
-                    "--exact",
-                    common::test_name!("worker_interop_rust_rank").as_str(),
-                    "--nocapture",
-                ]);
-                c
-            };
-            c.env("RANK", rank.to_string())
-                .env("WORLD_SIZE", world.to_string())
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", port.to_string())
-                .env("TCH_DIST_VERIFY", "0")
-                .env("TCH_DIST_BACKEND", backend)
-                .env("TCH_DIST_TIMEOUT_SECS", "60")
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped());
-            c.spawn().expect("spawn rank")
-        })
-        .collect();
+    let worker = common::test_name!("worker_interop_rust_rank");
+    let env = [("TCH_DIST_BACKEND", backend.to_string()), ("TCH_DIST_TIMEOUT_SECS", "60".to_string())];
+    let children = common::spawn_mixed(&worker, world, python_ranks, "tests/py/interop_rank.py", &env);
     let outs = common::wait_all(children, Duration::from_secs(120));
     for (r, o) in outs.iter().enumerate() {
         assert!(o.status.success(), "rank {r} failed:\n{}", common::show(o));

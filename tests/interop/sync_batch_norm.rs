@@ -5,8 +5,8 @@
 //! within 1e-6. PyTorch refuses SyncBatchNorm on the CPU and has its kernels for CUDA only, so its rank
 //! runs PyTorch's module and protocol with CPU versions of those kernels (see the script).
 use crate::common;
+use common::bn::{batch, set_affine, C};
 
-use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -15,26 +15,8 @@ use tch_dist::ddp::{DdpOptions, DistributedDataParallel};
 use tch_dist::sync_batch_norm::sync_batch_norm2d;
 use tch_dist::ProcessGroup;
 
-const C: i64 = 3;
 const SPATIAL: [i64; 2] = [3, 2];
 const TOL: f64 = 1e-6;
-
-/// Rank `r`'s batch of `n` rows and its loss weights (the Python rank's `batch`).
-fn batch(r: usize, n: i64) -> (Tensor, Tensor) {
-    let shape = [n, C, SPATIAL[0], SPATIAL[1]];
-    let at = Tensor::arange(shape.iter().product::<i64>(), (Kind::Double, Device::Cpu)) + 97.0 * r as f64;
-    let x = ((&at * 0.37).sin() * 2.0 + (&at * 0.011).cos()).view(shape).to_kind(Kind::Float);
-    let t = (&at * 0.23).cos().view(shape).to_kind(Kind::Float);
-    (x, t)
-}
-
-fn set_affine(ws: &Option<Tensor>, bs: &Option<Tensor>) {
-    tch::no_grad(|| {
-        let c = Tensor::arange(C, (Kind::Float, Device::Cpu));
-        ws.as_ref().unwrap().shallow_clone().copy_(&(&c * 0.25 + 0.5));
-        bs.as_ref().unwrap().shallow_clone().copy_(&(&c * 0.1 - 0.2));
-    });
-}
 
 fn sizes() -> Vec<i64> {
     std::env::var("SBN_SIZES").unwrap().split(',').map(|s| s.parse().unwrap()).collect()
@@ -55,8 +37,8 @@ fn worker_rust_sync_bn_rank() {
     ];
     let ddp =
         DistributedDataParallel::from_parameters(params, vec![], bn, DdpOptions::default().process_group(pg)).unwrap();
-    let _ = tch::no_grad(|| ddp.module().f_forward_t(&batch(rank + 10, n).0, true).unwrap());
-    let (x, t) = batch(rank, n);
+    let _ = tch::no_grad(|| ddp.module().f_forward_t(&batch(rank + 10, n, &SPATIAL).0, true).unwrap());
+    let (x, t) = batch(rank, n, &SPATIAL);
     let x = x.set_requires_grad(true);
     let y = ddp.forward_with(|m| m.f_forward_t(&x, true)).unwrap().unwrap();
     ddp.backward(&(&y * &t).sum(Kind::Float)).unwrap();
@@ -71,7 +53,7 @@ fn worker_rust_sync_bn_rank() {
         bn.running_var.shallow_clone(),
         y_eval,
     ];
-    write(&out, &std::env::var("SBN_OUT").unwrap());
+    write(&out, &std::env::var("SBN_OUT").unwrap().replace("RANK", &rank.to_string()));
     ddp.process_group().barrier().unwrap();
     println!("rust rank {rank} ok");
 }
@@ -95,7 +77,7 @@ fn reference(sizes: &[i64]) -> Vec<Vec<Tensor>> {
     let bn = nn::batch_norm2d(vs.root() / "bn", C, Default::default());
     set_affine(&bn.ws, &bn.bs);
     let cat = |k: usize| {
-        let parts: Vec<(Tensor, Tensor)> = sizes.iter().enumerate().map(|(r, &n)| batch(r + k, n)).collect();
+        let parts: Vec<(Tensor, Tensor)> = sizes.iter().enumerate().map(|(r, &n)| batch(r + k, n, &SPATIAL)).collect();
         let xs: Vec<&Tensor> = parts.iter().map(|p| &p.0).collect();
         let ts: Vec<&Tensor> = parts.iter().map(|p| &p.1).collect();
         (Tensor::cat(&xs, 0), Tensor::cat(&ts, 0))
@@ -129,39 +111,16 @@ fn reference(sizes: &[i64]) -> Vec<Vec<Tensor>> {
 
 fn mixed(sizes: &[i64], python_ranks: &[usize]) {
     let world = sizes.len();
-    let port = common::free_port();
     let dir = std::env::temp_dir().join(format!("tdx-sbn-interop-{}-{world}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let list = sizes.iter().map(|n| n.to_string()).collect::<Vec<_>>().join(",");
-    let children: Vec<_> = (0..world)
-        .map(|rank| {
-            let mut c = if python_ranks.contains(&rank) {
-                let mut c = Command::new(common::python());
-                c.arg(common::repo_path("tests/py/sync_bn_rank.py"));
-                c
-            } else {
-                let mut c = Command::new(std::env::current_exe().unwrap());
-                c.args([
-                    "--ignored",
-                    "--exact",
-                    common::test_name!("worker_rust_sync_bn_rank").as_str(),
-                    "--nocapture",
-                ]);
-                c
-            };
-            c.env("RANK", rank.to_string())
-                .env("WORLD_SIZE", world.to_string())
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", port.to_string())
-                .env("TCH_DIST_VERIFY", "0") // speak PyTorch's exact protocol
-                .env("TCH_DIST_TIMEOUT_SECS", "60")
-                .env("SBN_SIZES", &list)
-                .env("SBN_OUT", dir.join(format!("rank{rank}.f32")))
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped());
-            c.spawn().unwrap()
-        })
-        .collect();
+    let worker = common::test_name!("worker_rust_sync_bn_rank");
+    let env = [
+        ("TCH_DIST_TIMEOUT_SECS", "60".to_string()),
+        ("SBN_SIZES", list),
+        ("SBN_OUT", dir.join("rankRANK.f32").display().to_string()),
+    ];
+    let children = common::spawn_mixed(&worker, world, python_ranks, "tests/py/sync_bn_rank.py", &env);
     let outs = common::wait_all(children, Duration::from_secs(120));
     for (r, o) in outs.iter().enumerate() {
         assert!(o.status.success(), "rank {r}:\n{}", common::show(o));

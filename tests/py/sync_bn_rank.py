@@ -130,7 +130,7 @@ def main():
         y_eval = bn(x)
     out = [y.detach(), x.grad, bn.weight.grad, bn.bias.grad, bn.running_mean, bn.running_var, y_eval]
     flat = torch.cat([o.reshape(-1) for o in out]).float()
-    np.asarray(flat.numpy(), dtype=np.float32).tofile(os.environ["SBN_OUT"])
+    np.asarray(flat.numpy(), dtype=np.float32).tofile(os.environ["SBN_OUT"].replace("RANK", str(rank)))
     dist.barrier()
     print(f"python rank {rank} ok", flush=True)
     exit_now()

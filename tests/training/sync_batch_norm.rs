@@ -3,6 +3,7 @@
 //! statistics equal tch's (libtorch's) BatchNorm over the concatenated batch, in 1-d, 2-d and 3-d.
 //! Evaluation runs no collective; bad input is named.
 use crate::common;
+use common::bn::{batch, set_affine, C};
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -10,27 +11,7 @@ use std::time::Duration;
 use tch::{nn, nn::ModuleT, Device, Kind, Tensor};
 use tch_dist::sync_batch_norm::SyncBatchNorm;
 
-const C: i64 = 3;
 const TOL: f64 = 1e-5;
-
-/// Rank `r`'s batch of `n` rows (`[n, C, spatial...]`) and the weights of its loss, set by position.
-fn batch(r: usize, n: i64, spatial: &[i64]) -> (Tensor, Tensor) {
-    let mut shape = vec![n, C];
-    shape.extend_from_slice(spatial);
-    let numel: i64 = shape.iter().product();
-    let at = Tensor::arange(numel, (Kind::Double, Device::Cpu)) + 97.0 * r as f64;
-    let x = ((&at * 0.37).sin() * 2.0 + (&at * 0.011).cos()).view(shape.as_slice()).to_kind(Kind::Float);
-    let t = (&at * 0.23).cos().view(shape.as_slice()).to_kind(Kind::Float);
-    (x, t)
-}
-
-fn set_affine(ws: &Option<Tensor>, bs: &Option<Tensor>) {
-    tch::no_grad(|| {
-        let c = Tensor::arange(C, (Kind::Float, Device::Cpu));
-        ws.as_ref().unwrap().shallow_clone().copy_(&(&c * 0.25 + 0.5));
-        bs.as_ref().unwrap().shallow_clone().copy_(&(&c * 0.1 - 0.2));
-    });
-}
 
 struct Out {
     y: Tensor,
@@ -39,6 +20,21 @@ struct Out {
     gb: Tensor,
     rm: Tensor,
     rv: Tensor,
+}
+
+impl Out {
+    /// What a backward from `y` left: the input's gradient, the weight's and bias's, the statistics.
+    fn after(y: &Tensor, x: &Tensor, affine: [&Option<Tensor>; 2], running: [&Tensor; 2]) -> Out {
+        let grad = |t: &Option<Tensor>| t.as_ref().unwrap().grad();
+        Out {
+            y: y.detach(),
+            gx: x.grad(),
+            gw: grad(affine[0]),
+            gb: grad(affine[1]),
+            rm: running[0].copy(),
+            rv: running[1].copy(),
+        }
+    }
 }
 
 /// Two training steps (the running statistics move twice), gradients from the second.
@@ -56,14 +52,7 @@ fn sync_run(sizes: &'static [i64], nd: usize) -> Vec<Out> {
         let x = x.set_requires_grad(true);
         let y = bn.f_forward_t(&x, true).unwrap();
         (&y * &t).sum(Kind::Float).backward();
-        Out {
-            y: y.detach(),
-            gx: x.grad(),
-            gw: bn.ws.as_ref().unwrap().grad(),
-            gb: bn.bs.as_ref().unwrap().grad(),
-            rm: bn.running_mean.copy(),
-            rv: bn.running_var.copy(),
-        }
+        Out::after(&y, &x, [&bn.ws, &bn.bs], [&bn.running_mean, &bn.running_var])
     })
 }
 
@@ -88,14 +77,7 @@ fn reference(sizes: &[i64], nd: usize) -> Out {
     let x = x.set_requires_grad(true);
     let y = bn.forward_t(&x, true);
     (&y * &t).sum(Kind::Float).backward();
-    Out {
-        y: y.detach(),
-        gx: x.grad(),
-        gw: bn.ws.as_ref().unwrap().grad(),
-        gb: bn.bs.as_ref().unwrap().grad(),
-        rm: bn.running_mean.copy(),
-        rv: bn.running_var.copy(),
-    }
+    Out::after(&y, &x, [&bn.ws, &bn.bs], [&bn.running_mean, &bn.running_var])
 }
 
 fn close(what: &str, a: &Tensor, b: &Tensor) {
