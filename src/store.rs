@@ -71,6 +71,39 @@ impl TcpStoreOptions {
     }
 }
 
+/// A port on `host` that nobody listens on now, for a `TCPStore` whose port the other processes must be
+/// told before it starts (`MASTER_PORT`, as `tchrun --standalone` and tests do).
+///
+/// It is drawn below the kernel's ephemeral range (`/proc/sys/net/ipv4/ip_local_port_range`): the port the
+/// OS gives for port 0 comes from the pool that outgoing connections take their local ports from, so
+/// between the pick and the server's bind another process's connection (a Gloo pair, a store client) may
+/// take it, and the server fails with `EADDRINUSE`. Below that range only listeners compete; successive
+/// calls in one process walk the range from a random start, so concurrent callers rarely meet.
+pub fn free_port(host: &str) -> Result<u16> {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static NEXT: AtomicU32 = AtomicU32::new(u32::MAX);
+    const LOWEST: u32 = 10_000;
+    let first_ephemeral = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next().and_then(|p| p.parse::<u32>().ok()))
+        .unwrap_or(32_768);
+    let bind = |port: u32| std::net::TcpListener::bind((host, port as u16)).and_then(|l| l.local_addr());
+    if first_ephemeral > LOWEST + 1_000 && first_ephemeral <= 65_536 {
+        let span = first_ephemeral - LOWEST;
+        let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos())
+            ^ std::process::id().wrapping_mul(2_654_435_761);
+        let _ = NEXT.compare_exchange(u32::MAX, seed % span, Ordering::Relaxed, Ordering::Relaxed);
+        for _ in 0..span.min(4_096) {
+            let port = LOWEST + NEXT.fetch_add(1, Ordering::Relaxed) % span;
+            if bind(port).is_ok() {
+                return Ok(port as u16);
+            }
+        }
+    }
+    // a kernel whose ephemeral range starts low: the OS's pick, with the race described above
+    bind(0).map(|a| a.port()).map_err(|e| Error::invalid("store::free_port", format!("no free port on {host}: {e}")))
+}
+
 fn cstr(what: &str, s: &str) -> Result<CString> {
     CString::new(s).map_err(|_| Error::invalid(what, format!("{s:?} contains a NUL byte")))
 }

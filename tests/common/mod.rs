@@ -5,15 +5,14 @@ pub mod model;
 pub mod pipe;
 pub mod scenario;
 
-use std::net::TcpListener;
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use tch_dist::{Backend, GroupOptions, ProcessGroup, Store};
 
-/// A port that was free a moment ago (the OS picks it).
+/// A port nobody listens on now, outside the range outgoing connections draw from ([`tch_dist::store::free_port`]).
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("free port")
+    tch_dist::store::free_port("127.0.0.1").expect("free port")
 }
 
 /// target/<profile>/, where cargo puts the binaries (this test binary is in its deps/).

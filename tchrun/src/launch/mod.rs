@@ -107,12 +107,9 @@ impl LaunchConfig {
     }
 }
 
-/// A port the OS says is free now (for `--standalone`).
+/// A port free now on 127.0.0.1 (for `--standalone`), outside the range outgoing connections draw from.
 pub fn free_port() -> Result<u16> {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .map_err(|e| invalid("tchrun --standalone", format!("no free port: {e}")))
+    tch_dist::store::free_port("127.0.0.1").map_err(|e| invalid("tchrun --standalone", e.to_string()))
 }
 
 /// How a worker ended.

@@ -144,10 +144,7 @@ impl Rendezvous {
             }
             let key = format!("r{r}/master");
             if idx == 0 {
-                let port = std::net::TcpListener::bind((local_addr, 0))
-                    .and_then(|l| l.local_addr())
-                    .map(|a| a.port())
-                    .map_err(|e| invalid("tchrun", format!("no free port on {local_addr}: {e}")))?;
+                let port = tch_dist::store::free_port(local_addr).map_err(|e| invalid("tchrun", e.to_string()))?;
                 self.store.set(&key, format!("{local_addr}:{port}").as_bytes())?;
             }
             self.store.wait(&key, self.cfg.timeout)?;
