@@ -78,8 +78,12 @@ fn one_model_source_on_two_ranks_computes_what_it_does_on_one() {
     });
     for (rank, (kinds, y, gx)) in got.into_iter().flatten().enumerate().map(|(i, r)| (i / 2, r)) {
         assert_eq!(kinds, &["vocab", "column", "row", "local"], "rank {rank}");
-        assert!(y.allclose(&want_y, 1e-5, 1e-6, false), "rank {rank}: {y:?} vs one rank's {want_y:?}");
-        assert!(gx.allclose(&want_gx, 1e-5, 1e-6, false), "rank {rank}: input gradient differs");
+        // float32 sums split over ranks, and in whatever blocking the BLAS picks under load (seen: 2 ulp
+        // of the largest element): a tolerance relative to each tensor's scale
+        for (what, got, want) in [("output", &y, &want_y), ("input gradient", &gx, &want_gx)] {
+            let (d, scale) = ((got - want).abs().max().double_value(&[]), want.abs().max().double_value(&[]));
+            assert!(d <= 1e-6 * scale.max(1.0), "rank {rank}: {what} differs by {d:e} (largest element {scale})");
+        }
     }
 }
 
