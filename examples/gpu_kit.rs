@@ -23,6 +23,7 @@ use tch::{nn, nn::Module, nn::OptimizerConfig, Device, Kind, Tensor};
 use tch_dist::amp::{autocast, GradScaler};
 use tch_dist::ddp::{DdpOptions, DistributedDataParallel};
 use tch_dist::fsdp::{FsdpBuilder, FsdpOptions, FullyShardedDataParallel};
+use tch_dist::moe::{Moe, MoeConfig};
 use tch_dist::optim::{clip_grad_norm, AdamW, Optimizer, Sgd};
 use tch_dist::pipeline::schedule::Kind as Sched;
 use tch_dist::pipeline::split::SplitModel;
@@ -92,6 +93,7 @@ const CHECKS: &[(&str, Check)] = &[
     ("zero1", |d| zero_step(d, ZeroStage::One)),
     ("zero2", |d| zero_step(d, ZeroStage::Two)),
     ("tp-mlp", tp_mlp),
+    ("moe", moe),
     ("amp-bf16", amp_bf16),
     ("amp-fp16-scaler", amp_fp16_scaler),
     ("checkpoint", checkpoint_round_trip),
@@ -496,6 +498,39 @@ fn tp_mlp(device: Device) -> Res<Outcome> {
         "ParallelMlp over {}, output and input gradient vs CPU max |diff| {worst:.1e}",
         pg.backend_config()
     )))
+}
+
+/// The engine's all_to_all_single (one rank: its own chunk back), and the MoE layer on the device
+/// against the CPU: output, input gradient and the experts' gradient.
+fn moe(device: Device) -> Res<Outcome> {
+    let pg = group(device, BackendConfig::NCCL)?;
+    let x = Tensor::arange(12, (Kind::Float, Device::Cpu)).view([6, 2]);
+    let mut got = Tensor::zeros([6, 2], (Kind::Float, device));
+    pg.all_to_all_single(&mut got, &x.to_device(device), &[], &[])?;
+    let a2a = (&got.to_device(Device::Cpu) - &x).abs().max().double_value(&[]);
+    ensure(a2a == 0.0, || format!("all_to_all_single over {} returned another chunk", pg.backend_config()))?;
+    tch::manual_seed(5);
+    let r = |shape: &[i64], scale: f64| Tensor::randn(shape, (Kind::Float, Device::Cpu)) * scale;
+    let router = r(&[8, D_IN], 1.0);
+    let w = [r(&[8, D_IN, HIDDEN], 0.2), r(&[8, HIDDEN], 1.0), r(&[8, HIDDEN, D_IN], 0.2), r(&[8, D_IN], 1.0)];
+    let xs = r(&[16, D_IN], 1.0);
+    let run = |dev: Device, pg: Arc<ProcessGroup>| -> Res<[Tensor; 3]> {
+        let vs = nn::VarStore::new(dev);
+        let d = |t: &Tensor| t.to_device(dev);
+        let ws = [d(&w[0]), d(&w[1]), d(&w[2]), d(&w[3])];
+        let m = Moe::from_full(&vs.root(), &d(&router), [&ws[0], &ws[1], &ws[2], &ws[3]], pg, MoeConfig::default())?;
+        let x = d(&xs).set_requires_grad(true);
+        let o = m.f_forward(&x)?;
+        (o.output.sum(Kind::Float) + o.aux_loss).f_backward()?;
+        let cpu = |t: &Tensor| t.to_device(Device::Cpu);
+        Ok([cpu(&o.output), cpu(&x.grad()), cpu(&m.w1.grad())])
+    };
+    let on_device = run(device, pg.clone())?;
+    let on_cpu = run(Device::Cpu, group(Device::Cpu, BackendConfig::GLOO)?)?;
+    let diffs: Vec<f64> = on_device.iter().zip(&on_cpu).map(|(a, b)| (a - b).abs().max().double_value(&[])).collect();
+    let worst = diffs.iter().cloned().fold(0.0, f64::max);
+    ensure(worst < 1e-4, || format!("MoE output / input gradient / w1 gradient differ from the CPU's: {diffs:?}"))?;
+    Ok(Pass(format!("all_to_all_single over {}; MoE layer vs CPU max |diff| {worst:.1e}", pg.backend_config())))
 }
 
 fn amp_bf16(device: Device) -> Res<Outcome> {

@@ -44,6 +44,7 @@ pub mod hooks;
 pub mod init;
 pub mod memory;
 pub mod mesh;
+pub mod moe;
 pub mod optim;
 pub mod parallelize;
 pub mod pipeline;

@@ -121,6 +121,18 @@ impl Work {
         self
     }
 
+    /// Adds `f` to the steps run once after a successful wait, after the work's own.
+    pub(crate) fn then(mut self, f: Finish) -> Work {
+        self.finish = Some(match self.finish.take() {
+            None => f,
+            Some(first) => Box::new(move || {
+                first()?;
+                f()
+            }),
+        });
+        self
+    }
+
     pub(crate) fn traced(mut self, t: WorkTrace) -> Work {
         self.trace = Some(t);
         self

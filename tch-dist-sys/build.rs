@@ -14,6 +14,7 @@ const SOURCES: &[&str] = &[
     "csrc/hooks.cpp",
     "csrc/memory.cpp",
     "csrc/tp.cpp",
+    "csrc/all_to_all_op.cpp",
     "csrc/sync_bn.cpp",
     "csrc/amp.cpp",
     "csrc/random.cpp",

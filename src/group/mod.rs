@@ -1,6 +1,7 @@
 //! Process groups over c10d's own backends: Gloo (CPU tensors, and CUDA tensors) and NCCL (CUDA tensors,
 //! `cuda` feature). One group may hold both, a backend per device type (see [`BackendConfig`]); each
 //! collective runs on the one for its tensors' device.
+mod all_to_all;
 mod backend;
 mod checks;
 mod engine;

@@ -159,6 +159,18 @@ int tdx_pg_reduce_scatter_base(tdx_pg* pg, tdx_tensor out_t, tdx_tensor in, int 
   })
 }
 
+int tdx_pg_alltoall_base(tdx_pg* pg, tdx_tensor out_t, tdx_tensor in, const int64_t* out_splits, size_t n_out,
+                         const int64_t* in_splits, size_t n_in, tdx_work** out) {
+  TDX_TRY({
+    std::vector<int64_t> os(out_splits, out_splits + n_out);
+    std::vector<int64_t> is(in_splits, in_splits + n_in);
+    at::Tensor o = tdx::tensor(out_t);
+    at::Tensor i = tdx::tensor(in);
+    c10d::AllToAllOptions opts;
+    return finish(pg->backend->alltoall_base(o, i, os, is, opts), out);
+  })
+}
+
 int tdx_pg_batch_p2p(tdx_pg* pg, tdx_tensor* ts, const int* peers, const int* is_send, const int* tags, size_t n,
                      tdx_work** out) {
   TDX_TRY({

@@ -68,6 +68,11 @@ int tdx_pg_barrier(tdx_pg* pg, tdx_work** out);
 // one flat output of size x input, rank r's part at r * input.numel().
 int tdx_pg_allgather_base(tdx_pg* pg, tdx_tensor out_t, tdx_tensor in, tdx_work** out);
 int tdx_pg_reduce_scatter_base(tdx_pg* pg, tdx_tensor out_t, tdx_tensor in, int op, tdx_work** out);
+// c10d's alltoall_base (torch's all_to_all_single): rows of `in` (dim 0) go out in `in_splits[r]`-row
+// chunks to rank r, and rank r's chunk lands in `out` at its `out_splits` place. n_out == n_in == 0: equal
+// chunks of size(0) / world rows.
+int tdx_pg_alltoall_base(tdx_pg* pg, tdx_tensor out_t, tdx_tensor in, const int64_t* out_splits, size_t n_out,
+                         const int64_t* in_splits, size_t n_in, tdx_work** out);
 // Sends (is_send[i] != 0) and receives posted as one coalesced group (startCoalescing .. endCoalescing,
 // torch's batch_isend_irecv): one work for all. For backends that coalesce (NCCL).
 int tdx_pg_batch_p2p(tdx_pg* pg, tdx_tensor* ts, const int* peers, const int* is_send, const int* tags, size_t n,
@@ -113,6 +118,12 @@ int tdx_ref_bucket_assignment(const int64_t* numels, const int* dtypes, const in
 // 5 reduce_scatter_to_sequence (the reverse), 6 scatter_to_sequence (own part, all_gather in backward).
 // *out receives a new at::Tensor* owned by the caller.
 int tdx_tp_op(tdx_pg* pg, int op, tdx_tensor x, tdx_tensor* out);
+
+// ---- all_to_all_op.cpp: alltoall_base as an autograd node: rows of x go to the ranks by in_splits, the
+// result has sum(out_splits) rows (empty splits: equal chunks); the backward sends the gradient back by
+// the transposed splits. *out receives a new at::Tensor* owned by the caller.
+int tdx_all_to_all_op(tdx_pg* pg, tdx_tensor x, const int64_t* out_splits, size_t n_out, const int64_t* in_splits,
+                      size_t n_in, tdx_tensor* out);
 
 // ---- sync_bn.cpp: SyncBatchNorm's training forward on group pg, with its backward as an autograd node
 // (PyTorch's protocol: all_gather of [mean, invstd, count], then in backward an allreduce of [sum_dy,

@@ -128,6 +128,16 @@ extern "C" {
         op: c_int,
         out: *mut *mut tdx_work,
     ) -> c_int;
+    pub fn tdx_pg_alltoall_base(
+        pg: *mut tdx_pg,
+        out_t: tdx_tensor,
+        input: tdx_tensor,
+        out_splits: *const i64,
+        n_out: size_t,
+        in_splits: *const i64,
+        n_in: size_t,
+        out: *mut *mut tdx_work,
+    ) -> c_int;
     pub fn tdx_pg_batch_p2p(
         pg: *mut tdx_pg,
         ts: *mut tdx_tensor,
@@ -180,6 +190,16 @@ extern "C" {
     ) -> c_int;
 
     pub fn tdx_tp_op(pg: *mut tdx_pg, op: c_int, x: tdx_tensor, out: *mut tdx_tensor) -> c_int;
+
+    pub fn tdx_all_to_all_op(
+        pg: *mut tdx_pg,
+        x: tdx_tensor,
+        out_splits: *const i64,
+        n_out: size_t,
+        in_splits: *const i64,
+        n_in: size_t,
+        out: *mut tdx_tensor,
+    ) -> c_int;
 
     pub fn tdx_sync_batch_norm(
         pg: *mut tdx_pg,

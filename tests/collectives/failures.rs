@@ -108,6 +108,31 @@ fn mismatched_sizes_error_on_every_rank_naming_the_shapes() {
 }
 
 #[test]
+fn all_to_all_splits_that_do_not_pair_up_are_refused_on_every_rank() {
+    // Unchecked, Gloo aborts the process here, and NCCL writes past the chunk or hangs.
+    let res = common::run_threads(2, Duration::from_secs(10), |pg| {
+        let input = Tensor::ones([3, 2], (Kind::Float, Device::Cpu));
+        let mut out = Tensor::zeros([2, 2], (Kind::Float, Device::Cpu));
+        // both ranks send [1, 2] rows and expect [1, 1]: rank 1 gets 2 rows from each, expecting 1
+        let e = pg.all_to_all_single(&mut out, &input, &[1, 1], &[1, 2]).unwrap_err();
+        // refused locally, before any rank talks: splits that do not cover the tensor
+        let local = pg.all_to_all_single(&mut out, &input, &[1, 1], &[1, 1]).unwrap_err();
+        // the group stays usable afterwards
+        let mut ok = Tensor::zeros([2, 2], (Kind::Float, Device::Cpu));
+        pg.all_to_all_single(&mut ok, &Tensor::ones([2, 2], (Kind::Float, Device::Cpu)), &[], &[]).unwrap();
+        (e, local)
+    });
+    for (e, local) in &res {
+        assert!(matches!(e, Error::Mismatch { .. }), "{e:?}");
+        let s = e.to_string();
+        assert!(s.contains("rank 0 sends 2 rows to rank 1, which expects 1"), "{s}");
+        assert!(s.contains("rank 1 sends 2 rows to rank 1, which expects 1"), "{s}");
+        let l = local.to_string();
+        assert!(l.contains("input_splits [1, 1] add up to 2 rows; the input has 3"), "{l}");
+    }
+}
+
+#[test]
 fn mismatched_send_recv_is_refused_by_the_receiver() {
     let res = common::run_threads(2, Duration::from_secs(10), |pg| {
         if pg.rank() == 0 {

@@ -104,5 +104,39 @@ pub fn scenario(pg: &ProcessGroup) {
     assert!(f32s(&a).iter().all(|&x| x == sum_r1 as f32), "first async");
     assert!(f32s(&b).iter().all(|&x| x == 2.0 * sum_r1 as f32), "second async");
 
+    // all_to_all_single, uneven: rank r sends rank s (r + s + 1) rows of 2, each 1000 r + 10 s + row
+    let rows = |n: usize, base: usize| {
+        (Tensor::arange(n as i64, (Kind::Float, Device::Cpu)) + base as f64).unsqueeze(1).repeat([1, 2])
+    };
+    let in_splits: Vec<usize> = (0..w).map(|s| r + s + 1).collect();
+    let out_splits: Vec<usize> = (0..w).map(|q| q + r + 1).collect();
+    let input = Tensor::cat(&(0..w).map(|s| rows(r + s + 1, 1000 * r + 10 * s)).collect::<Vec<_>>(), 0);
+    let mut output = Tensor::zeros([out_splits.iter().sum::<usize>() as i64, 2], (Kind::Float, Device::Cpu));
+    pg.all_to_all_single(&mut output, &input, &out_splits, &in_splits).unwrap();
+    let want: Vec<f32> =
+        (0..w).flat_map(|q| (0..q + r + 1).flat_map(move |j| [(1000 * q + 10 * r + j) as f32; 2])).collect();
+    assert_eq!(f32s(&output), want, "all_to_all_single with uneven splits");
+
+    // all_to_all_single in equal chunks: chunk s of rank r is [2s, 2s + 1] + 100 r
+    let input = Tensor::arange(2 * w as i64, (Kind::Float, Device::Cpu)) + 100.0 * rf;
+    let mut output = Tensor::zeros([2 * w as i64], (Kind::Float, Device::Cpu));
+    pg.all_to_all_single(&mut output, &input, &[], &[]).unwrap();
+    let want: Vec<f32> = (0..w).flat_map(|q| [(2 * r + 100 * q) as f32, (2 * r + 1 + 100 * q) as f32]).collect();
+    assert_eq!(f32s(&output), want, "all_to_all_single in equal chunks");
+
+    // all_to_all, a tensor per peer of its own shape: rank r sends rank s a [s + 1, r + 1] block valued
+    // 1000 r + 10 s + index (PyTorch's twin sends the same bytes as one all_to_all_single)
+    let block = |from: usize, to: usize| {
+        (Tensor::arange(((to + 1) * (from + 1)) as i64, (Kind::Float, Device::Cpu)) + (1000 * from + 10 * to) as f64)
+            .view([to as i64 + 1, from as i64 + 1])
+    };
+    let inputs: Vec<Tensor> = (0..w).map(|s| block(r, s)).collect();
+    let mut outputs: Vec<Tensor> =
+        (0..w).map(|q| Tensor::zeros([r as i64 + 1, q as i64 + 1], (Kind::Float, Device::Cpu))).collect();
+    pg.all_to_all(&mut outputs, &inputs).unwrap();
+    for (q, o) in outputs.iter().enumerate() {
+        assert_eq!(f32s(o), f32s(&block(q, r)), "all_to_all from rank {q}");
+    }
+
     pg.barrier().unwrap();
 }

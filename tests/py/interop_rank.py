@@ -88,6 +88,30 @@ def main():
     wa.wait()
     assert (a == sum_r1).all() and (b == 2 * sum_r1).all()
 
+    # all_to_all_single, uneven: rank r sends rank s (r + s + 1) rows of 2, each 1000 r + 10 s + row
+    def rows(n, base):
+        return (torch.arange(n, dtype=torch.float32) + base).unsqueeze(1).repeat(1, 2)
+    in_splits = [r + s + 1 for s in range(w)]
+    out_splits = [q + r + 1 for q in range(w)]
+    inp = torch.cat([rows(r + s + 1, 1000 * r + 10 * s) for s in range(w)])
+    out = torch.zeros(sum(out_splits), 2)
+    dist.all_to_all_single(out, inp, out_splits, in_splits)
+    want = [float(1000 * q + 10 * r + j) for q in range(w) for j in range(q + r + 1) for _ in range(2)]
+    assert out.flatten().tolist() == want, out
+
+    inp = torch.arange(2 * w, dtype=torch.float32) + 100.0 * r
+    out = torch.zeros(2 * w)
+    dist.all_to_all_single(out, inp)
+    assert out.tolist() == [float(x + 100 * q) for q in range(w) for x in (2 * r, 2 * r + 1)], out
+
+    # the Rust scenario's all_to_all of [s + 1, r + 1] blocks: the same bytes as one flat all_to_all_single
+    def block(frm, to):
+        return torch.arange((to + 1) * (frm + 1), dtype=torch.float32) + 1000 * frm + 10 * to
+    inp = torch.cat([block(r, s) for s in range(w)])
+    out = torch.zeros(sum((r + 1) * (q + 1) for q in range(w)))
+    dist.all_to_all_single(out, inp, [(r + 1) * (q + 1) for q in range(w)], [(s + 1) * (r + 1) for s in range(w)])
+    assert out.tolist() == torch.cat([block(q, r) for q in range(w)]).tolist(), out
+
     dist.barrier()
     dist.destroy_process_group()
     print(f"python rank {r} ok", flush=True)

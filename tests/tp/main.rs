@@ -1,10 +1,11 @@
-//! Tensor parallelism, device meshes and placements.
+//! Tensor and expert parallelism, device meshes and placements.
 //! One test binary per area: each module is one file of tests.
 #[path = "../common/mod.rs"]
 mod common;
 
 mod mesh;
 mod mesh_3d;
+mod moe;
 mod placement;
 mod tp;
 mod tp_attention;
