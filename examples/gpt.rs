@@ -1,11 +1,13 @@
 //! A small GPT trained with any mix of parallelisms: pipeline stages over the mesh's "pp" dimension;
 //! tensor-parallel attention, MLPs, vocabulary-parallel embedding and cross-entropy over "tp"; each stage
 //! data-parallel with DDP over "dp", FSDP over "fsdp", or HSDP (shard over "fsdp", replicate over "dp");
-//! or all in one process. Byte-level, on a real English text that ships with every CPython:
+//! or all in one process; with `--experts N`, each block's MLP a mixture of experts spread over the "dp"
+//! ranks (expert parallelism borrowing the data-parallel ranks, as torchtitan's). Byte-level, on a real English text that ships with every CPython:
 //! `pydoc_data/topics.py` (Python's documentation topics, ~750 kB), found by scripts/gpt.sh.
 //!
 //!   tchrun --nproc-per-node 8 -- gpt --corpus FILE --pp 2 --dp 2 --tp 2 [--steps 200] [--losses FILE]
 //!   tchrun --nproc-per-node 4 -- gpt --corpus FILE --hsdp 2x2        # the same as --dp 2 --fsdp 2
+//!   tchrun --nproc-per-node 2 -- gpt --corpus FILE --dp 2 --experts 4   # 2 experts per rank
 //!   tchrun --nproc-per-node 1 -- gpt --corpus FILE [--sample 300]    # one process, and a sample after
 //!
 //! The model is written once over a `parallelize::Plan`, which gives each layer path its tensor-parallel
@@ -14,6 +16,7 @@
 //! one-process run's (tests/models/gpt.rs).
 use std::collections::BTreeMap;
 use std::io::Write;
+use std::sync::Arc;
 
 use clap::Parser;
 
@@ -24,6 +27,7 @@ use tch::{nn, nn::Module, Device, Kind, Tensor};
 use tch_dist::ddp::DdpOptions;
 use tch_dist::fsdp::FsdpOptions;
 use tch_dist::mesh::DeviceMesh;
+use tch_dist::moe::{Moe, MoeConfig};
 use tch_dist::optim::{clip_grad_norm, AdamW, Optimizer};
 use tch_dist::parallelize::{Embedding, Linear, Plan, Style};
 use tch_dist::pipeline::{DataParallel, LayerList, Partition, PipelineConfig, PipelineRank};
@@ -53,6 +57,16 @@ struct Args {
     heads: i64,
     #[arg(long, default_value_t = 64)]
     context: i64,
+    /// Experts per block's MLP (0: a dense MLP), spread over the "dp" ranks.
+    #[arg(long, default_value_t = 0)]
+    experts: i64,
+    /// Experts per token.
+    #[arg(long, default_value_t = 2)]
+    top_k: i64,
+    /// Rows per expert and call, as a multiple of an even share; at `experts / top_k` or more no token is
+    /// ever dropped, so every layout routes as one process does.
+    #[arg(long, default_value_t = 1.25)]
+    capacity_factor: f64,
     /// Sequences per step, over all data-parallel ranks.
     #[arg(long, default_value_t = 16)]
     global_batch: i64,
@@ -109,20 +123,36 @@ impl Module for Attention {
     }
 }
 
+/// A block's MLP: dense (split by the plan), or a mixture of experts spread over the expert-parallel
+/// group (its load-balancing loss left out here: the pipeline's loss sees only the logits).
+#[derive(Debug)]
+enum Mlp {
+    Dense { fc: Linear, proj: Linear },
+    Experts(Moe),
+}
+
+impl Module for Mlp {
+    fn forward(&self, x: &Tensor) -> Tensor {
+        match self {
+            Mlp::Dense { fc, proj } => proj.forward(&fc.forward(x).gelu("none")),
+            Mlp::Experts(moe) => moe.f_forward(x).unwrap_or_else(|e| panic!("{e}")).output,
+        }
+    }
+}
+
 /// A pre-LayerNorm transformer block: x + attention(LN(x)), then + MLP(LN(x)).
 #[derive(Debug)]
 struct Block {
     ln1: nn::LayerNorm,
     attn: Attention,
     ln2: nn::LayerNorm,
-    fc: Linear,
-    proj: Linear,
+    mlp: Mlp,
 }
 
 impl Module for Block {
     fn forward(&self, x: &Tensor) -> Tensor {
         let x = x + self.attn.forward(&self.ln1.forward(x));
-        &x + self.proj.forward(&self.fc.forward(&self.ln2.forward(&x)).gelu("none"))
+        &x + self.mlp.forward(&self.ln2.forward(&x))
     }
 }
 
@@ -153,10 +183,12 @@ fn plan(mesh: &DeviceMesh) -> tch_dist::Result<Plan> {
 }
 
 /// The model as a list of layers (embedding, blocks, head) that a pipeline partitions, written once:
-/// the plan gives each path its layer. Every layout starts from the one-process model's values (the list
-/// seeds each layer, and a split layer holds its slice of what tch's layer draws).
-fn model(a: &Args, plan: &Plan) -> LayerList {
-    let (d, ctx, heads) = (a.d, a.context, a.heads);
+/// the plan gives each path its layer, and with `ep` (the expert-parallel group) each block's MLP is a
+/// mixture of experts spread over it. Every layout starts from the one-process model's values (the list
+/// seeds each layer, and a split layer holds its slice of what tch's layer draws, a rank its experts).
+fn model(a: &Args, plan: &Plan, ep: Option<Arc<ProcessGroup>>) -> LayerList {
+    let (d, ctx, heads, experts) = (a.d, a.context, a.heads, a.experts);
+    let moe = MoeConfig { top_k: a.top_k, capacity_factor: a.capacity_factor };
     let ok = |r: tch_dist::Result<Linear>| r.unwrap_or_else(|e| panic!("{e}"));
     let p0 = plan.clone();
     let mut l = LayerList::new().seed(7).add("embed", move |p| Embed {
@@ -164,10 +196,16 @@ fn model(a: &Args, plan: &Plan) -> LayerList {
         pos: p.randn("pos", &[ctx, d], 0.0, 0.01),
     });
     for i in 0..a.layers {
-        let pl = plan.clone();
+        let (pl, ep) = (plan.clone(), ep.clone());
         l = l.add(&format!("block{i}"), move |p| {
             let (at, mlp) = (p / "attn", p / "mlp");
             let lin = |q: &nn::Path, i, o| ok(pl.linear(q, i, o, Default::default()));
+            let mlp = match &ep {
+                Some(ep) => {
+                    Mlp::Experts(Moe::new(&mlp, d, 4 * d, experts, ep.clone(), moe).unwrap_or_else(|e| panic!("{e}")))
+                }
+                None => Mlp::Dense { fc: lin(&(&mlp / "fc"), d, 4 * d), proj: lin(&(&mlp / "proj"), 4 * d, d) },
+            };
             Block {
                 ln1: nn::layer_norm(p / "ln1", vec![d], Default::default()),
                 attn: Attention {
@@ -178,8 +216,7 @@ fn model(a: &Args, plan: &Plan) -> LayerList {
                     head_dim: d / heads,
                 },
                 ln2: nn::layer_norm(p / "ln2", vec![d], Default::default()),
-                fc: lin(&(&mlp / "fc"), d, 4 * d),
-                proj: lin(&(&mlp / "proj"), 4 * d, d),
+                mlp,
             }
         });
     }
@@ -237,8 +274,17 @@ fn main() -> Res<()> {
     }
     let per_dp = a.global_batch / replicas as i64;
 
+    // experts spread over the data-parallel replicas, whose DDP leaves them out of its buckets
+    let ep = match a.experts {
+        0 => None,
+        n if a.layout.fsdp > 1 => return Err(format!("--experts {n} runs with DDP over --dp, not FSDP").into()),
+        n if n % a.layout.dp as i64 != 0 => {
+            return Err(format!("--experts {n} does not spread evenly over --dp {}", a.layout.dp).into())
+        }
+        _ => Some(dp.clone()),
+    };
     let plan = plan(&mesh)?;
-    let layers = model(&a, &plan);
+    let layers = model(&a, &plan, ep);
     // stages balanced by parameter bytes
     let costs: Vec<f64> = layers.param_bytes()?.into_iter().map(|b| b as f64).collect();
     let part = Partition::balanced(&costs, a.pp)?;

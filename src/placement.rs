@@ -151,6 +151,12 @@ impl Layout {
         &self.pieces
     }
 
+    /// Whether the ranks of `group` hold different parts of the variable (a slice, a shard, an expert).
+    pub(crate) fn is_partial_over(&self, group: &Arc<ProcessGroup>) -> bool {
+        let g = Arc::downgrade(group);
+        self.along.iter().any(|a| a.placement.is_partial() && a.group.ptr_eq(&g))
+    }
+
     /// The groups whose ranks hold disjoint parts (size 1 left out: nothing to sum), outermost first.
     pub(crate) fn partial_groups(&self, what: &str) -> Result<Vec<Arc<ProcessGroup>>> {
         let mut out = Vec::new();

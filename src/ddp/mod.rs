@@ -219,6 +219,13 @@ impl<M> DistributedDataParallel<M> {
             .map(|(n, p)| (n.clone(), p.shallow_clone()))
             .chain(buffers.iter().enumerate().map(|(i, b)| (format!("buffer{i}"), b.shallow_clone())))
             .collect();
+        // a parameter whose ranks hold different parts over this group (an expert spread over it) is
+        // neither checked, broadcast nor bucketed: its layer's collectives sum its gradient over the
+        // ranks, and the reducer divides it as the average would
+        let partial_here = |p: &Tensor| crate::placement::of(p).is_some_and(|l| l.is_partial_over(&pg));
+        let (partial, named): (Vec<_>, Vec<_>) = named.into_iter().partition(|(_, p)| partial_here(p));
+        let partial: Vec<Tensor> = partial.into_iter().filter(|(_, p)| p.requires_grad()).map(|(_, p)| p).collect();
+        states.retain(|s| !partial_here(s));
         let (names, params): (Vec<String>, Vec<Tensor>) = named.into_iter().filter(|(_, p)| p.requires_grad()).unzip();
         if params.is_empty() {
             return Err(Error::invalid(
@@ -242,7 +249,7 @@ impl<M> DistributedDataParallel<M> {
             bucket_bytes,
             comm_hook: opts.comm_hook,
         };
-        let reducer = Reducer::new(pg, cfg, params, names)?;
+        let reducer = Reducer::new(pg, cfg, params, names, partial)?;
         let hooks = reducer.install_hooks()?;
         Ok(DistributedDataParallel {
             _hooks: hooks,
@@ -355,9 +362,14 @@ impl<M> DistributedDataParallel<M> {
         &self.reducer.pg
     }
 
-    /// The parameters, in the order DDP indexes them.
+    /// The parameters, in the order DDP indexes them, then those spread over its group (experts), which it
+    /// does not bucket.
     pub fn parameters(&self) -> Vec<Tensor> {
-        self.reducer.state.lock().map(|s| s.params.iter().map(|p| p.shallow_clone()).collect()).unwrap_or_default()
+        self.reducer
+            .state
+            .lock()
+            .map(|s| s.params.iter().chain(&s.partial).map(|p| p.shallow_clone()).collect())
+            .unwrap_or_default()
     }
 
     /// Parameter names per bucket, in bucket (launch) order.

@@ -48,6 +48,10 @@ pub(crate) struct Bucket {
 
 pub(crate) struct State {
     pub params: Vec<Tensor>,
+    /// Parameters whose ranks hold different parts over DDP's own group (experts spread over it): their
+    /// layers' collectives already summed each gradient over the ranks, so DDP leaves them out of its
+    /// buckets and only divides them, as its average would.
+    pub partial: Vec<Tensor>,
     pub names: Vec<String>,
     specs: Vec<TensorSpec>,
     pub buckets: Vec<Bucket>,
@@ -111,6 +115,7 @@ impl Reducer {
         cfg: Config,
         params: Vec<Tensor>,
         names: Vec<String>,
+        partial: Vec<Tensor>,
     ) -> Result<Arc<Reducer>> {
         let specs: Vec<TensorSpec> = params.iter().map(TensorSpec::of).collect();
         // First iteration, as PyTorch: without unused-parameter search, one bucket per dtype/device
@@ -122,6 +127,7 @@ impl Reducer {
         let n = params.len();
         let mut st = State {
             params,
+            partial,
             names,
             specs,
             buckets: Vec::new(),
@@ -373,6 +379,13 @@ impl Reducer {
         // 2. no lock held while the reductions run and are waited for
         self.start(launches)?;
         let _g = tch::no_grad_guard();
+        let (divisor, partial) = {
+            let st = lock(&self.state);
+            (st.divisor, st.partial.iter().map(|p| p.grad()).collect::<Vec<_>>())
+        };
+        for mut g in partial.into_iter().filter(|g| g.defined()) {
+            let _ = g.f_div_scalar_(divisor)?;
+        }
         let (in_flight, sink) = {
             let mut st = lock(&self.state);
             (std::mem::take(&mut st.in_flight), st.sink.take())

@@ -261,7 +261,10 @@ pub fn layouts_train_like_one_process(
     layouts: &[(usize, &[&str])],
     tol: f64,
 ) {
-    let dir = std::env::temp_dir().join(format!("tch-dist-{example}-{}", std::process::id()));
+    // a folder per call: tests of one binary run at once, several of them over the same example
+    static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let dir = std::env::temp_dir().join(format!("tch-dist-{example}-{}-{call}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("a temporary folder");
     let corpus = corpus();
     let run = |procs: usize, layout: &[&str], file: &str| {

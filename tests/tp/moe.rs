@@ -2,13 +2,15 @@
 //! every expert in one process (each rank's tokens one call of their own): outputs, input gradients, the
 //! experts' gradients and the router's (summed over the ranks) within 1e-5, with tokens dropped for
 //! capacity. The one-process layer equals a token-by-token reference written from GShard's rules; the
-//! differentiable all-to-all sends gradients back along uneven splits; bad input is named.
+//! differentiable all-to-all sends gradients back along uneven splits; DDP over the expert-parallel group
+//! keeps each rank's experts and averages as one process would; bad input is named.
 use crate::common;
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use tch::{nn, Device, Kind, Tensor};
+use tch_dist::ddp::{DdpOptions, DistributedDataParallel};
 use tch_dist::moe::{self, Moe, MoeConfig};
 use tch_dist::{Error, ProcessGroup, Store};
 
@@ -124,6 +126,35 @@ fn experts_over_2_and_4_ranks_equal_every_expert_in_one_process() {
         let d = diff(&router, &want.grads[0]);
         assert!(d < TOL, "EP {world}: the router's gradient summed over the ranks differs by {d:e}");
         assert_eq!(ranks.iter().map(|r| r.dropped).sum::<i64>(), want.dropped, "EP {world}: dropped assignments");
+    }
+}
+
+#[test]
+fn ddp_over_the_expert_parallel_group_keeps_each_ranks_experts_and_averages() {
+    // DDP leaves the experts (sharded over its own group) out of its check, broadcast and buckets, and
+    // divides their gradients: the mean over the ranks of what one process computes for the sum
+    let world = 2;
+    let want = one_process(world);
+    let ranks = common::run_threads(world, T, |pg| {
+        let (r, pg) = (pg.rank(), Arc::new(pg));
+        let (vs, m) = layer(pg.clone(), CFG);
+        let ddp = DistributedDataParallel::new(&vs, m, DdpOptions::default().process_group(pg)).unwrap();
+        let (x, t) = data(r);
+        let o = ddp.forward_with(|m| m.f_forward(&x)).unwrap().unwrap();
+        ddp.backward(&((&o.output * &t).sum(Kind::Float) + AUX * &o.aux_loss)).unwrap();
+        (o.output.detach(), grads(ddp.module()), ddp.parameters().len())
+    });
+    let local = E / world as i64;
+    for (r, (out, g, n)) in ranks.iter().enumerate() {
+        assert_eq!(*n, 5, "rank {r}: DDP's parameters include the experts it does not bucket");
+        assert!(diff(out, &want.out[r]) < TOL, "rank {r}: outputs differ (experts overwritten by rank 0's?)");
+        let d = diff(&g[0], &(&want.grads[0] / world as f64));
+        assert!(d < TOL, "rank {r}: the router's averaged gradient differs by {d:e}");
+        for (i, name) in ["w1", "b1", "w2", "b2"].iter().enumerate() {
+            let whole = want.grads[i + 1].narrow(0, r as i64 * local, local) / world as f64;
+            let d = diff(&g[i + 1], &whole);
+            assert!(d < TOL, "rank {r}: {name}'s gradient differs from the mean's by {d:e}");
+        }
     }
 }
 
