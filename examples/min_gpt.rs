@@ -81,14 +81,21 @@ struct Config {
 const NO_WEIGHT_DECAY_GROUP: usize = 0;
 const WEIGHT_DECAY_GROUP: usize = 1;
 
-// plan: tch's linear layer, split as the plan says for its path (min-gpt's own kept the bias in the
-// no-decay group; tch's layer keeps weight and bias in the path's group)
+// plan: tch's linear layer with min-gpt's initialisation (weights N(0, 0.02), zero biases), split as the
+// plan says for its path (min-gpt's own kept the bias in the no-decay group; tch's layer keeps weight
+// and bias in the path's group)
+const INIT: nn::LinearConfig = nn::LinearConfig {
+    ws_init: nn::Init::Randn { mean: 0.0, stdev: 0.02 },
+    bs_init: Some(nn::Init::Const(0.0)),
+    bias: true,
+};
+
 fn linear(vs: nn::Path, in_dim: i64, out_dim: i64) -> Linear {
-    parallelize::linear(&vs.set_group(WEIGHT_DECAY_GROUP), in_dim, out_dim, Default::default()).unwrap()
+    parallelize::linear(&vs.set_group(WEIGHT_DECAY_GROUP), in_dim, out_dim, INIT).unwrap()
 }
 
 fn linear_no_bias(vs: nn::Path, in_dim: i64, out_dim: i64) -> Linear {
-    let cfg = nn::LinearConfig { bias: false, ..Default::default() };
+    let cfg = nn::LinearConfig { bias: false, ..INIT };
     parallelize::linear(&vs.set_group(WEIGHT_DECAY_GROUP), in_dim, out_dim, cfg).unwrap()
 }
 
