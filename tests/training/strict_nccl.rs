@@ -33,6 +33,21 @@ fn unbatched_step(pg: &ProcessGroup) -> tch_dist::Result<()> {
     s.wait()
 }
 
+/// Runs `f` on a rank, then holds its group until every rank of `world` has its result: a rank whose
+/// strict-mode wait ends first would otherwise close its connections, and a peer still waiting would see
+/// its peer gone instead of its own timeout.
+fn held<T>(
+    world: usize,
+    f: impl Fn(&ProcessGroup) -> T + Clone + Send + Sync + 'static,
+) -> impl Fn(ProcessGroup) -> T + Clone + Send + Sync + 'static {
+    let all = std::sync::Arc::new(std::sync::Barrier::new(world));
+    move |pg| {
+        let out = f(&pg);
+        all.wait();
+        out
+    }
+}
+
 #[test]
 fn an_unbatched_receive_before_a_send_runs_on_gloo_but_fails_in_the_strict_mode() {
     // Gloo runs each message on its own, so the order NCCL deadlocks on passes
@@ -40,8 +55,7 @@ fn an_unbatched_receive_before_a_send_runs_on_gloo_but_fails_in_the_strict_mode(
         r.expect("plain Gloo");
     }
     let t0 = Instant::now();
-    let errs =
-        common::run_threads_with(2, opts(true, SHORT), |pg| unbatched_step(&pg).expect_err("strict mode must refuse"));
+    let errs = common::run_threads_with(2, opts(true, SHORT), held(2, |pg| unbatched_step(pg).expect_err("strict")));
     assert!(t0.elapsed() < SHORT * 3, "the error came after {:?}", t0.elapsed());
     for (rank, e) in errs.iter().enumerate() {
         let s = e.to_string();
@@ -67,9 +81,8 @@ fn a_ring_of_unbatched_steps_on_three_ranks_waits_in_a_circle_in_the_strict_mode
     for r in common::run_threads_with(3, plain_unchecked(), |pg| unbatched_ring(&pg)) {
         r.expect("plain Gloo");
     }
-    for (rank, e) in
-        common::run_threads_with(3, opts(true, SHORT), |pg| unbatched_ring(&pg).expect_err("strict")).iter().enumerate()
-    {
+    let errs = common::run_threads_with(3, opts(true, SHORT), held(3, |pg| unbatched_ring(pg).expect_err("strict")));
+    for (rank, e) in errs.iter().enumerate() {
         let s = e.to_string();
         assert!(matches!(e, Error::Timeout { .. }), "rank {rank}: {s}");
         assert!(s.contains("two-rank NCCL communicator") && s.contains("batch_isend_irecv"), "rank {rank}: {s}");
