@@ -2,12 +2,15 @@
 //! tensor-parallel attention, MLPs, vocabulary-parallel embedding and cross-entropy over "tp"; each stage
 //! data-parallel with DDP over "dp", FSDP over "fsdp", or HSDP (shard over "fsdp", replicate over "dp");
 //! or all in one process; with `--experts N`, each block's MLP a mixture of experts spread over the "dp"
-//! ranks (expert parallelism borrowing the data-parallel ranks, as torchtitan's). Byte-level, on a real English text that ships with every CPython:
+//! ranks (expert parallelism borrowing the data-parallel ranks, as torchtitan's); with `--cp N`, each
+//! sequence split over "cp" ranks (context parallelism: ring attention, head-tail load balancing; the
+//! data parallelism then spans "dp" or "fsdp" times "cp"). Byte-level, on a real English text that ships with every CPython:
 //! `pydoc_data/topics.py` (Python's documentation topics, ~750 kB), found by scripts/gpt.sh.
 //!
 //!   tchrun --nproc-per-node 8 -- gpt --corpus FILE --pp 2 --dp 2 --tp 2 [--steps 200] [--losses FILE]
 //!   tchrun --nproc-per-node 4 -- gpt --corpus FILE --hsdp 2x2        # the same as --dp 2 --fsdp 2
 //!   tchrun --nproc-per-node 2 -- gpt --corpus FILE --dp 2 --experts 4   # 2 experts per rank
+//!   tchrun --nproc-per-node 8 -- gpt --corpus FILE --dp 2 --cp 2 --tp 2  # CP x TP x DP
 //!   tchrun --nproc-per-node 1 -- gpt --corpus FILE [--sample 300]    # one process, and a sample after
 //!
 //! The model is written once over a `parallelize::Plan`, which gives each layer path its tensor-parallel
@@ -24,6 +27,7 @@ use clap::Parser;
 mod layout;
 use layout::Layout;
 use tch::{nn, nn::Module, Device, Kind, Tensor};
+use tch_dist::context_parallel::{ContextParallel, RingAttentionConfig};
 use tch_dist::ddp::DdpOptions;
 use tch_dist::fsdp::FsdpOptions;
 use tch_dist::mesh::DeviceMesh;
@@ -49,6 +53,9 @@ struct Args {
     pp: usize,
     #[command(flatten)]
     layout: Layout,
+    /// Context-parallel ranks: each sequence split over them (`--context` divisible by 2 x cp).
+    #[arg(long, default_value_t = 1)]
+    cp: usize,
     #[arg(long, default_value_t = 4)]
     layers: usize,
     #[arg(long, default_value_t = 128)]
@@ -88,22 +95,32 @@ struct Args {
     bench: Option<usize>,
 }
 
-/// Token and position embeddings.
+/// Token and position embeddings; under context parallelism a rank's tokens take their own positions'
+/// rows (the table sharded as the sequence is).
 #[derive(Debug)]
 struct Embed {
     tok: Embedding,
     pos: Tensor,
+    cp: Option<ContextParallel>,
 }
 
 impl Module for Embed {
     fn forward(&self, ids: &Tensor) -> Tensor {
         let s = ids.size()[1];
-        self.tok.forward(ids) + self.pos.narrow(0, 0, s)
+        let pos = match &self.cp {
+            None => self.pos.narrow(0, 0, s),
+            Some(cp) => {
+                let whole = self.pos.narrow(0, 0, s * cp.group().size() as i64);
+                cp.shard(&whole, 0).unwrap_or_else(|e| panic!("{e}"))
+            }
+        };
+        self.tok.forward(ids) + pos
     }
 }
 
 /// Causal self-attention, its heads split by the plan: `q`, `k`, `v` column-wise give this rank its
-/// heads, `proj` row-wise sums the ranks' parts. The head count here is what the projections give.
+/// heads, `proj` row-wise sums the ranks' parts. The head count here is what the projections give. Under
+/// context parallelism, ring attention over the sequence's ranks.
 #[derive(Debug)]
 struct Attention {
     q: Linear,
@@ -111,6 +128,7 @@ struct Attention {
     v: Linear,
     proj: Linear,
     head_dim: i64,
+    cp: Option<ContextParallel>,
 }
 
 impl Module for Attention {
@@ -118,7 +136,12 @@ impl Module for Attention {
         let (b, s) = (x.size()[0], x.size()[1]);
         let heads = |l: &Linear| l.forward(x).view([b, s, -1, self.head_dim]).transpose(1, 2);
         let (q, k, v) = (heads(&self.q), heads(&self.k), heads(&self.v));
-        let y = Tensor::scaled_dot_product_attention(&q, &k, &v, None::<Tensor>, 0.0, true, None, false);
+        let y = match &self.cp {
+            None => Tensor::scaled_dot_product_attention(&q, &k, &v, None::<Tensor>, 0.0, true, None, false),
+            Some(cp) => cp
+                .attention(&q, &k, &v, RingAttentionConfig { causal: true, ..Default::default() })
+                .unwrap_or_else(|e| panic!("{e}")),
+        };
         self.proj.forward(&y.transpose(1, 2).contiguous().view([b, s, -1]))
     }
 }
@@ -184,19 +207,20 @@ fn plan(mesh: &DeviceMesh) -> tch_dist::Result<Plan> {
 
 /// The model as a list of layers (embedding, blocks, head) that a pipeline partitions, written once:
 /// the plan gives each path its layer, and with `ep` (the expert-parallel group) each block's MLP is a
-/// mixture of experts spread over it. Every layout starts from the one-process model's values (the list
+/// mixture of experts spread over it; with `cp` attention runs over the sequence's ranks. Every layout starts from the one-process model's values (the list
 /// seeds each layer, and a split layer holds its slice of what tch's layer draws, a rank its experts).
-fn model(a: &Args, plan: &Plan, ep: Option<Arc<ProcessGroup>>) -> LayerList {
+fn model(a: &Args, plan: &Plan, ep: Option<Arc<ProcessGroup>>, cp: Option<ContextParallel>) -> LayerList {
     let (d, ctx, heads, experts) = (a.d, a.context, a.heads, a.experts);
     let moe = MoeConfig { top_k: a.top_k, capacity_factor: a.capacity_factor };
     let ok = |r: tch_dist::Result<Linear>| r.unwrap_or_else(|e| panic!("{e}"));
-    let p0 = plan.clone();
+    let (p0, cp0) = (plan.clone(), cp.clone());
     let mut l = LayerList::new().seed(7).add("embed", move |p| Embed {
         tok: p0.embedding(&(p / "tok"), VOCAB, d, Default::default()).unwrap_or_else(|e| panic!("{e}")),
         pos: p.randn("pos", &[ctx, d], 0.0, 0.01),
+        cp: cp0.clone(),
     });
     for i in 0..a.layers {
-        let (pl, ep) = (plan.clone(), ep.clone());
+        let (pl, ep, cp) = (plan.clone(), ep.clone(), cp.clone());
         l = l.add(&format!("block{i}"), move |p| {
             let (at, mlp) = (p / "attn", p / "mlp");
             let lin = |q: &nn::Path, i, o| ok(pl.linear(q, i, o, Default::default()));
@@ -214,6 +238,7 @@ fn model(a: &Args, plan: &Plan, ep: Option<Arc<ProcessGroup>>) -> LayerList {
                     v: lin(&(&at / "v"), d, d),
                     proj: lin(&(&at / "proj"), d, d),
                     head_dim: d / heads,
+                    cp: cp.clone(),
                 },
                 ln2: nn::layer_norm(p / "ln2", vec![d], Default::default()),
                 mlp,
@@ -244,13 +269,19 @@ fn batch(corpus: &Tensor, step: usize, rows: i64, first: i64, n: i64, context: i
     (w.narrow(1, 0, context), w.narrow(1, 1, context))
 }
 
-/// Each stage's data parallelism over the mesh: DDP over "dp", FSDP over "fsdp", HSDP over both.
-fn data_parallel(mesh: &DeviceMesh, dp: usize, fsdp: usize) -> tch_dist::Result<DataParallel> {
+/// Each stage's data parallelism over the mesh: DDP over "dp", FSDP over "fsdp", HSDP over both; the
+/// context-parallel ranks, whose tokens differ, average their gradients with the data-parallel ones
+/// (DDP over "dp" x "cp", or FSDP's shards over "fsdp" x "cp", as torchtitan's `dp_shard_cp`).
+fn data_parallel(world: &ProcessGroup, mesh: &DeviceMesh, a: &Args) -> tch_dist::Result<DataParallel> {
+    let (dp, fsdp) = (a.layout.dp, a.layout.fsdp);
+    let fsdp_opts = || -> tch_dist::Result<FsdpOptions> {
+        Ok(FsdpOptions::default().process_group(mesh.flatten(world, &["fsdp", "cp"])?))
+    };
     Ok(match (dp, fsdp) {
-        (1, 1) => DataParallel::None,
-        (_, 1) => DataParallel::Ddp(DdpOptions::default().process_group(mesh.group("dp")?)),
-        (1, _) => DataParallel::Fsdp(FsdpOptions::default().mesh(mesh, &["fsdp"])?),
-        _ => DataParallel::Fsdp(FsdpOptions::default().mesh(mesh, &["dp", "fsdp"])?),
+        (1, 1) if a.cp == 1 => DataParallel::None,
+        (_, 1) => DataParallel::Ddp(DdpOptions::default().process_group(mesh.flatten(world, &["dp", "cp"])?)),
+        (1, _) => DataParallel::Fsdp(fsdp_opts()?),
+        _ => DataParallel::Fsdp(fsdp_opts()?.replicate_group(mesh.group("dp")?)),
     })
 }
 
@@ -262,9 +293,18 @@ fn main() -> Res<()> {
         tch_dist::memory::install_cpu_counter()?;
     }
     let world = ProcessGroup::from_env()?;
-    let mesh =
-        DeviceMesh::new(&world, &[("pp", a.pp), ("dp", a.layout.dp), ("fsdp", a.layout.fsdp), ("tp", a.layout.tp)])?;
+    let dims = [("pp", a.pp), ("dp", a.layout.dp), ("fsdp", a.layout.fsdp), ("cp", a.cp), ("tp", a.layout.tp)];
+    let mesh = DeviceMesh::new(&world, &dims)?;
     let (dp, fsdp) = (mesh.group("dp")?, mesh.group("fsdp")?);
+    // each sequence split over the "cp" ranks (head and tail chunks)
+    let cp = match a.cp {
+        1 => None,
+        n if a.context % (2 * n as i64) != 0 => {
+            return Err(format!("--context {} does not split into 2 x --cp {n} chunks", a.context).into())
+        }
+        _ if a.experts > 0 => return Err("--experts runs without --cp".into()),
+        _ => Some(ContextParallel::new(mesh.group("cp")?, Default::default())),
+    };
     let bytes = std::fs::read(&a.corpus).map_err(|e| format!("--corpus {}: {e}", a.corpus))?;
     let corpus = Tensor::from_slice(&bytes).to_kind(Kind::Int64);
     // every data-parallel rank (replica or shard) draws its own rows of the global batch
@@ -284,13 +324,13 @@ fn main() -> Res<()> {
         _ => Some(dp.clone()),
     };
     let plan = plan(&mesh)?;
-    let layers = model(&a, &plan, ep);
+    let layers = model(&a, &plan, ep, cp.clone());
     // stages balanced by parameter bytes
     let costs: Vec<f64> = layers.param_bytes()?.into_iter().map(|b| b as f64).collect();
     let part = Partition::balanced(&costs, a.pp)?;
     let cfg = PipelineConfig {
         microbatches: a.microbatches,
-        data_parallel: data_parallel(&mesh, a.layout.dp, a.layout.fsdp)?,
+        data_parallel: data_parallel(&world, &mesh, &a)?,
         ..Default::default()
     };
     let mut stage = PipelineRank::build(mesh.group("pp")?, &layers, &part, cfg)?;
@@ -302,7 +342,7 @@ fn main() -> Res<()> {
         loss_plan.cross_entropy(logits, y).unwrap_or_else(|e| panic!("{e}")).mean(Kind::Float)
     };
     let at = |d: &str| mesh.coordinate(d);
-    let reporter = at("pp")? == a.pp - 1 && at("dp")? == 0 && at("fsdp")? == 0 && at("tp")? == 0;
+    let reporter = at("pp")? == a.pp - 1 && at("dp")? == 0 && at("fsdp")? == 0 && at("cp")? == 0 && at("tp")? == 0;
     let mut out = match (&a.losses, reporter) {
         (Some(f), true) => Some(std::fs::File::create(f).map_err(|e| format!("--losses {f}: {e}"))?),
         _ => None,
@@ -315,17 +355,22 @@ fn main() -> Res<()> {
             started = std::time::Instant::now();
         }
         let (x, y) = batch(&corpus, step, a.global_batch, first, per_dp, a.context);
+        let (x, y) = match &cp {
+            None => (x, y),
+            Some(cp) => (cp.shard(&x, 1)?, cp.shard(&y, 1)?),
+        };
         // each stage's DDP or FSDP averages its gradients during its last backward
         let report = stage.step(&x, &y, &loss)?;
         let _norm = clip_grad_norm(&params, 1.0, 2.0)?;
         opt.step()?;
         stage.zero_grad()?;
         if let Some(l) = report.loss {
-            // the mean over the data-parallel ranks of the last stage
+            // the mean over the data- and context-parallel ranks of the last stage
             let mut l = Tensor::from_slice(&[l]);
-            dp.allreduce(&mut l, ReduceOp::Sum)?;
-            fsdp.allreduce(&mut l, ReduceOp::Sum)?;
-            let l = l.double_value(&[0]) / replicas as f64;
+            for g in [&dp, &fsdp, &mesh.group("cp")?] {
+                g.allreduce(&mut l, ReduceOp::Sum)?;
+            }
+            let l = l.double_value(&[0]) / (replicas * a.cp) as f64;
             if reporter && (step % 20 == 0 || step + 1 == a.steps) {
                 println!("step {step}: loss {l:.4} ({:.1} s)", started.elapsed().as_secs_f64());
             }

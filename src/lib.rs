@@ -33,6 +33,7 @@ mod var_store;
 
 pub mod amp;
 pub mod checkpoint;
+pub mod context_parallel;
 pub mod data;
 pub mod ddp;
 pub mod dist_module;

@@ -103,6 +103,30 @@ impl MeshLayout {
         Ok(coords.iter().zip(&self.shape).fold(0, |r, (c, s)| r * s + c))
     }
 
+    /// The ranks of `rank`'s group over several dimensions at once (PyTorch's `mesh[names]._flatten()`):
+    /// those equal to it outside `names`, ordered row-major over `names` in the mesh's order.
+    pub fn flat_group_ranks(&self, rank: usize, names: &[&str]) -> Result<Vec<usize>> {
+        let mut dims = names.iter().map(|n| self.dim(n)).collect::<Result<Vec<_>>>()?;
+        dims.sort_unstable();
+        if dims.is_empty() || dims.windows(2).any(|w| w[0] == w[1]) {
+            return Err(Error::invalid("DeviceMesh", format!("flatten {names:?}: name distinct dimensions")));
+        }
+        let mut ranks = vec![self.coordinates(rank)?];
+        for &d in &dims {
+            ranks = ranks
+                .into_iter()
+                .flat_map(|c| {
+                    (0..self.shape[d]).map(move |i| {
+                        let mut c = c.clone();
+                        c[d] = i;
+                        c
+                    })
+                })
+                .collect();
+        }
+        ranks.iter().map(|c| self.rank(c)).collect()
+    }
+
     /// The ranks of `rank`'s group along `name`: those equal to it in every other coordinate, in the
     /// order of their coordinate along `name` (rank `i` of that group has coordinate `i`).
     pub fn group_ranks(&self, rank: usize, name: &str) -> Result<Vec<usize>> {
@@ -183,8 +207,43 @@ impl DeviceMesh {
         self.layout.size(name)
     }
 
+    /// This rank's group over the dimensions `names` together (PyTorch's `mesh[names]._flatten()`; data
+    /// parallelism over the data- and context-parallel ranks, say): built here from `world`, the group
+    /// the mesh was built from, so every rank of it calls this alike. Rank `i` of the result is the
+    /// `i`-th, row-major, over `names` in the mesh's order; one name gives that dimension's group.
+    pub fn flatten(&self, world: &ProcessGroup, names: &[&str]) -> Result<Arc<ProcessGroup>> {
+        if let [one] = names {
+            return self.group(one);
+        }
+        if world.size() != self.layout.world() || self.layout.coordinates(world.rank())? != self.coords {
+            return Err(Error::invalid("DeviceMesh::flatten", "give the group the mesh was built from"));
+        }
+        let ranks = self.layout.flat_group_ranks(world.rank(), names)?;
+        let g = world
+            .new_subgroup(&ranks, &format!("mesh-{}", names.join("_")))?
+            .ok_or_else(|| Error::invalid("DeviceMesh::flatten", "this rank is not in its own group"))?;
+        Ok(Arc::new(g))
+    }
+
     /// This rank's group along `name` (PyTorch's `get_group`).
     pub fn group(&self, name: &str) -> Result<Arc<ProcessGroup>> {
         Ok(self.groups[self.layout.dim(name)?].clone())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::MeshLayout;
+
+    #[test]
+    fn flattened_groups_are_row_major_over_their_dimensions() {
+        let m = MeshLayout::new(&[("pp", 2), ("dp", 2), ("cp", 2), ("tp", 2)]).unwrap();
+        // rank 5 is at (0, 1, 0, 1): its dp x cp group varies those two with pp 0, tp 1
+        assert_eq!(m.flat_group_ranks(5, &["dp", "cp"]).unwrap(), vec![1, 3, 5, 7]);
+        assert_eq!(m.flat_group_ranks(5, &["cp", "dp"]).unwrap(), vec![1, 3, 5, 7]);
+        assert_eq!(m.flat_group_ranks(5, &["pp", "tp"]).unwrap(), vec![4, 5, 12, 13]);
+        assert_eq!(m.flat_group_ranks(5, &["tp"]).unwrap(), m.group_ranks(5, "tp").unwrap());
+        assert!(m.flat_group_ranks(5, &["dp", "dp"]).is_err());
+        assert!(m.flat_group_ranks(5, &["ep"]).is_err());
     }
 }

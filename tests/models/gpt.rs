@@ -6,7 +6,9 @@
 //! ranks) likewise on DDP 2, pp 2 x DDP 2 and DDP 2 x tp 2: every token goes to every expert (top-4 of 4,
 //! room for all), since a top-k below the expert count is not continuous in the weights: a rounding
 //! apart, a near tie sends a token elsewhere, and AdamW carries that on (seen at step 2 with top-2).
-//! tests/tp/moe.rs checks top-k routing and its drops exactly, layer by layer.
+//! tests/tp/moe.rs checks top-k routing and its drops exactly, layer by layer. Context parallelism (ring
+//! attention, head-tail chunks; context 24) likewise on cp 2, cp 3, FSDP 2 x cp 2, pp 2 x cp 2 and
+//! DDP 2 x cp 2 x tp 2.
 use crate::common;
 
 #[test]
@@ -31,5 +33,18 @@ fn the_mixture_of_experts_variant_trains_like_one_process() {
     let model: Vec<&str> = model.split(' ').collect();
     let meshes: [(usize, &[&str]); 3] =
         [(2, &["--dp", "2"]), (4, &["--pp", "2", "--dp", "2"]), (4, &["--dp", "2", "--tp", "2"])];
+    common::layouts_train_like_one_process("gpt", &[&model[..], &["--steps", "20"]].concat(), 20, &meshes, 1e-4);
+}
+
+#[test]
+fn context_parallel_meshes_train_like_one_process() {
+    let model = ["--layers", "2", "--d", "32", "--heads", "2", "--context", "24", "--global-batch", "8"];
+    let meshes: [(usize, &[&str]); 5] = [
+        (2, &["--cp", "2"]),
+        (3, &["--cp", "3"]),
+        (4, &["--fsdp", "2", "--cp", "2"]),
+        (4, &["--pp", "2", "--cp", "2"]),
+        (8, &["--dp", "2", "--cp", "2", "--tp", "2"]),
+    ];
     common::layouts_train_like_one_process("gpt", &[&model[..], &["--steps", "20"]].concat(), 20, &meshes, 1e-4);
 }

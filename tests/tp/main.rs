@@ -3,6 +3,7 @@
 #[path = "../common/mod.rs"]
 mod common;
 
+mod context_parallel;
 mod mesh;
 mod mesh_3d;
 mod moe;

@@ -1,0 +1,123 @@
+//! Context parallelism: ring attention over 2 and 3 ranks equals attention over the whole sequence in one
+//! process (ATen's `scaled_dot_product_attention`), outputs and the gradients of q, k and v within 1e-5,
+//! causal and full, with and without head-tail load balancing; bad input is named on every rank.
+use crate::common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tch::{Device, Kind, Tensor};
+use tch_dist::context_parallel::{ContextParallel, ContextParallelConfig, RingAttentionConfig};
+use tch_dist::Error;
+
+const T: Duration = Duration::from_secs(60);
+/// float32; the blocks' sums are merged in another order than one softmax's (observed ~1e-7).
+const TOL: f64 = 1e-5;
+/// batch, heads, sequence (divisible by 2·2 and 2·3), head dim
+const SHAPE: [i64; 4] = [2, 3, 24, 8];
+
+fn formula(shape: &[i64], k: f64) -> Tensor {
+    let n: i64 = shape.iter().product();
+    ((Tensor::arange(n, (Kind::Float, Device::Cpu)) * 0.37 + k).sin() * 1.5).view(shape)
+}
+
+fn diff(a: &Tensor, b: &Tensor) -> f64 {
+    (a - b).abs().max().double_value(&[])
+}
+
+/// q, k, v and the loss's weights over the whole sequence.
+fn inputs() -> [Tensor; 4] {
+    [formula(&SHAPE, 1.0), formula(&SHAPE, 2.0), formula(&SHAPE, 3.0), formula(&SHAPE, 4.0)]
+}
+
+/// One process: the output and the gradients of q, k, v under `loss = sum(out * w)`.
+fn reference(causal: bool) -> [Tensor; 4] {
+    let [q, k, v, w] = inputs();
+    let (q, k, v) = (q.set_requires_grad(true), k.set_requires_grad(true), v.set_requires_grad(true));
+    let out = Tensor::scaled_dot_product_attention(&q, &k, &v, None::<Tensor>, 0.0, causal, None, false);
+    (&out * &w).sum(Kind::Float).backward();
+    [out.detach(), q.grad(), k.grad(), v.grad()]
+}
+
+fn check(ranks: usize, causal: bool, load_balance: bool) {
+    let want = reference(causal);
+    let got = common::run_threads(ranks, T, move |pg| {
+        let cp = ContextParallel::new(Arc::new(pg), ContextParallelConfig { load_balance });
+        let local: Vec<Tensor> = inputs().iter().map(|t| cp.shard(t, 2).unwrap()).collect();
+        let [q, k, v, w] = &local[..] else { unreachable!() };
+        let (q, k, v) = (q.set_requires_grad(true), k.set_requires_grad(true), v.set_requires_grad(true));
+        let out = cp.attention(&q, &k, &v, RingAttentionConfig { causal, ..Default::default() }).unwrap();
+        (&out * w).sum(Kind::Float).backward();
+        [&out, &q.grad(), &k.grad(), &v.grad()].map(|t| cp.unshard(t, 2).unwrap())
+    });
+    for (r, g) in got.iter().enumerate() {
+        for (name, (a, b)) in ["output", "q.grad", "k.grad", "v.grad"].iter().zip(g.iter().zip(&want)) {
+            let d = diff(a, b);
+            assert!(
+                d < TOL,
+                "{ranks} ranks, causal {causal}, balanced {load_balance}: rank {r}'s {name} is off by {d}"
+            );
+        }
+    }
+}
+
+#[test]
+fn ring_attention_equals_one_process_on_2_ranks() {
+    for (causal, lb) in [(true, true), (true, false), (false, true)] {
+        check(2, causal, lb);
+    }
+}
+
+#[test]
+fn ring_attention_equals_one_process_on_3_ranks() {
+    for (causal, lb) in [(true, true), (true, false), (false, false)] {
+        check(3, causal, lb);
+    }
+}
+
+/// The scale given, and a sequence layout shared by the position embeddings.
+#[test]
+fn a_given_scale_and_the_positions_follow_the_layout() {
+    let got = common::run_threads(2, T, |pg| {
+        let cp = ContextParallel::new(Arc::new(pg), Default::default());
+        let [q, k, v, _] = inputs();
+        let cfg = RingAttentionConfig { causal: true, scale: Some(0.3) };
+        let out = cp.attention(&cp.shard(&q, 2).unwrap(), &cp.shard(&k, 2).unwrap(), &cp.shard(&v, 2).unwrap(), cfg);
+        (cp.unshard(&out.unwrap(), 2).unwrap(), cp.positions(8).unwrap())
+    });
+    let [q, k, v, _] = inputs();
+    let want = Tensor::scaled_dot_product_attention(&q, &k, &v, None::<Tensor>, 0.0, true, Some(0.3), false);
+    assert!(diff(&got[0].0, &want) < TOL, "scale 0.3: off by {}", diff(&got[0].0, &want));
+    assert_eq!(got[0].1, vec![0, 1, 6, 7]);
+    assert_eq!(got[1].1, vec![2, 3, 4, 5]);
+}
+
+/// Shapes that cannot be attended, and ranks whose sequences differ, are named on every rank; the group
+/// works afterwards.
+#[test]
+fn bad_input_is_named_on_every_rank() {
+    let errs = common::run_threads(2, T, |pg| {
+        let pg = Arc::new(pg);
+        let cp = ContextParallel::new(pg.clone(), Default::default());
+        let x = formula(&[1, 2, 8, 4], 0.0);
+        let cfg = RingAttentionConfig { causal: true, ..Default::default() };
+        let three_d = cp.attention(&x.select(0, 0), &x.select(0, 0), &x.select(0, 0), cfg).unwrap_err();
+        let odd = cp.attention(&x.narrow(2, 0, 3), &x.narrow(2, 0, 3), &x.narrow(2, 0, 3), cfg).unwrap_err();
+        let seq = cp.shard(&x.narrow(2, 0, 6), 2).unwrap_err();
+        // rank 1 passes 4 tokens where rank 0 passes 8
+        let n = if pg.rank() == 0 { 8 } else { 4 };
+        let y = x.narrow(2, 0, n);
+        let uneven = cp.attention(&y, &y, &y, cfg).unwrap_err();
+        let mut t = Tensor::ones([2], (Kind::Float, Device::Cpu));
+        pg.allreduce(&mut t, tch_dist::ReduceOp::Sum).unwrap();
+        assert_eq!(t.double_value(&[0]), 2.0);
+        assert!(matches!(uneven, Error::Mismatch { .. }), "rank {}: {uneven:?}", pg.rank());
+        [three_d, odd, seq, uneven].map(|e| e.to_string())
+    });
+    for (r, [three_d, odd, seq, uneven]) in errs.iter().enumerate() {
+        assert!(three_d.contains("[batch, heads, seq, head_dim]"), "rank {r}: {three_d}");
+        assert!(odd.contains("3 tokens do not split into its 2 chunks"), "rank {r}: {odd}");
+        assert!(seq.contains("6 tokens, not divisible into 4 chunks"), "rank {r}: {seq}");
+        assert!(uneven.contains("sends") && uneven.contains("expects"), "rank {r}: {uneven}");
+    }
+}
