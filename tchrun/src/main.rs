@@ -11,7 +11,9 @@
 //! Each worker gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR,
 //! MASTER_PORT, TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS and TORCHELASTIC_RUN_ID, and
 //! libtorch's lib directory at the end of LD_LIBRARY_PATH, so a program built without an rpath to
-//! libtorch (any crate that depends on tch-dist) starts. Works for any program, PyTorch scripts included.
+//! libtorch (any crate that depends on tch-dist) starts; with several workers per node and
+//! OMP_NUM_THREADS unset, OMP_NUM_THREADS=1, as torchrun sets it. Works for any program, PyTorch scripts
+//! included.
 use std::path::PathBuf;
 use std::time::Duration;
 

@@ -229,6 +229,9 @@ fn spawn(cfg: &LaunchConfig, restart: usize) -> Result<Vec<Worker>> {
                 Ok(())
             });
         }
+        if one_thread_each(cfg) {
+            c.env("OMP_NUM_THREADS", "1");
+        }
         if let Some(dir) = &cfg.libtorch_dir {
             c.env("LD_LIBRARY_PATH", with_lib_dir(std::env::var_os("LD_LIBRARY_PATH"), dir));
         }
@@ -406,11 +409,25 @@ fn read_flight(
     Some((dir, a))
 }
 
+/// Whether each worker gets OMP_NUM_THREADS=1, as torchrun does: several per node and none set. Each
+/// worker's intra-op threads would otherwise number the node's cores, and the node's workers together
+/// many times that (a step of ring attention ran 10x slower so on 2 cores, 2 workers).
+fn one_thread_each(cfg: &LaunchConfig) -> bool {
+    cfg.nproc_per_node > 1 && std::env::var_os("OMP_NUM_THREADS").is_none()
+}
+
 /// Runs the workers, restarting the group up to `max_restarts` times. Returns the exit code for the
 /// launcher: 0 when every worker succeeded.
 pub fn run(cfg: &LaunchConfig) -> Result<i32> {
     cfg.validate()?;
     install_signal_handlers();
+    if one_thread_each(cfg) {
+        eprintln!(
+            "tchrun: OMP_NUM_THREADS is set to 1 for each worker, so that {} workers do not overload the node; \
+             set it yourself to tune",
+            cfg.nproc_per_node
+        );
+    }
     if let Some(e) = &cfg.elastic {
         return elastic::run(cfg, e);
     }
