@@ -27,6 +27,7 @@ macro_rules! module {
 
 mod dtype;
 mod ffi;
+mod function;
 mod random;
 mod storage;
 mod var_store;

@@ -15,6 +15,7 @@ const SOURCES: &[&str] = &[
     "csrc/memory.cpp",
     "csrc/tp.cpp",
     "csrc/all_to_all_op.cpp",
+    "csrc/function.cpp",
     "csrc/sync_bn.cpp",
     "csrc/amp.cpp",
     "csrc/random.cpp",

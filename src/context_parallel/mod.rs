@@ -112,6 +112,8 @@ impl ContextParallel {
         if cfg.scale.is_some_and(|s| !s.is_finite()) {
             return Err(Error::invalid("ContextParallel::attention", format!("scale {:?} is not finite", cfg.scale)));
         }
-        ring::attention(q, k, v, cfg.causal, cfg.scale, &self.pg, |r| self.chunks(r))
+        let scale = cfg.scale.unwrap_or(1.0 / (q.size().last().copied().unwrap_or(1).max(1) as f64).sqrt());
+        let ring = ring::Ring { pg: self.pg.clone(), load_balance: self.cfg.load_balance, causal: cfg.causal, scale };
+        ring::attention(ring, q, k, v)
     }
 }

@@ -1,25 +1,33 @@
 //! Ring attention: each rank keeps its queries and passes its keys and values around the ring, one
-//! neighbour a step; after `c` steps every query has met every key. Each step's block gives partial
-//! outputs and their log-sum-exp, merged at the end as flash attention merges its tiles (weights
-//! `exp(lse_i - lse)`), so the result is exact softmax attention. Autograd runs the ring backwards: the
-//! shift's backward sends the keys' and values' gradients to the previous rank.
+//! neighbour a step; after `c` steps every query has met every key. Each step's blocks give partial
+//! outputs and their log-sum-exp, merged as flash attention merges its tiles (weights `exp(lse_i - lse)`),
+//! so the result is exact softmax attention. The next step's keys and values travel while this step's
+//! blocks compute (an all-to-all waited on after them: the host on Gloo, the stream on NCCL).
+//!
+//! The backward is written out, as PyTorch's ring attention's and FlashAttention-2's: it keeps only q,
+//! k, v, the output and its log-sum-exp (memory linear in the sequence), runs the ring again and
+//! recomputes each block's probabilities from the saved log-sum-exp; the keys' and values' gradients
+//! travel with their blocks, and one last exchange brings each rank its own. Every rank makes the same
+//! exchanges whatever its mask skipped, so they pair up on NCCL.
 //!
 //! Under a causal mask the work is decided per pair of chunks from their global places, on the host and
 //! alike on every rank: an earlier key chunk is attended in full, the same chunk under a triangular
 //! mask, a later one not at all. With the head-tail layout every rank attends the same number of pairs
 //! at every step.
 //!
-//! Each block runs in ATen's math ops (scores in float32 for half inputs); a block holds its
-//! `[chunk, chunk]` scores for backward, so a rank holds `seq²/c` scores per head, where one process
-//! running the same math holds `seq²`. The exchange runs after each step's compute, not beside it.
+//! Blocks run in ATen's matrix products, scores and accumulators in float32 for half inputs. A block's
+//! `[chunk, chunk]` scores live only while it computes.
+use std::sync::Arc;
+
 use tch::{Kind, Tensor};
 
 use super::layout::Chunks;
 use crate::error::{Error, Result};
-use crate::group::ProcessGroup;
+use crate::group::{meta, ProcessGroup, Scope};
+use crate::work::Work;
 
 /// What one pair of chunks needs under the mask.
-#[derive(Clone, Copy, PartialEq, Eq)]
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Pair {
     Full,
     Diagonal,
@@ -34,65 +42,215 @@ fn pair(causal: bool, query: i64, key: i64) -> Pair {
     }
 }
 
-fn half(k: Kind) -> bool {
-    matches!(k, Kind::Half | Kind::BFloat16)
+/// One ring attention call: the group, the layout and the mask.
+#[derive(Clone)]
+pub(crate) struct Ring {
+    pub(crate) pg: Arc<ProcessGroup>,
+    pub(crate) load_balance: bool,
+    pub(crate) causal: bool,
+    pub(crate) scale: f64,
 }
 
-/// Softmax attention of `q` over `k`, `v` (optionally under `mask`, true where masked): the output
-/// (float32 for half inputs) and the log-sum-exp of each query's scores.
-fn block(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, mask: Option<&Tensor>) -> Result<(Tensor, Tensor)> {
-    let mut s = q.f_matmul(&k.f_transpose(-2, -1)?)?;
-    if half(s.kind()) {
-        s = s.f_to_kind(Kind::Float)?;
+/// A tensor's pieces along the sequence (dim `dim`), each with its global chunk: one piece, the whole,
+/// without a mask (the chunks need no telling apart).
+fn pieces(causal: bool, x: &Tensor, dim: i64, chunks: &Chunks, len: i64) -> Result<Vec<(i64, Tensor)>> {
+    if !causal {
+        return Ok(vec![(0, x.shallow_clone())]);
     }
-    s = s.f_mul_scalar(scale)?;
-    if let Some(m) = mask {
-        s = s.f_masked_fill(m, f64::NEG_INFINITY)?;
-    }
-    let lse = s.f_logsumexp([-1], true)?;
-    let p = s.f_sub(&lse)?.f_exp()?;
-    let o = p.f_to_kind(v.kind())?.f_matmul(v)?;
-    let o = if half(o.kind()) { o.f_to_kind(Kind::Float)? } else { o };
-    Ok((o, lse))
+    chunks.ids.iter().enumerate().map(|(i, &j)| Ok((j, x.f_narrow(dim, i as i64 * len, len)?))).collect()
 }
 
-/// One query chunk's blocks merged by their log-sum-exp.
-fn merge(parts: Vec<(Tensor, Tensor)>) -> Result<Tensor> {
-    let (mut outs, lses): (Vec<Tensor>, Vec<Tensor>) = parts.into_iter().unzip();
-    if outs.len() == 1 {
-        return outs.pop().ok_or_else(|| Error::invalid("ring attention", "no block"));
-    }
-    let lse = Tensor::f_stack(&lses, 0)?;
-    let total = lse.f_logsumexp([0], true)?;
-    let w = lse.f_sub(&total)?.f_exp()?;
-    let o = Tensor::f_stack(&outs, 0)?.f_mul(&w)?;
-    Ok(o.f_sum_dim_intlist(0, false, o.kind())?)
+/// `x` on its way to the next rank of the ring; `wait` gives the previous rank's in its place.
+struct Shift {
+    buf: Tensor,
+    work: Work,
+    size: Vec<i64>,
 }
 
-/// `x` to the next rank of the ring, the previous rank's in its place (differentiable: the gradient
-/// goes the other way).
-fn shift(x: &Tensor, pg: &ProcessGroup) -> Result<Tensor> {
-    let (r, c) = (pg.rank(), pg.size());
-    let n = x.numel();
-    let (mut ins, mut outs) = (vec![0; c], vec![0; c]);
-    ins[(r + 1) % c] = n;
-    outs[(r + c - 1) % c] = n;
-    let y = crate::moe::all_to_all(&x.f_reshape([-1])?, pg, &outs, &ins)?;
-    Ok(y.f_view(x.size().as_slice())?)
+impl Shift {
+    fn start(x: &Tensor, pg: &ProcessGroup) -> Result<Shift> {
+        let (r, c) = (pg.rank(), pg.size());
+        let flat = x.f_contiguous()?.f_view([-1])?;
+        let n = flat.numel();
+        let (mut ins, mut outs) = (vec![0; c], vec![0; c]);
+        ins[(r + 1) % c] = n;
+        outs[(r + c - 1) % c] = n;
+        let mut buf = flat.f_empty_like()?;
+        // the splits pair up by construction once the shapes agree (checked per call, `Ring::agree`)
+        let work = pg.all_to_all_single_unchecked_async(&mut buf, &flat, &outs, &ins)?;
+        Ok(Shift { buf, work, size: x.size() })
+    }
+
+    fn wait(self) -> Result<Tensor> {
+        self.work.wait()?;
+        Ok(self.buf.f_view(self.size.as_slice())?)
+    }
+}
+
+impl Ring {
+    fn chunks(&self, rank: usize) -> Chunks {
+        Chunks::of(rank, self.pg.size(), self.load_balance)
+    }
+
+    /// A block's scores in float32, scaled and masked.
+    fn scores(&self, q: &Tensor, k: &Tensor, pair: Pair, mask: &Option<Tensor>) -> Result<Tensor> {
+        let s = q.f_matmul(&k.f_transpose(-2, -1)?)?.f_to_kind(Kind::Float)?.f_mul_scalar(self.scale)?;
+        Ok(match (pair, mask) {
+            (Pair::Diagonal, Some(m)) => s.f_masked_fill(m, f64::NEG_INFINITY)?,
+            _ => s,
+        })
+    }
+
+    /// Forward, without autograd: this rank's output (float32) and its log-sum-exp `[b, h, s, 1]`.
+    pub(crate) fn forward(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
+        let _g = tch::no_grad_guard();
+        let (r, c) = (self.pg.rank(), self.pg.size());
+        let mine = self.chunks(r);
+        let len = mine.len("ContextParallel::attention", q.size()[2])?;
+        let mask = self.mask(len, q)?;
+        let queries = pieces(self.causal, q, 2, &mine, len)?;
+        let mut acc: Vec<Option<(Tensor, Tensor)>> = queries.iter().map(|_| None).collect();
+        let mut kv = Tensor::f_stack(&[k, v], 0)?;
+        for step in 0..c {
+            let next = if step + 1 < c { Some(Shift::start(&kv, &self.pg)?) } else { None };
+            let theirs = self.chunks((r + c - step) % c);
+            let keys = pieces(self.causal, &kv.f_select(0, 0)?, 2, &theirs, len)?;
+            let values = pieces(self.causal, &kv.f_select(0, 1)?, 2, &theirs, len)?;
+            for ((a, qa), slot) in queries.iter().zip(acc.iter_mut()) {
+                for ((b, kb), (_, vb)) in keys.iter().zip(&values) {
+                    let p = pair(self.causal, *a, *b);
+                    if p == Pair::Skip {
+                        continue;
+                    }
+                    let s = self.scores(qa, kb, p, &mask)?;
+                    let lse = s.f_logsumexp([-1], true)?;
+                    let o = s.f_sub(&lse)?.f_exp()?.f_to_kind(vb.kind())?.f_matmul(vb)?.f_to_kind(Kind::Float)?;
+                    *slot = Some(match slot.take() {
+                        None => (o, lse),
+                        Some((ao, al)) => {
+                            let l = al.f_logaddexp(&lse)?;
+                            let ao = ao.f_mul(&al.f_sub(&l)?.f_exp()?)?.f_add(&o.f_mul(&lse.f_sub(&l)?.f_exp()?)?)?;
+                            (ao, l)
+                        }
+                    });
+                }
+            }
+            if let Some(n) = next {
+                kv = n.wait()?;
+            }
+        }
+        let (outs, lses): (Vec<Tensor>, Vec<Tensor>) = acc
+            .into_iter()
+            .map(|a| a.ok_or_else(|| Error::invalid("ring attention", "a query chunk met no key")))
+            .collect::<Result<Vec<_>>>()?
+            .into_iter()
+            .unzip();
+        Ok((Tensor::f_cat(&outs, 2)?, Tensor::f_cat(&lses, 2)?))
+    }
+
+    /// Backward, without autograd: the gradients of q, k and v from the output's (`g`), the output and
+    /// its log-sum-exp.
+    pub(crate) fn backward(
+        &self,
+        g: &Tensor,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        out: &Tensor,
+        lse: &Tensor,
+    ) -> Result<[Tensor; 3]> {
+        let _g = tch::no_grad_guard();
+        let (r, c) = (self.pg.rank(), self.pg.size());
+        let mine = self.chunks(r);
+        let len = mine.len("ContextParallel::attention", q.size()[2])?;
+        let mask = self.mask(len, q)?;
+        let g = g.f_to_kind(Kind::Float)?;
+        // the softmax backward's row term: rowsum(dO * O)
+        let d = g.f_mul(out)?.f_sum_dim_intlist(&[-1i64][..], true, Kind::Float)?;
+        let dq = q.f_zeros_like()?.f_to_kind(Kind::Float)?;
+        let queries = pieces(self.causal, q, 2, &mine, len)?;
+        let (gs, ds, ls, dqs) = (
+            pieces(self.causal, &g, 2, &mine, len)?,
+            pieces(self.causal, &d, 2, &mine, len)?,
+            pieces(self.causal, lse, 2, &mine, len)?,
+            pieces(self.causal, &dq, 2, &mine, len)?,
+        );
+        let mut kv = Tensor::f_stack(&[k, v], 0)?;
+        // the gradient of the keys and values held now, travelling with them
+        let mut dkv = kv.f_zeros_like()?.f_to_kind(Kind::Float)?;
+        for step in 0..c {
+            let next = if step + 1 < c { Some(Shift::start(&kv, &self.pg)?) } else { None };
+            let theirs = self.chunks((r + c - step) % c);
+            let keys = pieces(self.causal, &kv.f_select(0, 0)?, 2, &theirs, len)?;
+            let values = pieces(self.causal, &kv.f_select(0, 1)?, 2, &theirs, len)?;
+            let dks = pieces(self.causal, &dkv.f_select(0, 0)?, 2, &theirs, len)?;
+            let dvs = pieces(self.causal, &dkv.f_select(0, 1)?, 2, &theirs, len)?;
+            for (i, (a, qa)) in queries.iter().enumerate() {
+                let (ga, da, la, dqa) = (&gs[i].1, &ds[i].1, &ls[i].1, &dqs[i].1);
+                for (j, (b, kb)) in keys.iter().enumerate() {
+                    let p = pair(self.causal, *a, *b);
+                    if p == Pair::Skip {
+                        continue;
+                    }
+                    let (vb, mut dkb, mut dvb) = (&values[j].1, dks[j].1.shallow_clone(), dvs[j].1.shallow_clone());
+                    let prob = self.scores(qa, kb, p, &mask)?.f_sub(la)?.f_exp()?;
+                    let _ = dvb.f_add_(&prob.f_transpose(-2, -1)?.f_matmul(ga)?)?;
+                    let dp = ga.f_matmul(&vb.f_transpose(-2, -1)?.f_to_kind(Kind::Float)?)?;
+                    let dsc = prob.f_mul(&dp.f_sub(da)?)?.f_mul_scalar(self.scale)?;
+                    let _ = dqa.shallow_clone().f_add_(&dsc.f_matmul(&kb.f_to_kind(Kind::Float)?)?)?;
+                    let _ = dkb.f_add_(&dsc.f_transpose(-2, -1)?.f_matmul(&qa.f_to_kind(Kind::Float)?)?)?;
+                }
+            }
+            // after the last step, one more exchange brings each rank the gradient of its own block
+            if c > 1 {
+                dkv = Shift::start(&dkv, &self.pg)?.wait()?;
+            }
+            if let Some(n) = next {
+                kv = n.wait()?;
+            }
+        }
+        let (dk, dv) = (dkv.f_select(0, 0)?.f_to_kind(k.kind())?, dkv.f_select(0, 1)?.f_to_kind(v.kind())?);
+        Ok([dq.f_to_kind(q.kind())?, dk, dv])
+    }
+
+    /// The agreement check before a call (by the group's policy: every call on Gloo, the first on NCCL),
+    /// before any rank refuses its input alone: every rank's shapes, dtypes and settings alike, so that
+    /// the ring's exchanges pair up (or every rank refuses the same input).
+    fn agree(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<()> {
+        if !self.pg.checks_now(Scope::Collective, "ring_attention", q.device()) {
+            return Ok(());
+        }
+        let mut mine = Vec::with_capacity(18);
+        for t in [q, k, v] {
+            let size = t.size();
+            mine.extend((0..4).map(|i| size.get(i).copied().unwrap_or(-1)));
+            mine.extend([size.len() as i64, crate::dtype::code(t.kind()).map_or(-1, i64::from)]);
+        }
+        mine.extend([self.causal as i64, self.load_balance as i64, self.scale.to_bits() as i64]);
+        self.pg.meta().agree("ring attention (agreement check before it)", &mine, |rows| {
+            let show = |r: &[i64]| {
+                let dims = |at: usize| format!("{:?}", &r[at..at + (r[at + 4].clamp(0, 4) as usize)]);
+                format!("q {}, k {}, v {}, causal {}", dims(0), dims(6), dims(12), r[18] != 0)
+            };
+            format!("ranks call it differently: {}", meta::by_rank(rows, show, "; "))
+        })?;
+        Ok(())
+    }
+
+    /// The diagonal blocks' mask (true above the diagonal), on q's device.
+    fn mask(&self, len: i64, q: &Tensor) -> Result<Option<Tensor>> {
+        if !self.causal {
+            return Ok(None);
+        }
+        Ok(Some(Tensor::f_ones([len, len], (Kind::Bool, q.device()))?.f_triu(1)?))
+    }
 }
 
 /// Ring attention of this rank's queries over every rank's keys and values (see the module docs):
-/// `q`, `k`, `v` are `[batch, heads, local seq, head dim]`, this rank's chunks in `chunks(rank)`'s order.
-pub(crate) fn attention(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    causal: bool,
-    scale: Option<f64>,
-    pg: &ProcessGroup,
-    chunks: impl Fn(usize) -> Chunks,
-) -> Result<Tensor> {
+/// `q`, `k`, `v` are `[batch, heads, local seq, head dim]`, this rank's chunks in its layout's order.
+pub(crate) fn attention(ring: Ring, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
     let what = "ContextParallel::attention";
+    ring.agree(q, k, v)?;
     let (qs, ks, vs) = (q.size(), k.size(), v.size());
     if qs.len() != 4 || ks.len() != 4 || vs.len() != 4 {
         return Err(Error::invalid(
@@ -108,56 +266,30 @@ pub(crate) fn attention(
             ),
         ));
     }
-    if q.kind() != k.kind() || k.kind() != v.kind() {
+    if q.kind() != k.kind() || k.kind() != v.kind() || q.device() != k.device() || k.device() != v.device() {
         return Err(Error::invalid(
             what,
-            format!("q, k and v have dtypes {:?}, {:?}, {:?}", q.kind(), k.kind(), v.kind()),
+            format!(
+                "q, k and v have dtypes {:?}, {:?}, {:?} on {:?}, {:?}, {:?}: one of each",
+                q.kind(),
+                k.kind(),
+                v.kind(),
+                q.device(),
+                k.device(),
+                v.device()
+            ),
         ));
     }
-    let (r, c) = (pg.rank(), pg.size());
-    let scale = scale.unwrap_or(1.0 / (qs[3] as f64).sqrt());
-    let mine = chunks(r);
-    let len = mine.len(what, qs[2])?;
-    // without a mask the chunks need no telling apart: one block a step
-    let pieces = |x: &Tensor, ids: &[i64]| -> Result<Vec<(i64, Tensor)>> {
-        if !causal {
-            return Ok(vec![(0, x.shallow_clone())]);
-        }
-        ids.iter().enumerate().map(|(i, &j)| Ok((j, x.f_narrow(2, i as i64 * len, len)?))).collect()
-    };
-    let queries = pieces(q, &mine.ids)?;
-    let mask = if causal { Some(Tensor::f_ones([len, len], (Kind::Bool, q.device()))?.f_triu(1)?) } else { None };
-    let mut parts: Vec<Vec<(Tensor, Tensor)>> = queries.iter().map(|_| Vec::new()).collect();
-    // keys and values travel together: one exchange a step
-    let mut kv = Tensor::f_stack(&[k, v], 0)?;
-    for step in 0..c {
-        let src = (r + c - step) % c;
-        let (kk, vv) = (kv.f_select(0, 0)?, kv.f_select(0, 1)?);
-        let theirs = chunks(src);
-        let (keys, values) = (pieces(&kk, &theirs.ids)?, pieces(&vv, &theirs.ids)?);
-        for ((a, qa), acc) in queries.iter().zip(parts.iter_mut()) {
-            for ((b, kb), (_, vb)) in keys.iter().zip(&values) {
-                match pair(causal, *a, *b) {
-                    Pair::Skip => {}
-                    Pair::Full => acc.push(block(qa, kb, vb, scale, None)?),
-                    Pair::Diagonal => acc.push(block(qa, kb, vb, scale, mask.as_ref())?),
-                }
-            }
-        }
-        if step + 1 < c {
-            kv = shift(&kv, pg)?;
-        }
-    }
-    let outs = parts.into_iter().map(merge).collect::<Result<Vec<_>>>()?;
-    let out = Tensor::f_cat(&outs, 2)?.f_to_kind(q.kind())?;
-    // The backward's exchanges pair up across ranks, so every rank must run all of them, also one whose
-    // mask left the last blocks it received unused (a causal mask without load balancing): the last
-    // keys and values, on which every exchange before depends, enter the output with weight zero.
-    if c == 1 {
-        return Ok(out);
-    }
-    let anchor = kv.f_reshape([-1])?.f_narrow(0, 0, 1)?.f_sum(out.kind())?.f_mul_scalar(0.0)?;
-    Ok(out.f_add(&anchor)?)
+    let (out, lse) = ring.forward(q, k, v)?;
+    let out_saved = out.shallow_clone();
+    let saved = [q.detach(), k.detach(), v.detach()];
+    let y = out.f_to_kind(q.kind())?;
+    let mut outs = crate::function::attach("RingAttentionBackward", &[q, k, v], &[y], move |g| {
+        let [q, k, v] = &saved;
+        let grads = ring.backward(&g[0], q, k, v, &out_saved, &lse)?;
+        Ok(grads.into_iter().map(Some).collect())
+    })?;
+    outs.pop().ok_or_else(|| Error::invalid(what, "no output"))
 }
 
 #[cfg(test)]

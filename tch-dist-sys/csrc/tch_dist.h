@@ -151,6 +151,18 @@ int tdx_checkpoint(tdx_forward_fn fn, tdx_drop_fn drop, void* ctx, const tdx_ten
                    const tdx_tensor* params, size_t n_params, int discover, tdx_tensor_sink sink, void* sink_ctx,
                    const char* label, tdx_tensor* out);
 
+// ---- function.cpp: a custom autograd function. The n_out outputs (computed from the n_in inputs without
+// history) get one node; new_outs receives n_out new at::Tensor* (the outputs with that history), owned by
+// the caller. Its backward runs fn(ctx, grads, n_out, grad_ins, n_in, err, errlen): it reads the outputs'
+// n_out borrowed gradients (zeros where autograd has none), stores in grad_ins[i] a new at::Tensor* for
+// input i (ownership passes to the shim) or leaves it null (no gradient), and returns 0, or writes a
+// message and returns non-zero. The shim owns ctx from the call on and frees it with drop when the node
+// goes, or at once when *attached is 0 (grad mode off, or no input requires grad).
+typedef int (*tdx_backward_fn)(void* ctx, const tdx_tensor* grads, size_t n_grads, tdx_tensor* grad_ins, size_t n_ins,
+                               char* err, size_t errlen);
+int tdx_custom_function(const tdx_tensor* ins, size_t n_in, const tdx_tensor* outs, size_t n_out, tdx_backward_fn fn,
+                        tdx_drop_fn drop, void* ctx, const char* label, tdx_tensor* new_outs, int* attached);
+
 // ---- storage.cpp: frees a tensor's storage in place (nbytes 0), or allocates it again (from 0 bytes; the
 // contents are undefined). Tensors sharing the storage see the change.
 int tdx_storage_resize(tdx_tensor t, int64_t nbytes);

@@ -47,6 +47,15 @@ pub type tdx_forward_fn = unsafe extern "C" fn(
     errlen: size_t,
 ) -> c_int;
 pub type tdx_tensor_sink = unsafe extern "C" fn(ctx: *mut c_void, t: tdx_tensor);
+pub type tdx_backward_fn = unsafe extern "C" fn(
+    ctx: *mut c_void,
+    grads: *const tdx_tensor,
+    n_grads: size_t,
+    grad_ins: *mut tdx_tensor,
+    n_ins: size_t,
+    err: *mut c_char,
+    errlen: size_t,
+) -> c_int;
 
 extern "C" {
     pub fn tdx_last_error() -> *const c_char;
@@ -235,6 +244,18 @@ extern "C" {
         sink_ctx: *mut c_void,
         label: *const c_char,
         out: *mut tdx_tensor,
+    ) -> c_int;
+    pub fn tdx_custom_function(
+        ins: *const tdx_tensor,
+        n_in: size_t,
+        outs: *const tdx_tensor,
+        n_out: size_t,
+        f: tdx_backward_fn,
+        drop: tdx_drop_fn,
+        ctx: *mut c_void,
+        label: *const c_char,
+        new_outs: *mut tdx_tensor,
+        attached: *mut c_int,
     ) -> c_int;
     pub fn tdx_storage_resize(t: tdx_tensor, nbytes: i64) -> c_int;
     pub fn tdx_storage_nbytes(t: tdx_tensor, out: *mut i64) -> c_int;

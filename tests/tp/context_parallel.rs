@@ -108,6 +108,10 @@ fn bad_input_is_named_on_every_rank() {
         let n = if pg.rank() == 0 { 8 } else { 4 };
         let y = x.narrow(2, 0, n);
         let uneven = cp.attention(&y, &y, &y, cfg).unwrap_err();
+        // rank 1 alone passes a 3-d tensor: refused on both, not left waiting
+        let z = if pg.rank() == 0 { x.shallow_clone() } else { x.select(0, 0) };
+        let alone = cp.attention(&z, &z, &z, cfg).unwrap_err().to_string();
+        assert!(alone.contains("rank 1: q [2, 8, 4]"), "rank {}: {alone}", pg.rank());
         let mut t = Tensor::ones([2], (Kind::Float, Device::Cpu));
         pg.allreduce(&mut t, tch_dist::ReduceOp::Sum).unwrap();
         assert_eq!(t.double_value(&[0]), 2.0);
@@ -118,6 +122,9 @@ fn bad_input_is_named_on_every_rank() {
         assert!(three_d.contains("[batch, heads, seq, head_dim]"), "rank {r}: {three_d}");
         assert!(odd.contains("3 tokens do not split into its 2 chunks"), "rank {r}: {odd}");
         assert!(seq.contains("6 tokens, not divisible into 4 chunks"), "rank {r}: {seq}");
-        assert!(uneven.contains("sends") && uneven.contains("expects"), "rank {r}: {uneven}");
+        assert!(
+            uneven.contains("rank 0: q [1, 2, 8, 4]") && uneven.contains("rank 1: q [1, 2, 4, 4]"),
+            "rank {r}: {uneven}"
+        );
     }
 }

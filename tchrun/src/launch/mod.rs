@@ -411,7 +411,7 @@ fn read_flight(
 
 /// Whether each worker gets OMP_NUM_THREADS=1, as torchrun does: several per node and none set. Each
 /// worker's intra-op threads would otherwise number the node's cores, and the node's workers together
-/// many times that (a step of ring attention ran 10x slower so on 2 cores, 2 workers).
+/// many times that (a step of ring attention ran 6x slower so on 2 cores, 2 workers).
 fn one_thread_each(cfg: &LaunchConfig) -> bool {
     cfg.nproc_per_node > 1 && std::env::var_os("OMP_NUM_THREADS").is_none()
 }
