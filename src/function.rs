@@ -33,9 +33,12 @@ unsafe extern "C" fn backward_trampoline(
     // n_ins entries, all null on entry.
     let f = unsafe { &*(ctx as *const Backward) };
     let mut f = f.lock().unwrap_or_else(|p| p.into_inner());
-    let gs: Vec<Tensor> =
-        (0..n_grads).map(|i| unsafe { Tensor::clone_from_ptr(*grads.add(i) as *mut torch_sys::C_tensor) }).collect();
-    let msg = match catch_unwind(AssertUnwindSafe(|| (*f)(&gs))) {
+    let msg = match catch_unwind(AssertUnwindSafe(|| {
+        let gs: Vec<Tensor> = (0..n_grads)
+            .map(|i| unsafe { Tensor::clone_from_ptr(*grads.add(i) as *mut torch_sys::C_tensor) })
+            .collect();
+        (*f)(&gs)
+    })) {
         Ok(Ok(out)) if out.len() == n_ins => {
             for (i, g) in out.into_iter().enumerate() {
                 if let Some(g) = g {
@@ -109,8 +112,12 @@ mod tests {
         let x = Tensor::arange(4, (Kind::Float, Device::Cpu)).set_requires_grad(true);
         let y = tch::no_grad(|| &x * 3.0);
         let y = attach("Triple", &[&x], &[y], |g| Ok(vec![Some(&g[0] * 3.0)])).unwrap().remove(0);
-        (&y * &y).sum(Kind::Float).backward();
+        let loss = (&y * &y).sum(Kind::Float);
+        loss.backward();
         assert_eq!(Vec::<f32>::try_from(x.grad()).unwrap(), vec![0.0, 18.0, 36.0, 54.0]);
+        // what the backward saved went with the graph: a second backward is refused
+        let again = loss.f_backward().unwrap_err();
+        assert!(again.to_string().contains("second time"), "{again}");
 
         let z = tch::no_grad(|| x.shallow_clone() + 1.0);
         let z = attach("Fails", &[&x], &[z], |_| Err(crate::Error::invalid("Fails", "no way back"))).unwrap().remove(0);

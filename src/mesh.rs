@@ -210,15 +210,20 @@ impl DeviceMesh {
     /// This rank's group over the dimensions `names` together (PyTorch's `mesh[names]._flatten()`; data
     /// parallelism over the data- and context-parallel ranks, say): built here from `world`, the group
     /// the mesh was built from, so every rank of it calls this alike. Rank `i` of the result is the
-    /// `i`-th, row-major, over `names` in the mesh's order; one name gives that dimension's group.
+    /// `i`-th, row-major, over `names` in the mesh's order; one name (or one of size above 1) gives that
+    /// dimension's group. Each call builds a new group: call it once per set of names.
     pub fn flatten(&self, world: &ProcessGroup, names: &[&str]) -> Result<Arc<ProcessGroup>> {
-        if let [one] = names {
-            return self.group(one);
+        // dimensions of size 1 add no rank: with at most one left, that dimension's group is the answer
+        let wide = names.iter().map(|n| Ok((*n, self.size(n)?))).collect::<Result<Vec<_>>>()?;
+        let names: Vec<&str> = wide.iter().filter(|(_, s)| *s > 1).map(|(n, _)| *n).collect();
+        match (&names[..], wide.first()) {
+            ([one], _) | ([], Some((one, _))) => return self.group(one),
+            _ => {}
         }
         if world.size() != self.layout.world() || self.layout.coordinates(world.rank())? != self.coords {
             return Err(Error::invalid("DeviceMesh::flatten", "give the group the mesh was built from"));
         }
-        let ranks = self.layout.flat_group_ranks(world.rank(), names)?;
+        let ranks = self.layout.flat_group_ranks(world.rank(), &names)?;
         let g = world
             .new_subgroup(&ranks, &format!("mesh-{}", names.join("_")))?
             .ok_or_else(|| Error::invalid("DeviceMesh::flatten", "this rank is not in its own group"))?;

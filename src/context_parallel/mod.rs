@@ -29,7 +29,7 @@ use std::sync::Arc;
 
 use tch::Tensor;
 
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::group::ProcessGroup;
 use layout::Chunks;
 
@@ -109,9 +109,6 @@ impl ContextParallel {
     /// rank's rows of softmax attention over the whole sequence, differentiable. Every rank of the group
     /// calls it with the same shapes.
     pub fn attention(&self, q: &Tensor, k: &Tensor, v: &Tensor, cfg: RingAttentionConfig) -> Result<Tensor> {
-        if cfg.scale.is_some_and(|s| !s.is_finite()) {
-            return Err(Error::invalid("ContextParallel::attention", format!("scale {:?} is not finite", cfg.scale)));
-        }
         let scale = cfg.scale.unwrap_or(1.0 / (q.size().last().copied().unwrap_or(1).max(1) as f64).sqrt());
         let ring = ring::Ring { pg: self.pg.clone(), load_balance: self.cfg.load_balance, causal: cfg.causal, scale };
         ring::attention(ring, q, k, v)

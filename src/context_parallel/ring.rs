@@ -15,8 +15,10 @@
 //! mask, a later one not at all. With the head-tail layout every rank attends the same number of pairs
 //! at every step.
 //!
-//! Blocks run in ATen's matrix products, scores and accumulators in float32 for half inputs. A block's
-//! `[chunk, chunk]` scores live only while it computes.
+//! Blocks run in ATen's matrix products, in float32 for float32 and half inputs (the inputs converted per
+//! block; the exchanges carry the input dtype), in float64 for float64. A block's `[chunk, chunk]`
+//! scores and probabilities live only while it computes: memory kept across the call is linear in the
+//! sequence, the working memory of one block quadratic in the chunk.
 use std::sync::Arc;
 
 use tch::{Kind, Tensor};
@@ -39,6 +41,15 @@ fn pair(causal: bool, query: i64, key: i64) -> Pair {
         (false, _) | (true, std::cmp::Ordering::Less) => Pair::Full,
         (true, std::cmp::Ordering::Equal) => Pair::Diagonal,
         (true, std::cmp::Ordering::Greater) => Pair::Skip,
+    }
+}
+
+/// The kind blocks compute in: float32, or float64 for float64 inputs.
+fn acc(k: Kind) -> Kind {
+    if k == Kind::Double {
+        Kind::Double
+    } else {
+        Kind::Float
     }
 }
 
@@ -94,14 +105,15 @@ impl Ring {
 
     /// A block's scores in float32, scaled and masked.
     fn scores(&self, q: &Tensor, k: &Tensor, pair: Pair, mask: &Option<Tensor>) -> Result<Tensor> {
-        let s = q.f_matmul(&k.f_transpose(-2, -1)?)?.f_to_kind(Kind::Float)?.f_mul_scalar(self.scale)?;
+        let acc = acc(q.kind());
+        let s = q.f_to_kind(acc)?.f_matmul(&k.f_to_kind(acc)?.f_transpose(-2, -1)?)?.f_mul_scalar(self.scale)?;
         Ok(match (pair, mask) {
             (Pair::Diagonal, Some(m)) => s.f_masked_fill(m, f64::NEG_INFINITY)?,
             _ => s,
         })
     }
 
-    /// Forward, without autograd: this rank's output (float32) and its log-sum-exp `[b, h, s, 1]`.
+    /// Forward, without autograd: this rank's output (in the blocks' kind) and its log-sum-exp `[b, h, s, 1]`.
     pub(crate) fn forward(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
         let _g = tch::no_grad_guard();
         let (r, c) = (self.pg.rank(), self.pg.size());
@@ -124,7 +136,7 @@ impl Ring {
                     }
                     let s = self.scores(qa, kb, p, &mask)?;
                     let lse = s.f_logsumexp([-1], true)?;
-                    let o = s.f_sub(&lse)?.f_exp()?.f_to_kind(vb.kind())?.f_matmul(vb)?.f_to_kind(Kind::Float)?;
+                    let o = s.f_sub(&lse)?.f_exp()?.f_matmul(&vb.f_to_kind(s.kind())?)?;
                     *slot = Some(match slot.take() {
                         None => (o, lse),
                         Some((ao, al)) => {
@@ -164,10 +176,11 @@ impl Ring {
         let mine = self.chunks(r);
         let len = mine.len("ContextParallel::attention", q.size()[2])?;
         let mask = self.mask(len, q)?;
-        let g = g.f_to_kind(Kind::Float)?;
+        let acc = acc(q.kind());
+        let g = g.f_to_kind(acc)?;
         // the softmax backward's row term: rowsum(dO * O)
-        let d = g.f_mul(out)?.f_sum_dim_intlist(&[-1i64][..], true, Kind::Float)?;
-        let dq = q.f_zeros_like()?.f_to_kind(Kind::Float)?;
+        let d = g.f_mul(out)?.f_sum_dim_intlist(&[-1i64][..], true, acc)?;
+        let dq = q.f_zeros_like()?.f_to_kind(acc)?;
         let queries = pieces(self.causal, q, 2, &mine, len)?;
         let (gs, ds, ls, dqs) = (
             pieces(self.causal, &g, 2, &mine, len)?,
@@ -177,7 +190,7 @@ impl Ring {
         );
         let mut kv = Tensor::f_stack(&[k, v], 0)?;
         // the gradient of the keys and values held now, travelling with them
-        let mut dkv = kv.f_zeros_like()?.f_to_kind(Kind::Float)?;
+        let mut dkv = kv.f_zeros_like()?.f_to_kind(acc)?;
         for step in 0..c {
             let next = if step + 1 < c { Some(Shift::start(&kv, &self.pg)?) } else { None };
             let theirs = self.chunks((r + c - step) % c);
@@ -195,10 +208,10 @@ impl Ring {
                     let (vb, mut dkb, mut dvb) = (&values[j].1, dks[j].1.shallow_clone(), dvs[j].1.shallow_clone());
                     let prob = self.scores(qa, kb, p, &mask)?.f_sub(la)?.f_exp()?;
                     let _ = dvb.f_add_(&prob.f_transpose(-2, -1)?.f_matmul(ga)?)?;
-                    let dp = ga.f_matmul(&vb.f_transpose(-2, -1)?.f_to_kind(Kind::Float)?)?;
+                    let dp = ga.f_matmul(&vb.f_transpose(-2, -1)?.f_to_kind(acc)?)?;
                     let dsc = prob.f_mul(&dp.f_sub(da)?)?.f_mul_scalar(self.scale)?;
-                    let _ = dqa.shallow_clone().f_add_(&dsc.f_matmul(&kb.f_to_kind(Kind::Float)?)?)?;
-                    let _ = dkb.f_add_(&dsc.f_transpose(-2, -1)?.f_matmul(&qa.f_to_kind(Kind::Float)?)?)?;
+                    let _ = dqa.shallow_clone().f_add_(&dsc.f_matmul(&kb.f_to_kind(acc)?)?)?;
+                    let _ = dkb.f_add_(&dsc.f_transpose(-2, -1)?.f_matmul(&qa.f_to_kind(acc)?)?)?;
                 }
             }
             // after the last step, one more exchange brings each rank the gradient of its own block
@@ -226,11 +239,17 @@ impl Ring {
             mine.extend((0..4).map(|i| size.get(i).copied().unwrap_or(-1)));
             mine.extend([size.len() as i64, crate::dtype::code(t.kind()).map_or(-1, i64::from)]);
         }
-        mine.extend([self.causal as i64, self.load_balance as i64, self.scale.to_bits() as i64]);
+        mine.extend([
+            self.causal as i64,
+            self.load_balance as i64,
+            self.scale.to_bits() as i64,
+            q.device().is_cuda() as i64,
+        ]);
         self.pg.meta().agree("ring attention (agreement check before it)", &mine, |rows| {
             let show = |r: &[i64]| {
                 let dims = |at: usize| format!("{:?}", &r[at..at + (r[at + 4].clamp(0, 4) as usize)]);
-                format!("q {}, k {}, v {}, causal {}", dims(0), dims(6), dims(12), r[18] != 0)
+                let on = if r[21] != 0 { "CUDA" } else { "CPU" };
+                format!("q {}, k {}, v {}, causal {}, on {on}", dims(0), dims(6), dims(12), r[18] != 0)
             };
             format!("ranks call it differently: {}", meta::by_rank(rows, show, "; "))
         })?;
@@ -258,13 +277,11 @@ pub(crate) fn attention(ring: Ring, q: &Tensor, k: &Tensor, v: &Tensor) -> Resul
             format!("q {qs:?}, k {ks:?} and v {vs:?} must be [batch, heads, seq, head_dim]"),
         ));
     }
-    if qs[..3] != ks[..3] || ks[..3] != vs[..3] || qs[3] != ks[3] {
-        return Err(Error::invalid(
-            what,
-            format!(
-                "q {qs:?}, k {ks:?} and v {vs:?} must agree in batch, heads and (local) sequence, and q and k in head_dim"
-            ),
-        ));
+    if qs != ks || ks != vs {
+        return Err(Error::invalid(what, format!("q {qs:?}, k {ks:?} and v {vs:?} must have one shape")));
+    }
+    if !ring.scale.is_finite() {
+        return Err(Error::invalid(what, format!("scale {} is not finite", ring.scale)));
     }
     if q.kind() != k.kind() || k.kind() != v.kind() || q.device() != k.device() || k.device() != v.device() {
         return Err(Error::invalid(
@@ -283,7 +300,9 @@ pub(crate) fn attention(ring: Ring, q: &Tensor, k: &Tensor, v: &Tensor) -> Resul
     let (out, lse) = ring.forward(q, k, v)?;
     let out_saved = out.shallow_clone();
     let saved = [q.detach(), k.detach(), v.detach()];
-    let y = out.f_to_kind(q.kind())?;
+    // a copy, not an alias of what the backward reads (an in-place edit of the result must not change it)
+    let mut y = out.f_empty_like()?.f_to_kind(q.kind())?;
+    y.f_copy_(&out)?;
     let mut outs = crate::function::attach("RingAttentionBackward", &[q, k, v], &[y], move |g| {
         let [q, k, v] = &saved;
         let grads = ring.backward(&g[0], q, k, v, &out_saved, &lse)?;

@@ -43,7 +43,10 @@ extern "C" int tdx_custom_function(const tdx_tensor* ins, size_t n_in, const tdx
           }
           if (rc != 0) throw std::runtime_error(buf);
           return out;
-        });
+        },
+        // once the graph is freed (a backward without retain_graph), what the closure saved goes with it,
+        // and a second backward through the node is refused
+        [] {});
     *attached = made ? 1 : 0;
     for (size_t i = 0; i < n_out; ++i) new_outs[i] = new at::Tensor(outputs[i]);
     return TDX_OK;

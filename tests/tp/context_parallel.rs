@@ -128,3 +128,27 @@ fn bad_input_is_named_on_every_rank() {
         );
     }
 }
+
+/// Float64 inputs compute in float64; bfloat16 ones in float32 and come back as bfloat16.
+#[test]
+fn float64_and_bfloat16_inputs() {
+    let got = common::run_threads(2, T, |pg| {
+        let cp = ContextParallel::new(Arc::new(pg), Default::default());
+        let cfg = RingAttentionConfig { causal: true, ..Default::default() };
+        [Kind::Double, Kind::BFloat16].map(|kind| {
+            let [q, k, v, _] = inputs().map(|t| cp.shard(&t.to_kind(kind), 2).unwrap().set_requires_grad(true));
+            let out = cp.attention(&q, &k, &v, cfg).unwrap();
+            out.sum(Kind::Float).backward();
+            (out.kind(), cp.unshard(&out, 2).unwrap(), cp.unshard(&q.grad(), 2).unwrap())
+        })
+    });
+    let [q, k, v, _] = inputs().map(|t| t.to_kind(Kind::Double).set_requires_grad(true));
+    let want = Tensor::scaled_dot_product_attention(&q, &k, &v, None::<Tensor>, 0.0, true, None, false);
+    want.sum(Kind::Double).backward();
+    let [(k64, o64, g64), (k16, o16, g16)] = &got[0];
+    assert_eq!((*k64, *k16), (Kind::Double, Kind::BFloat16));
+    let d = |a: &Tensor, b: &Tensor| diff(&a.to_kind(Kind::Double), b);
+    assert!(d(o64, &want) < 1e-12 && d(g64, &q.grad()) < 1e-12, "float64: {} {}", d(o64, &want), d(g64, &q.grad()));
+    // bfloat16 inputs keep 8 bits of mantissa: against float64 attention over the unrounded inputs
+    assert!(d(o16, &want) < 5e-2 && d(g16, &q.grad()) < 5e-2, "bfloat16: {} {}", d(o16, &want), d(g16, &q.grad()));
+}
