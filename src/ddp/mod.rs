@@ -265,6 +265,7 @@ impl<M> DistributedDataParallel<M> {
     /// Runs `f` on the wrapped module as a forward pass: first finishes the bookkeeping PyTorch does
     /// before forward (bucket rebuild after the first iteration, buffer broadcast).
     pub fn forward_with<T>(&self, f: impl FnOnce(&M) -> T) -> Result<T> {
+        let _s = crate::timeline::span("forward", || "DDP forward".into());
         self.prepare_for_forward()?;
         Ok(f(&self.module))
     }
@@ -320,6 +321,7 @@ impl<M> DistributedDataParallel<M> {
     /// Backward of `loss`, with the gradient reduction finished when it returns. (A plain
     /// `loss.backward()` reduces too; this form returns errors instead of panicking.)
     pub fn backward(&self, loss: &Tensor) -> Result<()> {
+        let _s = crate::timeline::span("backward", || "DDP backward".into());
         loss.f_backward()?;
         Ok(())
     }

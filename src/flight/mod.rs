@@ -23,4 +23,4 @@ pub use analyze::{analyze, Analysis};
 pub use record::{clear_dumps, dump, entries, label, probe, Dump, Entry, EntryState, LabelGuard, TORCH_DIR};
 
 pub(crate) use progress::{GroupTrace, HeartbeatWatch, HEARTBEAT_CHECK_EVERY};
-pub(crate) use record::{current_label, enabled as recording, hostname, is_p2p, Recording};
+pub(crate) use record::{current_label, enabled as recording, hostname, is_p2p, now, Recording};

@@ -177,9 +177,11 @@ impl Recording {
         let Some(first) = ring.front().map(|e| e.id) else { return };
         // ids are consecutive in the ring; an entry already pushed out is simply gone
         if let Some(e) = self.id.checked_sub(first).and_then(|i| ring.get_mut(i as usize)) {
-            e.ended = Some(now());
+            let ended = now();
+            e.ended = Some(ended);
             e.state = if error.is_some() { EntryState::Failed } else { EntryState::Completed };
             e.error = error.map(str::to_string);
+            crate::timeline::collective(&e.group, &e.op, &e.label, e.enqueued, ended, error.is_some());
         }
     }
 }

@@ -493,6 +493,7 @@ pub struct FullyShardedDataParallel<M> {
 impl<M> FullyShardedDataParallel<M> {
     /// Runs `f` on the model as a forward of this iteration (for models that are not an `nn::Module`).
     pub fn forward_with(&self, x: &Tensor, f: impl FnOnce(&M, &Tensor) -> Tensor) -> Result<Tensor> {
+        let _s = crate::timeline::span("forward", || "FSDP forward".into());
         self.rt.begin_iteration()?;
         let y = match self.root {
             Some(id) => unit::forward(&self.rt, id, x, |x| f(&self.module, x))?,
@@ -514,6 +515,7 @@ impl<M> FullyShardedDataParallel<M> {
 
     /// Backward of `loss`; every gradient is reduce-scattered into its shard when it returns.
     pub fn backward(&self, loss: &Tensor) -> Result<()> {
+        let _s = crate::timeline::span("backward", || "FSDP backward".into());
         loss.f_backward()?;
         Ok(())
     }

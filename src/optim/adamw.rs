@@ -148,6 +148,7 @@ fn update(
 
 impl Optimizer for AdamW {
     fn step(&mut self) -> Result<()> {
+        let _s = crate::timeline::span("optimizer", || "AdamW step".into());
         let _g = tch::no_grad_guard();
         let mut fused: Vec<FusedGroup> = Vec::new();
         for i in 0..self.params.len() {

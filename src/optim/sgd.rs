@@ -50,6 +50,7 @@ impl Optimizer for Sgd {
         if self.nesterov && (self.momentum <= 0.0 || self.dampening != 0.0) {
             return Err(Error::invalid("Sgd", "Nesterov momentum needs momentum > 0 and zero dampening"));
         }
+        let _s = crate::timeline::span("optimizer", || "SGD step".into());
         let _g = tch::no_grad_guard();
         for (p, buf) in self.params.iter().zip(self.buffers.iter_mut()) {
             let g = p.grad();

@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use tch::Tensor;
 
@@ -44,7 +44,7 @@ pub(crate) struct RankStep<'a> {
 
 /// Wall-clock seconds since the Unix epoch: comparable across the stage processes of one machine.
 pub(crate) fn now() -> f64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64())
+    crate::flight::now()
 }
 
 struct Saved {
@@ -137,7 +137,9 @@ pub(crate) fn run_rank(step: &RankStep, net: &mut dyn Transport) -> Result<RankR
                     let (output, loss) = if step.recompute { (None, None) } else { (Some(output), loss) };
                     saved.insert((mb, chunk), Saved { input, output, loss });
                     report.max_in_flight = report.max_in_flight.max(saved.len());
-                    report.spans.push(Span { stage: rank, forward: true, mb, chunk, start, end: now() });
+                    let end = now();
+                    crate::timeline::completed("forward", || format!("F{mb}.{chunk}"), start, end);
+                    report.spans.push(Span { stage: rank, forward: true, mb, chunk, start, end });
                 }
                 Action::Backward { mb, chunk } => {
                     let stage = &step.chunks[chunk];
@@ -176,7 +178,9 @@ pub(crate) fn run_rank(step: &RankStep, net: &mut dyn Transport) -> Result<RankR
                             release: None,
                         });
                     }
-                    report.spans.push(Span { stage: rank, forward: false, mb, chunk, start, end: now() });
+                    let end = now();
+                    crate::timeline::completed("backward", || format!("B{mb}.{chunk}"), start, end);
+                    report.spans.push(Span { stage: rank, forward: false, mb, chunk, start, end });
                 }
                 Action::BackwardWeight { .. } => {
                     return Err(Error::invalid(

@@ -81,6 +81,11 @@ struct Cli {
     /// default: the --redirect-logs directory, else a directory under the system's temporary one.
     #[arg(long, value_name = "DIR")]
     trace_dir: Option<PathBuf>,
+    /// Write a timeline of this node's ranks to FILE when they end: forward, backward, optimizer steps,
+    /// pipeline actions and every collective, one track per rank (Chrome trace-event JSON: open it in
+    /// ui.perfetto.dev or chrome://tracing).
+    #[arg(long, value_name = "FILE")]
+    trace_out: Option<PathBuf>,
     /// The program and its arguments, after `--`.
     #[arg(last = true, required = true)]
     command: Vec<String>,
@@ -179,9 +184,25 @@ fn main() {
         args: cli.command[1..].to_vec(),
         libtorch_dir: launch::libtorch_dir(),
         trace_dir: Some(trace_dir),
+        timeline_dir: cli
+            .trace_out
+            .as_ref()
+            .map(|_| std::env::temp_dir().join(format!("tchrun-{}-timeline", std::process::id()))),
         elastic,
     };
-    match launch::run(&cfg) {
+    let result = launch::run(&cfg);
+    if let (Some(out), Some(dir)) = (&cli.trace_out, &cfg.timeline_dir) {
+        match tch_dist::timeline::merge(dir, out) {
+            Ok(ranks) => eprintln!(
+                "tchrun: timeline of {} rank(s) in {} (open it in ui.perfetto.dev)",
+                ranks.len(),
+                out.display()
+            ),
+            Err(e) => eprintln!("tchrun: --trace-out: {e}"),
+        }
+        let _ = std::fs::remove_dir_all(dir);
+    }
+    match result {
         Ok(code) => std::process::exit(code),
         Err(e) => {
             eprintln!("{e}"); // names the flag or program, prefixed "tchrun"

@@ -287,3 +287,37 @@ fn a_stale_flight_dump_is_not_read_as_this_jobs() {
     assert!(!err.contains("rank 1 last recorded"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `--trace-out`: one file, a track per rank, DDP's forward and backward spans on each, and the bucket
+/// allreduces recorded during a backward of the same rank.
+#[test]
+fn a_timeline_of_every_rank_opens_in_perfetto() {
+    let dir = std::env::temp_dir().join(format!("tch-dist-timeline-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("trace.json");
+    let mut c = tchrun();
+    c.args(["--standalone", "--nproc-per-node", "2", "--trace-out", &file.to_string_lossy()]);
+    c.args(["--", &example("ddp_elastic"), "--steps", "3"]);
+    let (o, _) = run(c, Duration::from_secs(120));
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{out}\n{err}");
+    assert!(err.contains("timeline of 2 rank(s)"), "{err}");
+    let trace: serde_json::Value = serde_json::from_slice(&std::fs::read(&file).unwrap()).unwrap();
+    let events = trace["traceEvents"].as_array().unwrap();
+    let spans = |rank: u64, name: &str| -> Vec<(f64, f64)> {
+        events
+            .iter()
+            .filter(|e| e["ph"] == "X" && e["pid"] == rank && e["name"].as_str().is_some_and(|n| n.starts_with(name)))
+            .map(|e| (e["ts"].as_f64().unwrap(), e["ts"].as_f64().unwrap() + e["dur"].as_f64().unwrap()))
+            .collect()
+    };
+    for rank in 0..2u64 {
+        let named = events.iter().any(|e| e["name"] == "process_name" && e["pid"] == rank);
+        assert!(named, "rank {rank} has no track");
+        let (fwd, bwd, buckets) = (spans(rank, "DDP forward"), spans(rank, "DDP backward"), spans(rank, "DDP bucket"));
+        assert!(fwd.len() >= 3 && bwd.len() >= 3, "rank {rank}: {} forwards, {} backwards", fwd.len(), bwd.len());
+        let inside = buckets.iter().filter(|(s, e)| bwd.iter().any(|(bs, be)| bs <= s && e <= be)).count();
+        assert!(inside >= 3, "rank {rank}: {inside} of {} bucket allreduces inside a backward", buckets.len());
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

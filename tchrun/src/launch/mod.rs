@@ -47,6 +47,8 @@ pub struct LaunchConfig {
     /// Where workers dump their flight recorders on failure (`TCH_DIST_TRACE_DIR`, one subdirectory per
     /// restart), read back after a failure to name the culprit. A `TCH_DIST_TRACE_DIR` of the caller wins.
     pub trace_dir: Option<PathBuf>,
+    /// Where workers write their timelines (`TCH_DIST_TIMELINE_DIR`), for `--trace-out`.
+    pub timeline_dir: Option<PathBuf>,
     /// Elastic membership through a rendezvous (`--rdzv-endpoint`); `nnodes` and `node_rank` are then
     /// decided by each round.
     pub elastic: Option<ElasticConfig>,
@@ -231,6 +233,9 @@ fn spawn(cfg: &LaunchConfig, restart: usize) -> Result<Vec<Worker>> {
         }
         if one_thread_each(cfg) {
             c.env("OMP_NUM_THREADS", "1");
+        }
+        if let Some(dir) = &cfg.timeline_dir {
+            c.env("TCH_DIST_TIMELINE_DIR", dir);
         }
         if let Some(dir) = &cfg.libtorch_dir {
             c.env("LD_LIBRARY_PATH", with_lib_dir(std::env::var_os("LD_LIBRARY_PATH"), dir));
