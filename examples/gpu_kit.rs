@@ -94,6 +94,7 @@ const CHECKS: &[(&str, Check)] = &[
     ("zero2", |d| zero_step(d, ZeroStage::Two)),
     ("tp-mlp", tp_mlp),
     ("moe", moe),
+    ("ring-attention", ring_attention),
     ("amp-bf16", amp_bf16),
     ("amp-fp16-scaler", amp_fp16_scaler),
     ("checkpoint", checkpoint_round_trip),
@@ -531,6 +532,35 @@ fn moe(device: Device) -> Res<Outcome> {
     let worst = diffs.iter().cloned().fold(0.0, f64::max);
     ensure(worst < 1e-4, || format!("MoE output / input gradient / w1 gradient differ from the CPU's: {diffs:?}"))?;
     Ok(Pass(format!("all_to_all_single over {}; MoE layer vs CPU max |diff| {worst:.1e}", pg.backend_config())))
+}
+
+/// Ring attention on one rank (no exchange: the blocks, the custom backward node and the load-balanced
+/// layout on the device) against ATen's fused attention, float32 and bfloat16.
+fn ring_attention(device: Device) -> Res<Outcome> {
+    use tch_dist::context_parallel::{ContextParallel, RingAttentionConfig};
+    let cp = ContextParallel::new(group(device, BackendConfig::NCCL)?, Default::default());
+    let cfg = RingAttentionConfig { causal: true, ..Default::default() };
+    let mut worst = Vec::new();
+    for (kind, tol) in [(Kind::Float, 1e-4), (Kind::BFloat16, 5e-2)] {
+        tch::manual_seed(11);
+        let qkv: Vec<Tensor> = (0..3)
+            .map(|_| Tensor::randn([2, 4, 128, 32], (Kind::Float, Device::Cpu)).to_kind(kind).to_device(device))
+            .collect();
+        let leaf = |t: &Tensor| t.detach().set_requires_grad(true);
+        let (a, b) = ([leaf(&qkv[0]), leaf(&qkv[1]), leaf(&qkv[2])], [leaf(&qkv[0]), leaf(&qkv[1]), leaf(&qkv[2])]);
+        let ours = cp.attention(&a[0], &a[1], &a[2], cfg)?;
+        let theirs =
+            Tensor::f_scaled_dot_product_attention(&b[0], &b[1], &b[2], None::<Tensor>, 0.0, true, None, false)?;
+        ours.to_kind(Kind::Float).sum(Kind::Float).f_backward()?;
+        theirs.to_kind(Kind::Float).sum(Kind::Float).f_backward()?;
+        let d =
+            |x: &Tensor, y: &Tensor| (x.to_kind(Kind::Float) - y.to_kind(Kind::Float)).abs().max().double_value(&[]);
+        let diffs = [d(&ours, &theirs), d(&a[0].grad(), &b[0].grad()), d(&a[1].grad(), &b[1].grad())];
+        let w = diffs.iter().cloned().fold(0.0, f64::max);
+        ensure(w < tol, || format!("{kind:?}: output / dq / dk differ from SDPA's by {diffs:?}"))?;
+        worst.push(format!("{kind:?} {w:.1e}"));
+    }
+    Ok(Pass(format!("ring attention (1 rank) vs SDPA max |diff|: {}", worst.join(", "))))
 }
 
 fn amp_bf16(device: Device) -> Res<Outcome> {

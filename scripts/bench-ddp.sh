@@ -29,6 +29,7 @@ for r in $(seq "$ROUNDS"); do
   run ours_single 1 $rust --no-ddp
   run ours_default 2 $rust
   run ours_norec 2 env TCH_DIST_TRACE_ENTRIES=0 $rust
+  run ours_timeline 2 env TCH_DIST_TIMELINE_DIR="$out/timeline" $rust
   run ours_noview 2 $rust --view off
   run torch_powersgd 2 $py --view off --powersgd 4 --bucket-mb 128
   run ours_powersgd 2 $rust --powersgd 4 --bucket-mb 128
@@ -37,12 +38,14 @@ done
 import os, statistics, sys
 out = sys.argv[1]
 def load(n):
-    rows = [l.split() for l in open(os.path.join(out, n)) if not l.startswith("flight")]
+    rows = [l.split() for l in open(os.path.join(out, n)) if not l.startswith(("flight", "timeline"))]
     return statistics.median(float(r[0]) for r in rows), max(int(r[1]) for r in rows)
-R = {n: load(n) for n in ["torch_single", "torch_default", "torch_view", "ours_single", "ours_default", "ours_norec", "ours_noview", "torch_powersgd", "ours_powersgd"]}
-ratio = {n: [l for l in open(os.path.join(out, n)) if not l.startswith("flight")][0].split()[2] for n in ["torch_powersgd", "ours_powersgd"]}
+R = {n: load(n) for n in ["torch_single", "torch_default", "torch_view", "ours_single", "ours_default", "ours_norec", "ours_timeline", "ours_noview", "torch_powersgd", "ours_powersgd"]}
+ratio = {n: [l for l in open(os.path.join(out, n)) if not l.startswith(("flight", "timeline"))][0].split()[2] for n in ["torch_powersgd", "ours_powersgd"]}
 flight = [l.split() for l in open(os.path.join(out, "ours_default")) if l.startswith("flight")]
 ops, us = statistics.median(float(f[1]) for f in flight), statistics.median(float(f[2]) for f in flight)
+tl = [l.split() for l in open(os.path.join(out, "ours_timeline")) if l.startswith("timeline")]
+tl_ev, tl_us = statistics.median(float(f[1]) for f in tl), statistics.median(float(f[2]) for f in tl)
 params = 1024 * 4096 + 4096 + 4096 * 4096 + 4096 + 4096 * 1024 + 1024
 pbytes = params * 4
 base_t, base_m = R["torch_default"]
@@ -51,6 +54,7 @@ names = {
     "torch_view": "PyTorch DDP, gradient_as_bucket_view=True",
     "ours_default": "tch-dist DDP (default, views on)",
     "ours_norec": "tch-dist DDP, flight recorder off",
+    "ours_timeline": "tch-dist DDP, timeline on (TCH_DIST_TIMELINE_DIR)",
     "ours_noview": "tch-dist DDP, views off",
     "torch_powersgd": "PyTorch DDP + powerSGD_hook (rank 4)",
     "ours_powersgd": "tch-dist DDP + PowerSgd (rank 4)",
@@ -70,6 +74,8 @@ print(f"peak ours vs PyTorch views on: {ours_m / tv_m:.3f} (goal <= 1.0)")
 print(f"peak saved vs PyTorch default: {(base_m - ours_m) / pbytes:.2f} x parameter size (goal >= 1.0)")
 print(f"flight recorder: step time with it / without it {ours_t / R['ours_norec'][0]:.3f} (goal <= 1.01; this machine's noise is ±10%);")
 print(f"  directly: {ops:.1f} operations recorded per step x {us:.2f} us each = {ops * us / 1e6 / ours_t:.5%} of the step")
+print(f"timeline: step time with it / without it {R['ours_timeline'][0] / ours_t:.3f} (goal <= 1.01);")
+print(f"  directly: {tl_ev:.1f} events recorded per step x {tl_us:.2f} us each = {tl_ev * tl_us / 1e6 / ours_t:.5%} of the step")
 print(f"PowerSGD rank 4: compression {ratio['ours_powersgd']}x (PyTorch's hook: {ratio['torch_powersgd']}x), "
       f"step time ours/PyTorch {R['ours_powersgd'][0] / R['torch_powersgd'][0]:.2f}")
 PY

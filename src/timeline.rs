@@ -122,19 +122,9 @@ pub struct Span {
 
 impl Drop for Span {
     fn drop(&mut self) {
-        let (Some((name, cat, start)), Some(t)) = (self.open.take(), timeline()) else { return };
-        let end = crate::flight::now();
-        let e = Event {
-            name,
-            cat: cat.to_string(),
-            ph: "X".into(),
-            pid: t.rank,
-            tid: 0,
-            ts: start * 1e6,
-            dur: (end - start) * 1e6,
-            args: HashMap::new(),
-        };
-        push(t, e, None);
+        if let Some((name, cat, start)) = self.open.take() {
+            completed(cat, || name, start, crate::flight::now());
+        }
     }
 }
 
@@ -145,6 +135,25 @@ pub fn span(cat: &'static str, name: impl FnOnce() -> String) -> Span {
         return Span { open: None };
     }
     Span { open: Some((name(), cat, crate::flight::now())) }
+}
+
+/// Events recorded so far by this process (0 when off), those past the cap included.
+pub fn recorded() -> u64 {
+    timeline().map_or(0, |t| {
+        let s = lock(t);
+        s.events.len() as u64 + s.dropped
+    })
+}
+
+/// Seconds one span costs the thread that records it (open and close), over `n` spans (for benchmarks;
+/// with the timeline on, they land in it).
+#[doc(hidden)]
+pub fn probe(n: usize) -> f64 {
+    let start = std::time::Instant::now();
+    for i in 0..n {
+        let _s = span("probe", || format!("timeline probe {i}"));
+    }
+    start.elapsed().as_secs_f64() / n.max(1) as f64
 }
 
 /// A span already ended (`start`, `end`: seconds since the Unix epoch) on this thread's track.
