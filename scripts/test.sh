@@ -38,8 +38,8 @@ cargo test --doc
 
 echo "== NCCL's check-once policy on Gloo (TCH_DIST_VERIFY=once): every rank decides alike"
 # the modules (files) that run again under it, in their area's binaries
-once_binaries=(collectives ddp sharding training pipeline)
-once_modules=(collectives:: ddp:: zero:: clip:: pipeline::)
+once_binaries=(collectives ddp sharding training pipeline tp)
+once_modules=(collectives:: ddp:: zero:: clip:: pipeline:: context_parallel::ring_attention)
 TCH_DIST_VERIFY=once cargo test "${once_binaries[@]/#/--test=}" -- --skip cuda_ "${once_modules[@]}"
 
 echo "== cuda feature: the GPU tests, linked against libtorch_cuda (clippy above compiled every target)"
