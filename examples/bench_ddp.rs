@@ -77,12 +77,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     times.sort_by(|a, b| a.total_cmp(b));
     if pg.rank() == 0 {
         // what the flight recorder costs a step: operations recorded per step, times the cost of one
+        // (the timeline's count first: the recorder's probe below lands in it too)
+        let events = tch_dist::timeline::recorded() as f64 / (WARMUP + STEPS) as f64;
         let per_step = tch_dist::flight::entries().last().map_or(0, |e| e.id) as f64 / (WARMUP + STEPS) as f64;
         println!("flight {per_step:.1} {:.3}", 1e6 * tch_dist::flight::probe(10_000));
         if tch_dist::timeline::enabled() {
             // likewise the timeline: events per step (spans and collectives), times the cost of one
-            let per_step = tch_dist::timeline::recorded() as f64 / (WARMUP + STEPS) as f64;
-            println!("timeline {per_step:.1} {:.3}", 1e6 * tch_dist::timeline::probe(10_000));
+            println!("timeline {events:.1} {:.3}", 1e6 * tch_dist::timeline::probe(10_000));
         }
         let ratio = hook.map_or(String::new(), |h| format!(" {:.2}", h.compression().ratio()));
         println!("{:.6} {}{ratio}", times[times.len() / 2], memory::peak(Device::Cpu)?);
