@@ -159,17 +159,22 @@ pub fn probe(n: usize) -> f64 {
 /// A span already ended (`start`, `end`: seconds since the Unix epoch) on this thread's track.
 pub(crate) fn completed(cat: &'static str, name: impl FnOnce() -> String, start: f64, end: f64) {
     let Some(t) = timeline() else { return };
-    let e = Event {
-        name: name(),
+    push(t, event(t, name(), cat, start, end, HashMap::new()), None);
+}
+
+/// A complete event of this rank from `start` to `end` (seconds since the Unix epoch); its track is set
+/// by `push`.
+fn event(t: &Timeline, name: String, cat: &str, start: f64, end: f64, args: HashMap<String, String>) -> Event {
+    Event {
+        name,
         cat: cat.to_string(),
         ph: "X".into(),
         pid: t.rank,
         tid: 0,
         ts: start * 1e6,
         dur: (end - start).max(0.0) * 1e6,
-        args: HashMap::new(),
-    };
-    push(t, e, None);
+        args,
+    }
 }
 
 /// A collective, from the flight recorder's entry: on its group's lane, enqueued to ended.
@@ -180,17 +185,7 @@ pub(crate) fn collective(group: &str, op: &str, label: &str, enqueued: f64, ende
         args.insert("failed".into(), "true".into());
     }
     let name = if label.is_empty() { op.to_string() } else { format!("{label}: {op}") };
-    let e = Event {
-        name,
-        cat: "collective".into(),
-        ph: "X".into(),
-        pid: t.rank,
-        tid: 0,
-        ts: enqueued * 1e6,
-        dur: (ended - enqueued).max(0.0) * 1e6,
-        args,
-    };
-    push(t, e, Some(group));
+    push(t, event(t, name, "collective", enqueued, ended, args), Some(group));
 }
 
 /// The file one rank writes in `dir`.

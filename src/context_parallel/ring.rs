@@ -88,7 +88,7 @@ impl Shift {
         outs[(r + c - 1) % c] = n;
         let mut buf = flat.f_empty_like()?;
         // the splits pair up by construction once the shapes agree (checked per call, `Ring::agree`)
-        let work = pg.all_to_all_single_unchecked_async(&mut buf, &flat, &outs, &ins)?;
+        let work = pg.all_to_all_single_checked(&mut buf, &flat, &outs, &ins, false)?;
         Ok(Shift { buf, work, size: x.size() })
     }
 

@@ -41,20 +41,10 @@ impl ProcessGroup {
         self.all_to_all_single_checked(output, input, output_splits, input_splits, true)
     }
 
-    /// [`all_to_all_single_async`](Self::all_to_all_single_async) without the agreement check, for a
-    /// caller whose ranks' splits pair up by construction once it has checked what they derive from
-    /// (ring attention's shifts, after one check of the shapes).
-    pub(crate) fn all_to_all_single_unchecked_async(
-        &self,
-        output: &mut Tensor,
-        input: &Tensor,
-        output_splits: &[usize],
-        input_splits: &[usize],
-    ) -> Result<Work> {
-        self.all_to_all_single_checked(output, input, output_splits, input_splits, false)
-    }
-
-    fn all_to_all_single_checked(
+    /// [`all_to_all_single_async`](Self::all_to_all_single_async), its agreement check left out when
+    /// `check` is false: for a caller whose ranks' splits pair up by construction once it has checked what
+    /// they derive from (ring attention's shifts, after one check of the shapes).
+    pub(crate) fn all_to_all_single_checked(
         &self,
         output: &mut Tensor,
         input: &Tensor,
