@@ -41,6 +41,7 @@ pub mod dist_module;
 pub mod error;
 pub mod flight;
 pub mod fsdp;
+pub mod ft;
 pub mod group;
 pub mod hooks;
 pub mod init;

@@ -22,7 +22,7 @@
 //! # Ok::<(), tch_dist::Error>(())
 //! ```
 mod file;
-mod format;
+pub(crate) mod format;
 mod load;
 mod plan;
 mod region;

@@ -108,6 +108,13 @@ impl HookFuture {
 /// order. Hooks run inside backward (on autograd's thread for CUDA), hence `Send + Sync`.
 pub trait CommHook: Send + Sync + std::fmt::Debug {
     fn run(&self, pg: &Arc<ProcessGroup>, bucket: &GradBucket) -> Result<HookFuture>;
+    /// Whether buckets must be the same at every iteration. A hook whose collectives include ranks that
+    /// may be at another iteration of their own DDP (a fault-tolerant replica that just joined) says
+    /// true, and DDP keeps the layout it starts with (cut to the caps, in reverse parameter order)
+    /// instead of rebuilding it after the first backward.
+    fn fixed_layout(&self) -> bool {
+        false
+    }
 }
 
 /// PyTorch's `allreduce_hook`: divide by the world size, SUM-allreduce.

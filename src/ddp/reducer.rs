@@ -121,7 +121,9 @@ impl Reducer {
         // First iteration, as PyTorch: without unused-parameter search, one bucket per dtype/device
         // (rebuilt after the first backward from the order gradients arrived); with it, the usual caps.
         // Buckets come in reverse parameter order, since gradients arrive roughly last layer first.
-        let limits = if cfg.find_unused { vec![cfg.first_bucket_bytes, cfg.bucket_bytes] } else { vec![usize::MAX] };
+        // A hook that needs the same buckets at every iteration never gets them rebuilt.
+        let fixed = cfg.find_unused || cfg.comm_hook.as_ref().is_some_and(|h| h.fixed_layout());
+        let limits = if fixed { vec![cfg.first_bucket_bytes, cfg.bucket_bytes] } else { vec![usize::MAX] };
         let mut assignment = bucket::assign(&specs, &limits, None);
         assignment.reverse();
         let n = params.len();
@@ -138,7 +140,7 @@ impl Reducer {
             next_launch: 0,
             in_flight: Vec::new(),
             ready_order: Vec::with_capacity(n),
-            rebuilt: cfg.find_unused, // PyTorch rebuilds only without unused-parameter search
+            rebuilt: fixed, // PyTorch rebuilds only without unused-parameter search
             active: false,
             sync: true,
             iterations: 0,

@@ -25,6 +25,9 @@ const DUMP_WAIT: Duration = Duration::from_secs(2);
 /// How often a long wait looks at the other ranks' heartbeats (see [`GroupTrace::frozen_peer`]).
 pub(crate) const HEARTBEAT_CHECK_EVERY: Duration = Duration::from_secs(1);
 
+/// What a rank publishes once it has left its group.
+const LEFT: &str = "left";
+
 /// What one rank last published about itself in a group.
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct PeerProgress {
@@ -38,6 +41,9 @@ pub struct PeerProgress {
     pub heartbeat: f64,
     /// Whether anything was published at all.
     pub seen: bool,
+    /// It left the group for good (a fault-tolerant replica moving on to a new quorum).
+    #[serde(default)]
+    pub left: bool,
 }
 
 impl PeerProgress {
@@ -53,6 +59,9 @@ impl PeerProgress {
     }
 
     fn decode(rank: usize, text: &str) -> PeerProgress {
+        if text == LEFT {
+            return PeerProgress { rank, op: LEFT.into(), seen: true, left: true, ..PeerProgress::default() };
+        }
         let f: Vec<&str> = text.splitn(5, '\t').collect();
         let num = |i: usize| f.get(i).and_then(|s| s.parse::<f64>().ok()).unwrap_or(0.0);
         PeerProgress {
@@ -63,6 +72,7 @@ impl PeerProgress {
             op: f.get(3).unwrap_or(&"").to_string(),
             label: f.get(4).unwrap_or(&"").to_string(),
             seen: true,
+            left: false,
         }
     }
 }
@@ -85,6 +95,10 @@ pub(crate) struct GroupTrace {
     abandoned: std::sync::atomic::AtomicBool,
     /// Another rank's request for dumps was answered.
     answered: std::sync::atomic::AtomicBool,
+    /// This rank left the group: its heartbeat says so for good.
+    left: std::sync::atomic::AtomicBool,
+    /// Its failures are handled by the caller: no dumps, no requests for the others' dumps.
+    survivable: std::sync::atomic::AtomicBool,
 }
 
 /// What one long wait has seen of the other ranks' heartbeats: each one's last value, and when it
@@ -121,6 +135,8 @@ impl GroupTrace {
             heartbeat_timeout,
             abandoned: std::sync::atomic::AtomicBool::new(false),
             answered: std::sync::atomic::AtomicBool::new(false),
+            left: std::sync::atomic::AtomicBool::new(false),
+            survivable: std::sync::atomic::AtomicBool::new(false),
         });
         if enabled() && size > 1 {
             register(&t);
@@ -154,6 +170,9 @@ impl GroupTrace {
     }
 
     fn publish(&self) {
+        if self.left.load(Ordering::SeqCst) {
+            return;
+        }
         let text = match self.last.lock() {
             Ok(l) => l.encode(),
             Err(_) => return,
@@ -185,6 +204,19 @@ impl GroupTrace {
             let _ = tx.send(peers);
         });
         rx
+    }
+
+    /// This rank leaves the group for good: the others' waits on it end at their next heartbeat check,
+    /// without waiting for the heartbeat timeout.
+    pub(crate) fn leave(&self) {
+        self.left.store(true, Ordering::SeqCst);
+        let _ = self.store.set(&self.rank.to_string(), LEFT.as_bytes());
+    }
+
+    /// A failure of this group is survived by the caller (a fault-tolerant replicate group): it is
+    /// reported without dumping the flight recorder or waiting for the others' dumps.
+    pub(crate) fn set_survivable(&self) {
+        self.survivable.store(true, Ordering::SeqCst);
     }
 
     pub(crate) fn heartbeat_timeout(&self) -> Option<Duration> {
@@ -219,6 +251,13 @@ impl GroupTrace {
             Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => return None,
         };
         let at = std::time::Instant::now();
+        if let Some(p) = peers.iter().find(|p| p.left) {
+            self.abandoned.store(true, Ordering::SeqCst);
+            return Some(Error::PeerGone {
+                op: op.to_string(),
+                msg: format!("rank {} left group {} while this rank waited for it", p.rank, self.name),
+            });
+        }
         for p in peers.iter().filter(|p| p.seen) {
             let (beat, since) = watch.last.entry(p.rank).or_insert((p.heartbeat, at));
             if *beat != p.heartbeat {
@@ -255,6 +294,10 @@ impl GroupTrace {
             None => format!("the other ranks' progress could not be read from the store within {READ_DEADLINE:?}"),
         };
         let err = if note.is_empty() { err } else { err.with_note(&note) };
+        if self.survivable.load(Ordering::SeqCst) {
+            // handled by the caller (a fault-tolerant replica moves on): not the job's failure to dump
+            return err;
+        }
         let peers = peers.unwrap_or_default();
         dump_with(&err.to_string(), peers.clone(), Some(self.rank));
         self.request_dumps(&err.to_string(), &peers);

@@ -258,6 +258,17 @@ impl ProcessGroup {
     pub fn rank(&self) -> usize {
         self.rank
     }
+
+    /// This rank leaves the group for good (its collectives are abandoned): the other ranks' host waits
+    /// on it end within a heartbeat check instead of the timeout.
+    pub(crate) fn leave(&self) {
+        self.trace.leave();
+    }
+
+    /// Failures of this group are the caller's to survive: reported without flight-recorder dumps.
+    pub(crate) fn set_survivable(&self) {
+        self.trace.set_survivable();
+    }
     /// The group's name (`default`, or the name a subgroup or mesh dimension was given).
     pub fn name(&self) -> &str {
         &self.trace.name

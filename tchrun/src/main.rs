@@ -86,6 +86,13 @@ struct Cli {
     /// ui.perfetto.dev or chrome://tracing).
     #[arg(long, value_name = "FILE")]
     trace_out: Option<PathBuf>,
+    /// Fault tolerance: this node's workers form the replica ID (TCH_DIST_REPLICA_ID), which survives the
+    /// loss of other replicas (see `tchrun lighthouse` and tch_dist::ft).
+    #[arg(long, value_name = "ID", requires = "lighthouse")]
+    replica_id: Option<String>,
+    /// Fault tolerance: HOST:PORT of the lighthouse that forms each step's quorum (TCH_DIST_LIGHTHOUSE).
+    #[arg(long, value_name = "HOST:PORT", requires = "replica_id")]
+    lighthouse: Option<String>,
     /// The program and its arguments, after `--`.
     #[arg(last = true, required = true)]
     command: Vec<String>,
@@ -100,6 +107,24 @@ enum Sub {
         /// Ranks in the job (those without a dump are named).
         #[arg(long)]
         world: Option<usize>,
+    },
+    /// Serve the lighthouse of fault-tolerant replicas (tch_dist::ft): it forms each step's quorum from
+    /// the replicas whose heartbeats arrive and hosts the store their replicate groups meet in. Runs until
+    /// stopped; start replicas with `tchrun --replica-id ID --lighthouse HOST:PORT`.
+    Lighthouse {
+        /// Address to listen on.
+        #[arg(long, default_value = "127.0.0.1:29510")]
+        bind: String,
+        /// No quorum forms with fewer replicas.
+        #[arg(long, default_value_t = 1)]
+        min_replicas: usize,
+        /// Seconds without a heartbeat after which a replica is taken as lost (a replica whose process
+        /// ends is lost at once).
+        #[arg(long, default_value_t = 5.0)]
+        heartbeat_timeout: f64,
+        /// Seconds a quorum waits for live replicas that have not asked, once min-replicas have.
+        #[arg(long, default_value_t = 60.0)]
+        join_timeout: f64,
     },
 }
 
@@ -124,6 +149,30 @@ fn main() {
             std::process::exit(2);
         }
     };
+    if let Some(Sub::Lighthouse { bind, min_replicas, heartbeat_timeout, join_timeout }) = &cli.sub {
+        let cfg = tch_dist::ft::LighthouseConfig {
+            bind: bind.clone(),
+            min_replicas: *min_replicas,
+            heartbeat_timeout: secs("heartbeat-timeout", *heartbeat_timeout),
+            join_timeout: secs("join-timeout", *join_timeout),
+        };
+        match tch_dist::ft::Lighthouse::start(cfg) {
+            Ok(l) => {
+                println!(
+                    "tchrun lighthouse: listening on {} (replicate groups meet in the store at {})",
+                    l.addr(),
+                    l.store_addr()
+                );
+                loop {
+                    std::thread::park();
+                }
+            }
+            Err(e) => {
+                eprintln!("tchrun lighthouse: {e}");
+                std::process::exit(2);
+            }
+        }
+    }
     let grace = secs("grace-secs", cli.grace_secs);
     let (min_nodes, max_nodes) = launch::parse_nnodes(&cli.nnodes).unwrap_or_else(|e| {
         eprintln!("{e}");
@@ -189,6 +238,12 @@ fn main() {
             .as_ref()
             .map(|_| std::env::temp_dir().join(format!("tchrun-{}-timeline", std::process::id()))),
         elastic,
+        env: cli
+            .replica_id
+            .iter()
+            .map(|r| ("TCH_DIST_REPLICA_ID".to_string(), r.clone()))
+            .chain(cli.lighthouse.iter().map(|l| ("TCH_DIST_LIGHTHOUSE".to_string(), l.clone())))
+            .collect(),
     };
     let result = launch::run(&cfg);
     if let (Some(out), Some(dir)) = (&cli.trace_out, &cfg.timeline_dir) {

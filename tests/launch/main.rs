@@ -3,6 +3,7 @@
 #[path = "../common/mod.rs"]
 mod common;
 
+mod fault_tolerance;
 mod faults;
 mod init_env;
 mod soak;

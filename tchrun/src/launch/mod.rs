@@ -52,6 +52,8 @@ pub struct LaunchConfig {
     /// Elastic membership through a rendezvous (`--rdzv-endpoint`); `nnodes` and `node_rank` are then
     /// decided by each round.
     pub elastic: Option<ElasticConfig>,
+    /// More variables for every worker (a fault-tolerant replica's id and lighthouse).
+    pub env: Vec<(String, String)>,
 }
 
 /// libtorch's lib directory: the one this crate was built against while it exists, else that of the
@@ -217,6 +219,7 @@ fn spawn(cfg: &LaunchConfig, restart: usize) -> Result<Vec<Worker>> {
             .env("TORCHELASTIC_MAX_RESTARTS", cfg.max_restarts.to_string())
             .env("TORCHELASTIC_RUN_ID", &cfg.run_id)
             .env("PYTHONUNBUFFERED", "1")
+            .envs(cfg.env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())

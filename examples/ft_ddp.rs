@@ -1,0 +1,299 @@
+//! DDP replicas that survive the loss of one another (tch_dist::ft), for `tchrun` and the fault-tolerance
+//! tests. Start a lighthouse, then one `tchrun` per replica:
+//!
+//!   tchrun lighthouse --bind 127.0.0.1:29510 &
+//!   for r in 0 1 2; do
+//!     tchrun --standalone --nproc-per-node 1 --max-restarts 1 --replica-id $r --lighthouse 127.0.0.1:29510 \
+//!       -- ft_ddp --steps 50 --log /tmp/ft/r$r.log --out /tmp/ft/r$r.safetensors &
+//!   done
+//!
+//! Each replica trains on its own batches (drawn from its replica id, local rank and step), and the
+//! gradient of a step is the mean over the replicas that took part. `--log` gets one JSON line per event:
+//! `commit` (a step counted, with the quorum's members), `discard` (a step run again), `kill`.
+//! `--out` gets the final parameters and optimizer state (`model/*`, `optim/*`).
+//!
+//! `--reference LOG...` replays in one process what the replicas' logs say happened (per step, the members
+//! whose batches made the gradient) and writes the result to `--out`: the fault-tolerant run must equal it.
+//!
+//! `--kill-at-step S` SIGKILLs this replica in the middle of the backward of step S (on its first start
+//! only; a restarted one goes on): some gradient buckets are already being reduced across replicas.
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use clap::Parser;
+use tch::{nn, nn::Module, Device, Kind, Tensor};
+use tch_dist::ddp::{CommHook, DdpOptions, DistributedDataParallel, GradBucket, HookFuture};
+use tch_dist::ft::{Manager, ManagerConfig};
+use tch_dist::optim::{AdamW, Optimizer};
+use tch_dist::{checkpoint, ProcessGroup};
+
+#[derive(Parser)]
+struct Args {
+    #[arg(long, default_value_t = 20)]
+    steps: u64,
+    /// Append one JSON line per event here
+    #[arg(long)]
+    log: Option<PathBuf>,
+    /// Write the final parameters and optimizer state here (safetensors)
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// SIGKILL this replica in the middle of backward at this step (first start only)
+    #[arg(long)]
+    kill_at_step: Option<u64>,
+    /// Train in float64 (the tests compare with a reference run to 1e-6)
+    #[arg(long)]
+    f64: bool,
+    /// Sleep this long in each step (stands for a bigger model's compute, so that restarts happen while
+    /// the others train)
+    #[arg(long, default_value_t = 0)]
+    step_ms: u64,
+    /// Width of the hidden layers
+    #[arg(long, default_value_t = 256)]
+    hidden: i64,
+    /// Replay these replicas' logs in one process instead (see the module docs)
+    #[arg(long, num_args = 1..)]
+    reference: Vec<PathBuf>,
+    /// With --reference: ranks per replica in the run being replayed
+    #[arg(long, default_value_t = 1)]
+    ranks_per_replica: usize,
+}
+
+const IN: i64 = 32;
+
+fn kind(args: &Args) -> Kind {
+    if args.f64 {
+        Kind::Double
+    } else {
+        Kind::Float
+    }
+}
+
+fn model(vs: &nn::VarStore, args: &Args) -> impl Module {
+    let (h, root) = (args.hidden, vs.root());
+    nn::seq()
+        .add(nn::linear(&root / "l1", IN, h, Default::default()))
+        .add_fn(|x| x.tanh())
+        .add(nn::linear(&root / "l2", h, h, Default::default()))
+        .add_fn(|x| x.tanh())
+        .add(nn::linear(&root / "l3", h, 1, Default::default()))
+}
+
+/// The batch of replica `replica`'s local rank `local` at `step`: the same wherever it is drawn.
+fn batch(replica: u64, local: usize, step: u64, kind: Kind) -> (Tensor, Tensor) {
+    tch::manual_seed((step * 1000 + replica * 10 + local as u64) as i64 + 1);
+    let x = Tensor::randn([64, IN], (kind, Device::Cpu));
+    let y = x.sum_dim_intlist(1, true, kind).sin();
+    (x, y)
+}
+
+fn loss(net: &impl Module, x: &Tensor, y: &Tensor) -> Tensor {
+    net.forward(x).mse_loss(y, tch::Reduction::Mean)
+}
+
+fn now() -> f64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0)
+}
+
+struct Log(Option<std::fs::File>);
+
+impl Log {
+    fn open(path: &Option<PathBuf>) -> std::io::Result<Log> {
+        Ok(Log(match path {
+            Some(p) => Some(std::fs::OpenOptions::new().create(true).append(true).open(p)?),
+            None => None,
+        }))
+    }
+    fn event(&mut self, mut v: serde_json::Value) {
+        v["t"] = now().into();
+        v["pid"] = std::process::id().into();
+        v["restart"] = std::env::var("TORCHELASTIC_RESTART_COUNT").unwrap_or_default().into();
+        if let Some(f) = self.0.as_mut() {
+            let _ = writeln!(f, "{v}");
+            let _ = f.flush();
+        }
+    }
+}
+
+/// Passes buckets to the manager's hook; at `--kill-at-step`, SIGKILLs this process once the second
+/// bucket is ready (the first one's reduction is under way).
+#[derive(Debug)]
+struct KillMidBackward {
+    inner: Arc<dyn CommHook>,
+    step: Arc<AtomicU64>,
+    at: Option<u64>,
+    log: Option<PathBuf>,
+}
+
+impl CommHook for KillMidBackward {
+    fn run(&self, pg: &Arc<ProcessGroup>, bucket: &GradBucket) -> tch_dist::Result<HookFuture> {
+        let f = self.inner.run(pg, bucket)?;
+        let first_start = std::env::var("TORCHELASTIC_RESTART_COUNT").map_or(true, |c| c == "0");
+        let step = self.step.load(Ordering::SeqCst);
+        if first_start && self.at == Some(step) && bucket.index() == 1.min(bucket_count(bucket) - 1) {
+            if let Ok(mut l) = Log::open(&self.log) {
+                l.event(serde_json::json!({"event": "kill", "step": step, "bucket": bucket.index()}));
+            }
+            // SAFETY: raising a signal on this process has no memory-safety preconditions.
+            unsafe {
+                libc::kill(libc::getpid(), libc::SIGKILL);
+            }
+        }
+        Ok(f)
+    }
+    fn fixed_layout(&self) -> bool {
+        self.inner.fixed_layout()
+    }
+}
+
+fn bucket_count(b: &GradBucket) -> usize {
+    if b.is_last() {
+        b.index() + 1
+    } else {
+        b.index() + 2
+    }
+}
+
+fn state(vs: &nn::VarStore, opt: &dyn Optimizer) -> Vec<(String, Tensor)> {
+    let mut v: Vec<(String, Tensor)> = vs.variables().into_iter().map(|(n, t)| (format!("model/{n}"), t)).collect();
+    v.sort_by(|a, b| a.0.cmp(&b.0));
+    v.extend(opt.state_dict().into_iter().map(|(k, t)| (format!("optim/{k}"), t)));
+    v
+}
+
+fn replica_number(id: &str) -> Result<u64, String> {
+    id.trim_start_matches(|c: char| !c.is_ascii_digit())
+        .parse()
+        .map_err(|_| format!("replica id {id:?} does not end in a number (the batches are drawn from it)"))
+}
+
+fn train(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
+    let kind = kind(args);
+    let own = Arc::new(ProcessGroup::from_env()?);
+    let local = own.rank();
+    let cfg = ManagerConfig::from_env()?;
+    let replica = replica_number(&cfg.replica_id)?;
+    let mut log = Log::open(&args.log)?;
+    log.event(serde_json::json!({"event": "start", "replica": cfg.replica_id, "local": local}));
+    let mut manager = Manager::new(cfg, Some(own.clone()))?;
+
+    tch::manual_seed(0);
+    let mut vs = nn::VarStore::new(Device::Cpu);
+    let net = model(&vs, args);
+    vs.set_kind(kind);
+    let step = Arc::new(AtomicU64::new(0));
+    let hook = Arc::new(KillMidBackward {
+        inner: manager.comm_hook(),
+        step: step.clone(),
+        at: args.kill_at_step,
+        log: args.log.clone(),
+    });
+    let opts = DdpOptions::default().process_group(own).comm_hook(hook).bucket_cap_mb(0.1).first_bucket_bytes(64 << 10);
+    let ddp = DistributedDataParallel::new(&vs, net, opts)?;
+    let mut opt = AdamW::new(vs.trainable_variables(), 1e-3);
+
+    while manager.step() < args.steps {
+        let started = manager.start_step(&vs, &mut opt)?;
+        let s = manager.step();
+        step.store(s, Ordering::SeqCst);
+        let (x, y) = batch(replica, local, s, kind);
+        std::thread::sleep(std::time::Duration::from_millis(args.step_ms));
+        ddp.backward(&ddp.forward_with(|m| loss(m, &x, &y))?)?;
+        let members: Vec<&str> = started.quorum.members.iter().map(|m| m.replica.as_str()).collect();
+        if manager.should_commit()? {
+            opt.step()?;
+            log.event(serde_json::json!({
+                "event": "commit", "step": s, "members": members, "quorum": started.quorum.id,
+                "reconfigured": started.reconfigured, "healed_from": started.healed_from,
+                "sent_to": started.sent_to, "retries": started.retries,
+            }));
+        } else {
+            log.event(
+                serde_json::json!({"event": "discard", "step": s, "members": members, "why": manager.last_failure()}),
+            );
+        }
+        opt.zero_grad()?;
+    }
+    if let Some(out) = &args.out {
+        checkpoint::write_atomic(out, manager.step(), &state(&vs, &opt))?;
+    }
+    log.event(serde_json::json!({"event": "done", "step": manager.step()}));
+    Ok(())
+}
+
+/// Per committed step, the replicas whose batches made its gradient.
+type Schedule = Vec<(u64, Vec<String>)>;
+
+/// The steps the replicas' logs say were committed, with their members, in order. Every replica that
+/// committed a step names the same members; a step none committed is an error.
+fn committed(paths: &[PathBuf]) -> Result<Schedule, Box<dyn std::error::Error>> {
+    let mut steps: std::collections::BTreeMap<u64, Vec<String>> = Default::default();
+    for path in paths {
+        for line in std::fs::read_to_string(path)?.lines() {
+            let v: serde_json::Value = serde_json::from_str(line)?;
+            if v["event"] == "commit" {
+                let s = v["step"].as_u64().ok_or("a commit without a step")?;
+                let m = v["members"].as_array().ok_or("a commit without members")?;
+                let m: Vec<String> = m.iter().filter_map(|x| x.as_str().map(String::from)).collect();
+                match steps.get(&s) {
+                    Some(seen) if *seen != m => {
+                        return Err(
+                            format!("{}: step {s} committed by {m:?}, elsewhere by {seen:?}", path.display()).into()
+                        )
+                    }
+                    _ => {
+                        steps.insert(s, m);
+                    }
+                }
+            }
+        }
+    }
+    for (i, s) in steps.keys().enumerate() {
+        if *s != i as u64 {
+            return Err(format!("step {i} was committed by no replica").into());
+        }
+    }
+    Ok(steps.into_iter().collect())
+}
+
+fn reference(args: &Args, logs: &[PathBuf]) -> Result<(), Box<dyn std::error::Error>> {
+    let kind = kind(args);
+    tch::manual_seed(0);
+    let mut vs = nn::VarStore::new(Device::Cpu);
+    let net = model(&vs, args);
+    vs.set_kind(kind);
+    let mut opt = AdamW::new(vs.trainable_variables(), 1e-3);
+    let steps = committed(logs)?;
+    for (s, members) in &steps {
+        let mut n = 0;
+        for m in members {
+            for local in 0..args.ranks_per_replica {
+                let (x, y) = batch(replica_number(m)?, local, *s, kind);
+                loss(&net, &x, &y).backward();
+                n += 1;
+            }
+        }
+        for p in vs.trainable_variables() {
+            let mut g = p.grad();
+            let _ = g.f_div_scalar_(n as f64)?;
+        }
+        opt.step()?;
+        opt.zero_grad()?;
+    }
+    if let Some(out) = &args.out {
+        checkpoint::write_atomic(out, steps.len() as u64, &state(&vs, &opt))?;
+    }
+    println!("replayed {} steps", steps.len());
+    Ok(())
+}
+
+fn main() {
+    let args = Args::parse();
+    let r = if args.reference.is_empty() { train(&args) } else { reference(&args, &args.reference) };
+    if let Err(e) = r {
+        eprintln!("ft_ddp: {e}");
+        std::process::exit(1);
+    }
+}

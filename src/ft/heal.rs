@@ -1,0 +1,118 @@
+//! Healing: a healthy replica sends a recovering one everything it trains with (parameters, optimizer
+//! state, the step) over their replicate group; nothing touches the disk. One message of three parts,
+//! in posting order (NCCL's rule for a pair): the two lengths, a JSON header naming each tensor, then
+//! all tensors' bytes in one buffer.
+use serde::{Deserialize, Serialize};
+use tch::{Device, Kind, Tensor};
+
+use crate::checkpoint::format::{dtype_kind, dtype_name};
+use crate::error::{Error, Result};
+use crate::group::ProcessGroup;
+
+#[derive(Serialize, Deserialize)]
+struct Header {
+    step: u64,
+    tensors: Vec<Entry>,
+}
+
+#[derive(Serialize, Deserialize)]
+struct Entry {
+    name: String,
+    dtype: String,
+    shape: Vec<i64>,
+    /// Byte offset in the payload (8-aligned, so any dtype can be viewed there).
+    offset: i64,
+}
+
+const TAG: i32 = 7;
+
+fn nbytes(t: &Tensor) -> i64 {
+    (t.numel() * t.kind().elt_size_in_bytes()) as i64
+}
+
+/// Sends `step` and `state` to rank `dst` of `pg`.
+pub(crate) fn send(pg: &ProcessGroup, dst: usize, step: u64, state: &[(String, Tensor)]) -> Result<()> {
+    let mut entries = Vec::with_capacity(state.len());
+    let mut offset = 0i64;
+    for (name, t) in state {
+        entries.push(Entry { name: name.clone(), dtype: dtype_name(t.kind())?.to_string(), shape: t.size(), offset });
+        offset += (nbytes(t) + 7) / 8 * 8;
+    }
+    let header = serde_json::to_vec(&Header { step, tensors: entries })
+        .map_err(|e| Error::invalid("healing", format!("cannot encode the state's header: {e}")))?;
+    let payload = Tensor::f_zeros([offset], (Kind::Uint8, Device::Cpu))?;
+    {
+        let _g = tch::no_grad_guard();
+        let mut at = 0i64;
+        for (_, t) in state {
+            let n = nbytes(t);
+            if n > 0 {
+                let bytes =
+                    t.f_detach()?.f_to(Device::Cpu)?.f_contiguous()?.f_reshape([-1])?.f_view_dtype(Kind::Uint8)?;
+                payload.f_narrow(0, at, n)?.f_copy_(&bytes)?;
+            }
+            at += (n + 7) / 8 * 8;
+        }
+    }
+    let lengths = Tensor::from_slice(&[header.len() as i64, offset]);
+    pg.send(&lengths, dst, TAG)?;
+    #[cfg(feature = "testing")]
+    if step > 0 {
+        fault_point("kill-while-sending");
+    }
+    pg.send(&Tensor::from_slice(&header), dst, TAG)?;
+    pg.send(&payload, dst, TAG)
+}
+
+/// Receives what [`send`] sent from rank `src`: the step and the named tensors (on the CPU).
+pub(crate) fn recv(pg: &ProcessGroup, src: usize) -> Result<(u64, Vec<(String, Tensor)>)> {
+    let mut lengths = Tensor::f_zeros([2], (Kind::Int64, Device::Cpu))?;
+    pg.recv(&mut lengths, src, TAG)?;
+    let (hlen, plen) = (lengths.f_int64_value(&[0])?, lengths.f_int64_value(&[1])?);
+    if !(0..=1 << 30).contains(&hlen) || plen < 0 {
+        return Err(Error::Mismatch {
+            op: "healing".into(),
+            msg: format!("rank {src} announced a header of {hlen} bytes and a payload of {plen}"),
+        });
+    }
+    let mut header = Tensor::f_zeros([hlen], (Kind::Uint8, Device::Cpu))?;
+    pg.recv(&mut header, src, TAG)?;
+    let mut payload = Tensor::f_zeros([plen], (Kind::Uint8, Device::Cpu))?;
+    pg.recv(&mut payload, src, TAG)?;
+    let bytes: Vec<u8> = Vec::<u8>::try_from(&header)?;
+    let h: Header = serde_json::from_slice(&bytes)
+        .map_err(|e| Error::Mismatch { op: "healing".into(), msg: format!("rank {src} sent a bad header: {e}") })?;
+    let mut out = Vec::with_capacity(h.tensors.len());
+    for e in h.tensors {
+        let kind = dtype_kind(&e.dtype)?;
+        let numel: i64 = e.shape.iter().product();
+        let n = numel * kind.elt_size_in_bytes() as i64;
+        if e.offset < 0 || e.offset + n > plen {
+            return Err(Error::Mismatch {
+                op: "healing".into(),
+                msg: format!("tensor {} lies outside the {plen} bytes rank {src} sent", e.name),
+            });
+        }
+        let t = if n == 0 {
+            Tensor::f_zeros(e.shape.as_slice(), (kind, Device::Cpu))?
+        } else {
+            payload.f_narrow(0, e.offset, n)?.f_view_dtype(kind)?.f_reshape(e.shape.as_slice())?.f_detach_copy()?
+        };
+        out.push((e.name, t));
+    }
+    Ok((h.step, out))
+}
+
+/// Tests of healing kill the sender in the middle of a transfer after step 0:
+/// `TCH_DIST_FT_FAULT=kill-while-sending` (on a worker's first start only).
+#[cfg(feature = "testing")]
+fn fault_point(name: &str) {
+    let first_start = std::env::var("TORCHELASTIC_RESTART_COUNT").map_or(true, |c| c == "0");
+    if first_start && std::env::var("TCH_DIST_FT_FAULT").is_ok_and(|f| f == name) {
+        eprintln!("tch-dist: fault injected: {name}");
+        // SAFETY: raising a signal on this process has no memory-safety preconditions.
+        unsafe {
+            libc::kill(libc::getpid(), libc::SIGKILL);
+        }
+    }
+}

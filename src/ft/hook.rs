@@ -1,0 +1,79 @@
+//! The DDP communication hook of a fault-tolerant replica: each bucket is summed over the replica's own
+//! ranks, then over the replicas of the step, and divided by the ranks that took part. A failure of the
+//! cross-replica part is recorded for [`Manager::should_commit`](super::Manager::should_commit), not
+//! raised: backward ends normally, the step is discarded and run again by the survivors.
+use std::sync::Arc;
+
+use crate::ddp::comm_hook::{CommHook, GradBucket, HookFuture};
+use crate::error::Result;
+use crate::group::{ProcessGroup, ReduceOp};
+use crate::work::Work;
+
+use super::manager::Shared;
+
+#[derive(Clone)]
+pub(crate) struct ReplicateHook {
+    pub(crate) shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for ReplicateHook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ReplicateHook")
+    }
+}
+
+impl ReplicateHook {
+    /// Starts the cross-replica sum of `t` (nothing to start when this step already failed, or when this
+    /// replica is alone).
+    fn post(shared: &Shared, t: &mut tch::Tensor) -> Option<Work> {
+        if shared.failed() || shared.participants.load(std::sync::atomic::Ordering::SeqCst) <= 1 {
+            return None;
+        }
+        let g = shared.group()?;
+        match g.allreduce_unverified(t, ReduceOp::Sum) {
+            Ok(w) => Some(w),
+            Err(e) => {
+                shared.fail(e);
+                None
+            }
+        }
+    }
+
+    fn finish(shared: &Shared, posted: Option<Work>, t: &mut tch::Tensor, ranks: usize) -> Result<()> {
+        if let Some(w) = posted {
+            if let Err(e) = w.wait() {
+                shared.fail(e);
+            }
+        }
+        if !shared.failed() {
+            let n = shared.participants.load(std::sync::atomic::Ordering::SeqCst).max(1) * ranks;
+            let _ = t.f_div_scalar_(n as f64)?;
+        }
+        Ok(())
+    }
+}
+
+impl CommHook for ReplicateHook {
+    fn run(&self, inner: &Arc<ProcessGroup>, bucket: &GradBucket) -> Result<HookFuture> {
+        let shared = self.shared.clone();
+        let mut t = bucket.buffer().shallow_clone();
+        let ranks = inner.size();
+        if ranks == 1 {
+            // one rank per replica: the cross-replica sum starts now and overlaps the rest of backward
+            let posted = Self::post(&shared, &mut t);
+            return Ok(HookFuture::ready().then(move || Self::finish(&shared, posted, &mut t, 1)));
+        }
+        // a failure of the replica's own ranks is this replica's end, raised as it is
+        let work = inner.allreduce_unverified(&mut t.shallow_clone(), ReduceOp::Sum)?;
+        Ok(HookFuture::after(work).then(move || {
+            let posted = Self::post(&shared, &mut t);
+            Self::finish(&shared, posted, &mut t, ranks)
+        }))
+    }
+
+    /// A replica that just joined is at its first iteration while the others are not: buckets must not
+    /// depend on it.
+    fn fixed_layout(&self) -> bool {
+        true
+    }
+}

@@ -1,0 +1,295 @@
+//! Fault-tolerant replicas (tch_dist::ft): a `tchrun lighthouse` and three replicas, each its own
+//! `tchrun`, training DDP + AdamW in float64 (`examples/ft_ddp.rs`). A replica is SIGKILLed in the middle
+//! of backward; the others go on in the same processes, and a restarted one is healed over the network.
+//! The final parameters must equal a one-process replay of the membership the replicas logged (which
+//! replicas' batches made each step's gradient), and healed replicas must hold bit-identical state.
+use crate::common;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::Duration;
+
+use serde_json::Value;
+use tch::Tensor;
+use tch_dist::checkpoint;
+
+const STEPS: u64 = 30;
+
+/// One job at a time: they time recoveries, and this machine has two cores.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn tmp(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("tdx-ft-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+struct Lighthouse {
+    child: Child,
+    addr: String,
+}
+
+impl Drop for Lighthouse {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn lighthouse(min_replicas: usize) -> Lighthouse {
+    let addr = format!("127.0.0.1:{}", common::free_port());
+    let child = Command::new(common::tchrun())
+        .args(["lighthouse", "--bind", &addr, "--min-replicas", &min_replicas.to_string()])
+        .args(["--heartbeat-timeout", "2"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    // replicas retry until it listens; a moment spares them the retries
+    std::thread::sleep(Duration::from_millis(300));
+    Lighthouse { child, addr }
+}
+
+/// Replica `id` (one rank) under its own tchrun, restarted at most `restarts` times.
+fn replica(lh: &Lighthouse, d: &Path, id: usize, restarts: usize, args: &[&str], env: &[(&str, &str)]) -> Child {
+    let mut c = Command::new(common::tchrun());
+    c.args(["--standalone", "--nproc-per-node", "1", "--grace-secs", "1"])
+        .args(["--max-restarts", &restarts.to_string(), "--replica-id", &id.to_string(), "--lighthouse", &lh.addr])
+        .arg("--")
+        .arg(common::example("ft_ddp"))
+        .args(["--steps", &STEPS.to_string(), "--f64", "--hidden", "128", "--step-ms", "60", "--log"])
+        .arg(d.join(format!("r{id}.log")))
+        .arg("--out")
+        .arg(d.join(format!("r{id}.safetensors")))
+        .args(args)
+        .env("TCH_DIST_FT_TIMEOUT_SECS", "20")
+        .envs(env.iter().copied())
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    c.spawn().unwrap()
+}
+
+fn events(d: &Path, id: usize) -> Vec<Value> {
+    let text = std::fs::read_to_string(d.join(format!("r{id}.log"))).unwrap_or_default();
+    text.lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+}
+
+fn of<'a>(ev: &'a [Value], kind: &str) -> Vec<&'a Value> {
+    ev.iter().filter(|e| e["event"] == kind).collect()
+}
+
+fn state(d: &Path, name: &str) -> BTreeMap<String, Tensor> {
+    let (step, tensors) = checkpoint::read(&d.join(name)).unwrap();
+    assert_eq!(step, STEPS, "{name} ended at step {step}");
+    tensors.into_iter().collect()
+}
+
+/// The one-process replay of what the replicas' logs say happened.
+fn reference(d: &Path, ids: &[usize]) -> BTreeMap<String, Tensor> {
+    let mut c = Command::new(common::example("ft_ddp"));
+    c.args(["--steps", &STEPS.to_string(), "--f64", "--hidden", "128", "--reference"]);
+    for id in ids {
+        c.arg(d.join(format!("r{id}.log")));
+    }
+    c.arg("--out").arg(d.join("reference.safetensors"));
+    let o = c.output().unwrap();
+    assert!(o.status.success(), "reference: {}", common::show(&o));
+    state(d, "reference.safetensors")
+}
+
+fn assert_identical(a: &BTreeMap<String, Tensor>, b: &BTreeMap<String, Tensor>, what: &str) {
+    assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>(), "{what}");
+    for (k, t) in a {
+        assert!(t.equal(&b[k]), "{what}: {k} differs");
+    }
+}
+
+fn max_diff(a: &BTreeMap<String, Tensor>, b: &BTreeMap<String, Tensor>) -> f64 {
+    assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
+    a.iter()
+        .filter(|(k, _)| k.starts_with("model/") || k.starts_with("optim/"))
+        .map(|(k, t)| (t.to_kind(tch::Kind::Double) - b[k].to_kind(tch::Kind::Double)).abs().max().double_value(&[]))
+        .fold(0.0, f64::max)
+}
+
+fn ok(outs: &[Output]) {
+    for o in outs {
+        assert!(o.status.success(), "{}", common::show(o));
+    }
+}
+
+/// Each step from a process's first commit on is committed once, in order, up to the last.
+fn no_step_lost(ev: &[Value], id: usize) {
+    for pid in pids(ev) {
+        let steps: Vec<u64> =
+            of(ev, "commit").iter().filter(|e| e["pid"] == pid).map(|e| e["step"].as_u64().unwrap()).collect();
+        let want: Vec<u64> = (steps[0]..steps[0] + steps.len() as u64).collect();
+        assert_eq!(steps, want, "replica {id} (pid {pid}) committed steps out of order or twice");
+    }
+}
+
+fn pids(ev: &[Value]) -> Vec<Value> {
+    let mut p: Vec<Value> = Vec::new();
+    for e in ev {
+        if !p.contains(&e["pid"]) {
+            p.push(e["pid"].clone());
+        }
+    }
+    p
+}
+
+/// Seconds from the kill to the first step a survivor committed after it.
+fn recovery(ev: &[Value], killed_at: f64) -> f64 {
+    of(ev, "commit").iter().map(|e| e["t"].as_f64().unwrap()).find(|&t| t > killed_at).unwrap() - killed_at
+}
+
+fn killed_at(ev: &[Value]) -> f64 {
+    let k = of(ev, "kill");
+    assert_eq!(k.len(), 1, "one kill: {ev:?}");
+    k[0]["t"].as_f64().unwrap()
+}
+
+#[test]
+fn survivors_of_a_killed_replica_go_on_in_the_same_processes_and_lose_no_step() {
+    let _one = serial();
+    let d = tmp("kill");
+    let lh = lighthouse(2);
+    let r: Vec<Child> = (0..3)
+        .map(|id| {
+            let kill: &[&str] = if id == 2 { &["--kill-at-step", "8"] } else { &[] };
+            replica(&lh, &d, id, 0, kill, &[])
+        })
+        .collect();
+    let mut outs = common::wait_all(r, Duration::from_secs(180));
+    let killed = outs.pop().unwrap();
+    assert!(!killed.status.success(), "replica 2 was killed: {}", common::show(&killed));
+    ok(&outs);
+    let t_kill = killed_at(&events(&d, 2));
+    for id in 0..2 {
+        let ev = events(&d, id);
+        assert_eq!(pids(&ev).len(), 1, "replica {id} ran in one process: {ev:?}");
+        assert!(ev.iter().all(|e| e["restart"] == "0"), "replica {id} was never restarted");
+        no_step_lost(&ev, id);
+        let discarded: Vec<&Value> = of(&ev, "discard");
+        assert!(discarded.len() <= 1, "replica {id} redid {} steps: {discarded:?}", discarded.len());
+        let after = recovery(&ev, t_kill);
+        eprintln!(
+            "replica {id}: next step committed {after:.3} s after the kill; {} step(s) run again",
+            discarded.len()
+        );
+        assert!(after < 10.0, "replica {id} took {after:.1} s to commit a step after the kill");
+        // the steps after the kill are the two survivors' alone
+        let later: Vec<&Value> = of(&ev, "commit").into_iter().filter(|e| e["t"].as_f64().unwrap() > t_kill).collect();
+        assert!(later.iter().all(|e| e["members"] == serde_json::json!(["0", "1"])), "{later:?}");
+    }
+    let (a, b) = (state(&d, "r0.safetensors"), state(&d, "r1.safetensors"));
+    assert_identical(&a, &b, "the survivors");
+    let diff = max_diff(&a, &reference(&d, &[0, 1, 2]));
+    eprintln!("final state vs the replay of the logged membership: {diff:e}");
+    assert!(diff < 1e-6, "{diff:e}");
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+/// All three end with bit-identical parameters and optimizer state, equal to the replay.
+fn all_healed(d: &Path) {
+    let s: Vec<BTreeMap<String, Tensor>> = (0..3).map(|id| state(d, &format!("r{id}.safetensors"))).collect();
+    assert_identical(&s[0], &s[1], "replicas 0 and 1");
+    assert_identical(&s[0], &s[2], "replicas 0 and 2");
+    let diff = max_diff(&s[0], &reference(d, &[0, 1, 2]));
+    eprintln!("final state vs the replay of the logged membership: {diff:e}");
+    assert!(diff < 1e-6, "{diff:e}");
+}
+
+/// The restarted process of replica `id` took a healthy replica's state before its first commit.
+fn healed(ev: &[Value], id: usize) -> String {
+    let second = pids(ev)[1].clone();
+    let first = of(ev, "commit").into_iter().find(|e| e["pid"] == second).unwrap_or_else(|| panic!("{ev:?}"));
+    assert_eq!(first["restart"], "1");
+    let from = first["healed_from"].as_str().unwrap_or_else(|| panic!("replica {id} was not healed: {first}"));
+    assert_ne!(from, id.to_string());
+    from.to_string()
+}
+
+#[test]
+fn a_restarted_replica_is_healed_by_a_healthy_one_and_ends_identical() {
+    let _one = serial();
+    let d = tmp("heal");
+    let lh = lighthouse(2);
+    let r: Vec<Child> = (0..3)
+        .map(|id| {
+            let kill: &[&str] = if id == 2 { &["--kill-at-step", "6"] } else { &[] };
+            replica(&lh, &d, id, 1, kill, &[])
+        })
+        .collect();
+    ok(&common::wait_all(r, Duration::from_secs(180)));
+    let ev = events(&d, 2);
+    assert_eq!(pids(&ev).len(), 2, "replica 2 ran twice: {ev:?}");
+    let from = healed(&ev, 2);
+    eprintln!("replica 2 restarted and was healed by replica {from}");
+    for id in 0..2 {
+        assert_eq!(pids(&events(&d, id)).len(), 1, "replica {id} was never restarted");
+    }
+    all_healed(&d);
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+#[test]
+fn two_failures_in_a_row_are_survived_and_healed() {
+    let _one = serial();
+    let d = tmp("twice");
+    let lh = lighthouse(1);
+    let r: Vec<Child> = (0..3)
+        .map(|id| {
+            let kill: &[&str] = match id {
+                1 => &["--kill-at-step", "5"],
+                2 => &["--kill-at-step", "6"],
+                _ => &[],
+            };
+            replica(&lh, &d, id, 1, kill, &[])
+        })
+        .collect();
+    ok(&common::wait_all(r, Duration::from_secs(180)));
+    for id in 1..3 {
+        let ev = events(&d, id);
+        assert_eq!(of(&ev, "kill").len(), 1, "replica {id} was killed once");
+        healed(&ev, id);
+    }
+    assert_eq!(pids(&events(&d, 0)).len(), 1, "replica 0 was never restarted");
+    all_healed(&d);
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+#[test]
+fn a_replica_lost_while_it_sends_its_state_is_survived_too() {
+    let _one = serial();
+    let d = tmp("during-heal");
+    let lh = lighthouse(1);
+    // replica 2 dies and comes back; replica 0, the first to heal a replica behind after step 0 (the
+    // restarted one, or one that joined late), dies halfway through sending its state and comes back too
+    let fault = [("TCH_DIST_FT_FAULT", "kill-while-sending")];
+    let r: Vec<Child> = (0..3)
+        .map(|id| match id {
+            0 => replica(&lh, &d, id, 1, &[], &fault),
+            2 => replica(&lh, &d, id, 1, &["--kill-at-step", "6"], &[]),
+            _ => replica(&lh, &d, id, 1, &[], &[]),
+        })
+        .collect();
+    let outs = common::wait_all(r, Duration::from_secs(180));
+    ok(&outs);
+    assert!(
+        String::from_utf8_lossy(&outs[0].stderr).contains("fault injected"),
+        "replica 0 was not killed while sending: {}",
+        common::show(&outs[0])
+    );
+    assert_eq!(pids(&events(&d, 0)).len(), 2, "replica 0 ran twice");
+    all_healed(&d);
+    let _ = std::fs::remove_dir_all(&d);
+}
