@@ -97,16 +97,19 @@ fn now() -> f64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0)
 }
 
+/// This process's events (local rank 0 of a replica writes them; the others' would repeat them).
 struct Log(Option<std::fs::File>);
 
 impl Log {
     fn open(path: &Option<PathBuf>) -> std::io::Result<Log> {
+        let local0 = std::env::var("LOCAL_RANK").map_or(true, |r| r == "0");
         Ok(Log(match path {
-            Some(p) => Some(std::fs::OpenOptions::new().create(true).append(true).open(p)?),
-            None => None,
+            Some(p) if local0 => Some(std::fs::OpenOptions::new().create(true).append(true).open(p)?),
+            _ => None,
         }))
     }
     fn event(&mut self, mut v: serde_json::Value) {
+        v["replica"] = std::env::var("TCH_DIST_REPLICA_ID").unwrap_or_default().into();
         v["t"] = now().into();
         v["pid"] = std::process::id().into();
         v["restart"] = std::env::var("TORCHELASTIC_RESTART_COUNT").unwrap_or_default().into();
@@ -226,33 +229,55 @@ fn train(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
 /// Per committed step, the replicas whose batches made its gradient.
 type Schedule = Vec<(u64, Vec<String>)>;
 
-/// The steps the replicas' logs say were committed, with their members, in order. Every replica that
-/// committed a step names the same members; a step none committed is an error.
+/// The steps that made the final state, with their members, read from the replicas' logs. A process's
+/// state comes from its own commits back to where it was healed, and before that from the process it
+/// was healed from (the one of that replica that had committed the step before, by then): commits of a
+/// process that died before anyone took its state are not part of it.
 fn committed(paths: &[PathBuf]) -> Result<Schedule, Box<dyn std::error::Error>> {
-    let mut steps: std::collections::BTreeMap<u64, Vec<String>> = Default::default();
+    let mut events = Vec::new();
     for path in paths {
         for line in std::fs::read_to_string(path)?.lines() {
-            let v: serde_json::Value = serde_json::from_str(line)?;
-            if v["event"] == "commit" {
-                let s = v["step"].as_u64().ok_or("a commit without a step")?;
-                let m = v["members"].as_array().ok_or("a commit without members")?;
-                let m: Vec<String> = m.iter().filter_map(|x| x.as_str().map(String::from)).collect();
-                match steps.get(&s) {
-                    Some(seen) if *seen != m => {
-                        return Err(
-                            format!("{}: step {s} committed by {m:?}, elsewhere by {seen:?}", path.display()).into()
-                        )
-                    }
-                    _ => {
-                        steps.insert(s, m);
-                    }
-                }
-            }
+            events.push(serde_json::from_str::<serde_json::Value>(line)?);
         }
+    }
+    let num = |v: &serde_json::Value, k: &str| v[k].as_f64().ok_or_else(|| format!("an event without {k}: {v}"));
+    let done = events.iter().find(|e| e["event"] == "done").ok_or("no process finished")?;
+    let (mut replica, mut pid) = (done["replica"].clone(), done["pid"].clone());
+    let mut upto = u64::MAX;
+    let mut steps: std::collections::BTreeMap<u64, Vec<String>> = Default::default();
+    loop {
+        let mut mine: Vec<&serde_json::Value> = events
+            .iter()
+            .filter(|e| e["event"] == "commit" && e["replica"] == replica && e["pid"] == pid)
+            .filter(|e| e["step"].as_u64().is_some_and(|s| s < upto))
+            .collect();
+        mine.sort_by_key(|e| e["step"].as_u64());
+        let first = *mine.first().ok_or_else(|| format!("replica {replica} (pid {pid}) committed nothing"))?;
+        for e in &mine {
+            let m = e["members"].as_array().ok_or("a commit without members")?;
+            let m = m.iter().filter_map(|x| x.as_str().map(String::from)).collect();
+            steps.insert(e["step"].as_u64().ok_or("a commit without a step")?, m);
+        }
+        let step = first["step"].as_u64().ok_or("a commit without a step")?;
+        let from = &first["healed_from"];
+        if step == 0 || from.is_null() {
+            break; // from the initial parameters, which every replica draws alike
+        }
+        // the process of that replica that had committed the step before, last before the healing
+        let t = num(first, "t")?;
+        let source = events
+            .iter()
+            .filter(|e| e["event"] == "commit" && e["replica"] == *from && e["step"].as_u64() == Some(step - 1))
+            .filter(|e| e["t"].as_f64().is_some_and(|et| et < t))
+            .max_by(|a, b| a["t"].as_f64().partial_cmp(&b["t"].as_f64()).unwrap_or(std::cmp::Ordering::Equal))
+            .ok_or_else(|| {
+                format!("replica {replica} was healed from {from} at step {step}, which had not committed {}", step - 1)
+            })?;
+        (replica, pid, upto) = (source["replica"].clone(), source["pid"].clone(), step);
     }
     for (i, s) in steps.keys().enumerate() {
         if *s != i as u64 {
-            return Err(format!("step {i} was committed by no replica").into());
+            return Err(format!("step {i} is missing from the lineage of the final state").into());
         }
     }
     Ok(steps.into_iter().collect())

@@ -22,27 +22,42 @@ impl std::fmt::Debug for ReplicateHook {
     }
 }
 
+/// A cross-replica sum under way: into a copy of the bucket, so that a sum given up on (a replica lost)
+/// can never write into the gradients of a later step.
+struct Posted {
+    work: Work,
+    wire: tch::Tensor,
+}
+
 impl ReplicateHook {
     /// Starts the cross-replica sum of `t` (nothing to start when this step already failed, or when this
     /// replica is alone).
-    fn post(shared: &Shared, t: &mut tch::Tensor) -> Option<Work> {
+    fn post(shared: &Shared, t: &tch::Tensor) -> Result<Option<Posted>> {
         if shared.failed() || shared.participants.load(std::sync::atomic::Ordering::SeqCst) <= 1 {
-            return None;
+            return Ok(None);
         }
-        let g = shared.group()?;
-        match g.allreduce_unverified(t, ReduceOp::Sum) {
-            Ok(w) => Some(w),
+        let Some(g) = shared.group() else { return Ok(None) };
+        let mut wire = t.f_detach_copy()?;
+        match g.allreduce_unverified(&mut wire, ReduceOp::Sum) {
+            Ok(work) => Ok(Some(Posted { work, wire })),
             Err(e) => {
                 shared.fail(e);
-                None
+                Ok(None)
             }
         }
     }
 
-    fn finish(shared: &Shared, posted: Option<Work>, t: &mut tch::Tensor, ranks: usize) -> Result<()> {
-        if let Some(w) = posted {
-            if let Err(e) = w.wait() {
-                shared.fail(e);
+    fn finish(shared: &Shared, posted: Option<Posted>, t: &mut tch::Tensor, ranks: usize) -> Result<()> {
+        if let Some(p) = posted {
+            // once the step has failed, later buckets are not waited for: their sums may never end
+            if shared.failed() {
+                return Ok(());
+            }
+            match p.work.wait() {
+                Ok(()) => {
+                    t.f_copy_(&p.wire)?;
+                }
+                Err(e) => shared.fail(e),
             }
         }
         if !shared.failed() {
@@ -60,13 +75,13 @@ impl CommHook for ReplicateHook {
         let ranks = inner.size();
         if ranks == 1 {
             // one rank per replica: the cross-replica sum starts now and overlaps the rest of backward
-            let posted = Self::post(&shared, &mut t);
+            let posted = Self::post(&shared, &t)?;
             return Ok(HookFuture::ready().then(move || Self::finish(&shared, posted, &mut t, 1)));
         }
         // a failure of the replica's own ranks is this replica's end, raised as it is
         let work = inner.allreduce_unverified(&mut t.shallow_clone(), ReduceOp::Sum)?;
         Ok(HookFuture::after(work).then(move || {
-            let posted = Self::post(&shared, &mut t);
+            let posted = Self::post(&shared, &t)?;
             Self::finish(&shared, posted, &mut t, ranks)
         }))
     }

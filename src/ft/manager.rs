@@ -54,7 +54,9 @@ impl ManagerConfig {
     }
 
     /// From `TCH_DIST_REPLICA_ID` and `TCH_DIST_LIGHTHOUSE` (as `tchrun --replica-id --lighthouse` set
-    /// them); `TCH_DIST_FT_TIMEOUT_SECS` sets the timeout, `TCH_DIST_HOSTNAME` the address to bind.
+    /// them). Also read: `TCH_DIST_FT_TIMEOUT_SECS` (`timeout`), `TCH_DIST_FT_QUORUM_TIMEOUT_SECS`,
+    /// `TCH_DIST_FT_PEER_HEARTBEAT_SECS` (`peer_heartbeat_timeout`) and `TCH_DIST_HOSTNAME` (`hostname`,
+    /// from `tchrun --local-addr`).
     pub fn from_env() -> Result<Self> {
         let var = |v: &str| {
             std::env::var(v).ok().filter(|s| !s.trim().is_empty()).ok_or_else(|| Error::Env {
@@ -63,14 +65,19 @@ impl ManagerConfig {
             })
         };
         let mut c = ManagerConfig::new(&var("TCH_DIST_REPLICA_ID")?, &var("TCH_DIST_LIGHTHOUSE")?);
-        if let Ok(v) = std::env::var("TCH_DIST_FT_TIMEOUT_SECS") {
-            let s: f64 =
-                v.trim().parse().ok().filter(|s: &f64| *s > 0.0 && s.is_finite()).ok_or_else(|| Error::Env {
-                    var: "TCH_DIST_FT_TIMEOUT_SECS".into(),
+        let secs = |name: &str, into: &mut Duration| -> Result<()> {
+            if let Ok(v) = std::env::var(name) {
+                let s = v.trim().parse::<f64>().ok().filter(|s| *s > 0.0 && s.is_finite());
+                *into = Duration::from_secs_f64(s.ok_or_else(|| Error::Env {
+                    var: name.into(),
                     msg: format!("{v:?} is not a positive number of seconds"),
-                })?;
-            c.timeout = Duration::from_secs_f64(s);
-        }
+                })?);
+            }
+            Ok(())
+        };
+        secs("TCH_DIST_FT_TIMEOUT_SECS", &mut c.timeout)?;
+        secs("TCH_DIST_FT_QUORUM_TIMEOUT_SECS", &mut c.quorum_timeout)?;
+        secs("TCH_DIST_FT_PEER_HEARTBEAT_SECS", &mut c.peer_heartbeat_timeout)?;
         c.hostname = std::env::var("TCH_DIST_HOSTNAME").ok().filter(|s| !s.trim().is_empty());
         Ok(c)
     }
@@ -376,8 +383,11 @@ impl Manager {
     fn retire_group(&mut self) {
         let old = self.shared.group.lock().ok().and_then(|mut g| g.take());
         if let Some(g) = old {
-            g.leave();
-            let _ = std::thread::Builder::new().name("tdx-ft-retire".into()).spawn(move || drop(g));
+            // the store may be out of reach (this replica cut off): neither call may hold up the caller
+            let _ = std::thread::Builder::new().name("tdx-ft-retire".into()).spawn(move || {
+                g.leave();
+                drop(g)
+            });
         }
     }
 }

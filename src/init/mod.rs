@@ -57,7 +57,8 @@ impl InitOptions {
     /// Reads `RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT` as `torchrun` sets them. With `LOCAL_RANK`
     /// set and CUDA available, the device is `cuda:LOCAL_RANK`, which [`ProcessGroup::init`] makes the
     /// current device; else CPU. `TCH_DIST_TIMEOUT_SECS` and
-    /// `TCH_DIST_BACKEND` override the timeout and backend.
+    /// `TCH_DIST_BACKEND` override the timeout and backend; `TCH_DIST_HOSTNAME` (`tchrun --local-addr`) is
+    /// the address Gloo binds.
     pub fn from_env() -> Result<Self> {
         let rank: usize = env_num("RANK")?;
         let world_size: usize = env_num("WORLD_SIZE")?;
@@ -88,6 +89,7 @@ impl InitOptions {
         }
         // a bad value is named here; groups read the variable again for their default
         crate::group::heartbeat_timeout_from_env()?;
+        o.hostname = std::env::var("TCH_DIST_HOSTNAME").ok().filter(|h| !h.trim().is_empty());
         if let Ok(v) = std::env::var("TCH_DIST_BACKEND") {
             o.backend = Some(v.parse().map_err(|_| Error::Env {
                 var: "TCH_DIST_BACKEND".into(),

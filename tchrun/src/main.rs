@@ -54,7 +54,8 @@ struct Cli {
     /// Elastic: seconds without a heartbeat after which a node is taken as lost.
     #[arg(long, default_value_t = 15.0)]
     rdzv_heartbeat_timeout: f64,
-    /// Elastic: the address this node's workers are reached at (default: the route to the endpoint).
+    /// The address this node's workers are reached at: their Gloo groups bind it (TCH_DIST_HOSTNAME), and
+    /// elastic rounds advertise it (default there: the route to the endpoint).
     #[arg(long)]
     local_addr: Option<String>,
     /// Address of rank 0's node, where the TCPStore listens.
@@ -243,6 +244,7 @@ fn main() {
             .iter()
             .map(|r| ("TCH_DIST_REPLICA_ID".to_string(), r.clone()))
             .chain(cli.lighthouse.iter().map(|l| ("TCH_DIST_LIGHTHOUSE".to_string(), l.clone())))
+            .chain(cli.local_addr.iter().map(|a| ("TCH_DIST_HOSTNAME".to_string(), a.clone())))
             .collect(),
     };
     let result = launch::run(&cfg);

@@ -293,3 +293,120 @@ fn a_replica_lost_while_it_sends_its_state_is_survived_too() {
     all_healed(&d);
     let _ = std::fs::remove_dir_all(&d);
 }
+
+/// Nodes on shaped links (`scripts/shaped-links.sh`), removed when dropped.
+struct Links {
+    name: String,
+}
+
+impl Links {
+    /// `None` (the test says it is skipped) where this machine cannot make them.
+    fn up(nodes: usize, rate: &str) -> Option<Links> {
+        let script = common::repo_path("scripts/shaped-links.sh");
+        if !Command::new(&script).arg("check").status().is_ok_and(|s| s.success()) {
+            eprintln!("skipped: no network namespaces with tc tbf here (root, ip and tc are needed)");
+            return None;
+        }
+        let name = format!("tdxft{}", std::process::id());
+        let st = Command::new(&script).args(["up", &name, &nodes.to_string(), rate]).status().unwrap();
+        assert!(st.success(), "shaped-links.sh up failed");
+        Some(Links { name })
+    }
+    /// `cmd` run on node `k` (1-based).
+    fn on(&self, k: usize, cmd: &mut Command) -> Command {
+        let mut c = Command::new(common::repo_path("scripts/shaped-links.sh"));
+        c.args(["exec", &self.name, &k.to_string()]).arg(cmd.get_program()).args(cmd.get_args());
+        for (k, v) in cmd.get_envs() {
+            if let Some(v) = v {
+                c.env(k, v);
+            }
+        }
+        c.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+        c
+    }
+    fn links(&self, k: usize, how: &str) {
+        let st =
+            Command::new(common::repo_path("scripts/shaped-links.sh")).args([how, &self.name, &k.to_string()]).status();
+        assert!(st.unwrap().success(), "shaped-links.sh {how} {k}");
+    }
+}
+
+impl Drop for Links {
+    fn drop(&mut self) {
+        let _ = Command::new(common::repo_path("scripts/shaped-links.sh")).args(["down", &self.name]).status();
+    }
+}
+
+/// Waits until replica `id` has committed `step`.
+fn until_step(d: &Path, id: usize, step: u64) {
+    let start = std::time::Instant::now();
+    while !of(&events(d, id), "commit").iter().any(|e| e["step"].as_u64() >= Some(step)) {
+        assert!(start.elapsed() < Duration::from_secs(60), "replica {id} did not reach step {step}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn a_replica_cut_off_by_the_network_stops_and_the_others_go_on_without_a_second_quorum() {
+    let _one = serial();
+    let Some(net) = Links::up(3, "1gbit") else { return };
+    let d = tmp("partition");
+    // the lighthouse on node 1, replica k on node k + 1
+    let mut lh = net.on(
+        1,
+        Command::new(common::tchrun()).args(["lighthouse", "--bind", "127.0.1.1:29510", "--heartbeat-timeout", "2"]),
+    );
+    let mut lh = lh.stdout(Stdio::null()).stderr(Stdio::inherit()).spawn().unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    let r: Vec<Child> = (0..3)
+        .map(|id| {
+            let node = id + 1;
+            let mut c = Command::new(common::tchrun());
+            c.args(["--standalone", "--nproc-per-node", "1", "--grace-secs", "1"])
+                .args(["--local-addr", &format!("127.0.{node}.1"), "--replica-id", &id.to_string()])
+                .args(["--lighthouse", "127.0.1.1:29510", "--"])
+                .arg(common::example("ft_ddp"))
+                .args(["--steps", &STEPS.to_string(), "--f64", "--hidden", "128", "--step-ms", "60", "--log"])
+                .arg(d.join(format!("r{id}.log")))
+                .arg("--out")
+                .arg(d.join(format!("r{id}.safetensors")))
+                .env("TCH_DIST_FT_TIMEOUT_SECS", "10")
+                .env("TCH_DIST_FT_QUORUM_TIMEOUT_SECS", "8")
+                .env("TCH_DIST_FT_PEER_HEARTBEAT_SECS", "3");
+            net.on(node, &mut c).spawn().unwrap()
+        })
+        .collect();
+    until_step(&d, 2, 8);
+    net.links(3, "cut");
+    let cut_at = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs_f64();
+    let mut outs = common::wait_all(r, Duration::from_secs(180));
+    let _ = lh.kill();
+    let _ = lh.wait();
+    let cut = outs.pop().unwrap();
+    ok(&outs);
+    let text = common::show(&cut);
+    assert!(!cut.status.success() && text.contains("cut off"), "the cut replica fails cleanly: {text}");
+    eprintln!("the cut replica: {text}");
+    // no split brain: the cut replica commits nothing after the cut, and a step it and the others both
+    // committed had the same members
+    let (r0, r2) = (events(&d, 0), events(&d, 2));
+    for c in of(&r2, "commit") {
+        assert!(c["t"].as_f64().unwrap() < cut_at, "replica 2 committed after the cut: {c}");
+        for e in of(&r0, "commit").iter().filter(|e| e["step"] == c["step"]) {
+            assert_eq!(e["members"], c["members"], "step {} committed by two quorums", c["step"]);
+        }
+    }
+    for id in 0..2 {
+        let ev = events(&d, id);
+        no_step_lost(&ev, id);
+        let after = recovery(&ev, cut_at);
+        let failed = of(&ev, "discard").iter().map(|e| e["t"].as_f64().unwrap() - cut_at).find(|&t| t > 0.0);
+        eprintln!("replica {id}: its step failed {failed:.2?} s after the cut, the next committed {after:.2} s after");
+    }
+    let (a, b) = (state(&d, "r0.safetensors"), state(&d, "r1.safetensors"));
+    assert_identical(&a, &b, "the replicas on the connected side");
+    let diff = max_diff(&a, &reference(&d, &[0, 1, 2]));
+    assert!(diff < 1e-6, "{diff:e}");
+    drop(net);
+    let _ = std::fs::remove_dir_all(&d);
+}
