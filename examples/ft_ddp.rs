@@ -10,10 +10,15 @@
 //! Each replica trains on its own batches (drawn from its replica id, local rank and step), and the
 //! gradient of a step is the mean over the replicas that took part. `--log` gets one JSON line per event:
 //! `commit` (a step counted, with the quorum's members), `discard` (a step run again), `kill`.
-//! `--out` gets the final parameters and optimizer state (`model/*`, `optim/*`).
+//! `--out` gets the final parameters and optimizer state (`model/*`, `optim/*`; local rank L > 0 of a
+//! replica writes `OUT.rankL`).
 //!
 //! `--reference LOG...` replays in one process what the replicas' logs say happened (per step, the members
 //! whose batches made the gradient) and writes the result to `--out`: the fault-tolerant run must equal it.
+//!
+//! `--restart-from CKPT` trains the same way as one DDP job of all ranks, checkpointing every `--every`
+//! steps: the baseline, whose only recovery is `tchrun --max-restarts` restarting every worker (there
+//! `--kill-at-step` kills the last rank).
 //!
 //! `--kill-at-step S` SIGKILLs this replica in the middle of the backward of step S (on its first start
 //! only; a restarted one goes on): some gradient buckets are already being reduced across replicas.
@@ -59,6 +64,13 @@ struct Args {
     /// With --reference: ranks per replica in the run being replayed
     #[arg(long, default_value_t = 1)]
     ranks_per_replica: usize,
+    /// For comparison: train as one DDP job of all ranks (rank R draws replica R's batches), whose only
+    /// recovery is tchrun's restart of every worker from this checkpoint
+    #[arg(long)]
+    restart_from: Option<PathBuf>,
+    /// With --restart-from: save the checkpoint every this many steps
+    #[arg(long, default_value_t = 5)]
+    every: u64,
 }
 
 const IN: i64 = 32;
@@ -103,9 +115,16 @@ struct Log(Option<std::fs::File>);
 impl Log {
     fn open(path: &Option<PathBuf>) -> std::io::Result<Log> {
         let local0 = std::env::var("LOCAL_RANK").map_or(true, |r| r == "0");
+        if local0 {
+            Self::open_any_rank(path)
+        } else {
+            Ok(Log(None))
+        }
+    }
+    fn open_any_rank(path: &Option<PathBuf>) -> std::io::Result<Log> {
         Ok(Log(match path {
-            Some(p) if local0 => Some(std::fs::OpenOptions::new().create(true).append(true).open(p)?),
-            _ => None,
+            Some(p) => Some(std::fs::OpenOptions::new().create(true).append(true).open(p)?),
+            None => None,
         }))
     }
     fn event(&mut self, mut v: serde_json::Value) {
@@ -136,7 +155,7 @@ impl CommHook for KillMidBackward {
         let first_start = std::env::var("TORCHELASTIC_RESTART_COUNT").map_or(true, |c| c == "0");
         let step = self.step.load(Ordering::SeqCst);
         if first_start && self.at == Some(step) && bucket.index() == 1.min(bucket_count(bucket) - 1) {
-            if let Ok(mut l) = Log::open(&self.log) {
+            if let Ok(mut l) = Log::open_any_rank(&self.log) {
                 l.event(serde_json::json!({"event": "kill", "step": step, "bucket": bucket.index()}));
             }
             // SAFETY: raising a signal on this process has no memory-safety preconditions.
@@ -220,9 +239,71 @@ fn train(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
         opt.zero_grad()?;
     }
     if let Some(out) = &args.out {
-        checkpoint::write_atomic(out, manager.step(), &state(&vs, &opt))?;
+        // local rank 0 writes OUT, rank L OUT.rankL
+        let path = if local == 0 { out.clone() } else { PathBuf::from(format!("{}.rank{local}", out.display())) };
+        checkpoint::write_atomic(&path, manager.step(), &state(&vs, &opt))?;
     }
     log.event(serde_json::json!({"event": "done", "step": manager.step()}));
+    Ok(())
+}
+
+/// The same training as one DDP job, without fault tolerance: a lost rank stops every rank, tchrun
+/// restarts them all, and they resume from the last checkpoint.
+fn restart_baseline(args: &Args, ckpt: &std::path::Path) -> Result<(), Box<dyn std::error::Error>> {
+    let kind = kind(args);
+    let pg = Arc::new(ProcessGroup::from_env()?);
+    let rank = pg.rank();
+    let mut log = Log::open(&args.log)?;
+    tch::manual_seed(0);
+    let mut vs = nn::VarStore::new(Device::Cpu);
+    let net = model(&vs, args);
+    vs.set_kind(kind);
+    let mut opt = AdamW::new(vs.trainable_variables(), 1e-3);
+    let mut start = 0;
+    if ckpt.exists() {
+        let (step, saved) = checkpoint::read(ckpt)?;
+        let vars = vs.variables();
+        let mut optim = Vec::new();
+        for (k, t) in saved {
+            if let Some(v) = k.strip_prefix("model/").and_then(|n| vars.get(n)) {
+                let _g = tch::no_grad_guard();
+                v.shallow_clone().f_copy_(&t)?;
+            } else if let Some(key) = k.strip_prefix("optim/") {
+                optim.push((key.to_string(), t));
+            }
+        }
+        opt.load_state_dict(&optim)?;
+        start = step;
+        log.event(serde_json::json!({"event": "resumed", "step": step}));
+    }
+    let step = Arc::new(AtomicU64::new(start));
+    let hook = Arc::new(KillMidBackward {
+        inner: tch_dist::ddp::comm_hook::allreduce(),
+        step: step.clone(),
+        // the last rank, as replica 2 of three
+        at: args.kill_at_step.filter(|_| rank + 1 == pg.size()),
+        log: args.log.clone(),
+    });
+    let opts =
+        DdpOptions::default().process_group(pg.clone()).comm_hook(hook).bucket_cap_mb(0.1).first_bucket_bytes(64 << 10);
+    let ddp = DistributedDataParallel::new(&vs, net, opts)?;
+    let members: Vec<String> = (0..pg.size()).map(|r| r.to_string()).collect();
+    for s in start..args.steps {
+        step.store(s, Ordering::SeqCst);
+        let (x, y) = batch(rank as u64, 0, s, kind);
+        std::thread::sleep(std::time::Duration::from_millis(args.step_ms));
+        ddp.backward(&ddp.forward_with(|m| loss(m, &x, &y))?)?;
+        opt.step()?;
+        opt.zero_grad()?;
+        log.event(serde_json::json!({"event": "commit", "step": s, "members": members}));
+        if (s + 1) % args.every == 0 {
+            if rank == 0 {
+                checkpoint::write_atomic(ckpt, s + 1, &state(&vs, &opt))?;
+            }
+            pg.barrier()?;
+        }
+    }
+    log.event(serde_json::json!({"event": "done", "step": args.steps}));
     Ok(())
 }
 
@@ -316,7 +397,11 @@ fn reference(args: &Args, logs: &[PathBuf]) -> Result<(), Box<dyn std::error::Er
 
 fn main() {
     let args = Args::parse();
-    let r = if args.reference.is_empty() { train(&args) } else { reference(&args, &args.reference) };
+    let r = match (&args.restart_from, args.reference.is_empty()) {
+        (Some(ckpt), _) => restart_baseline(&args, ckpt),
+        (None, true) => train(&args),
+        (None, false) => reference(&args, &args.reference),
+    };
     if let Err(e) = r {
         eprintln!("ft_ddp: {e}");
         std::process::exit(1);

@@ -62,8 +62,10 @@ struct Shared {
 
 #[derive(Default)]
 struct State {
-    /// Live replicas: the last message's time, and the connection it came on.
-    beats: HashMap<String, (Instant, u64)>,
+    /// Live replicas: when each was last heard from.
+    beats: HashMap<String, Instant>,
+    /// Each replica's open connections: when the last one closes, its process has ended.
+    conns: HashMap<String, std::collections::HashSet<u64>>,
     /// Replicas waiting for the next quorum: their step and whether they asked for a new group.
     waiting: BTreeMap<String, (u64, bool)>,
     first_wait: Option<Instant>,
@@ -169,7 +171,7 @@ fn serve(stream: TcpStream, conn: u64, shared: Arc<Shared>) {
     while let Ok(Some(req)) = read_line::<Request>(&mut reader) {
         let answer = match req {
             Request::Heartbeat { replica: r } => {
-                lock(&shared).beats.insert(r.clone(), (Instant::now(), conn));
+                lock(&shared).heard(&r, conn);
                 shared.changed.notify_all();
                 replica = Some(r);
                 Response::Ok
@@ -183,11 +185,16 @@ fn serve(stream: TcpStream, conn: u64, shared: Arc<Shared>) {
             break;
         }
     }
-    // the connection ended: a replica whose latest message came on it is gone (its process ended, or it
+    // the connection ended: a replica with no other connection open is gone (its process ended, or it
     // will reconnect and be live again)
     if let Some(r) = replica {
         let mut st = lock(&shared);
-        if st.beats.get(&r).is_some_and(|&(_, c)| c == conn) {
+        let last = st.conns.get_mut(&r).is_some_and(|c| {
+            c.remove(&conn);
+            c.is_empty()
+        });
+        if last {
+            st.conns.remove(&r);
             st.beats.remove(&r);
         }
         drop(st);
@@ -195,18 +202,21 @@ fn serve(stream: TcpStream, conn: u64, shared: Arc<Shared>) {
     }
 }
 
+impl State {
+    fn heard(&mut self, replica: &str, conn: u64) {
+        self.beats.insert(replica.to_string(), Instant::now());
+        self.conns.entry(replica.to_string()).or_default().insert(conn);
+    }
+}
+
 fn live(st: &State, cfg: &LighthouseConfig, now: Instant) -> std::collections::BTreeSet<String> {
-    st.beats
-        .iter()
-        .filter(|(_, (t, _))| now.duration_since(*t) < cfg.heartbeat_timeout)
-        .map(|(r, _)| r.clone())
-        .collect()
+    st.beats.iter().filter(|(_, t)| now.duration_since(**t) < cfg.heartbeat_timeout).map(|(r, _)| r.clone()).collect()
 }
 
 /// Waits until a quorum including `replica` forms (or the lighthouse stops).
 fn quorum(shared: &Shared, conn: u64, replica: String, step: u64, reconfigure: bool) -> Response {
     let mut st = lock(shared);
-    st.beats.insert(replica.clone(), (Instant::now(), conn));
+    st.heard(&replica, conn);
     st.answers.remove(&replica);
     st.waiting.insert(replica.clone(), (step, reconfigure));
     st.first_wait.get_or_insert_with(Instant::now);
@@ -264,4 +274,116 @@ fn try_form(st: &mut State, shared: &Shared) {
     st.first_wait = None;
     st.last_members = names;
     shared.changed.notify_all();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ft::wire::Connection;
+
+    fn start(min: usize, heartbeat: Duration) -> Lighthouse {
+        Lighthouse::start(LighthouseConfig {
+            min_replicas: min,
+            heartbeat_timeout: heartbeat,
+            join_timeout: Duration::from_secs(30),
+            ..Default::default()
+        })
+        .unwrap()
+    }
+
+    fn conn(l: &Lighthouse) -> Connection {
+        Connection::open(&l.addr(), Duration::from_secs(2)).unwrap()
+    }
+
+    fn beat(c: &mut Connection, r: &str) {
+        assert!(matches!(c.call(&Request::Heartbeat { replica: r.into() }, Duration::from_secs(2)), Ok(Response::Ok)));
+    }
+
+    /// Asks for a quorum on a thread of its own; the answer comes through the handle.
+    fn ask(l: &Lighthouse, r: &str, step: u64, reconfigure: bool) -> std::thread::JoinHandle<Response> {
+        let mut c = conn(l);
+        let r = r.to_string();
+        std::thread::spawn(move || {
+            c.call(&Request::Quorum { replica: r, step, reconfigure }, Duration::from_secs(20)).unwrap()
+        })
+    }
+
+    fn quorum(h: std::thread::JoinHandle<Response>) -> Quorum {
+        match h.join().unwrap() {
+            Response::Quorum(q) => q,
+            other => panic!("no quorum: {other:?}"),
+        }
+    }
+
+    fn names(q: &Quorum) -> Vec<&str> {
+        q.members.iter().map(|m| m.replica.as_str()).collect()
+    }
+
+    #[test]
+    fn a_quorum_forms_once_every_live_replica_asked_and_keeps_its_id_while_members_stay() {
+        let l = start(1, Duration::from_secs(5));
+        let mut hb = conn(&l);
+        for r in ["a", "b", "c"] {
+            beat(&mut hb, r);
+        }
+        let (a, b) = (ask(&l, "a", 3, false), ask(&l, "b", 4, false));
+        std::thread::sleep(Duration::from_millis(200));
+        assert!(!a.is_finished() && !b.is_finished(), "c is live and has not asked");
+        let c = ask(&l, "c", 4, false);
+        let (qa, qb, qc) = (quorum(a), quorum(b), quorum(c));
+        assert!(qa == qb && qb == qc, "every member gets the same quorum");
+        assert_eq!(names(&qa), ["a", "b", "c"]);
+        assert_eq!(qa.members[0].step, 3);
+        assert_eq!(qa.max_step(), 4);
+        let next: Vec<_> = ["a", "b", "c"].iter().map(|r| ask(&l, r, 5, false)).collect();
+        let q2: Vec<Quorum> = next.into_iter().map(quorum).collect();
+        assert_eq!(q2[0].id, qa.id, "same members, same group");
+        let again: Vec<_> = ["a", "b", "c"].iter().map(|r| ask(&l, r, 5, *r == "b")).collect();
+        let q3: Vec<Quorum> = again.into_iter().map(quorum).collect();
+        assert_eq!(q3[0].id, qa.id + 1, "a member that failed its step asks for a new group");
+    }
+
+    #[test]
+    fn a_replica_whose_process_ends_is_lost_at_once_and_one_that_stops_beating_after_the_timeout() {
+        let l = start(1, Duration::from_millis(800));
+        let mut gone = conn(&l);
+        beat(&mut gone, "gone");
+        let mut silent = conn(&l);
+        beat(&mut silent, "silent");
+        let mut hb = conn(&l);
+        beat(&mut hb, "a");
+        assert_eq!(l.live_replicas(), ["a", "gone", "silent"]);
+        drop(gone); // its connection closes, as when the process dies
+        std::thread::sleep(Duration::from_millis(100));
+        assert_eq!(l.live_replicas(), ["a", "silent"], "lost at once, not after the heartbeat timeout");
+        let t = Instant::now();
+        let a = ask(&l, "a", 0, false);
+        // "silent" keeps its connection open but sends nothing: taken as lost after the heartbeat timeout
+        let q = quorum(a);
+        assert_eq!(names(&q), ["a"]);
+        let waited = t.elapsed();
+        assert!(waited >= Duration::from_millis(400), "the silent replica was waited for: {waited:?}");
+        assert!(l.live_replicas().iter().all(|r| r == "a"), "{:?}", l.live_replicas());
+        drop(silent);
+    }
+
+    #[test]
+    fn no_quorum_forms_below_min_replicas() {
+        let l = start(2, Duration::from_secs(5));
+        let a = ask(&l, "a", 0, false);
+        std::thread::sleep(Duration::from_millis(300));
+        assert!(!a.is_finished(), "one replica of at least two");
+        let b = ask(&l, "b", 0, false);
+        assert_eq!(names(&quorum(a)), ["a", "b"]);
+        assert_eq!(names(&quorum(b)), ["a", "b"]);
+    }
+
+    #[test]
+    fn a_bad_config_is_refused() {
+        let e = Lighthouse::start(LighthouseConfig { min_replicas: 0, ..Default::default() }).err().unwrap();
+        assert!(e.to_string().contains("min_replicas"), "{e}");
+        let e =
+            Lighthouse::start(LighthouseConfig { bind: "not an address".into(), ..Default::default() }).err().unwrap();
+        assert!(e.to_string().contains("not an address"), "{e}");
+    }
 }

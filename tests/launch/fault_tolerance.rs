@@ -59,8 +59,21 @@ fn lighthouse(min_replicas: usize) -> Lighthouse {
 
 /// Replica `id` (one rank) under its own tchrun, restarted at most `restarts` times.
 fn replica(lh: &Lighthouse, d: &Path, id: usize, restarts: usize, args: &[&str], env: &[(&str, &str)]) -> Child {
+    replica_of(lh, d, id, 1, restarts, args, env)
+}
+
+/// Replica `id` of `ranks` ranks (DDP among them).
+fn replica_of(
+    lh: &Lighthouse,
+    d: &Path,
+    id: usize,
+    ranks: usize,
+    restarts: usize,
+    args: &[&str],
+    env: &[(&str, &str)],
+) -> Child {
     let mut c = Command::new(common::tchrun());
-    c.args(["--standalone", "--nproc-per-node", "1", "--grace-secs", "1"])
+    c.args(["--standalone", "--nproc-per-node", &ranks.to_string(), "--grace-secs", "1"])
         .args(["--max-restarts", &restarts.to_string(), "--replica-id", &id.to_string(), "--lighthouse", &lh.addr])
         .arg("--")
         .arg(common::example("ft_ddp"))
@@ -94,8 +107,13 @@ fn state(d: &Path, name: &str) -> BTreeMap<String, Tensor> {
 
 /// The one-process replay of what the replicas' logs say happened.
 fn reference(d: &Path, ids: &[usize]) -> BTreeMap<String, Tensor> {
+    reference_of(d, ids, 1)
+}
+
+fn reference_of(d: &Path, ids: &[usize], ranks: usize) -> BTreeMap<String, Tensor> {
     let mut c = Command::new(common::example("ft_ddp"));
-    c.args(["--steps", &STEPS.to_string(), "--f64", "--hidden", "128", "--reference"]);
+    c.args(["--steps", &STEPS.to_string(), "--f64", "--hidden", "128", "--ranks-per-replica", &ranks.to_string()]);
+    c.arg("--reference");
     for id in ids {
         c.arg(d.join(format!("r{id}.log")));
     }
@@ -136,14 +154,9 @@ fn no_step_lost(ev: &[Value], id: usize) {
     }
 }
 
+/// The processes (local rank 0 of each start) that logged, in order.
 fn pids(ev: &[Value]) -> Vec<Value> {
-    let mut p: Vec<Value> = Vec::new();
-    for e in ev {
-        if !p.contains(&e["pid"]) {
-            p.push(e["pid"].clone());
-        }
-    }
-    p
+    of(ev, "start").iter().map(|e| e["pid"].clone()).collect()
 }
 
 /// Seconds from the kill to the first step a survivor committed after it.
@@ -195,6 +208,37 @@ fn survivors_of_a_killed_replica_go_on_in_the_same_processes_and_lose_no_step() 
     let diff = max_diff(&a, &reference(&d, &[0, 1, 2]));
     eprintln!("final state vs the replay of the logged membership: {diff:e}");
     assert!(diff < 1e-6, "{diff:e}");
+
+    // the same kill in one DDP job of three ranks: tchrun restarts them all from the last checkpoint
+    let ft = recovery(&events(&d, 0), t_kill);
+    let job = Command::new(common::tchrun())
+        .args(["--standalone", "--nproc-per-node", "3", "--max-restarts", "1", "--grace-secs", "1", "--"])
+        .arg(common::example("ft_ddp"))
+        .args(["--steps", &STEPS.to_string(), "--f64", "--hidden", "128", "--step-ms", "60", "--kill-at-step", "8"])
+        .args(["--every", "5", "--restart-from"])
+        .arg(d.join("baseline.ckpt"))
+        .arg("--log")
+        .arg(d.join("baseline.log"))
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(job.status.success(), "{}", common::show(&job));
+    let text = std::fs::read_to_string(d.join("baseline.log")).unwrap();
+    let ev: Vec<Value> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let t_kill = killed_at(&ev);
+    let commits = of(&ev, "commit");
+    let before = commits.iter().filter(|e| e["t"].as_f64().unwrap() < t_kill).count();
+    let after: Vec<&&Value> = commits.iter().filter(|e| e["t"].as_f64().unwrap() > t_kill).collect();
+    let redone = after.iter().filter(|e| e["step"].as_u64().unwrap() < before as u64).count();
+    let next = after[0]["t"].as_f64().unwrap() - t_kill;
+    let regained =
+        after.iter().find(|e| e["step"].as_u64() == Some(before as u64)).unwrap()["t"].as_f64().unwrap() - t_kill;
+    eprintln!(
+        "elastic restart: next step {next:.2} s after the kill, {redone} committed step(s) run again, back at \
+         step {before} after {regained:.2} s; fault tolerance: next step after {ft:.2} s, no committed step run \
+         again (both run the interrupted step again)"
+    );
+    assert_eq!(redone, 3, "the restart resumes from the checkpoint of step 5 and runs steps 5-7 again");
     let _ = std::fs::remove_dir_all(&d);
 }
 
@@ -408,5 +452,31 @@ fn a_replica_cut_off_by_the_network_stops_and_the_others_go_on_without_a_second_
     let diff = max_diff(&a, &reference(&d, &[0, 1, 2]));
     assert!(diff < 1e-6, "{diff:e}");
     drop(net);
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+#[test]
+fn replicas_of_two_ranks_each_survive_a_loss_and_heal() {
+    let _one = serial();
+    let d = tmp("two-ranks");
+    let lh = lighthouse(2);
+    let r: Vec<Child> = (0..3)
+        .map(|id| {
+            let kill: &[&str] = if id == 2 { &["--kill-at-step", "6"] } else { &[] };
+            replica_of(&lh, &d, id, 2, 1, kill, &[])
+        })
+        .collect();
+    ok(&common::wait_all(r, Duration::from_secs(180)));
+    let from = healed(&events(&d, 2), 2);
+    eprintln!("replica 2 (2 ranks) restarted and was healed by replica {from}");
+    let first = state(&d, "r0.safetensors");
+    for id in 0..3 {
+        for name in [format!("r{id}.safetensors"), format!("r{id}.safetensors.rank1")] {
+            assert_identical(&first, &state(&d, &name), &name);
+        }
+    }
+    let diff = max_diff(&first, &reference_of(&d, &[0, 1, 2], 2));
+    eprintln!("final state vs the replay of the logged membership: {diff:e}");
+    assert!(diff < 1e-6, "{diff:e}");
     let _ = std::fs::remove_dir_all(&d);
 }
