@@ -259,6 +259,18 @@ fn healed(ev: &[Value], id: usize) -> String {
     assert_eq!(first["restart"], "1");
     let from = first["healed_from"].as_str().unwrap_or_else(|| panic!("replica {id} was not healed: {first}"));
     assert_ne!(from, id.to_string());
+    if let Some(k) = of(ev, "kill").first() {
+        let t = |e: &Value| e["t"].as_f64().unwrap() - k["t"].as_f64().unwrap();
+        let start = of(ev, "start").into_iter().find(|e| e["pid"] == second).unwrap();
+        eprintln!(
+            "replica {id}: killed at step {}, restarted {:.2} s later, healed by replica {from} at step {} and \
+             committed it {:.2} s after the kill",
+            k["step"],
+            t(start),
+            first["step"],
+            t(first)
+        );
+    }
     from.to_string()
 }
 
