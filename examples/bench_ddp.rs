@@ -23,6 +23,9 @@ struct Args {
     /// bucket_cap_mb (PyTorch's default when absent).
     #[arg(long)]
     bucket_mb: Option<f64>,
+    /// A compression hook: fp16 or bf16 (PyTorch's fp16_compress_hook, bf16_compress_hook).
+    #[arg(long)]
+    hook: Option<String>,
 }
 
 const DIMS: [i64; 4] = [1024, 4096, 4096, 1024];
@@ -52,6 +55,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let mut opts = DdpOptions::default().gradient_as_bucket_view(view).process_group(pg.clone());
         if let Some(mb) = args.bucket_mb {
             opts = opts.bucket_cap_mb(mb);
+        }
+        match args.hook.as_deref() {
+            Some("fp16") => opts = opts.comm_hook(tch_dist::ddp::comm_hook::fp16_compress()),
+            Some("bf16") => opts = opts.comm_hook(tch_dist::ddp::comm_hook::bf16_compress()),
+            Some(h) => return Err(format!("--hook {h}: fp16 or bf16").into()),
+            None => {}
         }
         if let Some(r) = args.powersgd {
             let h = Arc::new(PowerSgd::new(PowerSgdOptions::default().rank(r).start_iter(WARMUP as u64))?);

@@ -1,6 +1,9 @@
 """PyTorch twin of examples/bench_ddp.rs: same model, batch, steps and output. Memory is measured with
 tch-dist's counting allocator (scripts/memory_ruler.py), the ruler the Rust side uses.
-Usage: bench_ddp.py [--view on|off] [--no-ddp] [--powersgd RANK] [--bucket-mb MB]"""
+Usage: bench_ddp.py [--view on|off] [--no-ddp] [--powersgd RANK] [--bucket-mb MB] [--hook fp16|bf16]
+With TCH_DIST_HOSTNAME set (tchrun --local-addr, a node of scripts/shaped-links.sh), Gloo binds that address,
+as the Rust side does: PyTorch's default device would bind the machine's hostname or loopback."""
+import datetime
 import os
 import sys
 import time
@@ -16,6 +19,27 @@ DIMS = [1024, 4096, 4096, 1024]
 BATCH, WARMUP, STEPS = 32, 2, 8
 
 
+def group():
+    """The world's Gloo group: torchrun's default one, or bound to TCH_DIST_HOSTNAME when that is set."""
+    host = os.environ.get("TCH_DIST_HOSTNAME")
+    if not host:
+        dist.init_process_group("gloo")
+        return dist.group.WORLD
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    timeout = datetime.timedelta(seconds=600)
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, rank == 0, timeout=timeout)
+    opts = dist.ProcessGroupGloo._Options()
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    opts._timeout = timeout
+    prefixed = dist.PrefixStore("bench/", store)
+    # a ProcessGroup over that Gloo backend, as init_process_group builds one
+    pg = dist.ProcessGroup(prefixed, rank, world)
+    pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+    backend = dist.ProcessGroupGloo(prefixed, rank, world, opts)
+    pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
+    return pg
+
+
 def main():
     def arg(name):
         return sys.argv[sys.argv.index(name) + 1] if name in sys.argv else None
@@ -24,10 +48,11 @@ def main():
     no_ddp = "--no-ddp" in sys.argv
     powersgd = arg("--powersgd")
     bucket_mb = arg("--bucket-mb")
+    hook = arg("--hook")
     torch.set_num_threads(1)
     memory_ruler.install()
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
+    pg = group()
+    rank = pg.rank()
     torch.manual_seed(0)
     layers = []
     for i in range(len(DIMS) - 1):
@@ -36,20 +61,24 @@ def main():
             layers.append(torch.nn.ReLU())
     net = torch.nn.Sequential(*layers)
     kwargs = {"bucket_cap_mb": float(bucket_mb)} if bucket_mb else {}
-    model = net if no_ddp else DDP(net, gradient_as_bucket_view=view, **kwargs)
+    model = net if no_ddp else DDP(net, gradient_as_bucket_view=view, process_group=pg, **kwargs)
     state = None
     if powersgd:
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powerSGD
 
-        state = powerSGD.PowerSGDState(None, matrix_approximation_rank=int(powersgd), start_powerSGD_iter=WARMUP)
+        state = powerSGD.PowerSGDState(pg, matrix_approximation_rank=int(powersgd), start_powerSGD_iter=WARMUP)
         model.register_comm_hook(state, powerSGD.powerSGD_hook)
+    if hook:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        model.register_comm_hook(pg, {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}[hook])
     opt = torch.optim.SGD(net.parameters(), lr=0.01)
     times = []
     for step in range(WARMUP + STEPS):
         torch.manual_seed(1000 + step * 10 + rank)
         x = torch.randn(BATCH, DIMS[0])
         y = torch.randn(BATCH, DIMS[-1])
-        dist.barrier()
+        pg.barrier().wait()
         start = time.perf_counter()
         torch.nn.functional.mse_loss(model(x), y).backward()
         opt.step()
@@ -62,7 +91,7 @@ def main():
         if state is not None:
             ratio = f" {state.total_numel_before_compression / state.total_numel_after_compression:.2f}"
         print(f"{times[len(times) // 2]:.6f} {memory_ruler.peak()}{ratio}", flush=True)
-    dist.barrier()
+    pg.barrier().wait()
     # leave here, with the model alive: see pyutil.exit_now
     exit_now()
 
