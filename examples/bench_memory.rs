@@ -10,7 +10,11 @@
 //!   --checkpoint             ZeRO-3: each Linear + ReLU recomputed in backward
 //!   --fused                  AdamW's fused kernel (PyTorch's twin: AdamW(fused=True))
 //!   --gather-once-below N    ZeRO-3: FsdpOptions::gather_once_below (0: each bias gathered with its layer)
+//!   --hsdp R                 ZeRO-3 as HSDP: shard within groups of world/R ranks, replicate across R
+//!                            (FsdpOptions::mesh over [replicate R, shard world/R])
 //! Rank 0 prints `median_step_s peak_rank0 peak_rank1 params grads state master grad_shards` (bytes).
+//! With `BENCH_LINK=1`, on nodes of scripts/shaped-links.sh, it also prints `link BYTES`: what crossed
+//! between nodes per timed step (the nodes' `to*` links' sent bytes, both directions).
 //! `BENCH_STEPS=N` times N steps instead of 5 (the page-fault counts per step in docs/bench-memory.md
 //! come from the difference of two runs); `BENCH_TRACE=1` prints each step's phases.
 use std::sync::Arc;
@@ -53,6 +57,9 @@ struct Args {
     /// ZeRO-3: FsdpOptions::gather_once_below (elements; 0 turns it off)
     #[arg(long, default_value_t = FsdpOptions::default().gather_once_below)]
     gather_once_below: usize,
+    /// ZeRO-3 as HSDP: replicas of this many (shards within groups of world / R ranks)
+    #[arg(long)]
+    hsdp: Option<usize>,
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -122,6 +129,10 @@ fn zero3(args: &Args, pg: Arc<ProcessGroup>) -> Result<(), Box<dyn std::error::E
         .process_group(pg.clone())
         .reshard_after_forward(!args.keep)
         .gather_once_below(args.gather_once_below);
+    if let Some(r) = args.hsdp {
+        let mesh = tch_dist::mesh::DeviceMesh::new(&pg, &[("replicate", r), ("shard", pg.size() / r.max(1))])?;
+        opts = opts.mesh(&mesh, &["replicate", "shard"])?;
+    }
     if args.bf16 {
         opts = opts.param_dtype(Kind::BFloat16);
     }
@@ -179,7 +190,12 @@ fn timed_steps(
     let rank = pg.rank() as i64;
     let mut times = Vec::new();
     let steps: usize = std::env::var("BENCH_STEPS").ok().and_then(|s| s.parse().ok()).unwrap_or(STEPS);
+    let mut link = 0;
     for step in 0..WARMUP + steps {
+        if step == WARMUP {
+            pg.barrier()?;
+            link = link_bytes();
+        }
         tch::manual_seed(1000 + step as i64 * 10 + rank);
         let x = Tensor::randn([BATCH, WIDTH], (Kind::Float, Device::Cpu)).to_kind(kind);
         let y = Tensor::randn([BATCH, WIDTH], (Kind::Float, Device::Cpu));
@@ -200,8 +216,35 @@ fn timed_steps(
             times.push(t);
         }
     }
+    pg.barrier()?;
+    report_link(pg, (link_bytes() - link) / steps as i64)?;
     times.sort_by(|a, b| a.total_cmp(b));
     Ok(times[times.len() / 2])
+}
+
+/// Bytes this node has sent to the others: the `to<K>` links of a scripts/shaped-links.sh node (0
+/// elsewhere).
+fn link_bytes() -> i64 {
+    let Ok(dir) = std::fs::read_dir("/sys/class/net") else { return 0 };
+    dir.flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with("to"))
+        .filter_map(|e| std::fs::read_to_string(e.path().join("statistics/tx_bytes")).ok()?.trim().parse::<i64>().ok())
+        .sum()
+}
+
+/// With `BENCH_LINK` set, rank 0 prints `link BYTES`: the bytes each node's local rank 0 saw its node
+/// send per step, summed over the nodes.
+fn report_link(pg: &ProcessGroup, mine: i64) -> Res<()> {
+    if std::env::var_os("BENCH_LINK").is_none() {
+        return Ok(());
+    }
+    let local0 = std::env::var("LOCAL_RANK").map_or(true, |l| l == "0");
+    let mut all: Vec<Tensor> = (0..pg.size()).map(|_| Tensor::zeros([1], (Kind::Int64, Device::Cpu))).collect();
+    pg.all_gather(&mut all, &Tensor::from_slice(&[if local0 { mine } else { 0 }]))?;
+    if pg.rank() == 0 {
+        println!("link {}", all.iter().map(|t| t.int64_value(&[0])).sum::<i64>());
+    }
+    Ok(())
 }
 
 /// Rank 0 prints `median_step_s peak_rank0 peak_rank1 ... parameters gradients state master shards`.

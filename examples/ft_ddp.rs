@@ -16,6 +16,9 @@
 //! `--reference LOG...` replays in one process what the replicas' logs say happened (per step, the members
 //! whose batches made the gradient) and writes the result to `--out`: the fault-tolerant run must equal it.
 //!
+//! `--ckpt PATH --every K`: the quorum's first replica saves every K steps, and replicas resume from it
+//! when they start (the fallback when every replica was lost).
+//!
 //! `--restart-from CKPT` trains the same way as one DDP job of all ranks, checkpointing every `--every`
 //! steps: the baseline, whose only recovery is `tchrun --max-restarts` restarting every worker (there
 //! `--kill-at-step` kills the last rank).
@@ -64,11 +67,15 @@ struct Args {
     /// With --reference: ranks per replica in the run being replayed
     #[arg(long, default_value_t = 1)]
     ranks_per_replica: usize,
+    /// Fault tolerance: save the state here every --every steps (the first member of the quorum does),
+    /// and resume from it at start when it exists (every replica lost)
+    #[arg(long)]
+    ckpt: Option<PathBuf>,
     /// For comparison: train as one DDP job of all ranks (rank R draws replica R's batches), whose only
     /// recovery is tchrun's restart of every worker from this checkpoint
     #[arg(long)]
     restart_from: Option<PathBuf>,
-    /// With --restart-from: save the checkpoint every this many steps
+    /// With --ckpt or --restart-from: save the checkpoint every this many steps
     #[arg(long, default_value_t = 5)]
     every: u64,
 }
@@ -185,6 +192,23 @@ fn state(vs: &nn::VarStore, opt: &dyn Optimizer) -> Vec<(String, Tensor)> {
     v
 }
 
+/// Loads what [`state`] saved into the variables and the optimizer; the step it was saved at.
+fn load(path: &std::path::Path, vs: &nn::VarStore, opt: &mut dyn Optimizer) -> Result<u64, Box<dyn std::error::Error>> {
+    let (step, saved) = checkpoint::read(path)?;
+    let vars = vs.variables();
+    let mut optim = Vec::new();
+    for (k, t) in saved {
+        if let Some(v) = k.strip_prefix("model/").and_then(|n| vars.get(n)) {
+            let _g = tch::no_grad_guard();
+            v.shallow_clone().f_copy_(&t)?;
+        } else if let Some(key) = k.strip_prefix("optim/") {
+            optim.push((key.to_string(), t));
+        }
+    }
+    opt.load_state_dict(&optim)?;
+    Ok(step)
+}
+
 fn replica_number(id: &str) -> Result<u64, String> {
     id.trim_start_matches(|c: char| !c.is_ascii_digit())
         .parse()
@@ -215,6 +239,11 @@ fn train(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
     let opts = DdpOptions::default().process_group(own).comm_hook(hook).bucket_cap_mb(0.1).first_bucket_bytes(64 << 10);
     let ddp = DistributedDataParallel::new(&vs, net, opts)?;
     let mut opt = AdamW::new(vs.trainable_variables(), 1e-3);
+    if let Some(path) = args.ckpt.as_ref().filter(|p| p.exists()) {
+        let step = load(path, &vs, &mut opt)?;
+        manager.resume(step);
+        log.event(serde_json::json!({"event": "resumed", "step": step}));
+    }
 
     while manager.step() < args.steps {
         let started = manager.start_step(&vs, &mut opt)?;
@@ -231,6 +260,14 @@ fn train(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
                 "reconfigured": started.reconfigured, "healed_from": started.healed_from,
                 "sent_to": started.sent_to, "retries": started.retries,
             }));
+            // periodic saves go on as usual: one replica (the quorum's first) writes what all hold
+            let first = started.quorum.members.first().is_some_and(|m| m.replica == manager.replica_id());
+            if let (Some(path), true, 0) = (&args.ckpt, first, local) {
+                if (s + 1) % args.every == 0 {
+                    checkpoint::write_atomic(path, s + 1, &state(&vs, &opt))?;
+                    log.event(serde_json::json!({"event": "saved", "step": s + 1}));
+                }
+            }
         } else {
             log.event(
                 serde_json::json!({"event": "discard", "step": s, "members": members, "why": manager.last_failure()}),
@@ -261,20 +298,8 @@ fn restart_baseline(args: &Args, ckpt: &std::path::Path) -> Result<(), Box<dyn s
     let mut opt = AdamW::new(vs.trainable_variables(), 1e-3);
     let mut start = 0;
     if ckpt.exists() {
-        let (step, saved) = checkpoint::read(ckpt)?;
-        let vars = vs.variables();
-        let mut optim = Vec::new();
-        for (k, t) in saved {
-            if let Some(v) = k.strip_prefix("model/").and_then(|n| vars.get(n)) {
-                let _g = tch::no_grad_guard();
-                v.shallow_clone().f_copy_(&t)?;
-            } else if let Some(key) = k.strip_prefix("optim/") {
-                optim.push((key.to_string(), t));
-            }
-        }
-        opt.load_state_dict(&optim)?;
-        start = step;
-        log.event(serde_json::json!({"event": "resumed", "step": step}));
+        start = load(ckpt, &vs, &mut opt)?;
+        log.event(serde_json::json!({"event": "resumed", "step": start}));
     }
     let step = Arc::new(AtomicU64::new(start));
     let hook = Arc::new(KillMidBackward {
@@ -312,8 +337,9 @@ type Schedule = Vec<(u64, Vec<String>)>;
 
 /// The steps that made the final state, with their members, read from the replicas' logs. A process's
 /// state comes from its own commits back to where it was healed, and before that from the process it
-/// was healed from (the one of that replica that had committed the step before, by then): commits of a
-/// process that died before anyone took its state are not part of it.
+/// was healed from (the one of that replica that had committed the step before, by then), or from the
+/// process that saved the checkpoint it resumed from: commits of a process that died before anyone took
+/// its state are not part of it.
 fn committed(paths: &[PathBuf]) -> Result<Schedule, Box<dyn std::error::Error>> {
     let mut events = Vec::new();
     for path in paths {
@@ -341,8 +367,29 @@ fn committed(paths: &[PathBuf]) -> Result<Schedule, Box<dyn std::error::Error>> 
         }
         let step = first["step"].as_u64().ok_or("a commit without a step")?;
         let from = &first["healed_from"];
-        if step == 0 || from.is_null() {
+        if step == 0 {
             break; // from the initial parameters, which every replica draws alike
+        }
+        if from.is_null() {
+            // resumed from the checkpoint: the state of the process that saved it last before
+            let resumed = events
+                .iter()
+                .find(|e| e["event"] == "resumed" && e["replica"] == replica && e["pid"] == pid && e["step"] == step)
+                .and_then(|e| e["t"].as_f64());
+            let saver = resumed.and_then(|t| {
+                events
+                    .iter()
+                    .filter(|e| e["event"] == "saved" && e["step"].as_u64() == Some(step))
+                    .filter(|e| e["t"].as_f64().is_some_and(|st| st < t))
+                    .max_by(|a, b| a["t"].as_f64().partial_cmp(&b["t"].as_f64()).unwrap_or(std::cmp::Ordering::Equal))
+            });
+            match saver {
+                Some(e) => {
+                    (replica, pid, upto) = (e["replica"].clone(), e["pid"].clone(), step);
+                    continue;
+                }
+                _ => return Err(format!("replica {replica} (pid {pid}) began at step {step} from nowhere").into()),
+            }
         }
         // the process of that replica that had committed the step before, last before the healing
         let t = num(first, "t")?;

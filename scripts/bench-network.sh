@@ -6,13 +6,17 @@
 # thread per rank; the median of 8 steps after 2 warm-up ones. Per rate and layout (2 nodes x 1 rank,
 # 2 nodes x 2 ranks): plain DDP, the fp16 and bf16 compression hooks, PowerSGD rank 4 (one 128 MB
 # bucket, as bench-ddp.sh), and the compute alone (no DDP, every rank running) from which the exposed
-# communication (step minus compute) is read. Rounds alternate the runs. Needs root, ip and tc.
+# communication (step minus compute) is read. Then, on 2 nodes x 2 ranks, FSDP over all four ranks
+# against HSDP (shard within a node, replicate across), ours and FSDP2, with the bytes that cross the
+# link per step (bench-memory.sh's model: 24 Linear(1024, 1024), AdamW). PyTorch's ranks bind their node's
+# address with GLOO_SOCKET_IFNAME=lo (shaped-links.sh puts it first there), ours with tchrun
+# --local-addr. Rounds alternate the runs. Needs root, ip and tc.
 #   scripts/bench-network.sh                 # ROUNDS=2, RATES="1gbit 10gbit", LAYOUTS="1 2"
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 source scripts/env.sh
-cargo build -q --release --example bench_ddp --bin tchrun
+cargo build -q --release --example bench_ddp --example bench_memory --bin tchrun
 export TCH_DIST_MEMORY_LIB=$PWD/target/release/libtch_dist_memory.so
 ROUNDS=${ROUNDS:-2}
 RATES=${RATES:-"1gbit 10gbit"}
@@ -24,7 +28,9 @@ scripts/shaped-links.sh check || { echo "bench-network: no network namespaces wi
 scripts/shaped-links.sh up "$net" 2 0
 port=29600
 rust=$PWD/target/release/examples/bench_ddp
-py="$TCH_DIST_PYTHON_BIN $PWD/scripts/bench_ddp.py"
+py="env GLOO_SOCKET_IFNAME=lo $TCH_DIST_PYTHON_BIN $PWD/scripts/bench_ddp.py"
+rust_fsdp="env BENCH_LINK=1 $PWD/target/release/examples/bench_memory --mode zero3"
+py_fsdp="env BENCH_LINK=1 GLOO_SOCKET_IFNAME=lo $TCH_DIST_PYTHON_BIN $PWD/scripts/bench_memory.py --mode fsdp2"
 tchrun=$PWD/target/release/tchrun
 job() { # job NAME RANKS_PER_NODE CMD...: CMD on both nodes as one job; rank 0's result line to $out/NAME
   local name=$1 n=$2 k
@@ -35,7 +41,7 @@ job() { # job NAME RANKS_PER_NODE CMD...: CMD on both nodes as one job; rank 0's
       --master-addr 127.0.1.1 --master-port "$port" --local-addr "127.0.$k.1" -- "$@" >"$out/last.node$k" 2>&1 &
   done
   wait
-  sed -n 's/^\[rank0\]: //p' "$out/last.node1" | grep -E '^[0-9]' >>"$out/$name" ||
+  sed -n 's/^\[rank0\]: //p' "$out/last.node1" | grep -E '^([0-9]|link )' >>"$out/$name" ||
     { cat "$out/last.node1" "$out/last.node2" >&2; exit 1; }
 }
 for r in $(seq "$ROUNDS"); do
@@ -55,13 +61,20 @@ for r in $(seq "$ROUNDS"); do
       job "torch_powersgd.$k" "$n" $py --view off --powersgd 4 --bucket-mb 128
       job "ours_powersgd.$k" "$n" "$rust" --powersgd 4 --bucket-mb 128
     done
+    echo "round $r/$ROUNDS: $rate, FSDP and HSDP on 2 nodes x 2" >&2
+    job "torch_fsdp.$rate" 2 $py_fsdp
+    job "ours_fsdp.$rate" 2 $rust_fsdp
+    job "torch_hsdp.$rate" 2 $py_fsdp --hsdp 2
+    job "ours_hsdp.$rate" 2 $rust_fsdp --hsdp 2
   done
 done
 "$TCH_DIST_PYTHON_BIN" - "$out" "$RATES" "$LAYOUTS" <<'PY'
 import os, statistics, sys
 out, rates, layouts = sys.argv[1], sys.argv[2].split(), sys.argv[3].split()
 def step(name):
-    return statistics.median(float(l.split()[0]) for l in open(os.path.join(out, name)))
+    return statistics.median(float(l.split()[0]) for l in open(os.path.join(out, name)) if not l.startswith("link"))
+def link(name):
+    return statistics.median(float(l.split()[1]) for l in open(os.path.join(out, name)) if l.startswith("link"))
 params = 1024 * 4096 + 4096 + 4096 * 4096 + 4096 + 4096 * 1024 + 1024
 print(f"MLP 1024-4096-4096-1024 ({params:,} parameters), batch 32/rank, SGD, Gloo; two nodes on one link shaped "
       "in each direction; medians of 8 steps per run, over the rounds\n")
@@ -83,4 +96,11 @@ for rate in rates:
             t, o = step(f"torch_{run}.{k}"), step(f"ours_{run}.{k}")
             print(f"| {label} | {t:.3f} | {o:.3f} | {o / t:.2f} | {t - tc:.3f} | {o - oc:.3f} |")
         print()
+    print(f"### {rate}, 2 nodes x 2 ranks: FSDP across the nodes against HSDP (24 Linear(1024, 1024), AdamW, batch 16/rank)\n")
+    print("| run | PyTorch FSDP2 step (s) | tch-dist step (s) | tch-dist / PyTorch | PyTorch MB across the link per step | tch-dist MB per step |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for run, label in [("fsdp", "FSDP: shard over all 4 ranks"), ("hsdp", "HSDP: shard within a node, replicate across")]:
+        t, o = step(f"torch_{run}.{rate}"), step(f"ours_{run}.{rate}")
+        print(f"| {label} | {t:.3f} | {o:.3f} | {o / t:.2f} | {link(f'torch_{run}.{rate}') / 1e6:.1f} | {link(f'ours_{run}.{rate}') / 1e6:.1f} |")
+    print()
 PY

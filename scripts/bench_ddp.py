@@ -1,9 +1,7 @@
 """PyTorch twin of examples/bench_ddp.rs: same model, batch, steps and output. Memory is measured with
 tch-dist's counting allocator (scripts/memory_ruler.py), the ruler the Rust side uses.
 Usage: bench_ddp.py [--view on|off] [--no-ddp] [--powersgd RANK] [--bucket-mb MB] [--hook fp16|bf16]
-With TCH_DIST_HOSTNAME set (tchrun --local-addr, a node of scripts/shaped-links.sh), Gloo binds that address,
-as the Rust side does: PyTorch's default device would bind the machine's hostname or loopback."""
-import datetime
+On a node of scripts/shaped-links.sh, GLOO_SOCKET_IFNAME=lo binds the node's address."""
 import os
 import sys
 import time
@@ -19,27 +17,6 @@ DIMS = [1024, 4096, 4096, 1024]
 BATCH, WARMUP, STEPS = 32, 2, 8
 
 
-def group():
-    """The world's Gloo group: torchrun's default one, or bound to TCH_DIST_HOSTNAME when that is set."""
-    host = os.environ.get("TCH_DIST_HOSTNAME")
-    if not host:
-        dist.init_process_group("gloo")
-        return dist.group.WORLD
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    timeout = datetime.timedelta(seconds=600)
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, rank == 0, timeout=timeout)
-    opts = dist.ProcessGroupGloo._Options()
-    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
-    opts._timeout = timeout
-    prefixed = dist.PrefixStore("bench/", store)
-    # a ProcessGroup over that Gloo backend, as init_process_group builds one
-    pg = dist.ProcessGroup(prefixed, rank, world)
-    pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
-    backend = dist.ProcessGroupGloo(prefixed, rank, world, opts)
-    pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
-    return pg
-
-
 def main():
     def arg(name):
         return sys.argv[sys.argv.index(name) + 1] if name in sys.argv else None
@@ -51,7 +28,8 @@ def main():
     hook = arg("--hook")
     torch.set_num_threads(1)
     memory_ruler.install()
-    pg = group()
+    dist.init_process_group("gloo")
+    pg = dist.group.WORLD
     rank = pg.rank()
     torch.manual_seed(0)
     layers = []

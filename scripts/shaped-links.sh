@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Nodes emulated on one machine, with links whose bandwidth is real: one network namespace per node,
 # a veth pair between every two nodes, each direction shaped by `tc tbf` to RATE. Inside a node, traffic
-# goes over its own loopback, unshaped. Node K (1-based) is reached at 127.0.K.1; nothing outside
+# goes over its own loopback, unshaped. Node K (1-based) is reached at 127.0.K.1, the first address of
+# its loopback (so PyTorch's ranks bind it with GLOO_SOCKET_IFNAME=lo); nothing outside
 # 127.0.0.0/8 is used, and nothing outside the namespaces is touched. Needs root, `ip` and `tc`.
 #
 #   scripts/shaped-links.sh up NAME NODES RATE    # RATE as tc takes it (1gbit, 10gbit), or 0: unshaped
@@ -20,8 +21,12 @@ up() {
   for k in $(seq 1 "$n"); do
     ip netns add "$(ns "$name" "$k")"
     local x="ip -n $(ns "$name" "$k")"
+    # the node's address first on its loopback: the address Gloo binds for GLOO_SOCKET_IFNAME=lo, as
+    # PyTorch's ranks are told (tch-dist's take TCH_DIST_HOSTNAME)
     $x link set lo up
+    $x addr flush dev lo
     $x addr add "127.0.$k.1/32" dev lo
+    $x addr add 127.0.0.1/8 dev lo
     ip netns exec "$(ns "$name" "$k")" sysctl -qw net.ipv4.conf.all.route_localnet=1
   done
   for i in $(seq 1 "$n"); do

@@ -170,6 +170,14 @@ impl Manager {
     pub fn step(&self) -> u64 {
         self.step
     }
+
+    /// Resumes at `step` committed steps, from a checkpoint the caller loaded into the model and the
+    /// optimizer: the fallback when every replica was lost. This replica reports that step to the
+    /// quorum; replicas further on heal it, and it heals those behind (a fresh one, or one that found an
+    /// older checkpoint).
+    pub fn resume(&mut self, step: u64) {
+        self.step = step;
+    }
     pub fn replica_id(&self) -> &str {
         &self.cfg.replica_id
     }

@@ -492,3 +492,26 @@ fn replicas_of_two_ranks_each_survive_a_loss_and_heal() {
     assert!(diff < 1e-6, "{diff:e}");
     let _ = std::fs::remove_dir_all(&d);
 }
+
+#[test]
+fn when_every_replica_is_lost_they_resume_from_the_last_checkpoint() {
+    let _one = serial();
+    let d = tmp("all-lost");
+    let lh = lighthouse(1);
+    let ckpt = d.join("ckpt.safetensors");
+    let ckpt = ckpt.to_str().unwrap();
+    // in lockstep, all three die in the backward of step 12; the quorum's first saved at step 10
+    let args = ["--kill-at-step", "12", "--ckpt", ckpt, "--every", "5"];
+    let r: Vec<Child> = (0..3).map(|id| replica(&lh, &d, id, 1, &args, &[])).collect();
+    ok(&common::wait_all(r, Duration::from_secs(180)));
+    for id in 0..3 {
+        let ev = events(&d, id);
+        assert_eq!(of(&ev, "kill").len(), 1, "replica {id} was killed once");
+        let restarted = pids(&ev)[1].clone();
+        let resumed: Vec<&Value> = of(&ev, "resumed").into_iter().filter(|e| e["pid"] == restarted).collect();
+        assert_eq!(resumed.len(), 1, "replica {id} resumed from the checkpoint: {ev:?}");
+        assert_eq!(resumed[0]["step"], 10, "from the last one saved before the kill");
+    }
+    all_healed(&d);
+    let _ = std::fs::remove_dir_all(&d);
+}
