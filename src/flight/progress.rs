@@ -99,6 +99,8 @@ pub(crate) struct GroupTrace {
     left: std::sync::atomic::AtomicBool,
     /// Its failures are handled by the caller: no dumps, no requests for the others' dumps.
     survivable: std::sync::atomic::AtomicBool,
+    /// Held while publishing or leaving.
+    publishing: Mutex<()>,
 }
 
 /// What one long wait has seen of the other ranks' heartbeats: each one's last value, and when it
@@ -137,6 +139,7 @@ impl GroupTrace {
             answered: std::sync::atomic::AtomicBool::new(false),
             left: std::sync::atomic::AtomicBool::new(false),
             survivable: std::sync::atomic::AtomicBool::new(false),
+            publishing: Mutex::new(()),
         });
         if enabled() && size > 1 {
             register(&t);
@@ -170,6 +173,8 @@ impl GroupTrace {
     }
 
     fn publish(&self) {
+        // with leave(): a heartbeat checked before the rank left must not overwrite its mark
+        let _one = self.publishing.lock();
         if self.left.load(Ordering::SeqCst) {
             return;
         }
@@ -209,6 +214,7 @@ impl GroupTrace {
     /// This rank leaves the group for good: the others' waits on it end at their next heartbeat check,
     /// without waiting for the heartbeat timeout.
     pub(crate) fn leave(&self) {
+        let _one = self.publishing.lock();
         self.left.store(true, Ordering::SeqCst);
         let _ = self.store.set(&self.rank.to_string(), LEFT.as_bytes());
     }

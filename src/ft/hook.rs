@@ -36,7 +36,15 @@ impl ReplicateHook {
         if shared.failed() || shared.participants.load(std::sync::atomic::Ordering::SeqCst) <= 1 {
             return Ok(None);
         }
-        let Some(g) = shared.group() else { return Ok(None) };
+        let Some(g) = shared.group() else {
+            // the step was not started (or its group was given up): never a local gradient passed as the
+            // replicas' mean
+            shared.fail(crate::error::Error::PeerGone {
+                op: "fault tolerance".into(),
+                msg: "no replicate group for this step (call Manager::start_step before backward)".into(),
+            });
+            return Ok(None);
+        };
         let mut wire = t.f_detach_copy()?;
         match g.allreduce_unverified(&mut wire, ReduceOp::Sum) {
             Ok(work) => Ok(Some(Posted { work, wire })),

@@ -53,11 +53,21 @@ pub struct Lighthouse {
 
 struct Shared {
     cfg: LighthouseConfig,
+    /// The store's address as bound (`store_addr`), and its port (quorums carry the address each
+    /// replica reached the lighthouse at, with this port).
     store_addr: String,
+    store_port: u16,
     state: Mutex<State>,
     changed: Condvar,
     stop: AtomicBool,
     connections: AtomicU64,
+}
+
+struct Waiting {
+    step: u64,
+    commit_quorum: u64,
+    reconfigure: bool,
+    conn: u64,
 }
 
 #[derive(Default)]
@@ -66,10 +76,12 @@ struct State {
     beats: HashMap<String, Instant>,
     /// Each replica's open connections: when the last one closes, its process has ended.
     conns: HashMap<String, std::collections::HashSet<u64>>,
-    /// Replicas waiting for the next quorum: their step and whether they asked for a new group.
-    waiting: BTreeMap<String, (u64, bool)>,
+    /// Replicas waiting for the next quorum.
+    waiting: BTreeMap<String, Waiting>,
     first_wait: Option<Instant>,
-    answers: HashMap<String, Response>,
+    /// Answers by the connection that asked (a replica that gave up and asked again on a new connection
+    /// never gets the answer meant for the old one).
+    answers: HashMap<u64, Response>,
     id: u64,
     last_members: Vec<String>,
 }
@@ -90,10 +102,12 @@ impl Lighthouse {
             num_workers: None,
             ..TcpStoreOptions::server(&host, 0, 1)
         })?;
-        let store_addr = format!("{host}:{}", store.port()?);
+        let store_port = store.port()?;
+        let store_addr = SocketAddr::new(addr.ip(), store_port).to_string();
         let shared = Arc::new(Shared {
             cfg,
             store_addr,
+            store_port,
             state: Mutex::new(State::default()),
             changed: Condvar::new(),
             stop: AtomicBool::new(false),
@@ -166,6 +180,9 @@ fn serve(stream: TcpStream, conn: u64, shared: Arc<Shared>) {
     let _ = stream.set_nodelay(true);
     let _ = stream.set_nonblocking(false);
     let Ok(mut writer) = stream.try_clone() else { return };
+    // the address the replica reached us at, which it can reach the store at too (the bind address may
+    // be 0.0.0.0)
+    let here = stream.local_addr().map(|a| a.ip()).ok();
     let mut reader = BufReader::new(stream);
     let mut replica: Option<String> = None;
     while let Ok(Some(req)) = read_line::<Request>(&mut reader) {
@@ -176,9 +193,18 @@ fn serve(stream: TcpStream, conn: u64, shared: Arc<Shared>) {
                 replica = Some(r);
                 Response::Ok
             }
-            Request::Quorum { replica: r, step, reconfigure } => {
+            Request::Quorum { replica: r, step, commit_quorum, reconfigure } => {
                 replica = Some(r.clone());
-                quorum(&shared, conn, r, step, reconfigure)
+                let w = Waiting { step, commit_quorum, reconfigure, conn };
+                match quorum(&shared, &writer, r, w) {
+                    Response::Quorum(mut q) => {
+                        if let Some(ip) = here {
+                            q.store = SocketAddr::new(ip, shared.store_port).to_string();
+                        }
+                        Response::Quorum(q)
+                    }
+                    other => other,
+                }
             }
         };
         if write_line(&mut writer, &answer).is_err() {
@@ -188,16 +214,7 @@ fn serve(stream: TcpStream, conn: u64, shared: Arc<Shared>) {
     // the connection ended: a replica with no other connection open is gone (its process ended, or it
     // will reconnect and be live again)
     if let Some(r) = replica {
-        let mut st = lock(&shared);
-        let last = st.conns.get_mut(&r).is_some_and(|c| {
-            c.remove(&conn);
-            c.is_empty()
-        });
-        if last {
-            st.conns.remove(&r);
-            st.beats.remove(&r);
-        }
-        drop(st);
+        lock(&shared).forget(&r, conn);
         shared.changed.notify_all();
     }
 }
@@ -207,28 +224,49 @@ impl State {
         self.beats.insert(replica.to_string(), Instant::now());
         self.conns.entry(replica.to_string()).or_default().insert(conn);
     }
+    /// Connection `conn` of `replica` closed: with none left, the replica is gone.
+    fn forget(&mut self, replica: &str, conn: u64) {
+        let last = self.conns.get_mut(replica).is_some_and(|c| {
+            c.remove(&conn);
+            c.is_empty()
+        });
+        if last {
+            self.conns.remove(replica);
+            self.beats.remove(replica);
+        }
+    }
 }
 
 fn live(st: &State, cfg: &LighthouseConfig, now: Instant) -> std::collections::BTreeSet<String> {
     st.beats.iter().filter(|(_, t)| now.duration_since(**t) < cfg.heartbeat_timeout).map(|(r, _)| r.clone()).collect()
 }
 
-/// Waits until a quorum including `replica` forms (or the lighthouse stops).
-fn quorum(shared: &Shared, conn: u64, replica: String, step: u64, reconfigure: bool) -> Response {
+/// Waits until a quorum including `replica` forms (or the lighthouse stops, or the replica's connection
+/// closes: a process that dies while it waits is lost at once, not counted in a quorum).
+fn quorum(shared: &Shared, stream: &TcpStream, replica: String, w: Waiting) -> Response {
+    let conn = w.conn;
     let mut st = lock(shared);
     st.heard(&replica, conn);
-    st.answers.remove(&replica);
-    st.waiting.insert(replica.clone(), (step, reconfigure));
+    st.answers.remove(&conn);
+    st.waiting.insert(replica.clone(), w);
     st.first_wait.get_or_insert_with(Instant::now);
     loop {
-        if let Some(a) = st.answers.remove(&replica) {
+        if let Some(a) = st.answers.remove(&conn) {
             return a;
         }
         if shared.stop.load(Ordering::SeqCst) {
             return Response::Refused("the lighthouse is stopping".into());
         }
+        if closed(stream) {
+            if st.waiting.get(&replica).is_some_and(|w| w.conn == conn) {
+                st.waiting.remove(&replica);
+            }
+            st.forget(&replica, conn);
+            shared.changed.notify_all();
+            return Response::Refused("the connection closed".into());
+        }
         try_form(&mut st, shared);
-        if let Some(a) = st.answers.remove(&replica) {
+        if let Some(a) = st.answers.remove(&conn) {
             shared.changed.notify_all();
             return a;
         }
@@ -239,36 +277,59 @@ fn quorum(shared: &Shared, conn: u64, replica: String, step: u64, reconfigure: b
     }
 }
 
+/// Whether the peer closed `stream` (a look at its input without taking any, never blocking).
+fn closed(stream: &TcpStream) -> bool {
+    use std::os::fd::AsRawFd;
+    let mut byte = 0u8;
+    // SAFETY: the descriptor is open for the duration of the call (`stream` owns it), and the buffer is
+    // one valid byte; MSG_PEEK | MSG_DONTWAIT neither consumes input nor blocks.
+    let n = unsafe {
+        libc::recv(stream.as_raw_fd(), (&mut byte as *mut u8).cast(), 1, libc::MSG_PEEK | libc::MSG_DONTWAIT)
+    };
+    n == 0
+}
+
 fn try_form(st: &mut State, shared: &Shared) {
     let cfg = &shared.cfg;
     let now = Instant::now();
     let alive = live(st, cfg, now);
     let lost: Vec<String> = st.waiting.keys().filter(|r| !alive.contains(*r)).cloned().collect();
     for r in lost {
-        st.waiting.remove(&r);
-        st.answers.insert(r.clone(), Response::Refused(format!("replica {r} was taken as lost (no heartbeat)")));
+        if let Some(w) = st.waiting.remove(&r) {
+            st.answers.insert(w.conn, Response::Refused(format!("replica {r} was taken as lost (no heartbeat)")));
+        }
     }
     if st.waiting.is_empty() {
         st.first_wait = None;
         return;
     }
-    let all_in = alive.iter().all(|r| st.waiting.contains_key(r));
     let enough = st.waiting.len() >= cfg.min_replicas;
+    // every live replica asked; or (torchft's fast quorum) every live member of the last quorum did, so
+    // that a replica alive but not asking (starting up, or hung while its heartbeat goes on) never holds
+    // up those training; or the join timeout passed
+    let all_in = alive.iter().all(|r| st.waiting.contains_key(r));
+    let previous = st.last_members.iter().filter(|r| alive.contains(*r)).collect::<Vec<_>>();
+    let fast = !previous.is_empty() && previous.iter().all(|r| st.waiting.contains_key(*r));
     let late = st.first_wait.is_some_and(|t| now.duration_since(t) >= cfg.join_timeout);
-    if !(enough && (all_in || late)) {
+    if !(enough && (all_in || fast || late)) {
         return;
     }
     let names: Vec<String> = st.waiting.keys().cloned().collect();
-    if names != st.last_members || st.waiting.values().any(|&(_, re)| re) {
+    if names != st.last_members || st.waiting.values().any(|w| w.reconfigure) {
         st.id += 1;
     }
     let q = Quorum {
         id: st.id,
-        members: st.waiting.iter().map(|(r, &(step, _))| Member { replica: r.clone(), step }).collect(),
+        members: st
+            .waiting
+            .iter()
+            .map(|(r, w)| Member { replica: r.clone(), step: w.step, commit_quorum: w.commit_quorum })
+            .collect(),
         store: shared.store_addr.clone(),
     };
-    for r in &names {
-        st.answers.insert(r.clone(), Response::Quorum(q.clone()));
+    let asked: Vec<u64> = st.waiting.values().map(|w| w.conn).collect();
+    for conn in asked {
+        st.answers.insert(conn, Response::Quorum(q.clone()));
     }
     st.waiting.clear();
     st.first_wait = None;
@@ -304,7 +365,8 @@ mod tests {
         let mut c = conn(l);
         let r = r.to_string();
         std::thread::spawn(move || {
-            c.call(&Request::Quorum { replica: r, step, reconfigure }, Duration::from_secs(20)).unwrap()
+            c.call(&Request::Quorum { replica: r, step, commit_quorum: 0, reconfigure }, Duration::from_secs(20))
+                .unwrap()
         })
     }
 
@@ -365,6 +427,42 @@ mod tests {
         assert!(waited >= Duration::from_millis(400), "the silent replica was waited for: {waited:?}");
         assert!(l.live_replicas().iter().all(|r| r == "a"), "{:?}", l.live_replicas());
         drop(silent);
+    }
+
+    #[test]
+    fn once_the_last_quorum_asked_it_forms_without_a_live_replica_that_has_not_asked() {
+        let l = start(1, Duration::from_secs(5));
+        let mut hb = conn(&l);
+        for r in ["a", "b"] {
+            beat(&mut hb, r);
+        }
+        let first: Vec<_> = ["a", "b"].iter().map(|r| ask(&l, r, 0, false)).collect();
+        let q1: Vec<Quorum> = first.into_iter().map(quorum).collect();
+        assert_eq!(names(&q1[0]), ["a", "b"]);
+        beat(&mut hb, "c"); // alive (starting up, or hung) but not asking
+        let next: Vec<_> = ["a", "b"].iter().map(|r| ask(&l, r, 1, false)).collect();
+        let q2: Vec<Quorum> = next.into_iter().map(quorum).collect();
+        assert_eq!(names(&q2[0]), ["a", "b"], "the fast quorum does not wait for c");
+        assert_eq!(q2[0].id, q1[0].id);
+    }
+
+    #[test]
+    fn a_replica_that_dies_while_it_waits_is_not_counted() {
+        let l = start(1, Duration::from_secs(5));
+        let mut hb = conn(&l);
+        for r in ["b", "c"] {
+            beat(&mut hb, r);
+        }
+        // "a" asks on a connection of its own and dies before the answer
+        let mut s = std::net::TcpStream::connect(l.addr()).unwrap();
+        let req = Request::Quorum { replica: "a".into(), step: 0, commit_quorum: 0, reconfigure: false };
+        crate::ft::wire::write_line(&mut s, &req).unwrap();
+        std::thread::sleep(Duration::from_millis(100));
+        drop(s);
+        std::thread::sleep(Duration::from_millis(100));
+        let (b, c) = (ask(&l, "b", 0, false), ask(&l, "c", 0, false));
+        assert_eq!(names(&quorum(b)), ["b", "c"]);
+        assert_eq!(names(&quorum(c)), ["b", "c"]);
     }
 
     #[test]

@@ -129,6 +129,8 @@ pub struct Manager {
     inner: Option<Arc<ProcessGroup>>,
     shared: Arc<Shared>,
     step: u64,
+    /// The quorum this replica's last committed step was taken in (0: none, or resumed from disk).
+    commit_quorum: u64,
     quorum: Option<Quorum>,
     store: Option<(String, Store)>,
     conn: Option<Connection>,
@@ -157,10 +159,13 @@ impl Manager {
             inner,
             shared: Arc::new(Shared::default()),
             step: 0,
+            commit_quorum: 0,
             quorum: None,
             store: None,
             conn: None,
-            reconfigure: false,
+            // a process that starts (or restarts) always gets a new group: the others' group of the same
+            // members, if they still hold one, was made with its previous process
+            reconfigure: true,
             heartbeat_stop: stop,
             heartbeat,
         })
@@ -177,6 +182,7 @@ impl Manager {
     /// older checkpoint).
     pub fn resume(&mut self, step: u64) {
         self.step = step;
+        self.commit_quorum = 0;
     }
     pub fn replica_id(&self) -> &str {
         &self.cfg.replica_id
@@ -206,10 +212,12 @@ impl Manager {
     /// one (or sends its own to those behind). Peers lost meanwhile make it try again, until
     /// `quorum_timeout`.
     pub fn start_step(&mut self, vs: &nn::VarStore, opt: &mut dyn Optimizer) -> Result<StepStart> {
-        let deadline = Instant::now() + self.cfg.quorum_timeout;
+        // cut off means no answer from the lighthouse for quorum_timeout: time spent in quorums that then
+        // failed (a peer lost while the group formed) does not count
+        let mut heard = Instant::now();
         let mut retries = 0;
         loop {
-            match self.try_start(vs, opt) {
+            match self.try_start(vs, opt, &mut heard) {
                 Ok(mut s) => {
                     s.retries = retries;
                     return Ok(s);
@@ -218,7 +226,7 @@ impl Manager {
                 Err(Attempt::Retry(e)) => {
                     self.reconfigure = true;
                     self.retire_group();
-                    if Instant::now() >= deadline {
+                    if heard.elapsed() >= self.cfg.quorum_timeout {
                         return Err(Error::PeerGone {
                             op: format!("fault tolerance (replica {})", self.cfg.replica_id),
                             msg: format!(
@@ -235,27 +243,74 @@ impl Manager {
         }
     }
 
-    fn try_start(&mut self, vs: &nn::VarStore, opt: &mut dyn Optimizer) -> std::result::Result<StepStart, Attempt> {
+    fn try_start(
+        &mut self,
+        vs: &nn::VarStore,
+        opt: &mut dyn Optimizer,
+        heard: &mut Instant,
+    ) -> std::result::Result<StepStart, Attempt> {
         if let Ok(mut f) = self.shared.failure.lock() {
             *f = None;
         }
         let q = self.fetch_quorum()?;
+        *heard = Instant::now();
         let me = q.rank_of(&self.cfg.replica_id).ok_or_else(|| {
-            Attempt::Retry(Error::invalid("quorum", format!("replica {} is not in it", self.cfg.replica_id)))
+            Attempt::Retry(Error::PeerGone {
+                op: "quorum".into(),
+                msg: format!("replica {} is not in quorum {}", self.cfg.replica_id, q.id),
+            })
         })?;
+        // every rank of the replica builds and heals, then they agree before any state changes: one
+        // whose heal failed while another's succeeded would leave the replica's ranks apart
         let reconfigured = self.quorum.as_ref().is_none_or(|old| old.id != q.id) || self.shared.group().is_none();
-        if reconfigured {
-            self.retire_group();
-            let g = self.build_group(&q, me).map_err(Attempt::Retry)?;
-            if let Ok(mut slot) = self.shared.group.lock() {
-                *slot = Some(Arc::new(g));
+        let outcome = self.prepare(&q, me, reconfigured, vs, opt);
+        if let Some(g) = &self.inner {
+            let mut flag = Tensor::from_slice(&[outcome.is_ok() as i64]);
+            g.allreduce(&mut flag, ReduceOp::Min).map_err(Attempt::Fatal)?;
+            if flag.f_int64_value(&[0]).map_err(|e| Attempt::Fatal(e.into()))? == 0 {
+                return Err(outcome.err().unwrap_or_else(|| {
+                    Attempt::Retry(Error::PeerGone {
+                        op: "fault tolerance".into(),
+                        msg: "another rank of this replica could not start the step".into(),
+                    })
+                }));
             }
         }
+        let (received, sent_to) = outcome?;
+        let healed_from = match received {
+            Some((src, step, state)) => {
+                load_state(vs, opt, &state).map_err(Attempt::Fatal)?;
+                self.step = step;
+                self.commit_quorum = q.members[src].commit_quorum;
+                Some(q.members[src].replica.clone())
+            }
+            None => None,
+        };
         self.shared.participants.store(q.members.len(), Ordering::SeqCst);
-        let (healed_from, sent_to) = self.heal(&q, me, vs, opt)?;
         self.quorum = Some(q.clone());
         self.reconfigure = false;
         Ok(StepStart { quorum: q, reconfigured, healed_from, sent_to, retries: 0 })
+    }
+
+    /// Builds the quorum's group when it is new, and heals: what was received (its sender, step and
+    /// state, not applied yet), and who this replica sent its state to.
+    fn prepare(
+        &mut self,
+        q: &Quorum,
+        me: usize,
+        reconfigured: bool,
+        vs: &nn::VarStore,
+        opt: &mut dyn Optimizer,
+    ) -> std::result::Result<(Option<Received>, Vec<String>), Attempt> {
+        if reconfigured {
+            self.retire_group();
+            let g = self.build_group(q, me).map_err(attempt)?;
+            match self.shared.group.lock() {
+                Ok(mut slot) => *slot = Some(Arc::new(g)),
+                Err(_) => return Err(Attempt::Fatal(Error::invalid("fault tolerance", "a lock was poisoned"))),
+            }
+        }
+        self.heal(q, me, vs, opt)
     }
 
     /// Local rank 0 asks the lighthouse; the replica's other ranks get its answer over their own group.
@@ -280,8 +335,12 @@ impl Manager {
     }
 
     fn ask_lighthouse(&mut self) -> Response {
-        let req =
-            Request::Quorum { replica: self.cfg.replica_id.clone(), step: self.step, reconfigure: self.reconfigure };
+        let req = Request::Quorum {
+            replica: self.cfg.replica_id.clone(),
+            step: self.step,
+            commit_quorum: self.commit_quorum,
+            reconfigure: self.reconfigure,
+        };
         let attempt = |conn: &mut Option<Connection>, cfg: &ManagerConfig| -> Result<Response> {
             if conn.is_none() {
                 *conn = Some(Connection::open(&cfg.lighthouse, Duration::from_secs(2))?);
@@ -326,42 +385,39 @@ impl Manager {
         Ok(g)
     }
 
-    /// Members behind the quorum's step take the state of one at it (at step 0 with `init_sync`, of the
-    /// first member), assigned round robin; each source sends to its own in turn.
+    /// Members behind take the state of one that holds the quorum's (the highest step, and of those the
+    /// latest commit quorum: see [`Quorum::healthy`]; at step 0 with `init_sync`, the first member's),
+    /// assigned round robin; each sender sends to its own in turn.
     fn heal(
         &mut self,
         q: &Quorum,
         me: usize,
         vs: &nn::VarStore,
         opt: &mut dyn Optimizer,
-    ) -> std::result::Result<(Option<String>, Vec<String>), Attempt> {
-        let max = q.max_step();
-        let sources: Vec<usize> = if max == 0 && self.cfg.init_sync {
-            vec![0]
-        } else {
-            (0..q.members.len()).filter(|&i| q.members[i].step == max).collect()
-        };
+    ) -> std::result::Result<(Option<Received>, Vec<String>), Attempt> {
+        let sources = if q.max_step() == 0 && self.cfg.init_sync { vec![0] } else { q.healthy() };
         let behind: Vec<usize> = (0..q.members.len()).filter(|i| !sources.contains(i)).collect();
         if behind.is_empty() {
             return Ok((None, Vec::new()));
         }
-        let g = self.shared.group().ok_or_else(|| Attempt::Retry(Error::invalid("healing", "no replicate group")))?;
-        let (mut from, mut to) = (None, Vec::new());
+        let g = self.shared.group().ok_or_else(|| {
+            Attempt::Retry(Error::PeerGone { op: "healing".into(), msg: "no replicate group".into() })
+        })?;
+        let (mut got, mut to) = (None, Vec::new());
         for (k, &r) in behind.iter().enumerate() {
             let src = sources[k % sources.len()];
             if src == me {
                 let _s = crate::timeline::span("fault tolerance", || format!("send state to {}", q.members[r].replica));
-                heal::send(&g, r, self.step, &state_of(vs, opt)).map_err(Attempt::Retry)?;
+                heal::send(&g, r, self.step, &state_of(vs, opt)).map_err(attempt)?;
                 to.push(q.members[r].replica.clone());
             } else if r == me {
                 let _s = crate::timeline::span("fault tolerance", || "receive state".to_string());
-                let (step, state) = heal::recv(&g, src).map_err(Attempt::Retry)?;
-                load_state(vs, opt, &state).map_err(Attempt::Fatal)?;
-                self.step = step;
-                from = Some(q.members[src].replica.clone());
+                let (step, state) = heal::recv(&g, src).map_err(attempt)?;
+                check_state(vs, &state).map_err(Attempt::Fatal)?;
+                got = Some((src, step, state));
             }
         }
-        Ok((from, to))
+        Ok((got, to))
     }
 
     /// After backward (DDP has waited for its buckets): whether every reduction of this step reached all
@@ -377,6 +433,7 @@ impl Manager {
         }
         if ok {
             self.step += 1;
+            self.commit_quorum = self.quorum.as_ref().map_or(0, |q| q.id);
         } else {
             // leave the broken group now: members still waiting in it learn at their next heartbeat
             // check, instead of waiting for the lost one's heartbeat to go stale
@@ -418,9 +475,21 @@ enum Attempt {
 
 impl From<Error> for Attempt {
     fn from(e: Error) -> Self {
-        Attempt::Retry(e)
+        attempt(e)
     }
 }
+
+/// A failure of the replicate group or of healing: a lost peer is tried again with a new quorum; a bad
+/// setting or a model that differs from the others' is this replica's to report.
+fn attempt(e: Error) -> Attempt {
+    match e {
+        Error::Invalid { .. } | Error::Env { .. } | Error::Mismatch { .. } | Error::Torch(_) => Attempt::Fatal(e),
+        e => Attempt::Retry(e),
+    }
+}
+
+/// State received from a healthy replica: its place in the quorum, its step, its state.
+type Received = (usize, u64, Vec<(String, Tensor)>);
 
 /// Local rank 0's answer, given to the replica's other ranks.
 fn share(g: &ProcessGroup, answer: &Response) -> Result<Response> {
@@ -443,9 +512,9 @@ fn state_of(vs: &nn::VarStore, opt: &dyn Optimizer) -> Vec<(String, Tensor)> {
     vars
 }
 
-fn load_state(vs: &nn::VarStore, opt: &mut dyn Optimizer, state: &[(String, Tensor)]) -> Result<()> {
+/// Checks that `state` holds every variable of `vs` with its shape and dtype, before anything is copied.
+fn check_state(vs: &nn::VarStore, state: &[(String, Tensor)]) -> Result<()> {
     let vars = vs.variables();
-    let mut optim = Vec::new();
     let mut seen = 0;
     for (k, t) in state {
         if let Some(name) = k.strip_prefix("model/") {
@@ -458,18 +527,26 @@ fn load_state(vs: &nn::VarStore, opt: &mut dyn Optimizer, state: &[(String, Tens
                     format!("variable {name}: {:?} {:?} here, {:?} {:?} sent", v.kind(), v.size(), t.kind(), t.size()),
                 ));
             }
-            let _g = tch::no_grad_guard();
-            v.shallow_clone().f_copy_(t)?;
             seen += 1;
-        } else if let Some(key) = k.strip_prefix("optim/") {
-            optim.push((key.to_string(), t.shallow_clone()));
         }
     }
     if seen != vars.len() {
-        return Err(Error::mismatch(
-            "healing",
-            format!("{} variables were sent, this replica has {}", seen, vars.len()),
-        ));
+        return Err(Error::mismatch("healing", format!("{seen} variables were sent, this replica has {}", vars.len())));
+    }
+    Ok(())
+}
+
+/// Copies a checked state into the variables and the optimizer.
+fn load_state(vs: &nn::VarStore, opt: &mut dyn Optimizer, state: &[(String, Tensor)]) -> Result<()> {
+    let vars = vs.variables();
+    let mut optim = Vec::new();
+    for (k, t) in state {
+        if let Some(v) = k.strip_prefix("model/").and_then(|name| vars.get(name)) {
+            let _g = tch::no_grad_guard();
+            v.shallow_clone().f_copy_(t)?;
+        } else if let Some(key) = k.strip_prefix("optim/") {
+            optim.push((key.to_string(), t.shallow_clone()));
+        }
     }
     opt.load_state_dict(&optim)
 }

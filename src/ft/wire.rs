@@ -13,9 +13,10 @@ use crate::error::{Error, Result};
 pub(crate) enum Request {
     /// "I am alive": sent every heartbeat interval.
     Heartbeat { replica: String },
-    /// Join the next quorum, at `step` committed steps. `reconfigure`: this replica's last step failed,
-    /// so the replicate group must be rebuilt even if the members stay the same.
-    Quorum { replica: String, step: u64, reconfigure: bool },
+    /// Join the next quorum, at `step` committed steps, the last of them in quorum `commit_quorum`.
+    /// `reconfigure`: this replica's last step failed (or it just started), so the replicate group must be
+    /// rebuilt even if the members stay the same.
+    Quorum { replica: String, step: u64, commit_quorum: u64, reconfigure: bool },
 }
 
 /// One replica of a quorum.
@@ -24,6 +25,10 @@ pub struct Member {
     pub replica: String,
     /// The steps it has committed.
     pub step: u64,
+    /// The quorum its last committed step was taken in (0: none, or resumed from a checkpoint). Of two
+    /// replicas at the same step, the one with the later quorum holds the state that went on: the other
+    /// committed alone what the rest discarded and redid without it.
+    pub commit_quorum: u64,
 }
 
 /// The replicas that take the next step together. Every member receives the same value.
@@ -42,6 +47,13 @@ impl Quorum {
     /// The highest committed step among the members: where the quorum trains next.
     pub fn max_step(&self) -> u64 {
         self.members.iter().map(|m| m.step).max().unwrap_or(0)
+    }
+    /// The members that hold the state the quorum goes on from: the highest (step, commit quorum).
+    pub fn healthy(&self) -> Vec<usize> {
+        let best = self.members.iter().map(|m| (m.step, m.commit_quorum)).max();
+        (0..self.members.len())
+            .filter(|&i| Some((self.members[i].step, self.members[i].commit_quorum)) == best)
+            .collect()
     }
     pub(crate) fn rank_of(&self, replica: &str) -> Option<usize> {
         self.members.iter().position(|m| m.replica == replica)
@@ -108,4 +120,32 @@ pub(crate) fn read_line<T: for<'de> Deserialize<'de>>(r: &mut BufReader<TcpStrea
         return Ok(None);
     }
     serde_json::from_str(&line).map(Some).map_err(std::io::Error::other)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn member(r: &str, step: u64, commit_quorum: u64) -> Member {
+        Member { replica: r.into(), step, commit_quorum }
+    }
+
+    #[test]
+    fn the_state_that_went_on_is_the_latest_commit_at_the_highest_step() {
+        // "a" completed step 9's sum in quorum 4 where "b" and "c" failed; cut off, it missed quorum 5,
+        // where they ran step 9 again without it: same step, but theirs is the state that went on
+        let q = Quorum {
+            id: 6,
+            members: vec![member("a", 10, 4), member("b", 10, 5), member("c", 10, 5)],
+            store: String::new(),
+        };
+        assert_eq!(q.healthy(), [1, 2]);
+        let q = Quorum {
+            id: 7,
+            members: vec![member("a", 3, 0), member("b", 12, 5), member("c", 12, 5)],
+            store: String::new(),
+        };
+        assert_eq!(q.healthy(), [1, 2]);
+        assert_eq!(q.max_step(), 12);
+    }
 }
