@@ -140,8 +140,8 @@ impl Log {
         v["pid"] = std::process::id().into();
         v["restart"] = std::env::var("TORCHELASTIC_RESTART_COUNT").unwrap_or_default().into();
         if let Some(f) = self.0.as_mut() {
-            let _ = writeln!(f, "{v}");
-            let _ = f.flush();
+            // one write per line: readers polling the file see whole lines
+            let _ = f.write_all(format!("{v}\n").as_bytes());
         }
     }
 }
