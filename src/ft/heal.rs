@@ -1,7 +1,9 @@
 //! Healing: a healthy replica sends a recovering one everything it trains with (parameters, optimizer
-//! state, the step) over their replicate group; nothing touches the disk. One message of three parts,
-//! in posting order (NCCL's rule for a pair): the two lengths, a JSON header naming each tensor, then
-//! all tensors' bytes in one buffer.
+//! state, the step); nothing touches the disk. The two ranks make a group of their own from their
+//! replicate group's store (the sender first) and broadcast over it, so that a wait on a sender cut off
+//! silently ends when its heartbeat stops, as in any collective (point-to-point waits are not watched).
+//! One transfer in three parts, in the same order on both sides: the two lengths, a JSON header naming
+//! each tensor, then all tensors' bytes in one buffer.
 use serde::{Deserialize, Serialize};
 use tch::{Device, Kind, Tensor};
 
@@ -24,14 +26,27 @@ struct Entry {
     offset: i64,
 }
 
-const TAG: i32 = 7;
-
 fn nbytes(t: &Tensor) -> i64 {
     (t.numel() * t.kind().elt_size_in_bytes()) as i64
 }
 
-/// Sends `step` and `state` to rank `dst` of `pg`.
-pub(crate) fn send(pg: &ProcessGroup, dst: usize, step: u64, state: &[(String, Tensor)]) -> Result<()> {
+/// The group of the sender `src` (its rank 0) and the receiver `dst` for transfer `name`.
+fn pair(pg: &ProcessGroup, src: usize, dst: usize, name: &str) -> Result<ProcessGroup> {
+    let g = pg
+        .new_subgroup(&[src, dst], name)?
+        .ok_or_else(|| Error::invalid("healing", format!("rank {} is neither {src} nor {dst}", pg.rank())))?;
+    g.set_survivable();
+    Ok(g)
+}
+
+/// Frees a pair's group on a thread of its own (after a failure its engine may wait on the lost peer).
+fn dispose(g: ProcessGroup) {
+    let _ = std::thread::Builder::new().name("tdx-ft-heal".into()).spawn(move || drop(g));
+}
+
+/// Sends `step` and `state` to rank `dst` of `pg`, as transfer `name` (the same on both sides, new for
+/// each transfer in `pg`).
+pub(crate) fn send(pg: &ProcessGroup, dst: usize, name: &str, step: u64, state: &[(String, Tensor)]) -> Result<()> {
     let mut entries = Vec::with_capacity(state.len());
     let mut offset = 0i64;
     for (name, t) in state {
@@ -54,20 +69,31 @@ pub(crate) fn send(pg: &ProcessGroup, dst: usize, step: u64, state: &[(String, T
             at += (n + 7) / 8 * 8;
         }
     }
-    let lengths = Tensor::from_slice(&[header.len() as i64, offset]);
-    pg.send(&lengths, dst, TAG)?;
-    #[cfg(feature = "testing")]
-    if step > 0 {
-        fault_point("kill-while-sending");
-    }
-    pg.send(&Tensor::from_slice(&header), dst, TAG)?;
-    pg.send(&payload, dst, TAG)
+    let g = pair(pg, pg.rank(), dst, name)?;
+    let sent = (|| {
+        g.broadcast(&mut Tensor::from_slice(&[header.len() as i64, offset]), 0)?;
+        #[cfg(feature = "testing")]
+        if step > 0 {
+            fault_point("kill-while-sending");
+        }
+        g.broadcast(&mut Tensor::from_slice(&header), 0)?;
+        g.broadcast(&mut payload.shallow_clone(), 0)
+    })();
+    dispose(g);
+    sent
 }
 
 /// Receives what [`send`] sent from rank `src`: the step and the named tensors (on the CPU).
-pub(crate) fn recv(pg: &ProcessGroup, src: usize) -> Result<(u64, Vec<(String, Tensor)>)> {
+pub(crate) fn recv(pg: &ProcessGroup, src: usize, name: &str) -> Result<(u64, Vec<(String, Tensor)>)> {
+    let g = pair(pg, src, pg.rank(), name)?;
+    let got = receive(&g, src);
+    dispose(g);
+    got
+}
+
+fn receive(g: &ProcessGroup, src: usize) -> Result<(u64, Vec<(String, Tensor)>)> {
     let mut lengths = Tensor::f_zeros([2], (Kind::Int64, Device::Cpu))?;
-    pg.recv(&mut lengths, src, TAG)?;
+    g.broadcast(&mut lengths, 0)?;
     let (hlen, plen) = (lengths.f_int64_value(&[0])?, lengths.f_int64_value(&[1])?);
     if !(0..=1 << 30).contains(&hlen) || plen < 0 {
         return Err(Error::Mismatch {
@@ -76,9 +102,9 @@ pub(crate) fn recv(pg: &ProcessGroup, src: usize) -> Result<(u64, Vec<(String, T
         });
     }
     let mut header = Tensor::f_zeros([hlen], (Kind::Uint8, Device::Cpu))?;
-    pg.recv(&mut header, src, TAG)?;
+    g.broadcast(&mut header, 0)?;
     let mut payload = Tensor::f_zeros([plen], (Kind::Uint8, Device::Cpu))?;
-    pg.recv(&mut payload, src, TAG)?;
+    g.broadcast(&mut payload, 0)?;
     let bytes: Vec<u8> = Vec::<u8>::try_from(&header)?;
     let h: Header = serde_json::from_slice(&bytes)
         .map_err(|e| Error::Mismatch { op: "healing".into(), msg: format!("rank {src} sent a bad header: {e}") })?;

@@ -408,11 +408,13 @@ impl Manager {
             let src = sources[k % sources.len()];
             if src == me {
                 let _s = crate::timeline::span("fault tolerance", || format!("send state to {}", q.members[r].replica));
-                heal::send(&g, r, self.step, &state_of(vs, opt)).map_err(attempt)?;
+                let name = format!("heal-{}-{k}", q.max_step());
+                heal::send(&g, r, &name, self.step, &state_of(vs, opt)).map_err(attempt)?;
                 to.push(q.members[r].replica.clone());
             } else if r == me {
                 let _s = crate::timeline::span("fault tolerance", || "receive state".to_string());
-                let (step, state) = heal::recv(&g, src).map_err(attempt)?;
+                let name = format!("heal-{}-{k}", q.max_step());
+                let (step, state) = heal::recv(&g, src, &name).map_err(attempt)?;
                 check_state(vs, &state).map_err(Attempt::Fatal)?;
                 got = Some((src, step, state));
             }
