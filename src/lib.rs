@@ -28,6 +28,8 @@ macro_rules! module {
 mod dtype;
 mod ffi;
 mod function;
+#[cfg(feature = "plot")]
+mod plot;
 mod random;
 mod storage;
 mod var_store;

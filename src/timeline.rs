@@ -270,3 +270,40 @@ pub fn merge(dir: &Path, out: &Path) -> Result<Vec<u64>> {
     std::fs::write(out, body).map_err(|e| io(out, e))?;
     Ok(files.into_iter().map(|(r, _)| r).collect())
 }
+
+/// Draws a trace [`merge`] wrote (or one rank's file) as a PNG: a row per track (each rank's threads, then
+/// its collective rows), forward in blue, backward in green, optimizer steps in orange, collectives in
+/// purple, fault tolerance in red, others grey. Returns the number of rows. With the `plot` feature.
+#[cfg(feature = "plot")]
+pub fn write_png(trace: &Path, png: &Path) -> Result<usize> {
+    let text =
+        std::fs::read(trace).map_err(|e| Error::invalid(format!("timeline {}", trace.display()), e.to_string()))?;
+    let t: Trace = serde_json::from_slice(&text)
+        .map_err(|e| Error::invalid(format!("timeline {}", trace.display()), e.to_string()))?;
+    let spans: Vec<Event> =
+        t.events.into_iter().filter(|e| e["ph"] == "X").filter_map(|e| serde_json::from_value(e).ok()).collect();
+    let mut tracks: Vec<(u64, u64)> = spans.iter().map(|e| (e.pid, e.tid)).collect();
+    tracks.sort();
+    tracks.dedup();
+    if tracks.is_empty() {
+        return Err(Error::invalid(format!("timeline {}", trace.display()), "holds no spans"));
+    }
+    let bars: Vec<crate::plot::Bar> = spans
+        .iter()
+        .map(|e| crate::plot::Bar {
+            row: tracks.binary_search(&(e.pid, e.tid)).unwrap_or(0),
+            start: e.ts,
+            end: e.ts + e.dur,
+            color: match e.cat.as_str() {
+                "forward" => (60, 110, 220),
+                "backward" => (40, 170, 80),
+                "optimizer" => (230, 150, 30),
+                "collective" => (150, 90, 200),
+                "fault tolerance" => (210, 50, 50),
+                _ => (140, 140, 140),
+            },
+        })
+        .collect();
+    crate::plot::draw(png, tracks.len(), 24, &bars)?;
+    Ok(tracks.len())
+}

@@ -61,35 +61,14 @@ pub fn write_chrome_trace(path: &Path, spans: &[Span]) -> Result<()> {
 /// chunks), idle time white. With the `plot` feature (plotters).
 #[cfg(feature = "plot")]
 pub fn write_png(path: &Path, spans: &[Span], stages: usize) -> Result<()> {
-    use plotters::prelude::*;
-    let err = |e: String| Error::invalid(format!("write timeline {}", path.display()), e);
-    let (w, row, pad) = (1200u32, 60u32, 10u32);
-    let h = stages as u32 * row + 2 * pad;
-    let root = BitMapBackend::new(path, (w, h)).into_drawing_area();
-    root.fill(&WHITE).map_err(|e| err(e.to_string()))?;
-    let t0 = spans.iter().map(|s| s.start).fold(f64::INFINITY, f64::min);
-    let t1 = spans.iter().map(|s| s.end).fold(f64::NEG_INFINITY, f64::max);
-    let scale = (w - 2 * pad) as f64 / (t1 - t0).max(1e-12);
-    for s in 0..stages {
-        let y = (pad + s as u32 * row) as i32;
-        root.draw(&Rectangle::new(
-            [(pad as i32, y), ((w - pad) as i32, y + row as i32 - 8)],
-            RGBColor(235, 235, 235).filled(),
-        ))
-        .map_err(|e| err(e.to_string()))?;
-    }
-    for sp in spans {
-        let x0 = pad as i32 + ((sp.start - t0) * scale) as i32;
-        let x1 = (pad as i32 + ((sp.end - t0) * scale) as i32).max(x0 + 1);
-        let y = (pad + sp.stage as u32 * row) as i32;
-        let shade = (sp.chunk as u8).saturating_mul(40);
-        let color = if sp.forward {
-            RGBColor(60, 110u8.saturating_sub(shade), 220)
-        } else {
-            RGBColor(40, 170u8.saturating_sub(shade), 80)
-        };
-        root.draw(&Rectangle::new([(x0, y), (x1 - 1, y + row as i32 - 8)], color.filled()))
-            .map_err(|e| err(e.to_string()))?;
-    }
-    root.present().map_err(|e| err(e.to_string()))
+    let bars: Vec<crate::plot::Bar> = spans
+        .iter()
+        .map(|sp| {
+            let shade = (sp.chunk as u8).saturating_mul(40);
+            let color =
+                if sp.forward { (60, 110u8.saturating_sub(shade), 220) } else { (40, 170u8.saturating_sub(shade), 80) };
+            crate::plot::Bar { row: sp.stage, start: sp.start, end: sp.end, color }
+        })
+        .collect();
+    crate::plot::draw(path, stages, 60, &bars)
 }

@@ -319,5 +319,21 @@ fn a_timeline_of_every_rank_opens_in_perfetto() {
         let inside = buckets.iter().filter(|(s, e)| bwd.iter().any(|(bs, be)| bs <= s && e <= be)).count();
         assert!(inside >= 3, "rank {rank}: {inside} of {} bucket allreduces inside a backward", buckets.len());
     }
+    // drawn as a PNG: a row of 24 pixels per track, within a 10-pixel margin (the header says its height)
+    let png = dir.join("trace.png");
+    let rows = tch_dist::timeline::write_png(&file, &png).unwrap();
+    let mut tracks: Vec<(u64, u64)> = events
+        .iter()
+        .filter(|e| e["ph"] == "X")
+        .map(|e| (e["pid"].as_u64().unwrap(), e["tid"].as_u64().unwrap()))
+        .collect();
+    tracks.sort();
+    tracks.dedup();
+    assert_eq!(rows, tracks.len());
+    let bytes = std::fs::read(&png).unwrap();
+    assert_eq!(&bytes[1..4], b"PNG");
+    let (w, h) =
+        (u32::from_be_bytes(bytes[16..20].try_into().unwrap()), u32::from_be_bytes(bytes[20..24].try_into().unwrap()));
+    assert_eq!((w, h), (1200, 24 * rows as u32 + 20), "{rows} rows");
     let _ = std::fs::remove_dir_all(&dir);
 }
