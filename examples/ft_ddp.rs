@@ -248,6 +248,10 @@ fn train(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
     while manager.step() < args.steps {
         let started = manager.start_step(&vs, &mut opt)?;
         let s = manager.step();
+        if let Some(from) = &started.healed_from {
+            // the state of step s came from `from` (this step may still be discarded and run again)
+            log.event(serde_json::json!({"event": "healed", "step": s, "from": from}));
+        }
         step.store(s, Ordering::SeqCst);
         let (x, y) = batch(replica, local, s, kind);
         std::thread::sleep(std::time::Duration::from_millis(args.step_ms));
@@ -336,10 +340,10 @@ fn restart_baseline(args: &Args, ckpt: &std::path::Path) -> Result<(), Box<dyn s
 type Schedule = Vec<(u64, Vec<String>)>;
 
 /// The steps that made the final state, with their members, read from the replicas' logs. A process's
-/// state comes from its own commits back to where it was healed, and before that from the process it
-/// was healed from (the one of that replica that had committed the step before, by then), or from the
-/// process that saved the checkpoint it resumed from: commits of a process that died before anyone took
-/// its state are not part of it.
+/// state comes from its own commits back to where it was last healed (or resumed), and before that from
+/// the process it was healed from (the one of that replica that had committed the step before, by then),
+/// or from the process that saved the checkpoint it resumed from: commits of a process that died before
+/// anyone took its state are not part of it.
 fn committed(paths: &[PathBuf]) -> Result<Schedule, Box<dyn std::error::Error>> {
     let mut events = Vec::new();
     for path in paths {
@@ -352,56 +356,52 @@ fn committed(paths: &[PathBuf]) -> Result<Schedule, Box<dyn std::error::Error>> 
     let (mut replica, mut pid) = (done["replica"].clone(), done["pid"].clone());
     let mut upto = u64::MAX;
     let mut steps: std::collections::BTreeMap<u64, Vec<String>> = Default::default();
-    loop {
-        let mut mine: Vec<&serde_json::Value> = events
+    let of = |kind: &str, replica: &serde_json::Value, pid: &serde_json::Value, upto: u64| -> Vec<&serde_json::Value> {
+        events
             .iter()
-            .filter(|e| e["event"] == "commit" && e["replica"] == replica && e["pid"] == pid)
+            .filter(|e| e["event"] == kind && e["replica"] == *replica && e["pid"] == *pid)
             .filter(|e| e["step"].as_u64().is_some_and(|s| s < upto))
-            .collect();
-        mine.sort_by_key(|e| e["step"].as_u64());
-        let first = *mine.first().ok_or_else(|| format!("replica {replica} (pid {pid}) committed nothing"))?;
-        for e in &mine {
+            .collect()
+    };
+    loop {
+        // where this process's state of its steps below `upto` began: its last healing, or its resume
+        // from the checkpoint, or the initial parameters
+        let last = |kind: &str| of(kind, &replica, &pid, upto).into_iter().max_by_key(|e| e["step"].as_u64()).cloned();
+        let (healed, resumed) = (last("healed"), last("resumed"));
+        let step_of = |e: &Option<serde_json::Value>| e.as_ref().and_then(|e| e["step"].as_u64());
+        let from = match (step_of(&healed), step_of(&resumed)) {
+            (Some(h), r) if r.is_none_or(|r| h >= r) => h,
+            (_, Some(r)) => r,
+            _ => 0,
+        };
+        for e in of("commit", &replica, &pid, upto).into_iter().filter(|e| e["step"].as_u64() >= Some(from)) {
             let m = e["members"].as_array().ok_or("a commit without members")?;
             let m = m.iter().filter_map(|x| x.as_str().map(String::from)).collect();
             steps.insert(e["step"].as_u64().ok_or("a commit without a step")?, m);
         }
-        let step = first["step"].as_u64().ok_or("a commit without a step")?;
-        let from = &first["healed_from"];
-        if step == 0 {
+        if from == 0 {
             break; // from the initial parameters, which every replica draws alike
         }
-        if from.is_null() {
-            // resumed from the checkpoint: the state of the process that saved it last before
-            let resumed = events
-                .iter()
-                .find(|e| e["event"] == "resumed" && e["replica"] == replica && e["pid"] == pid && e["step"] == step)
-                .and_then(|e| e["t"].as_f64());
-            let saver = resumed.and_then(|t| {
-                events
-                    .iter()
-                    .filter(|e| e["event"] == "saved" && e["step"].as_u64() == Some(step))
-                    .filter(|e| e["t"].as_f64().is_some_and(|st| st < t))
-                    .max_by(|a, b| a["t"].as_f64().partial_cmp(&b["t"].as_f64()).unwrap_or(std::cmp::Ordering::Equal))
-            });
-            match saver {
-                Some(e) => {
-                    (replica, pid, upto) = (e["replica"].clone(), e["pid"].clone(), step);
-                    continue;
-                }
-                _ => return Err(format!("replica {replica} (pid {pid}) began at step {step} from nowhere").into()),
+        // the process that held the state of step `from`: the sender's (the one of its replica that had
+        // committed the step before, last before the healing), or the checkpoint's saver
+        let (kind, key, t) = match (&healed, step_of(&healed) == Some(from)) {
+            (Some(h), true) => ("commit", h["from"].clone(), num(h, "t")?),
+            _ => {
+                let r = resumed.as_ref().ok_or("no origin")?;
+                ("saved", serde_json::Value::Null, num(r, "t")?)
             }
-        }
-        // the process of that replica that had committed the step before, last before the healing
-        let t = num(first, "t")?;
+        };
+        let step = if kind == "commit" { from - 1 } else { from };
         let source = events
             .iter()
-            .filter(|e| e["event"] == "commit" && e["replica"] == *from && e["step"].as_u64() == Some(step - 1))
+            .filter(|e| e["event"] == kind && e["step"].as_u64() == Some(step))
+            .filter(|e| key.is_null() || e["replica"] == key)
             .filter(|e| e["t"].as_f64().is_some_and(|et| et < t))
             .max_by(|a, b| a["t"].as_f64().partial_cmp(&b["t"].as_f64()).unwrap_or(std::cmp::Ordering::Equal))
             .ok_or_else(|| {
-                format!("replica {replica} was healed from {from} at step {step}, which had not committed {}", step - 1)
+                format!("replica {replica} (pid {pid}) began at step {from}, and no process held it before")
             })?;
-        (replica, pid, upto) = (source["replica"].clone(), source["pid"].clone(), step);
+        (replica, pid, upto) = (source["replica"].clone(), source["pid"].clone(), from);
     }
     for (i, s) in steps.keys().enumerate() {
         if *s != i as u64 {

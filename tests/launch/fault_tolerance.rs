@@ -254,23 +254,27 @@ fn all_healed(d: &Path) {
     assert!(diff < 1e-6, "{diff:e}");
 }
 
-/// The restarted process of replica `id` took a healthy replica's state before its first commit.
+/// The restarted process of replica `id` took a healthy replica's state (at the start of a step, which
+/// may then have been discarded and run again).
 fn healed(ev: &[Value], id: usize) -> String {
     let second = pids(ev)[1].clone();
-    let first = of(ev, "commit").into_iter().find(|e| e["pid"] == second).unwrap_or_else(|| panic!("{ev:?}"));
-    assert_eq!(first["restart"], "1");
-    let from = first["healed_from"].as_str().unwrap_or_else(|| panic!("replica {id} was not healed: {first}"));
+    let h = of(ev, "healed")
+        .into_iter()
+        .find(|e| e["pid"] == second)
+        .unwrap_or_else(|| panic!("replica {id} was not healed: {ev:?}"));
+    assert_eq!(h["restart"], "1");
+    let from = h["from"].as_str().unwrap();
     assert_ne!(from, id.to_string());
     if let Some(k) = of(ev, "kill").first() {
         let t = |e: &Value| e["t"].as_f64().unwrap() - k["t"].as_f64().unwrap();
         let start = of(ev, "start").into_iter().find(|e| e["pid"] == second).unwrap();
         eprintln!(
-            "replica {id}: killed at step {}, restarted {:.2} s later, healed by replica {from} at step {} and \
-             committed it {:.2} s after the kill",
+            "replica {id}: killed at step {}, restarted {:.2} s later, healed by replica {from} at step {}, {:.2} s \
+             after the kill",
             k["step"],
             t(start),
-            first["step"],
-            t(first)
+            h["step"],
+            t(h)
         );
     }
     from.to_string()
