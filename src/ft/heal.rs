@@ -10,6 +10,7 @@ use tch::{Device, Kind, Tensor};
 use crate::checkpoint::format::{dtype_kind, dtype_name};
 use crate::error::{Error, Result};
 use crate::group::ProcessGroup;
+use crate::storage::bytes_of;
 
 #[derive(Serialize, Deserialize)]
 struct Header {
@@ -24,10 +25,6 @@ struct Entry {
     shape: Vec<i64>,
     /// Byte offset in the payload (8-aligned, so any dtype can be viewed there).
     offset: i64,
-}
-
-fn nbytes(t: &Tensor) -> i64 {
-    (t.numel() * t.kind().elt_size_in_bytes()) as i64
 }
 
 /// The group of the sender `src` (its rank 0) and the receiver `dst` for transfer `name`.
@@ -51,7 +48,7 @@ pub(crate) fn send(pg: &ProcessGroup, dst: usize, name: &str, step: u64, state: 
     let mut offset = 0i64;
     for (name, t) in state {
         entries.push(Entry { name: name.clone(), dtype: dtype_name(t.kind())?.to_string(), shape: t.size(), offset });
-        offset += (nbytes(t) + 7) / 8 * 8;
+        offset += (bytes_of(t) + 7) / 8 * 8;
     }
     let header = serde_json::to_vec(&Header { step, tensors: entries })
         .map_err(|e| Error::invalid("healing", format!("cannot encode the state's header: {e}")))?;
@@ -60,7 +57,7 @@ pub(crate) fn send(pg: &ProcessGroup, dst: usize, name: &str, step: u64, state: 
         let _g = tch::no_grad_guard();
         let mut at = 0i64;
         for (_, t) in state {
-            let n = nbytes(t);
+            let n = bytes_of(t);
             if n > 0 {
                 let bytes =
                     t.f_detach()?.f_to(Device::Cpu)?.f_contiguous()?.f_reshape([-1])?.f_view_dtype(Kind::Uint8)?;
