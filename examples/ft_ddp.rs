@@ -25,6 +25,11 @@
 //!
 //! `--kill-at-step S` SIGKILLs this replica in the middle of the backward of step S (on its first start
 //! only; a restarted one goes on): some gradient buckets are already being reduced across replicas.
+//!
+//! `--fsdp`: HSDP instead of DDP. Each replica shards the model with FSDP over its own ranks (a unit
+//! per layer), and the manager sums each reduce-scattered chunk across the replicas; healing sends each
+//! rank's shards. `--out` then holds the full parameters (`model/*`, gathered), this rank's shards
+//! (`shard/*`) and its optimizer state (`optim/*`, of the shards).
 use std::io::Write;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -34,6 +39,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use clap::Parser;
 use tch::{nn, nn::Module, Device, Kind, Tensor};
 use tch_dist::ddp::{CommHook, DdpOptions, DistributedDataParallel, GradBucket, HookFuture};
+use tch_dist::fsdp::{FsdpBuilder, FsdpOptions, FullyShardedDataParallel, Replicas};
 use tch_dist::ft::{Manager, ManagerConfig};
 use tch_dist::optim::{AdamW, Optimizer};
 use tch_dist::{checkpoint, ProcessGroup};
@@ -78,6 +84,9 @@ struct Args {
     /// With --ckpt or --restart-from: save the checkpoint every this many steps
     #[arg(long, default_value_t = 5)]
     every: u64,
+    /// HSDP: shard each replica with FSDP over its own ranks (see the module docs)
+    #[arg(long)]
+    fsdp: bool,
 }
 
 const IN: i64 = 32;
@@ -90,14 +99,38 @@ fn kind(args: &Args) -> Kind {
     }
 }
 
-fn model(vs: &nn::VarStore, args: &Args) -> impl Module {
-    let (h, root) = (args.hidden, vs.root());
-    nn::seq()
-        .add(nn::linear(&root / "l1", IN, h, Default::default()))
-        .add_fn(|x| x.tanh())
-        .add(nn::linear(&root / "l2", h, h, Default::default()))
-        .add_fn(|x| x.tanh())
-        .add(nn::linear(&root / "l3", h, 1, Default::default()))
+/// The three linear layers, created in order from the seed and then cast to the run's dtype.
+fn layers(vs: &mut nn::VarStore, args: &Args) -> Vec<(&'static str, nn::Linear)> {
+    let h = args.hidden;
+    let out = {
+        let root = vs.root();
+        [("l1", IN, h), ("l2", h, h), ("l3", h, 1)]
+            .into_iter()
+            .map(|(n, i, o)| (n, nn::linear(&root / n, i, o, Default::default())))
+            .collect()
+    };
+    vs.set_kind(kind(args));
+    out
+}
+
+/// The layers with tanh between them, each passed through `wrap` (an FSDP unit, or as it is).
+fn stack<M: Module + 'static>(
+    layers: Vec<(&'static str, nn::Linear)>,
+    mut wrap: impl FnMut(&str, nn::Linear) -> tch_dist::Result<M>,
+) -> tch_dist::Result<nn::Sequential> {
+    let n = layers.len();
+    let mut seq = nn::seq();
+    for (k, (name, l)) in layers.into_iter().enumerate() {
+        seq = seq.add(wrap(name, l)?);
+        if k + 1 < n {
+            seq = seq.add_fn(|x| x.tanh());
+        }
+    }
+    Ok(seq)
+}
+
+fn model(vs: &mut nn::VarStore, args: &Args) -> tch_dist::Result<nn::Sequential> {
+    stack(layers(vs, args), |_, l| Ok(l))
 }
 
 /// The batch of replica `replica`'s local rank `local` at `step`: the same wherever it is drawn.
@@ -177,6 +210,46 @@ impl CommHook for KillMidBackward {
     }
 }
 
+/// HSDP's twin of [`KillMidBackward`]: SIGKILLs this process when the second unit's chunk is about to
+/// be summed across replicas at `--kill-at-step` (the last layer's sum is done).
+#[derive(Debug)]
+struct KillMidSum {
+    inner: Arc<dyn Replicas>,
+    step: Arc<AtomicU64>,
+    at: Option<u64>,
+    log: Option<PathBuf>,
+    /// (step, sums started in it)
+    seen: std::sync::Mutex<(u64, usize)>,
+}
+
+impl Replicas for KillMidSum {
+    fn count(&self) -> usize {
+        self.inner.count()
+    }
+    fn all_reduce_sum(&self, t: &Tensor) -> tch_dist::Result<()> {
+        let step = self.step.load(Ordering::SeqCst);
+        let nth = {
+            let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
+            if seen.0 != step {
+                *seen = (step, 0);
+            }
+            seen.1 += 1;
+            seen.1
+        };
+        let first_start = std::env::var("TORCHELASTIC_RESTART_COUNT").map_or(true, |c| c == "0");
+        if first_start && self.at == Some(step) && nth == 2 {
+            if let Ok(mut l) = Log::open(&self.log) {
+                l.event(serde_json::json!({"event": "kill", "step": step, "unit": nth - 1}));
+            }
+            // SAFETY: raising a signal on this process has no memory-safety preconditions.
+            unsafe {
+                libc::kill(libc::getpid(), libc::SIGKILL);
+            }
+        }
+        self.inner.all_reduce_sum(t)
+    }
+}
+
 fn bucket_count(b: &GradBucket) -> usize {
     if b.is_last() {
         b.index() + 1
@@ -209,6 +282,21 @@ fn load(path: &std::path::Path, vs: &nn::VarStore, opt: &mut dyn Optimizer) -> R
     Ok(step)
 }
 
+/// A replica's model: DDP among its ranks, or FSDP over them (HSDP across the replicas).
+enum Net {
+    Ddp(DistributedDataParallel<nn::Sequential>),
+    Fsdp(FullyShardedDataParallel<nn::Sequential>),
+}
+
+impl Net {
+    fn backward(&self, x: &Tensor, y: &Tensor) -> tch_dist::Result<()> {
+        match self {
+            Net::Ddp(d) => d.backward(&d.forward_with(|m| loss(m, x, y))?),
+            Net::Fsdp(f) => f.backward(&f.f_forward(x)?.mse_loss(y, tch::Reduction::Mean)),
+        }
+    }
+}
+
 fn replica_number(id: &str) -> Result<u64, String> {
     id.trim_start_matches(|c: char| !c.is_ascii_digit())
         .parse()
@@ -227,17 +315,33 @@ fn train(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
 
     tch::manual_seed(0);
     let mut vs = nn::VarStore::new(Device::Cpu);
-    let net = model(&vs, args);
-    vs.set_kind(kind);
     let step = Arc::new(AtomicU64::new(0));
-    let hook = Arc::new(KillMidBackward {
-        inner: manager.comm_hook(),
-        step: step.clone(),
-        at: args.kill_at_step,
-        log: args.log.clone(),
-    });
-    let opts = DdpOptions::default().process_group(own).comm_hook(hook).bucket_cap_mb(0.1).first_bucket_bytes(64 << 10);
-    let ddp = DistributedDataParallel::new(&vs, net, opts)?;
+    let net = if args.fsdp {
+        let layers = layers(&mut vs, args);
+        let replicas = Arc::new(KillMidSum {
+            inner: manager.fsdp_replicas(),
+            step: step.clone(),
+            at: args.kill_at_step,
+            log: args.log.clone(),
+            seen: Default::default(),
+        });
+        let opts = FsdpOptions::default().process_group(own).gather_once_below(0).replicas(replicas);
+        let fsdp = FsdpBuilder::new(&vs, opts)?;
+        let seq = stack(layers, |name, l| fsdp.fully_shard(&(vs.root() / name), l))?;
+        Net::Fsdp(fsdp.finish(seq)?)
+    } else {
+        let net = model(&mut vs, args)?;
+        let hook = Arc::new(KillMidBackward {
+            inner: manager.comm_hook(),
+            step: step.clone(),
+            at: args.kill_at_step,
+            log: args.log.clone(),
+        });
+        let opts =
+            DdpOptions::default().process_group(own).comm_hook(hook).bucket_cap_mb(0.1).first_bucket_bytes(64 << 10);
+        Net::Ddp(DistributedDataParallel::new(&vs, net, opts)?)
+    };
+    // the VarStore's trainable variables: the parameters, or under FSDP this rank's shards
     let mut opt = AdamW::new(vs.trainable_variables(), 1e-3);
     if let Some(path) = args.ckpt.as_ref().filter(|p| p.exists()) {
         let step = load(path, &vs, &mut opt)?;
@@ -246,7 +350,10 @@ fn train(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
     }
 
     while manager.step() < args.steps {
-        let started = manager.start_step(&vs, &mut opt)?;
+        let started = match &net {
+            Net::Ddp(_) => manager.start_step(&vs, &mut opt)?,
+            Net::Fsdp(f) => manager.start_step(f, &mut opt)?,
+        };
         let s = manager.step();
         if let Some(from) = &started.healed_from {
             // the state of step s came from `from` (this step may still be discarded and run again)
@@ -255,7 +362,7 @@ fn train(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
         step.store(s, Ordering::SeqCst);
         let (x, y) = batch(replica, local, s, kind);
         std::thread::sleep(std::time::Duration::from_millis(args.step_ms));
-        ddp.backward(&ddp.forward_with(|m| loss(m, &x, &y))?)?;
+        net.backward(&x, &y)?;
         let members: Vec<&str> = started.quorum.members.iter().map(|m| m.replica.as_str()).collect();
         if manager.should_commit()? {
             opt.step()?;
@@ -282,7 +389,17 @@ fn train(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
     if let Some(out) = &args.out {
         // local rank 0 writes OUT, rank L OUT.rankL
         let path = if local == 0 { out.clone() } else { PathBuf::from(format!("{}.rank{local}", out.display())) };
-        checkpoint::write_atomic(&path, manager.step(), &state(&vs, &opt))?;
+        let saved = match &net {
+            Net::Ddp(_) => state(&vs, &opt),
+            Net::Fsdp(f) => {
+                let mut v: Vec<(String, Tensor)> =
+                    f.state_dict()?.into_iter().map(|(n, t)| (format!("model/{n}"), t)).collect();
+                v.extend(f.named_parameters().into_iter().map(|(n, t)| (format!("shard/{n}"), t)));
+                v.extend(opt.state_dict().into_iter().map(|(k, t)| (format!("optim/{k}"), t)));
+                v
+            }
+        };
+        checkpoint::write_atomic(&path, manager.step(), &saved)?;
     }
     log.event(serde_json::json!({"event": "done", "step": manager.step()}));
     Ok(())
@@ -297,8 +414,7 @@ fn restart_baseline(args: &Args, ckpt: &std::path::Path) -> Result<(), Box<dyn s
     let mut log = Log::open(&args.log)?;
     tch::manual_seed(0);
     let mut vs = nn::VarStore::new(Device::Cpu);
-    let net = model(&vs, args);
-    vs.set_kind(kind);
+    let net = model(&mut vs, args)?;
     let mut opt = AdamW::new(vs.trainable_variables(), 1e-3);
     let mut start = 0;
     if ckpt.exists() {
@@ -415,8 +531,7 @@ fn reference(args: &Args, logs: &[PathBuf]) -> Result<(), Box<dyn std::error::Er
     let kind = kind(args);
     tch::manual_seed(0);
     let mut vs = nn::VarStore::new(Device::Cpu);
-    let net = model(&vs, args);
-    vs.set_kind(kind);
+    let net = model(&mut vs, args)?;
     let mut opt = AdamW::new(vs.trainable_variables(), 1e-3);
     let steps = committed(logs)?;
     for (s, members) in &steps {
@@ -444,6 +559,10 @@ fn reference(args: &Args, logs: &[PathBuf]) -> Result<(), Box<dyn std::error::Er
 
 fn main() {
     let args = Args::parse();
+    if args.fsdp && (args.ckpt.is_some() || args.restart_from.is_some()) {
+        eprintln!("ft_ddp: --fsdp trains HSDP replicas without checkpoints here; drop --ckpt and --restart-from");
+        std::process::exit(2);
+    }
     let r = match (&args.restart_from, args.reference.is_empty()) {
         (Some(ckpt), _) => restart_baseline(&args, ckpt),
         (None, true) => train(&args),

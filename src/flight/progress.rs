@@ -245,6 +245,16 @@ impl GroupTrace {
     /// thread of its own does it, whatever the rank computes) and is never named; one that never
     /// published (recording off there) is not judged.
     pub(crate) fn frozen_peer(self: &Arc<Self>, watch: &mut HeartbeatWatch, op: &str) -> Option<Error> {
+        self.frozen_peer_among(watch, op, None)
+    }
+
+    /// [`frozen_peer`](Self::frozen_peer) of the ranks in `among` only (all of them when `None`).
+    pub(crate) fn frozen_peer_among(
+        self: &Arc<Self>,
+        watch: &mut HeartbeatWatch,
+        op: &str,
+        among: Option<&[usize]>,
+    ) -> Option<Error> {
         let limit = self.heartbeat_timeout?;
         let reading = watch.reading.take().unwrap_or_else(|| self.read_peers());
         let peers = match reading.recv_timeout(Duration::from_millis(200)) {
@@ -256,6 +266,8 @@ impl GroupTrace {
             }
             Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => return None,
         };
+        let peers: Vec<PeerProgress> =
+            peers.into_iter().filter(|p| among.is_none_or(|a| a.contains(&p.rank))).collect();
         let at = std::time::Instant::now();
         if let Some(p) = peers.iter().find(|p| p.left) {
             self.abandoned.store(true, Ordering::SeqCst);

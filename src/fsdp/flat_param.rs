@@ -31,9 +31,10 @@ use std::sync::Arc;
 
 use tch::{Device, Kind, Tensor};
 
+use super::replicas::Replicas;
 use crate::error::{Error, Result};
 use crate::group::flat::{self, Reduction};
-use crate::group::{ProcessGroup, ReduceOp};
+use crate::group::ProcessGroup;
 use crate::stream::{self, Stream, StreamGuard};
 use crate::work::Work;
 use crate::{hooks, storage};
@@ -113,7 +114,7 @@ pub(crate) struct FlatParam {
     /// The rank-major copy of `full` that travels when `coalesced`; storage freed between uses.
     stage: Tensor,
     /// HSDP: the replicas of these shards, across which reduced chunks are summed.
-    replicate: Option<Arc<ProcessGroup>>,
+    replicate: Option<Arc<dyn Replicas>>,
 }
 
 /// How a unit is laid out: see [`FlatParam::new`].
@@ -126,7 +127,7 @@ pub(crate) struct Settings {
     pub sync: bool,
     /// Gathered and reduced in one message.
     pub coalesced: bool,
-    pub replicate: Option<Arc<ProcessGroup>>,
+    pub replicate: Option<Arc<dyn Replicas>>,
 }
 
 impl FlatParam {
@@ -175,7 +176,10 @@ impl FlatParam {
         }
         if sync {
             let _l = crate::flight::label(format!("FSDP: rank 0's parameters of unit {unit}"));
-            for g in std::iter::once(pg).chain(replicate.as_deref()).filter(|g| g.size() > 1) {
+            for g in std::iter::once(pg)
+                .chain(replicate.as_ref().and_then(|r| r.group()).map(|g| &**g))
+                .filter(|g| g.size() > 1)
+            {
                 g.broadcast(&mut full.shallow_clone(), 0)?;
             }
         }
@@ -604,8 +608,8 @@ impl FlatParam {
     /// in place, in the stream the reduce-scatter ran on. Every replica holds the same layout, so the
     /// chunks pair up; the padding travels too, which keeps one message per chunk.
     fn across_replicas(&self, out: &Tensor) -> Result<()> {
-        match self.replicate.as_deref().filter(|g| g.size() > 1) {
-            Some(g) => g.allreduce_unverified(&mut out.shallow_clone(), ReduceOp::Sum)?.wait(),
+        match &self.replicate {
+            Some(r) => r.all_reduce_sum(out),
             None => Ok(()),
         }
     }

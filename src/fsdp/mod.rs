@@ -46,6 +46,7 @@
 //!   and are all trainable or all frozen.
 mod flat_param;
 mod memory;
+mod replicas;
 mod runtime;
 mod state_dict;
 mod unit;
@@ -56,6 +57,7 @@ use std::sync::{Arc, Mutex};
 use tch::{nn, Device, Kind, Tensor};
 
 pub use memory::FsdpMemory;
+pub use replicas::Replicas;
 pub use unit::FsdpUnit;
 
 use crate::error::{Error, Result};
@@ -98,6 +100,10 @@ pub struct FsdpOptions {
     /// HSDP (hybrid sharding): the group of replicas, each holding the same shards, whose gradients are
     /// summed after the reduce-scatter. `None`: plain FSDP. Set both with [`FsdpOptions::mesh`].
     pub replicate_group: Option<Arc<ProcessGroup>>,
+    /// HSDP across replicas that are not one fixed group: fault tolerance's
+    /// [`Manager::fsdp_replicas`](crate::ft::Manager::fsdp_replicas), whose members change from step to
+    /// step. Set this or `replicate_group`, not both.
+    pub replicas: Option<Arc<dyn Replicas>>,
 }
 
 impl Default for FsdpOptions {
@@ -112,6 +118,7 @@ impl Default for FsdpOptions {
             gather_once_below: 1 << 14,
             process_group: None,
             replicate_group: None,
+            replicas: None,
         }
     }
 }
@@ -151,6 +158,10 @@ impl FsdpOptions {
     }
     pub fn replicate_group(mut self, pg: Arc<ProcessGroup>) -> Self {
         self.replicate_group = Some(pg);
+        self
+    }
+    pub fn replicas(mut self, replicas: Arc<dyn Replicas>) -> Self {
+        self.replicas = Some(replicas);
         self
     }
 
@@ -221,6 +232,16 @@ impl FsdpBuilder {
                 return Err(Error::invalid("FsdpOptions", format!("{what} {k:?} is not a floating-point dtype")));
             }
         }
+        let replicate: Option<Arc<dyn Replicas>> = match (&opts.replicate_group, &opts.replicas) {
+            (Some(_), Some(_)) => {
+                return Err(Error::invalid(
+                    "FsdpOptions",
+                    "both replicate_group and replicas are set: HSDP reduces across one or the other",
+                ))
+            }
+            (Some(g), None) => Some(Arc::new(replicas::ReplicateGroup(g.clone()))),
+            (None, r) => r.clone(),
+        };
         if let Some(r) = &opts.replicate_group {
             if Arc::ptr_eq(r, &pg) {
                 return Err(Error::invalid(
@@ -244,7 +265,7 @@ impl FsdpBuilder {
             reduce_dtype: opts.reduce_dtype,
         };
         Ok(FsdpBuilder {
-            rt: Arc::new(Runtime::new(pg, opts.replicate_group.clone(), cfg)),
+            rt: Arc::new(Runtime::new(pg, replicate, cfg)),
             vars: vs.variables_.clone(),
             opts,
             claimed: Mutex::new(HashSet::new()),
@@ -292,7 +313,7 @@ impl FsdpBuilder {
         let numel: i64 = named.iter().map(|(_, t)| t.numel() as i64).sum();
         let mine = [named.len() as i64, numel];
         // over the replicas too (HSDP): their reductions pair chunk by chunk
-        for g in std::iter::once(pg).chain(self.rt.replicate.as_ref()) {
+        for g in std::iter::once(pg).chain(self.rt.replicate.as_ref().and_then(|r| r.group())) {
             g.meta().agree(&format!("FSDP unit {name}"), &mine, |rows| {
                 let listing =
                     crate::group::meta::by_rank(rows, |r| format!("{} parameters, {} elements", r[0], r[1]), "; ");

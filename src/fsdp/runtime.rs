@@ -25,6 +25,7 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 use tch::{Device, Kind, Tensor};
 
 use super::flat_param::{FlatParam, ReduceInFlight};
+use super::replicas::Replicas;
 use crate::error::{Error, Result};
 use crate::group::loop_check::{agree_on_loop, LoopPhase};
 use crate::group::{ProcessGroup, Scope};
@@ -118,8 +119,8 @@ struct InFlight {
 
 pub(crate) struct Runtime {
     pub pg: Arc<ProcessGroup>,
-    /// HSDP: the replicas of the shards (see FsdpOptions::replicate_group).
-    pub replicate: Option<Arc<ProcessGroup>>,
+    /// HSDP: the replicas of the shards (see FsdpOptions::replicate_group and FsdpOptions::replicas).
+    pub replicate: Option<Arc<dyn Replicas>>,
     pub cfg: Config,
     st: Mutex<State>,
     /// Made with the first unit on CUDA; none off CUDA.
@@ -154,7 +155,7 @@ fn wait_all(works: Vec<Work>) -> Result<()> {
 }
 
 impl Runtime {
-    pub(crate) fn new(pg: Arc<ProcessGroup>, replicate: Option<Arc<ProcessGroup>>, cfg: Config) -> Runtime {
+    pub(crate) fn new(pg: Arc<ProcessGroup>, replicate: Option<Arc<dyn Replicas>>, cfg: Config) -> Runtime {
         let st = State {
             units: Vec::new(),
             order: Vec::new(),
@@ -578,7 +579,7 @@ impl Runtime {
             let _l = crate::flight::label(format!("FSDP reduce-scatter of unit {u}"));
             let reduce = self.cfg.reduce_dtype.unwrap_or(flat.compute_kind());
             // the mean over every rank that computed a gradient: the shard group's, times the replicas'
-            let divisor = (self.pg.size() * self.replicate.as_ref().map_or(1, |r| r.size())) as f64;
+            let divisor = (self.pg.size() * self.replicate.as_ref().map_or(1, |r| r.count().max(1))) as f64;
             let side = self.streams_for(flat.device()).map(|s| &s.reduce);
             if side.is_some() {
                 // one reduction on the reduce stream at a time: the compute stream waits for the last
@@ -746,7 +747,7 @@ impl Runtime {
         let rank = self.pg.rank() as i64;
         for (param, shape, shard, chunk) in slots {
             crate::placement::record_flat_shard(&param, &shape, &shard, &self.pg, rank * chunk)?;
-            if let Some(r) = &self.replicate {
+            if let Some(r) = self.replicate.as_ref().and_then(|r| r.group()) {
                 for t in [&param, &shard] {
                     crate::placement::record_along(t, r, crate::placement::Placement::Replicate)?;
                 }

@@ -40,16 +40,26 @@ impl<M> FullyShardedDataParallel<M> {
             }
             Ok(())
         })?;
-        let vars = self.vars.lock().unwrap_or_else(|e| e.into_inner());
-        let trainable: Vec<&Tensor> = vars.trainable_variables.iter().map(|v| &v.tensor).collect();
-        for (name, t) in &vars.named_variables {
-            let param = trainable.iter().any(|p| p.data_ptr() == t.data_ptr() && p.size() == t.size());
-            if !param && !out.iter().any(|(n, _)| n == name) {
-                out.push((name.clone(), copied(&t.f_to_device(Device::Cpu)?)?));
-            }
+        for (name, t) in self.buffers() {
+            out.push((name, copied(&t.f_to_device(Device::Cpu)?)?));
         }
         out.sort_by(|a, b| a.0.cmp(&b.0));
         Ok(out)
+    }
+
+    /// The variables no unit shards (buffers such as running statistics), by name: the tensors
+    /// themselves, the same on every rank of the group.
+    pub(crate) fn buffers(&self) -> Vec<(String, Tensor)> {
+        let sharded: std::collections::HashSet<String> = self.rt.shards().into_iter().map(|(n, _)| n).collect();
+        let vars = self.vars.lock().unwrap_or_else(|e| e.into_inner());
+        let mut out: Vec<(String, Tensor)> = vars
+            .named_variables
+            .iter()
+            .filter(|(n, _)| !sharded.contains(*n))
+            .map(|(n, t)| (n.clone(), t.shallow_clone()))
+            .collect();
+        out.sort_by(|a, b| a.0.cmp(&b.0));
+        out
     }
 
     /// Loads full parameters by name (as [`state_dict`](Self::state_dict) gives them, from any world

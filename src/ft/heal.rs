@@ -1,7 +1,8 @@
 //! Healing: a healthy replica sends a recovering one everything it trains with (parameters, optimizer
 //! state, the step); nothing touches the disk. The two ranks make a group of their own from their
 //! replicate group's store (the sender first) and broadcast over it, so that a wait on a sender cut off
-//! silently ends when its heartbeat stops, as in any collective (point-to-point waits are not watched).
+//! silently ends when its heartbeat stops, as in any collective (point-to-point waits are not watched);
+//! forming that group is watched the same way, through the sender's heartbeat in the replicate group.
 //! One transfer in three parts, in the same order on both sides: the two lengths, a JSON header naming
 //! each tensor, then all tensors' bytes in one buffer.
 use serde::{Deserialize, Serialize};
@@ -29,8 +30,9 @@ struct Entry {
 
 /// The group of the sender `src` (its rank 0) and the receiver `dst` for transfer `name`.
 fn pair(pg: &ProcessGroup, src: usize, dst: usize, name: &str) -> Result<ProcessGroup> {
+    // a sender that dies before the pair forms is found by its heartbeat in `pg`, not the group timeout
     let g = pg
-        .new_subgroup(&[src, dst], name)?
+        .new_subgroup_watched(&[src, dst], name)?
         .ok_or_else(|| Error::invalid("healing", format!("rank {} is neither {src} nor {dst}", pg.rank())))?;
     g.set_survivable();
     Ok(g)
@@ -65,6 +67,10 @@ pub(crate) fn send(pg: &ProcessGroup, dst: usize, name: &str, step: u64, state: 
             }
             at += (n + 7) / 8 * 8;
         }
+    }
+    #[cfg(feature = "testing")]
+    if step > 0 {
+        fault_point("kill-before-sending");
     }
     let g = pair(pg, pg.rank(), dst, name)?;
     let sent = (|| {
@@ -126,8 +132,9 @@ fn receive(g: &ProcessGroup, src: usize) -> Result<(u64, Vec<(String, Tensor)>)>
     Ok((h.step, out))
 }
 
-/// Tests of healing kill the sender in the middle of a transfer after step 0:
-/// `TCH_DIST_FT_FAULT=kill-while-sending` (on a worker's first start only).
+/// Tests of healing kill the sender after step 0 before its pair's group forms
+/// (`TCH_DIST_FT_FAULT=kill-before-sending`) or in the middle of the transfer (`kill-while-sending`), on
+/// a worker's first start only.
 #[cfg(feature = "testing")]
 fn fault_point(name: &str) {
     let first_start = std::env::var("TORCHELASTIC_RESTART_COUNT").map_or(true, |c| c == "0");

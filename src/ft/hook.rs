@@ -1,11 +1,14 @@
-//! The DDP communication hook of a fault-tolerant replica: each bucket is summed over the replica's own
-//! ranks, then over the replicas of the step, and divided by the ranks that took part. A failure of the
-//! cross-replica part is recorded for [`Manager::should_commit`](super::Manager::should_commit), not
-//! raised: backward ends normally, the step is discarded and run again by the survivors.
+//! The cross-replica reductions of a fault-tolerant replica: DDP's communication hook (each bucket summed
+//! over the replica's own ranks, then over the replicas of the step, and divided by the ranks that took
+//! part) and HSDP's replicas (each reduce-scattered chunk summed over the replicas of the step). A
+//! failure of the cross-replica part is recorded for
+//! [`Manager::should_commit`](super::Manager::should_commit), not raised: backward ends normally, the
+//! step is discarded and run again by the survivors.
 use std::sync::Arc;
 
 use crate::ddp::comm_hook::{CommHook, GradBucket, HookFuture};
 use crate::error::Result;
+use crate::fsdp::Replicas;
 use crate::group::{ProcessGroup, ReduceOp};
 use crate::work::Work;
 
@@ -55,7 +58,8 @@ impl ReplicateHook {
         }
     }
 
-    fn finish(shared: &Shared, posted: Option<Posted>, t: &mut tch::Tensor, ranks: usize) -> Result<()> {
+    /// Waits for a posted sum and copies it into `t`, unless the step has failed.
+    fn land(shared: &Shared, posted: Option<Posted>, t: &tch::Tensor) -> Result<()> {
         if let Some(p) = posted {
             // once the step has failed, later buckets are not waited for: their sums may never end
             if shared.failed() {
@@ -63,11 +67,16 @@ impl ReplicateHook {
             }
             match p.work.wait() {
                 Ok(()) => {
-                    t.f_copy_(&p.wire)?;
+                    t.shallow_clone().f_copy_(&p.wire)?;
                 }
                 Err(e) => shared.fail(e),
             }
         }
+        Ok(())
+    }
+
+    fn finish(shared: &Shared, posted: Option<Posted>, t: &mut tch::Tensor, ranks: usize) -> Result<()> {
+        Self::land(shared, posted, t)?;
         if !shared.failed() {
             let n = shared.participants.load(std::sync::atomic::Ordering::SeqCst).max(1) * ranks;
             let _ = t.f_div_scalar_(n as f64)?;
@@ -98,5 +107,28 @@ impl CommHook for ReplicateHook {
     /// depend on it.
     fn fixed_layout(&self) -> bool {
         true
+    }
+}
+
+/// HSDP's replicate dimension under fault tolerance: FSDP divides by the step's participants
+/// ([`Replicas::count`]) times its shard group, and sums each reduced chunk here.
+#[derive(Clone)]
+pub(crate) struct FsdpReplicas {
+    pub(crate) shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for FsdpReplicas {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("FsdpReplicas")
+    }
+}
+
+impl Replicas for FsdpReplicas {
+    fn count(&self) -> usize {
+        self.shared.participants.load(std::sync::atomic::Ordering::SeqCst).max(1)
+    }
+    fn all_reduce_sum(&self, t: &tch::Tensor) -> Result<()> {
+        let posted = ReplicateHook::post(&self.shared, t)?;
+        ReplicateHook::land(&self.shared, posted, t)
     }
 }

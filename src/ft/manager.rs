@@ -5,10 +5,11 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use tch::{nn, Kind, Tensor};
+use tch::{Kind, Tensor};
 
 use super::heal;
-use super::hook::ReplicateHook;
+use super::hook::{FsdpReplicas, ReplicateHook};
+use super::state::{check_state, load_state, state_of, ReplicaState};
 use super::wire::{Connection, Quorum, Request, Response};
 use crate::error::{Error, Result};
 use crate::group::{GroupOptions, ProcessGroup, ReduceOp};
@@ -207,17 +208,26 @@ impl Manager {
         Arc::new(ReplicateHook { shared: self.shared.clone() })
     }
 
+    /// HSDP's replicate dimension over the replicas of each step: give it to
+    /// [`FsdpOptions::replicas`](crate::fsdp::FsdpOptions::replicas) of an FSDP over the replica's own
+    /// group, and the model to [`start_step`](Self::start_step). Each reduce-scattered chunk is summed
+    /// over the step's replicas and the gradient divided by the ranks that took part.
+    pub fn fsdp_replicas(&self) -> Arc<dyn crate::fsdp::Replicas> {
+        Arc::new(FsdpReplicas { shared: self.shared.clone() })
+    }
+
     /// Starts a step: joins the next quorum, rebuilds the replicate group if the members changed, and
-    /// when this replica is behind, takes the parameters (`vs`), optimizer state and step of a healthy
-    /// one (or sends its own to those behind). Peers lost meanwhile make it try again, until
+    /// when this replica is behind, takes the model's tensors (a VarStore's variables, an FSDP model's
+    /// shards: see [`ReplicaState`]), optimizer state and step of a healthy one (or sends its own to
+    /// those behind). Peers lost meanwhile make it try again, until
     /// `quorum_timeout`.
-    pub fn start_step(&mut self, vs: &nn::VarStore, opt: &mut dyn Optimizer) -> Result<StepStart> {
+    pub fn start_step(&mut self, model: &dyn ReplicaState, opt: &mut dyn Optimizer) -> Result<StepStart> {
         // cut off means no answer from the lighthouse for quorum_timeout: time spent in quorums that then
         // failed (a peer lost while the group formed) does not count
         let mut heard = Instant::now();
         let mut retries = 0;
         loop {
-            match self.try_start(vs, opt, &mut heard) {
+            match self.try_start(model, opt, &mut heard) {
                 Ok(mut s) => {
                     s.retries = retries;
                     return Ok(s);
@@ -245,7 +255,7 @@ impl Manager {
 
     fn try_start(
         &mut self,
-        vs: &nn::VarStore,
+        model: &dyn ReplicaState,
         opt: &mut dyn Optimizer,
         heard: &mut Instant,
     ) -> std::result::Result<StepStart, Attempt> {
@@ -263,7 +273,7 @@ impl Manager {
         // every rank of the replica builds and heals, then they agree before any state changes: one
         // whose heal failed while another's succeeded would leave the replica's ranks apart
         let reconfigured = self.quorum.as_ref().is_none_or(|old| old.id != q.id) || self.shared.group().is_none();
-        let outcome = self.prepare(&q, me, reconfigured, vs, opt);
+        let outcome = self.prepare(&q, me, reconfigured, model, opt);
         if let Some(g) = &self.inner {
             let mut flag = Tensor::from_slice(&[outcome.is_ok() as i64]);
             g.allreduce(&mut flag, ReduceOp::Min).map_err(Attempt::Fatal)?;
@@ -279,7 +289,7 @@ impl Manager {
         let (received, sent_to) = outcome?;
         let healed_from = match received {
             Some((src, step, state)) => {
-                load_state(vs, opt, &state).map_err(Attempt::Fatal)?;
+                load_state(model, opt, &state).map_err(Attempt::Fatal)?;
                 self.step = step;
                 self.commit_quorum = q.members[src].commit_quorum;
                 Some(q.members[src].replica.clone())
@@ -299,7 +309,7 @@ impl Manager {
         q: &Quorum,
         me: usize,
         reconfigured: bool,
-        vs: &nn::VarStore,
+        model: &dyn ReplicaState,
         opt: &mut dyn Optimizer,
     ) -> std::result::Result<(Option<Received>, Vec<String>), Attempt> {
         if reconfigured {
@@ -310,7 +320,7 @@ impl Manager {
                 Err(_) => return Err(Attempt::Fatal(Error::invalid("fault tolerance", "a lock was poisoned"))),
             }
         }
-        self.heal(q, me, vs, opt)
+        self.heal(q, me, model, opt)
     }
 
     /// Local rank 0 asks the lighthouse; the replica's other ranks get its answer over their own group.
@@ -392,7 +402,7 @@ impl Manager {
         &mut self,
         q: &Quorum,
         me: usize,
-        vs: &nn::VarStore,
+        model: &dyn ReplicaState,
         opt: &mut dyn Optimizer,
     ) -> std::result::Result<(Option<Received>, Vec<String>), Attempt> {
         let sources = if q.max_step() == 0 && self.cfg.init_sync { vec![0] } else { q.healthy() };
@@ -409,13 +419,13 @@ impl Manager {
             if src == me {
                 let _s = crate::timeline::span("fault tolerance", || format!("send state to {}", q.members[r].replica));
                 let name = format!("heal-{}-{k}", q.max_step());
-                heal::send(&g, r, &name, self.step, &state_of(vs, opt)).map_err(attempt)?;
+                heal::send(&g, r, &name, self.step, &state_of(model, opt).map_err(Attempt::Fatal)?).map_err(attempt)?;
                 to.push(q.members[r].replica.clone());
             } else if r == me {
                 let _s = crate::timeline::span("fault tolerance", || "receive state".to_string());
                 let name = format!("heal-{}-{k}", q.max_step());
                 let (step, state) = heal::recv(&g, src, &name).map_err(attempt)?;
-                check_state(vs, &state).map_err(Attempt::Fatal)?;
+                check_state(model, &state).map_err(Attempt::Fatal)?;
                 got = Some((src, step, state));
             }
         }
@@ -504,53 +514,6 @@ fn share(g: &ProcessGroup, answer: &Response) -> Result<Response> {
     g.broadcast(&mut bytes, 0)?;
     let v = Vec::<u8>::try_from(&bytes)?;
     serde_json::from_slice(&v).map_err(|e| Error::mismatch("quorum", format!("local rank 0 sent a bad answer: {e}")))
-}
-
-/// Everything a replica trains with: its variables (`model/NAME`) and its optimizer's state (`optim/KEY`).
-fn state_of(vs: &nn::VarStore, opt: &dyn Optimizer) -> Vec<(String, Tensor)> {
-    let mut vars: Vec<(String, Tensor)> = vs.variables().into_iter().map(|(n, t)| (format!("model/{n}"), t)).collect();
-    vars.sort_by(|a, b| a.0.cmp(&b.0));
-    vars.extend(opt.state_dict().into_iter().map(|(k, t)| (format!("optim/{k}"), t)));
-    vars
-}
-
-/// Checks that `state` holds every variable of `vs` with its shape and dtype, before anything is copied.
-fn check_state(vs: &nn::VarStore, state: &[(String, Tensor)]) -> Result<()> {
-    let vars = vs.variables();
-    let mut seen = 0;
-    for (k, t) in state {
-        if let Some(name) = k.strip_prefix("model/") {
-            let v = vars.get(name).ok_or_else(|| {
-                Error::mismatch("healing", format!("the healthy replica has variable {name}, this one does not"))
-            })?;
-            if v.size() != t.size() || v.kind() != t.kind() {
-                return Err(Error::mismatch(
-                    "healing",
-                    format!("variable {name}: {:?} {:?} here, {:?} {:?} sent", v.kind(), v.size(), t.kind(), t.size()),
-                ));
-            }
-            seen += 1;
-        }
-    }
-    if seen != vars.len() {
-        return Err(Error::mismatch("healing", format!("{seen} variables were sent, this replica has {}", vars.len())));
-    }
-    Ok(())
-}
-
-/// Copies a checked state into the variables and the optimizer.
-fn load_state(vs: &nn::VarStore, opt: &mut dyn Optimizer, state: &[(String, Tensor)]) -> Result<()> {
-    let vars = vs.variables();
-    let mut optim = Vec::new();
-    for (k, t) in state {
-        if let Some(v) = k.strip_prefix("model/").and_then(|name| vars.get(name)) {
-            let _g = tch::no_grad_guard();
-            v.shallow_clone().f_copy_(t)?;
-        } else if let Some(key) = k.strip_prefix("optim/") {
-            optim.push((key.to_string(), t.shallow_clone()));
-        }
-    }
-    opt.load_state_dict(&optim)
 }
 
 fn start_heartbeat(cfg: &ManagerConfig, stop: Arc<AtomicBool>) -> Result<std::thread::JoinHandle<()>> {

@@ -9,9 +9,14 @@
 //!   heartbeats arrive, and hosts the store the replicate groups meet in. Only it forms quorums: a
 //!   replica cut off from it stops (after `quorum_timeout`) instead of training alone.
 //! - A [`Manager`] per process joins each step's quorum ([`Manager::start_step`]), rebuilds the
-//!   replicate group when the members changed, heals this replica when it is behind, and reduces DDP's
-//!   buckets across the replicas through its [`comm_hook`](Manager::comm_hook).
-//!   [`Manager::should_commit`] says whether the step's reduction reached every member.
+//!   replicate group when the members changed, heals this replica when it is behind, and reduces
+//!   across the replicas: DDP's buckets through its [`comm_hook`](Manager::comm_hook), or, for HSDP (a
+//!   replica sharded with FSDP over its own ranks), each reduce-scattered chunk through
+//!   [`fsdp_replicas`](Manager::fsdp_replicas). [`Manager::should_commit`] says whether the step's
+//!   reduction reached every member.
+//! - **Healing** sends what [`ReplicaState`] names: a VarStore's variables, or an FSDP model's shards
+//!   and buffers (local rank `l` of a healthy replica to local rank `l` of the one behind), with the
+//!   optimizer's state and the step.
 //! - **The global batch** follows torchft: each replica reads its own shard, and the gradient is the
 //!   mean over the replicas that took part in the step, so a step with a replica missing averages fewer
 //!   samples rather than re-sharding the data.
@@ -46,8 +51,10 @@ mod heal;
 mod hook;
 mod lighthouse;
 mod manager;
+mod state;
 mod wire;
 
 pub use lighthouse::{Lighthouse, LighthouseConfig};
 pub use manager::{Manager, ManagerConfig, StepStart};
+pub use state::ReplicaState;
 pub use wire::{Member, Quorum};

@@ -303,6 +303,50 @@ impl ProcessGroup {
     /// Only the members call it (others get `None` without talking to anyone); `name` keeps different
     /// subgroups of the same ranks apart. Member `ranks[i]` is rank `i` of the subgroup.
     pub fn new_subgroup(&self, ranks: &[usize], name: &str) -> Result<Option<ProcessGroup>> {
+        match self.subgroup_plan(ranks, name)? {
+            Some(plan) => plan.form().map(Some),
+            None => Ok(None),
+        }
+    }
+
+    /// [`new_subgroup`](Self::new_subgroup) whose forming ends early when a member's heartbeat in this
+    /// group stands still for the heartbeat timeout (or it left), instead of at the group timeout: a
+    /// member that died before joining is found as in any collective. The forming goes on, on a thread of
+    /// its own, until it succeeds or times out; its group is then dropped.
+    pub(crate) fn new_subgroup_watched(&self, ranks: &[usize], name: &str) -> Result<Option<ProcessGroup>> {
+        let Some(mut plan) = self.subgroup_plan(ranks, name)? else { return Ok(None) };
+        if !self.trace.watches_heartbeats() {
+            return plan.form().map(Some);
+        }
+        // a forming given up on still waits in the store until its timeout: on a connection of its own,
+        // or this rank's next use of the store would wait behind it
+        plan.store = plan.store.connection()?;
+        let what = format!("forming group {}", plan.label);
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::Builder::new()
+            .name("tdx-subgroup".into())
+            .spawn(move || {
+                // the receiver may have given up: the group is dropped here then
+                let _ = tx.send(plan.form());
+            })
+            .map_err(|e| Error::invalid("new_subgroup", format!("cannot start a thread to form the group: {e}")))?;
+        let mut watch = crate::flight::HeartbeatWatch::default();
+        loop {
+            match rx.recv_timeout(crate::flight::HEARTBEAT_CHECK_EVERY) {
+                Ok(formed) => return formed.map(Some),
+                Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                    return Err(Error::invalid("new_subgroup", format!("{what}: the forming thread ended")))
+                }
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
+            }
+            if let Some(e) = self.trace.frozen_peer_among(&mut watch, &what, Some(ranks)) {
+                return Err(e);
+            }
+        }
+    }
+
+    /// What forming the subgroup of `ranks` needs; `None` when this rank is not one of them.
+    fn subgroup_plan(&self, ranks: &[usize], name: &str) -> Result<Option<SubgroupPlan>> {
         if let Some(&r) = ranks.iter().find(|&&r| r >= self.size) {
             return Err(Error::invalid("new_subgroup", format!("rank {r} is not in a group of size {}", self.size)));
         }
@@ -321,7 +365,7 @@ impl ProcessGroup {
             heartbeat_timeout: self.trace.heartbeat_timeout(),
         };
         let label = format!("{name} {:?}", ranks);
-        ProcessGroup::new_named(&self.store.prefixed(&key)?, me, ranks.len(), &opts, &label).map(Some)
+        Ok(Some(SubgroupPlan { store: self.store.prefixed(&key)?, me, size: ranks.len(), opts, label }))
     }
 
     /// The group's store (its rendezvous; also where ranks leave messages for each other).
@@ -778,6 +822,21 @@ impl Drop for ProcessGroup {
 impl std::fmt::Debug for ProcessGroup {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "ProcessGroup({})", self.ctx())
+    }
+}
+
+/// A subgroup about to be formed (see [`ProcessGroup::new_subgroup`]).
+struct SubgroupPlan {
+    store: Store,
+    me: usize,
+    size: usize,
+    opts: GroupOptions,
+    label: String,
+}
+
+impl SubgroupPlan {
+    fn form(self) -> Result<ProcessGroup> {
+        ProcessGroup::new_named(&self.store, self.me, self.size, &self.opts, &self.label)
     }
 }
 

@@ -747,3 +747,60 @@ fn a_replicate_group_that_does_not_mirror_the_shard_groups_is_refused() {
         .to_string();
     assert!(err.contains("[replicate, shard]"), "{err}");
 }
+
+/// Stands for two replicas that computed the same gradient: the sum doubles it, and the mean is over two.
+#[derive(Debug, Default)]
+struct Mirrored {
+    sums: std::sync::atomic::AtomicUsize,
+}
+
+impl tch_dist::fsdp::Replicas for Mirrored {
+    fn count(&self) -> usize {
+        2
+    }
+    fn all_reduce_sum(&self, t: &Tensor) -> tch_dist::Result<()> {
+        self.sums.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let _ = t.shallow_clone().f_mul_scalar_(2.0)?;
+        Ok(())
+    }
+}
+
+/// HSDP through [`FsdpOptions::replicas`] (what fault tolerance plugs in): each parameter's reduced chunk
+/// is summed once per backward, and the gradient divided by the replicas it counts. Setting it beside a
+/// replicate group is refused.
+#[test]
+fn hsdp_reduces_across_the_replicas_its_options_name() {
+    let grads = |replicas: Option<Arc<Mirrored>>| {
+        let pg = Arc::new(
+            tch_dist::ProcessGroup::new(&tch_dist::Store::hash().unwrap(), 0, 1, &Default::default()).unwrap(),
+        );
+        tch::manual_seed(3);
+        let vs = nn::VarStore::new(Device::Cpu);
+        let mut opts = FsdpOptions::default().process_group(pg).gather_once_below(0);
+        if let Some(r) = replicas {
+            opts = opts.replicas(r);
+        }
+        let fsdp = FsdpBuilder::new(&vs, opts).unwrap();
+        let (a, b) = (vs.root() / "a", vs.root() / "b");
+        let net = nn::seq()
+            .add(fsdp.fully_shard(&a, nn::linear(&a, 8, 16, Default::default())).unwrap())
+            .add_fn(|x| x.tanh())
+            .add(fsdp.fully_shard(&b, nn::linear(&b, 16, 1, Default::default())).unwrap());
+        let model = fsdp.finish(net).unwrap();
+        let x = Tensor::randn([4, 8], (Kind::Float, Device::Cpu));
+        model.backward(&model.forward(&x).square().mean(Kind::Float)).unwrap();
+        model.parameters().iter().map(|p| p.grad().copy()).collect::<Vec<_>>()
+    };
+    let mirrored = Arc::new(Mirrored::default());
+    let (plain, hsdp) = (grads(None), grads(Some(mirrored.clone())));
+    assert_eq!(mirrored.sums.load(std::sync::atomic::Ordering::SeqCst), 4, "one sum per parameter's chunk");
+    for (p, h) in plain.iter().zip(&hsdp) {
+        assert!(p.allclose(h, 1e-6, 1e-7, false), "the mean over two equal replicas is one replica's gradient");
+    }
+    let pg =
+        Arc::new(tch_dist::ProcessGroup::new(&tch_dist::Store::hash().unwrap(), 0, 1, &Default::default()).unwrap());
+    let opts = FsdpOptions::default().replicate_group(pg.clone()).replicas(Arc::new(Mirrored::default()));
+    let err =
+        FsdpBuilder::new(&nn::VarStore::new(Device::Cpu), opts.process_group(pg)).map(|_| ()).unwrap_err().to_string();
+    assert!(err.contains("replicate_group and replicas"), "{err}");
+}
