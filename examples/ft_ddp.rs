@@ -16,8 +16,9 @@
 //! `--reference LOG...` replays in one process what the replicas' logs say happened (per step, the members
 //! whose batches made the gradient) and writes the result to `--out`: the fault-tolerant run must equal it.
 //!
-//! `--ckpt PATH --every K`: the quorum's first replica saves every K steps, and replicas resume from it
-//! when they start (the fallback when every replica was lost).
+//! `--ckpt DIR --every K`: the quorum's first replica saves a sharded checkpoint every K steps (its ranks
+//! together, `checkpoint::Checkpointer`), and replicas resume from the newest when they start (the
+//! fallback when every replica was lost).
 //!
 //! `--restart-from CKPT` trains the same way as one DDP job of all ranks, checkpointing every `--every`
 //! steps: the baseline, whose only recovery is `tchrun --max-restarts` restarting every worker (there
@@ -38,11 +39,12 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use clap::Parser;
 use tch::{nn, nn::Module, Device, Kind, Tensor};
+use tch_dist::checkpoint::{self, Checkpointer, StateDict};
 use tch_dist::ddp::{CommHook, DdpOptions, DistributedDataParallel, GradBucket, HookFuture};
 use tch_dist::fsdp::{FsdpBuilder, FsdpOptions, FullyShardedDataParallel, Replicas};
 use tch_dist::ft::{Manager, ManagerConfig};
 use tch_dist::optim::{AdamW, Optimizer};
-use tch_dist::{checkpoint, ProcessGroup};
+use tch_dist::ProcessGroup;
 
 #[derive(Parser)]
 struct Args {
@@ -73,8 +75,8 @@ struct Args {
     /// With --reference: ranks per replica in the run being replayed
     #[arg(long, default_value_t = 1)]
     ranks_per_replica: usize,
-    /// Fault tolerance: save the state here every --every steps (the first member of the quorum does),
-    /// and resume from it at start when it exists (every replica lost)
+    /// Fault tolerance: save sharded checkpoints under this directory every --every steps (the first
+    /// member of the quorum does), and resume from the newest at start (every replica lost)
     #[arg(long)]
     ckpt: Option<PathBuf>,
     /// For comparison: train as one DDP job of all ranks (rank R draws replica R's batches), whose only
@@ -325,7 +327,7 @@ fn train(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
             log: args.log.clone(),
             seen: Default::default(),
         });
-        let opts = FsdpOptions::default().process_group(own).gather_once_below(0).replicas(replicas);
+        let opts = FsdpOptions::default().process_group(own.clone()).gather_once_below(0).replicas(replicas);
         let fsdp = FsdpBuilder::new(&vs, opts)?;
         let seq = stack(layers, |name, l| fsdp.fully_shard(&(vs.root() / name), l))?;
         Net::Fsdp(fsdp.finish(seq)?)
@@ -337,16 +339,25 @@ fn train(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
             at: args.kill_at_step,
             log: args.log.clone(),
         });
-        let opts =
-            DdpOptions::default().process_group(own).comm_hook(hook).bucket_cap_mb(0.1).first_bucket_bytes(64 << 10);
+        let opts = DdpOptions::default()
+            .process_group(own.clone())
+            .comm_hook(hook)
+            .bucket_cap_mb(0.1)
+            .first_bucket_bytes(64 << 10);
         Net::Ddp(DistributedDataParallel::new(&vs, net, opts)?)
     };
     // the VarStore's trainable variables: the parameters, or under FSDP this rank's shards
     let mut opt = AdamW::new(vs.trainable_variables(), 1e-3);
-    if let Some(path) = args.ckpt.as_ref().filter(|p| p.exists()) {
-        let step = load(path, &vs, &mut opt)?;
-        manager.resume(step);
-        log.event(serde_json::json!({"event": "resumed", "step": step}));
+    // sharded checkpoints of the replica's ranks (each rank its shard under FSDP), loadable by any replica
+    let mut ckpt = match &args.ckpt {
+        Some(root) => Some(Checkpointer::new(own.clone(), root)?),
+        None => None,
+    };
+    if let Some(ck) = ckpt.as_mut() {
+        if let Some(step) = ck.load(StateDict::new().var_store("model", &vs).optimizer("optim", &mut opt))? {
+            manager.resume(step);
+            log.event(serde_json::json!({"event": "resumed", "step": step}));
+        }
     }
 
     while manager.step() < args.steps {
@@ -373,9 +384,10 @@ fn train(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
             }));
             // periodic saves go on as usual: one replica (the quorum's first) writes what all hold
             let first = started.quorum.members.first().is_some_and(|m| m.replica == manager.replica_id());
-            if let (Some(path), true, 0) = (&args.ckpt, first, local) {
+            if let (Some(ck), true) = (ckpt.as_mut(), first) {
                 if (s + 1) % args.every == 0 {
-                    checkpoint::write_atomic(path, s + 1, &state(&vs, &opt))?;
+                    // collective over the replica's ranks; committed when all of them wrote
+                    ck.save(s + 1, StateDict::new().var_store("model", &vs).optimizer("optim", &mut opt))?;
                     log.event(serde_json::json!({"event": "saved", "step": s + 1}));
                 }
             }
@@ -559,8 +571,8 @@ fn reference(args: &Args, logs: &[PathBuf]) -> Result<(), Box<dyn std::error::Er
 
 fn main() {
     let args = Args::parse();
-    if args.fsdp && (args.ckpt.is_some() || args.restart_from.is_some()) {
-        eprintln!("ft_ddp: --fsdp trains HSDP replicas without checkpoints here; drop --ckpt and --restart-from");
+    if args.fsdp && args.restart_from.is_some() {
+        eprintln!("ft_ddp: --restart-from is the DDP baseline; drop --fsdp");
         std::process::exit(2);
     }
     let r = match (&args.restart_from, args.reference.is_empty()) {

@@ -218,6 +218,15 @@ fn identity(t: &Tensor, weak: bool) -> Result<(i64, Option<WeakRef>)> {
     Ok((id, (!w.is_null()).then_some(WeakRef(w))))
 }
 
+/// Whether `a` and `b` are handles to one tensor (not merely views of the same memory): how an empty
+/// tensor, which has no memory to compare, is told apart from another.
+pub(crate) fn identical(a: &Tensor, b: &Tensor) -> bool {
+    match (identity(a, false), identity(b, false)) {
+        (Ok((x, _)), Ok((y, _))) => x == y,
+        _ => false,
+    }
+}
+
 /// The layout recorded for `t` (any handle to it), if any part laid it out.
 pub fn of(t: &Tensor) -> Option<Layout> {
     if !t.defined() {

@@ -58,6 +58,9 @@ pub fn load_dir(dir: &Path, sd: &mut StateDict) -> Result<LoadedInfo> {
     let mut targets = Vec::new();
     let mut copy_back = Vec::new();
     for item in &sd.items {
+        if matches!(item.region, Region::Flat { len: 0, .. }) {
+            continue; // an empty shard: nothing to read (it names its optimizer state)
+        }
         let local = if item.local.is_contiguous() {
             item.local.shallow_clone()
         } else {

@@ -166,10 +166,10 @@ impl<'a> StateDict<'a> {
                 format!("{name}: elements {start}..{} of a {global_shape:?} tensor", start + len),
             ));
         }
-        if len > 0 {
-            let region = Region::Flat { start, len };
-            self.items.push(Item { name, param, global: global_shape.to_vec(), region, local: t.shallow_clone() });
-        }
+        // kept when empty (an FSDP shard of a parameter smaller than the group): it holds no element, but
+        // its optimizer's per-tensor state (the step count) is named after it
+        let region = Region::Flat { start, len };
+        self.items.push(Item { name, param, global: global_shape.to_vec(), region, local: t.shallow_clone() });
         Ok(self)
     }
 
@@ -250,9 +250,13 @@ impl<'a> StateDict<'a> {
     }
 }
 
-/// Whether two handles are the same parameter (tensors of one storage at one place and size).
+/// Whether two handles are the same parameter (tensors of one storage at one place and size; an empty
+/// one, such as an FSDP shard of a parameter smaller than the group, by identity).
 pub(crate) fn same(a: &Tensor, b: &Tensor) -> bool {
-    a.numel() > 0 && a.numel() == b.numel() && a.data_ptr() == b.data_ptr()
+    match (a.numel(), b.numel()) {
+        (0, 0) => a.defined() && b.defined() && crate::placement::identical(a, b),
+        (n, m) => n == m && a.data_ptr() == b.data_ptr(),
+    }
 }
 
 /// The parts of variables `stepped` holds: those its placement names (ZeRO's shard of a bucket), else

@@ -387,6 +387,14 @@ fn zero3_on_2_to_plain_on_1() {
     reshard(Layout::Zero3, 2, Layout::Plain, 1, Layout::Plain);
 }
 
+/// On 3 ranks, l2's bias (4 elements, chunks of 2) leaves rank 2 an empty shard, which still names its
+/// optimizer's step count, saved and loaded.
+#[test]
+fn zero3_on_3_with_an_empty_shard_to_plain_on_1_and_back() {
+    reshard(Layout::Zero3, 3, Layout::Plain, 1, Layout::Plain);
+    reshard(Layout::Plain, 1, Layout::Zero3, 3, Layout::Plain);
+}
+
 #[test]
 fn zero2_on_3_to_zero3_on_2() {
     reshard(Layout::Zero2, 3, Layout::Zero3, 2, Layout::Plain);

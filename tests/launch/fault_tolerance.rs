@@ -532,6 +532,24 @@ fn replicas_of_two_ranks_each_survive_a_loss_and_heal() {
     let _ = std::fs::remove_dir_all(&d);
 }
 
+/// HSDP replicas of two ranks ended alike: each local rank's shards and optimizer state bit-identical
+/// across the three, and the gathered parameters equal to the replay.
+fn hsdp_healed(d: &Path) {
+    for local in ["", ".rank1"] {
+        let first = state(d, &format!("r0.safetensors{local}"));
+        assert!(first.keys().any(|k| k.starts_with("shard/")), "the shards were saved");
+        for id in 1..3 {
+            let name = format!("r{id}.safetensors{local}");
+            assert_identical(&first, &state(d, &name), &name);
+        }
+    }
+    let (rank0, rank1) = (state(d, "r0.safetensors"), state(d, "r0.safetensors.rank1"));
+    assert_eq!(diff_of(&rank0, &rank1, &["model/"]), 0.0, "the gathered parameters are the same on both ranks");
+    let diff = diff_of(&rank0, &reference_of(d, &[0, 1, 2], 2), &["model/"]);
+    eprintln!("final parameters vs the replay of the logged membership: {diff:e}");
+    assert!(diff < 1e-6, "{diff:e}");
+}
+
 /// HSDP: each replica shards the model with FSDP over its two ranks, and the manager sums each
 /// reduce-scattered chunk across the replicas. A replica killed between two units' sums is restarted and
 /// healed rank by rank (local rank L from a healthy replica's local rank L, shards and optimizer state).
@@ -557,41 +575,55 @@ fn hsdp_replicas_survive_a_loss_and_heal_shard_by_shard() {
         eprintln!("replica {id}: next step committed {:.3} s after the kill", recovery(&ev, t_kill));
     }
     eprintln!("replica 2 (FSDP over 2 ranks) restarted and was healed by replica {from}");
-    for local in ["", ".rank1"] {
-        let first = state(&d, &format!("r0.safetensors{local}"));
-        assert!(first.keys().any(|k| k.starts_with("shard/")), "the shards were saved");
-        for id in 1..3 {
-            let name = format!("r{id}.safetensors{local}");
-            assert_identical(&first, &state(&d, &name), &name);
-        }
-    }
-    let (rank0, rank1) = (state(&d, "r0.safetensors"), state(&d, "r0.safetensors.rank1"));
-    assert_eq!(diff_of(&rank0, &rank1, &["model/"]), 0.0, "the gathered parameters are the same on both ranks");
-    let diff = diff_of(&rank0, &reference_of(&d, &[0, 1, 2], 2), &["model/"]);
-    eprintln!("final parameters vs the replay of the logged membership: {diff:e}");
-    assert!(diff < 1e-6, "{diff:e}");
+    hsdp_healed(&d);
     let _ = std::fs::remove_dir_all(&d);
 }
 
 #[test]
 fn when_every_replica_is_lost_they_resume_from_the_last_checkpoint() {
+    let d = every_replica_lost(1, &[]);
+    all_healed(&d);
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+/// The same with HSDP replicas: the quorum's first replica saves sharded checkpoints (its two ranks
+/// together), and every replica's ranks load their shards from the newest.
+#[test]
+fn hsdp_replicas_all_lost_resume_from_their_sharded_checkpoint() {
+    let d = every_replica_lost(2, &["--fsdp"]);
+    hsdp_healed(&d);
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+/// Three replicas of `ranks` ranks, in lockstep, all die in the backward of step 12; the quorum's first
+/// saved at step 10. Returns the run's folder.
+fn every_replica_lost(ranks: usize, extra: &[&str]) -> PathBuf {
     let _one = serial();
-    let d = tmp("all-lost");
+    let d = tmp(&format!("all-lost-{ranks}"));
     let lh = lighthouse(1);
-    let ckpt = d.join("ckpt.safetensors");
-    let ckpt = ckpt.to_str().unwrap();
-    // in lockstep, all three die in the backward of step 12; the quorum's first saved at step 10
-    let args = ["--kill-at-step", "12", "--ckpt", ckpt, "--every", "5"];
-    let r: Vec<Child> = (0..3).map(|id| replica(&lh, &d, id, 1, &args, &[])).collect();
+    let ckpt = d.join("ckpt");
+    let mut args = vec!["--kill-at-step", "12", "--ckpt", ckpt.to_str().unwrap(), "--every", "5"];
+    args.extend_from_slice(extra);
+    let r: Vec<Child> = (0..3).map(|id| replica_of(&lh, &d, id, ranks, 1, &args, &[])).collect();
     ok(&common::wait_all(r, Duration::from_secs(180)));
+    let all: Vec<Value> = (0..3).flat_map(|id| events(&d, id)).collect();
+    let t = |e: &Value| e["t"].as_f64().unwrap();
+    let mut from = Vec::new();
     for id in 0..3 {
         let ev = events(&d, id);
         assert_eq!(of(&ev, "kill").len(), 1, "replica {id} was killed once");
         let restarted = pids(&ev)[1].clone();
         let resumed: Vec<&Value> = of(&ev, "resumed").into_iter().filter(|e| e["pid"] == restarted).collect();
         assert_eq!(resumed.len(), 1, "replica {id} resumed from the checkpoint: {ev:?}");
-        assert_eq!(resumed[0]["step"], 10, "from the last one saved before the kill");
+        // the newest saved before it resumed (a replica restarted first may train alone and save again)
+        let newest = of(&all, "saved")
+            .into_iter()
+            .filter(|s| t(s) < t(resumed[0]))
+            .map(|s| s["step"].clone())
+            .max_by_key(|s| s.as_u64());
+        assert_eq!(Some(resumed[0]["step"].clone()), newest, "replica {id} resumed from the newest checkpoint");
+        from.push(resumed[0]["step"].as_u64().unwrap());
     }
-    all_healed(&d);
-    let _ = std::fs::remove_dir_all(&d);
+    assert_eq!(from.iter().min(), Some(&10), "the first back resumed from the last saved before the kill: {from:?}");
+    d
 }
