@@ -376,6 +376,28 @@ impl FsdpBuilder {
         Arc::ptr_eq(&self.vars, &vs.variables_)
     }
 
+    /// Refuses a tch optimizer built over the VarStore before the model is finished. tch's
+    /// `OptimizerConfig::build` keeps a handle on the VarStore's variables (the only holder besides the
+    /// VarStore and this builder) and gives libtorch's optimizer the tensors there at that moment: the
+    /// modules' own parameters, which FSDP leaves without gradients, so it would silently train nothing.
+    /// Built after `finish`, it steps the shards. (One built over a VarStore still empty would work too;
+    /// it is refused alike, as nothing tells the two apart.)
+    pub(crate) fn check_no_optimizer_yet(&self, what: &str) -> Result<()> {
+        let holders = Arc::strong_count(&self.vars).saturating_sub(2);
+        if holders > 0 {
+            return Err(Error::invalid(
+                what,
+                format!(
+                    "{holders} other handle(s) on the VarStore's variables, as an nn::Optimizer built before the \
+                     model is finished keeps: such an optimizer steps the modules' own parameters, which FSDP \
+                     leaves without gradients, and nothing would train. Build it after finish (it then steps \
+                     this rank's shards, in their optimizer groups)"
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     /// Groups consecutive layers into units of at least `min_numel` parameters (PyTorch's size-based
     /// auto-wrap policy), for models built as a sequence.
     pub fn auto_wrap(&self, min_numel: i64) -> AutoWrap<'_> {
@@ -388,6 +410,7 @@ impl FsdpBuilder {
     /// The small parameters units left ([`FsdpOptions::gather_once_below`]) form units of their own here,
     /// named `small` (`small.1`, ... when they differ in dtype, device or trainability), before the root.
     pub fn finish<M>(self, module: M) -> Result<FullyShardedDataParallel<M>> {
+        self.check_no_optimizer_yet("FsdpBuilder::finish")?;
         let mut hooks = Vec::new();
         let small = std::mem::take(&mut *self.small.lock().unwrap_or_else(|e| e.into_inner()));
         for (i, group) in group_alike(small).into_iter().enumerate() {

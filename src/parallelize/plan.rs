@@ -173,6 +173,7 @@ impl Plan {
                             "the VarStore is not the one given to Plan::fully_shard: the model's variables must live there",
                         ));
                     }
+                    held.check_no_optimizer_yet("Plan::finish")?;
                     match slot.take().map(Arc::try_unwrap) {
                         Some(Ok(builder)) => builder,
                         Some(Err(shared)) => {

@@ -804,3 +804,45 @@ fn hsdp_reduces_across_the_replicas_its_options_name() {
         FsdpBuilder::new(&nn::VarStore::new(Device::Cpu), opts.process_group(pg)).map(|_| ()).unwrap_err().to_string();
     assert!(err.contains("replicate_group and replicas"), "{err}");
 }
+
+/// The silent failure of a tch optimizer built before the model is finished (it would step the modules'
+/// own parameters, which FSDP leaves without gradients) is refused on every rank, by the builder and by
+/// the plan; the plan stays usable, and once the optimizer is dropped it finishes.
+#[test]
+fn a_tch_optimizer_built_before_finish_is_refused() {
+    use tch::nn::OptimizerConfig;
+    use tch_dist::DistModule;
+    let out = common::run_threads(2, Duration::from_secs(60), |pg| {
+        let pg = Arc::new(pg);
+        let vs = nn::VarStore::new(Device::Cpu);
+        let fsdp = FsdpBuilder::new(&vs, FsdpOptions::default().process_group(pg.clone())).unwrap();
+        let l = nn::linear(vs.root() / "l", 4, 2, Default::default());
+        let early = nn::AdamW::default().build(&vs, LR).unwrap();
+        let builder = fsdp.finish(l).map(|_| ()).unwrap_err().to_string();
+        drop(early);
+        // the plan: refused while the optimizer lives, finished once it is gone
+        let vs = nn::VarStore::new(Device::Cpu);
+        let plan =
+            tch_dist::parallelize::Plan::new().fully_shard(&vs, FsdpOptions::default().process_group(pg)).unwrap();
+        let l = nn::linear(vs.root() / "l", 4, 2, Default::default());
+        let early = nn::AdamW::default().build(&vs, LR).unwrap();
+        let planned = plan.finish(&vs, l).map(|_| ()).unwrap_err().to_string();
+        drop(early);
+        let l = nn::linear(vs.root() / "again", 4, 2, Default::default());
+        let model = plan.finish(&vs, l).unwrap();
+        let mut opt = nn::AdamW::default().build(&vs, LR).unwrap();
+        let before: Vec<Tensor> = model.parameters().iter().map(|p| p.detach().copy()).collect();
+        let x = Tensor::ones([3, 4], (Kind::Float, Device::Cpu));
+        model.backward(&model.f_forward(&x).unwrap().square().mean(Kind::Float)).unwrap();
+        opt.step();
+        let moved = model.parameters().iter().zip(&before).any(|(p, b)| !p.equal(b));
+        (builder, planned, moved)
+    });
+    for (rank, (builder, planned, moved)) in out.into_iter().enumerate() {
+        for e in [&builder, &planned] {
+            assert!(e.contains("nn::Optimizer") && e.contains("after finish"), "rank {rank}: {e}");
+        }
+        assert!(builder.contains("FsdpBuilder::finish") && planned.contains("Plan::finish"));
+        assert!(moved, "rank {rank}: the optimizer built after finish steps the shards");
+    }
+}
