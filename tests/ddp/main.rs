@@ -9,4 +9,5 @@ mod ddp_join;
 mod ddp_memory;
 mod ddp_powersgd;
 mod dist_module;
+mod error_kinds;
 mod hooks;
