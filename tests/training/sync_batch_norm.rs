@@ -37,28 +37,40 @@ impl Out {
     }
 }
 
+fn spatial(nd: usize) -> &'static [i64] {
+    [&[][..], &[4][..], &[3, 2][..], &[2, 2, 2][..]][nd]
+}
+
 /// Two training steps (the running statistics move twice), gradients from the second.
 fn sync_run(sizes: &'static [i64], nd: usize) -> Vec<Out> {
-    let spatial: &'static [i64] = [&[][..], &[4][..], &[3, 2][..], &[2, 2, 2][..]][nd];
-    let world = sizes.len();
-    common::run_threads(world, Duration::from_secs(60), move |pg| {
+    common::run_threads(sizes.len(), Duration::from_secs(60), move |pg| {
         let r = pg.rank();
-        let vs = nn::VarStore::new(Device::Cpu);
-        let bn = SyncBatchNorm::new(vs.root() / "bn", nd.max(1), C, Default::default(), Arc::new(pg));
-        set_affine(&bn.ws, &bn.bs);
-        let (x0, _) = batch(r + 10, sizes[r], spatial);
-        let _ = bn.f_forward_t(&x0, true).unwrap();
-        let (x, t) = batch(r, sizes[r], spatial);
-        let x = x.set_requires_grad(true);
-        let y = bn.f_forward_t(&x, true).unwrap();
-        (&y * &t).sum(Kind::Float).backward();
-        Out::after(&y, &x, [&bn.ws, &bn.bs], [&bn.running_mean, &bn.running_var])
+        steps(Arc::new(pg), r, sizes[r], nd)
     })
+}
+
+/// World rank `r`'s two steps with a layer over `pg`, on `n` rows.
+fn steps(pg: Arc<tch_dist::ProcessGroup>, r: usize, n: i64, nd: usize) -> Out {
+    let vs = nn::VarStore::new(Device::Cpu);
+    let bn = SyncBatchNorm::new(vs.root() / "bn", nd.max(1), C, Default::default(), pg);
+    set_affine(&bn.ws, &bn.bs);
+    let (x0, _) = batch(r + 10, n, spatial(nd));
+    let _ = bn.f_forward_t(&x0, true).unwrap();
+    let (x, t) = batch(r, n, spatial(nd));
+    let x = x.set_requires_grad(true);
+    let y = bn.f_forward_t(&x, true).unwrap();
+    (&y * &t).sum(Kind::Float).backward();
+    Out::after(&y, &x, [&bn.ws, &bn.bs], [&bn.running_mean, &bn.running_var])
 }
 
 /// tch's BatchNorm, one process, over the ranks' batches concatenated.
 fn reference(sizes: &[i64], nd: usize) -> Out {
-    let spatial: &[i64] = [&[][..], &[4][..], &[3, 2][..], &[2, 2, 2][..]][nd];
+    reference_from(0, sizes, nd)
+}
+
+/// The same over the batches of world ranks `first..` (of `sizes` rows).
+fn reference_from(first: usize, sizes: &[i64], nd: usize) -> Out {
+    let spatial = spatial(nd);
     let vs = nn::VarStore::new(Device::Cpu);
     let bn = match nd {
         0 | 1 => nn::batch_norm1d(vs.root() / "bn", C, Default::default()),
@@ -67,7 +79,8 @@ fn reference(sizes: &[i64], nd: usize) -> Out {
     };
     set_affine(&bn.ws, &bn.bs);
     let cat = |k: usize| {
-        let parts: Vec<(Tensor, Tensor)> = sizes.iter().enumerate().map(|(r, &n)| batch(r + k, n, spatial)).collect();
+        let parts: Vec<(Tensor, Tensor)> =
+            sizes.iter().enumerate().map(|(r, &n)| batch(first + r + k, n, spatial)).collect();
         let xs: Vec<&Tensor> = parts.iter().map(|p| &p.0).collect();
         let ts: Vec<&Tensor> = parts.iter().map(|p| &p.1).collect();
         (Tensor::cat(&xs, 0), Tensor::cat(&ts, 0))
@@ -115,6 +128,32 @@ fn the_groups_statistics_equal_one_process_over_the_whole_batch() {
     check(&[2, 3, 4], 1);
     check(&[3, 2], 0);
     check(&[2, 1, 3], 3);
+}
+
+/// PyTorch's `process_group=`: on 4 ranks, two groups of 2 (a subgroup each), each layer normalizing
+/// over its own group's batches only.
+#[test]
+fn a_group_of_its_own_takes_statistics_over_its_ranks_only() {
+    let sizes: &'static [i64] = &[3, 5, 2, 4];
+    let got = common::run_threads(4, Duration::from_secs(60), move |pg| {
+        let r = pg.rank();
+        let pair = if r < 2 { [0, 1] } else { [2, 3] };
+        let sub = Arc::new(pg.new_subgroup(&pair, "bn").unwrap().unwrap());
+        steps(sub, r, sizes[r], 2)
+    });
+    for first in [0, 2] {
+        let want = reference_from(first, &sizes[first..first + 2], 2);
+        let mut at = 0;
+        for r in first..first + 2 {
+            let n = sizes[r];
+            close(&format!("rank {r}: output"), &got[r].y, &want.y.narrow(0, at, n));
+            close(&format!("rank {r}: input gradient"), &got[r].gx, &want.gx.narrow(0, at, n));
+            close(&format!("rank {r}: running mean"), &got[r].rm, &want.rm);
+            at += n;
+        }
+    }
+    // the two groups' statistics differ: no statistic crossed between them
+    assert!((&got[0].rm - &got[2].rm).abs().max().double_value(&[]) > 1e-3);
 }
 
 #[test]
