@@ -271,9 +271,30 @@ pub fn merge(dir: &Path, out: &Path) -> Result<Vec<u64>> {
     Ok(files.into_iter().map(|(r, _)| r).collect())
 }
 
-/// Draws a trace [`merge`] wrote (or one rank's file) as a PNG: a row per track (each rank's threads, then
-/// its collective rows), forward in blue, backward in green, optimizer steps in orange, collectives in
-/// purple, fault tolerance in red, others grey. Returns the number of rows. With the `plot` feature.
+/// Short names of `tracks` for the picture, from the trace's metadata: `r0 main`, `r0 coll default (1)`.
+#[cfg(feature = "plot")]
+fn track_labels(events: &[serde_json::Value], tracks: &[(u64, u64)]) -> Vec<String> {
+    let name = |kind: &str, pid: u64, tid: Option<u64>| {
+        events
+            .iter()
+            .find(|e| e["ph"] == "M" && e["name"] == kind && e["pid"] == pid && tid.is_none_or(|t| e["tid"] == t))
+            .and_then(|e| e["args"]["name"].as_str().map(String::from))
+    };
+    tracks
+        .iter()
+        .map(|&(pid, tid)| {
+            let process = name("process_name", pid, None).unwrap_or_else(|| format!("rank {pid}"));
+            let process = process.split_whitespace().take(2).collect::<Vec<_>>().join(" ").replacen("rank ", "r", 1);
+            let thread = name("thread_name", pid, Some(tid)).unwrap_or_else(|| format!("thread {tid}"));
+            format!("{process} {}", thread.replacen("collectives: ", "coll ", 1))
+        })
+        .collect()
+}
+
+/// Draws a trace [`merge`] wrote (or one rank's file) as a PNG: a row per track, named at its left (each
+/// rank's threads, then its collective rows), forward in blue, backward in green, optimizer steps in
+/// orange, collectives in purple, fault tolerance in red, others (a pipeline stage's waits) grey; a span
+/// inside another is drawn over it. Returns the number of rows. With the `plot` feature.
 #[cfg(feature = "plot")]
 pub fn write_png(trace: &Path, png: &Path) -> Result<usize> {
     let text =
@@ -281,13 +302,16 @@ pub fn write_png(trace: &Path, png: &Path) -> Result<usize> {
     let t: Trace = serde_json::from_slice(&text)
         .map_err(|e| Error::invalid(format!("timeline {}", trace.display()), e.to_string()))?;
     let spans: Vec<Event> =
-        t.events.into_iter().filter(|e| e["ph"] == "X").filter_map(|e| serde_json::from_value(e).ok()).collect();
+        t.events.iter().filter(|e| e["ph"] == "X").filter_map(|e| serde_json::from_value(e.clone()).ok()).collect();
     let mut tracks: Vec<(u64, u64)> = spans.iter().map(|e| (e.pid, e.tid)).collect();
     tracks.sort();
     tracks.dedup();
     if tracks.is_empty() {
         return Err(Error::invalid(format!("timeline {}", trace.display()), "holds no spans"));
     }
+    // longest first: a span inside another (a wait inside a forward) is drawn over it, not under
+    let mut spans = spans;
+    spans.sort_by(|a, b| b.dur.partial_cmp(&a.dur).unwrap_or(std::cmp::Ordering::Equal));
     let bars: Vec<crate::plot::Bar> = spans
         .iter()
         .map(|e| crate::plot::Bar {
@@ -304,6 +328,6 @@ pub fn write_png(trace: &Path, png: &Path) -> Result<usize> {
             },
         })
         .collect();
-    crate::plot::draw(png, tracks.len(), 24, &bars)?;
+    crate::plot::draw(png, &track_labels(&t.events, &tracks), 24, &bars)?;
     Ok(tracks.len())
 }

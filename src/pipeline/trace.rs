@@ -70,5 +70,6 @@ pub fn write_png(path: &Path, spans: &[Span], stages: usize) -> Result<()> {
             crate::plot::Bar { row: sp.stage, start: sp.start, end: sp.end, color }
         })
         .collect();
-    crate::plot::draw(path, stages, 60, &bars)
+    let labels: Vec<String> = (0..stages).map(|s| format!("stage {s}")).collect();
+    crate::plot::draw(path, &labels, 60, &bars)
 }

@@ -438,7 +438,11 @@ impl Transport for GroupTransport {
             Some(Arrival::Aborted(origin)) => return Err(self.aborted(origin, key)),
             None => return Err(Error::invalid("pipeline recv", format!("no receive posted for {key:?}"))),
         };
-        self.wait_batch(batch)?;
+        {
+            // the time this stage waits for its neighbour (the bubble, as seen from the host)
+            let _w = crate::timeline::span("pipeline wait", || format!("wait for {:?} of microbatch {}", key.0, key.1));
+            self.wait_batch(batch)?;
+        }
         if t.device() == Device::Cpu && is_placeholder(&t)? {
             if let Some(origin) = self.failure()? {
                 return Err(self.aborted(origin, key));
