@@ -10,6 +10,7 @@
 //!   tchrun --nproc-per-node 8 -- gpt --corpus FILE --pp 2 --dp 2 --tp 2 [--steps 200] [--losses FILE]
 //!   tchrun --nproc-per-node 4 -- gpt --corpus FILE --hsdp 2x2        # the same as --dp 2 --fsdp 2
 //!   tchrun --nproc-per-node 2 -- gpt --corpus FILE --dp 2 --experts 4   # 2 experts per rank
+//!   tchrun --nproc-per-node 4 -- gpt --corpus FILE --dp 4 --ep 2 --experts 4   # EP 2 x DP 2
 //!   tchrun --nproc-per-node 8 -- gpt --corpus FILE --dp 2 --cp 2 --tp 2  # CP x TP x DP
 //!   tchrun --nproc-per-node 1 -- gpt --corpus FILE [--sample 300]    # one process, and a sample after
 //!
@@ -64,9 +65,13 @@ struct Args {
     heads: i64,
     #[arg(long, default_value_t = 64)]
     context: i64,
-    /// Experts per block's MLP (0: a dense MLP), spread over the "dp" ranks.
+    /// Experts per block's MLP (0: a dense MLP), spread over the "dp" ranks (or over --ep of them).
     #[arg(long, default_value_t = 0)]
     experts: i64,
+    /// With --experts: the expert-parallel size, carved out of "dp" (consecutive "dp" ranks form an
+    /// expert-parallel group; the --dp / --ep groups beside it hold the same experts). 0: all of "dp".
+    #[arg(long, default_value_t = 0)]
+    ep: usize,
     /// Experts per token.
     #[arg(long, default_value_t = 2)]
     top_k: i64,
@@ -146,6 +151,38 @@ impl Module for Attention {
     }
 }
 
+/// Where the experts live: spread over `group`; held alike by the ranks of `replicas`, when the
+/// expert-parallel group is only part of "dp".
+#[derive(Clone)]
+struct Experts {
+    group: Arc<ProcessGroup>,
+    replicas: Option<Arc<ProcessGroup>>,
+}
+
+/// The expert-parallel groups of `ep` consecutive ranks of `dp`, and the groups of the ranks at the same
+/// place in each (which hold the same experts); `dp` itself when `ep` is its size.
+fn experts(dp: &Arc<ProcessGroup>, n: i64, ep: usize) -> Result<Experts, Box<dyn std::error::Error>> {
+    if ep == 0 || !dp.size().is_multiple_of(ep) {
+        return Err(format!("--ep {ep} does not divide --dp {}", dp.size()).into());
+    }
+    if n % ep as i64 != 0 {
+        return Err(format!("--experts {n} does not spread evenly over {ep} expert-parallel ranks").into());
+    }
+    if ep == dp.size() {
+        return Ok(Experts { group: dp.clone(), replicas: None });
+    }
+    let r = dp.rank();
+    let own: Vec<usize> = (r / ep * ep..r / ep * ep + ep).collect();
+    let same: Vec<usize> = (r % ep..dp.size()).step_by(ep).collect();
+    let sub = |ranks: &[usize], name: &str| -> Result<Arc<ProcessGroup>, Box<dyn std::error::Error>> {
+        Ok(Arc::new(dp.new_subgroup(ranks, name)?.ok_or("not in its own group")?))
+    };
+    // only a group's members form it: each rank forms its two
+    let group = sub(&own, &format!("ep{}", r / ep))?;
+    let replicas = sub(&same, &format!("ep-replicas{}", r % ep))?;
+    Ok(Experts { group, replicas: Some(replicas) })
+}
+
 /// A block's MLP: dense (split by the plan), or a mixture of experts spread over the expert-parallel
 /// group (its load-balancing loss left out here: the pipeline's loss sees only the logits).
 #[derive(Debug)]
@@ -209,7 +246,7 @@ fn plan(mesh: &DeviceMesh) -> tch_dist::Result<Plan> {
 /// the plan gives each path its layer, and with `ep` (the expert-parallel group) each block's MLP is a
 /// mixture of experts spread over it; with `cp` attention runs over the sequence's ranks. Every layout starts from the one-process model's values (the list
 /// seeds each layer, and a split layer holds its slice of what tch's layer draws, a rank its experts).
-fn model(a: &Args, plan: &Plan, ep: Option<Arc<ProcessGroup>>, cp: Option<ContextParallel>) -> LayerList {
+fn model(a: &Args, plan: &Plan, ep: Option<Experts>, cp: Option<ContextParallel>) -> LayerList {
     let (d, ctx, heads, experts) = (a.d, a.context, a.heads, a.experts);
     let moe = MoeConfig { top_k: a.top_k, capacity_factor: a.capacity_factor };
     let ok = |r: tch_dist::Result<Linear>| r.unwrap_or_else(|e| panic!("{e}"));
@@ -226,7 +263,12 @@ fn model(a: &Args, plan: &Plan, ep: Option<Arc<ProcessGroup>>, cp: Option<Contex
             let lin = |q: &nn::Path, i, o| ok(pl.linear(q, i, o, Default::default()));
             let mlp = match &ep {
                 Some(ep) => {
-                    Mlp::Experts(Moe::new(&mlp, d, 4 * d, experts, ep.clone(), moe).unwrap_or_else(|e| panic!("{e}")))
+                    let layer = Moe::new(&mlp, d, 4 * d, experts, ep.group.clone(), moe);
+                    let layer = match &ep.replicas {
+                        Some(r) => layer.and_then(|l| l.replicated_over(r)),
+                        None => layer,
+                    };
+                    Mlp::Experts(layer.unwrap_or_else(|e| panic!("{e}")))
                 }
                 None => Mlp::Dense { fc: lin(&(&mlp / "fc"), d, 4 * d), proj: lin(&(&mlp / "proj"), 4 * d, d) },
             };
@@ -314,14 +356,13 @@ fn main() -> Res<()> {
     }
     let per_dp = a.global_batch / replicas as i64;
 
-    // experts spread over the data-parallel replicas, whose DDP leaves them out of its buckets
-    let ep = match a.experts {
-        0 => None,
-        n if a.layout.fsdp > 1 => return Err(format!("--experts {n} runs with DDP over --dp, not FSDP").into()),
-        n if n % a.layout.dp as i64 != 0 => {
-            return Err(format!("--experts {n} does not spread evenly over --dp {}", a.layout.dp).into())
-        }
-        _ => Some(dp.clone()),
+    // experts spread over the data-parallel ranks (or --ep of them), whose DDP leaves them out of its
+    // buckets (and sums them over the ranks holding the same experts)
+    let ep = match (a.experts, a.ep) {
+        (0, 0) => None,
+        (0, ep) => return Err(format!("--ep {ep} needs --experts").into()),
+        (n, _) if a.layout.fsdp > 1 => return Err(format!("--experts {n} runs with DDP over --dp, not FSDP").into()),
+        (n, ep) => Some(experts(&dp, n, if ep == 0 { a.layout.dp } else { ep })?),
     };
     let plan = plan(&mesh)?;
     let layers = model(&a, &plan, ep, cp.clone());

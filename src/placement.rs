@@ -157,6 +157,28 @@ impl Layout {
         self.along.iter().any(|a| a.placement.is_partial() && a.group.ptr_eq(&g))
     }
 
+    /// For a variable sliced over some group whose layer also said which ranks hold the same slice
+    /// (`Replicate` along a group other than `besides`): that group. Experts spread over an
+    /// expert-parallel group and repeated over the data-parallel ranks beside it are such variables; a
+    /// data-parallel wrapper over `besides` sums their gradients over the returned group instead.
+    pub(crate) fn replicas_beside(&self, besides: &Arc<ProcessGroup>) -> Option<(Arc<ProcessGroup>, usize)> {
+        let b = Arc::downgrade(besides);
+        let sliced: usize = self
+            .along
+            .iter()
+            .filter(|a| matches!(a.placement, Placement::Shard(_)) && a.size > 1)
+            .map(|a| a.size)
+            .product();
+        if sliced <= 1 {
+            return None;
+        }
+        self.along
+            .iter()
+            .filter(|a| a.placement == Placement::Replicate && a.size > 1 && !a.group.ptr_eq(&b))
+            .find_map(|a| a.group.upgrade())
+            .map(|g| (g, sliced))
+    }
+
     /// The groups whose ranks hold disjoint parts (size 1 left out: nothing to sum), outermost first.
     pub(crate) fn partial_groups(&self, what: &str) -> Result<Vec<Arc<ProcessGroup>>> {
         let mut out = Vec::new();

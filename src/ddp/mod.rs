@@ -222,9 +222,36 @@ impl<M> DistributedDataParallel<M> {
         // a parameter whose ranks hold different parts over this group (an expert spread over it) is
         // neither checked, broadcast nor bucketed: its layer's collectives sum its gradient over the
         // ranks, and the reducer divides it as the average would
-        let partial_here = |p: &Tensor| crate::placement::of(p).is_some_and(|l| l.is_partial_over(&pg));
+        // Nor is one whose layer named the ranks holding the same part beside another group it is sliced
+        // over (experts repeated over data-parallel ranks): its gradient is summed over those ranks at
+        // the end of backward, then divided likewise.
+        let replicas = |p: &Tensor| crate::placement::of(p).and_then(|l| l.replicas_beside(&pg));
+        let partial_here =
+            |p: &Tensor| crate::placement::of(p).is_some_and(|l| l.is_partial_over(&pg)) || replicas(p).is_some();
         let (partial, named): (Vec<_>, Vec<_>) = named.into_iter().partition(|(_, p)| partial_here(p));
-        let partial: Vec<Tensor> = partial.into_iter().filter(|(_, p)| p.requires_grad()).map(|(_, p)| p).collect();
+        let partial: Vec<(String, Tensor)> = partial.into_iter().filter(|(_, p)| p.requires_grad()).collect();
+        let mut summed: Vec<(Arc<ProcessGroup>, Vec<Tensor>)> = Vec::new();
+        for (name, p) in &partial {
+            let Some((q, sliced)) = replicas(p) else { continue };
+            if q.size() * sliced != pg.size() {
+                return Err(Error::invalid(
+                    "DistributedDataParallel::new",
+                    format!(
+                        "{name} is sliced over {sliced} ranks and repeated over the {} of group {}: together {} \
+                         ranks, but DDP's group has {}",
+                        q.size(),
+                        q.name(),
+                        q.size() * sliced,
+                        pg.size()
+                    ),
+                ));
+            }
+            match summed.iter_mut().find(|(g, _)| Arc::ptr_eq(g, &q)) {
+                Some((_, ps)) => ps.push(p.shallow_clone()),
+                None => summed.push((q, vec![p.shallow_clone()])),
+            }
+        }
+        let partial: Vec<Tensor> = partial.into_iter().map(|(_, p)| p).collect();
         states.retain(|s| !partial_here(s));
         let (names, params): (Vec<String>, Vec<Tensor>) = named.into_iter().filter(|(_, p)| p.requires_grad()).unzip();
         if params.is_empty() {
@@ -249,7 +276,7 @@ impl<M> DistributedDataParallel<M> {
             bucket_bytes,
             comm_hook: opts.comm_hook,
         };
-        let reducer = Reducer::new(pg, cfg, params, names, partial)?;
+        let reducer = Reducer::new(pg, cfg, params, names, partial, summed)?;
         let hooks = reducer.install_hooks()?;
         Ok(DistributedDataParallel {
             _hooks: hooks,

@@ -52,6 +52,9 @@ pub(crate) struct State {
     /// layers' collectives already summed each gradient over the ranks, so DDP leaves them out of its
     /// buckets and only divides them, as its average would.
     pub partial: Vec<Tensor>,
+    /// Those of them held alike by the ranks of another group (experts repeated over data-parallel
+    /// ranks), whose gradients are summed over that group before the division.
+    pub summed: Vec<(Arc<ProcessGroup>, Vec<Tensor>)>,
     pub names: Vec<String>,
     specs: Vec<TensorSpec>,
     pub buckets: Vec<Bucket>,
@@ -116,6 +119,7 @@ impl Reducer {
         params: Vec<Tensor>,
         names: Vec<String>,
         partial: Vec<Tensor>,
+        summed: Vec<(Arc<ProcessGroup>, Vec<Tensor>)>,
     ) -> Result<Arc<Reducer>> {
         let specs: Vec<TensorSpec> = params.iter().map(TensorSpec::of).collect();
         // First iteration, as PyTorch: without unused-parameter search, one bucket per dtype/device
@@ -130,6 +134,7 @@ impl Reducer {
         let mut st = State {
             params,
             partial,
+            summed,
             names,
             specs,
             buckets: Vec::new(),
@@ -381,9 +386,20 @@ impl Reducer {
         // 2. no lock held while the reductions run and are waited for
         self.start(launches)?;
         let _g = tch::no_grad_guard();
-        let (divisor, partial) = {
+        let (divisor, partial, summed) = {
             let st = lock(&self.state);
-            (st.divisor, st.partial.iter().map(|p| p.grad()).collect::<Vec<_>>())
+            let summed: Vec<(Arc<ProcessGroup>, Vec<Tensor>)> =
+                st.summed.iter().map(|(g, ps)| (g.clone(), ps.iter().map(|p| p.shallow_clone()).collect())).collect();
+            (st.divisor, st.partial.iter().map(|p| p.grad()).collect::<Vec<_>>(), summed)
+        };
+        for (g, ps) in &summed {
+            sum_grads_over(g, ps)?;
+        }
+        let partial: Vec<Tensor> = if summed.is_empty() {
+            partial
+        } else {
+            // the sums above may have given a gradient to a parameter that had none here
+            lock(&self.state).partial.iter().map(|p| p.grad()).collect()
         };
         for mut g in partial.into_iter().filter(|g| g.defined()) {
             let _ = g.f_div_scalar_(divisor)?;
@@ -717,5 +733,34 @@ fn init_buckets(st: &mut State, cfg: &Config, assignment: Vec<Vec<usize>>, zero_
     }
     st.buckets = buckets;
     st.pending = st.buckets.iter().map(|b| b.params.len()).collect();
+    Ok(())
+}
+
+/// Sums the gradients of `params` over `group`, in one message (a parameter without a gradient here
+/// sends zeros, and gets the sum as its gradient).
+fn sum_grads_over(group: &ProcessGroup, params: &[Tensor]) -> Result<()> {
+    let grads: Vec<Tensor> = params
+        .iter()
+        .map(|p| {
+            let g = p.grad();
+            if g.defined() {
+                Ok(g)
+            } else {
+                let z = p.f_zeros_like()?;
+                crate::hooks::set_grad(p, Some(&z))?;
+                Ok(z)
+            }
+        })
+        .collect::<Result<_>>()?;
+    let flat: Vec<Tensor> = grads.iter().map(|g| g.f_reshape([-1])).collect::<std::result::Result<_, _>>()?;
+    let mut buf = Tensor::f_cat(&flat, 0)?;
+    let _l = crate::flight::label("DDP: gradients summed over their replicas");
+    group.allreduce_unverified(&mut buf, crate::group::ReduceOp::Sum)?.wait()?;
+    let mut at = 0;
+    for g in &grads {
+        let n = g.numel() as i64;
+        g.shallow_clone().f_copy_(&buf.f_narrow(0, at, n)?.f_view_as(g)?)?;
+        at += n;
+    }
     Ok(())
 }

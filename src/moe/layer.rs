@@ -178,6 +178,19 @@ impl Moe {
         Ok(MoeOutput { output, aux_loss: r.aux_loss, dropped: r.dropped })
     }
 
+    /// Expert parallelism inside data parallelism (torchtitan's EP carved out of DP): this rank's experts
+    /// are held alike by the ranks of `replicas`, the data-parallel ranks beside the expert-parallel
+    /// group (expert-parallel size x `replicas` size = the data-parallel size). Recorded as the experts'
+    /// placement, so that DDP over the data-parallel group sums their gradients over `replicas` (the ranks
+    /// that hold the same experts) and leaves them out of its buckets. Not needed when the expert-parallel
+    /// group is the data-parallel group itself.
+    pub fn replicated_over(self, replicas: &Arc<ProcessGroup>) -> Result<Self> {
+        for t in [&self.w1, &self.b1, &self.w2, &self.b2] {
+            crate::placement::record_along(t, replicas, crate::placement::Placement::Replicate)?;
+        }
+        Ok(self)
+    }
+
     /// The expert-parallel group.
     pub fn process_group(&self) -> &Arc<ProcessGroup> {
         &self.pg

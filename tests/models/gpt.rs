@@ -3,7 +3,8 @@
 //! 2 × 2; pp 2 × DDP 2, pp 2 × FSDP 2, pp 2 × DDP 2 × tp 2, pp 2 × HSDP 2 × 2), one model source over a
 //! `parallelize::Plan`, each stage's data parallelism run by the pipeline: the losses agree within 1e-4
 //! at every step, and fall. Its mixture-of-experts variant (4 experts a block, spread over the "dp"
-//! ranks) likewise on DDP 2, pp 2 x DDP 2 and DDP 2 x tp 2: every token goes to every expert (top-4 of 4,
+//! ranks) likewise on DDP 2, pp 2 x DDP 2, DDP 2 x tp 2 and EP 2 x DP 2 (DDP over 4 ranks, the experts
+//! spread over pairs of them and repeated over the other pair): every token goes to every expert (top-4 of 4,
 //! room for all), since a top-k below the expert count is not continuous in the weights: a rounding
 //! apart, a near tie sends a token elsewhere, and AdamW carries that on (seen at step 2 with top-2).
 //! tests/tp/moe.rs checks top-k routing and its drops exactly, layer by layer. Context parallelism (ring
@@ -31,8 +32,12 @@ fn every_mesh_trains_like_one_process() {
 fn the_mixture_of_experts_variant_trains_like_one_process() {
     let model = "--layers 2 --d 32 --heads 2 --context 16 --global-batch 8 --experts 4 --top-k 4 --capacity-factor 1";
     let model: Vec<&str> = model.split(' ').collect();
-    let meshes: [(usize, &[&str]); 3] =
-        [(2, &["--dp", "2"]), (4, &["--pp", "2", "--dp", "2"]), (4, &["--dp", "2", "--tp", "2"])];
+    let meshes: [(usize, &[&str]); 4] = [
+        (2, &["--dp", "2"]),
+        (4, &["--pp", "2", "--dp", "2"]),
+        (4, &["--dp", "2", "--tp", "2"]),
+        (4, &["--dp", "4", "--ep", "2"]),
+    ];
     common::layouts_train_like_one_process("gpt", &[&model[..], &["--steps", "20"]].concat(), 20, &meshes, 1e-4);
 }
 

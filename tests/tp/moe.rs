@@ -158,6 +158,44 @@ fn ddp_over_the_expert_parallel_group_keeps_each_ranks_experts_and_averages() {
     }
 }
 
+/// Expert parallelism carved out of data parallelism: 4 ranks, experts spread over EP groups of 2 ({0, 1},
+/// {2, 3}) and repeated over {0, 2} and {1, 3}; DDP over all 4 sums the experts' gradients over the ranks
+/// that hold the same experts and averages as one process would. A DDP whose group does not span the
+/// expert-parallel and replica ranks is refused, naming the parameter.
+#[test]
+fn ddp_over_ep_2_x_dp_2_sums_experts_over_their_replicas_and_averages() {
+    let world = 4;
+    let want = one_process(world);
+    let ranks = common::run_threads(world, T, |pg| {
+        let (r, pg) = (pg.rank(), Arc::new(pg));
+        let (g, k) = (r / 2, r % 2);
+        let ep = Arc::new(pg.new_subgroup(&[2 * g, 2 * g + 1], &format!("ep{g}")).unwrap().unwrap());
+        let same = Arc::new(pg.new_subgroup(&[k, k + 2], &format!("replicas{k}")).unwrap().unwrap());
+        let (vs, m) = layer(ep.clone(), CFG);
+        let m = m.replicated_over(&same).unwrap();
+        // over the expert-parallel group alone, DDP would miss the replicas: refused
+        let refused = DistributedDataParallel::new(&vs, (), DdpOptions::default().process_group(ep)).map(|_| ());
+        let refused = refused.unwrap_err().to_string();
+        let ddp = DistributedDataParallel::new(&vs, m, DdpOptions::default().process_group(pg)).unwrap();
+        let (x, t) = data(r);
+        let o = ddp.forward_with(|m| m.f_forward(&x)).unwrap().unwrap();
+        ddp.backward(&((&o.output * &t).sum(Kind::Float) + AUX * &o.aux_loss)).unwrap();
+        (o.output.detach(), grads(ddp.module()), refused)
+    });
+    let local = E / 2;
+    for (r, (out, g, refused)) in ranks.iter().enumerate() {
+        assert!(refused.contains("moe.experts.") && refused.contains("repeated over"), "rank {r}: {refused}");
+        assert!(diff(out, &want.out[r]) < TOL, "rank {r}: outputs differ");
+        let d = diff(&g[0], &(&want.grads[0] / world as f64));
+        assert!(d < TOL, "rank {r}: the router's averaged gradient differs by {d:e}");
+        for (i, name) in ["w1", "b1", "w2", "b2"].iter().enumerate() {
+            let whole = want.grads[i + 1].narrow(0, (r % 2) as i64 * local, local) / world as f64;
+            let d = diff(&g[i + 1], &whole);
+            assert!(d < TOL, "rank {r}: {name}'s gradient differs from the mean's by {d:e}");
+        }
+    }
+}
+
 /// GShard's rules token by token: each token's top-k experts, every first choice queued before any
 /// second one, an expert's assignments past its capacity dropped, gates renormalised over the k choices
 /// (top-1: the probability itself).
