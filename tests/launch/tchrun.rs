@@ -288,6 +288,50 @@ fn a_stale_flight_dump_is_not_read_as_this_jobs() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// `--trace-out` of a pipelined, sharded GPT (pp 2 x FSDP 2, 4 ranks): every rank's track holds FSDP's
+/// forward spans, the pipeline's microbatch forwards and backwards (which run the units' backward), the
+/// optimizer's steps, the reduce-scatters labelled by unit, and on the last stage its waits for the
+/// activations the first one sends.
+#[test]
+fn a_pipelined_sharded_model_s_timeline_shows_each_part_of_a_step() {
+    let dir = std::env::temp_dir().join(format!("tch-dist-timeline-pp-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("trace.json");
+    let mut c = tchrun();
+    c.args(["--standalone", "--nproc-per-node", "4", "--trace-out", &file.to_string_lossy(), "--"]);
+    c.args([&example("gpt"), "--corpus", &crate::common::corpus(), "--pp", "2", "--fsdp", "2", "--steps", "2"]);
+    c.args(["--layers", "2", "--d", "32", "--heads", "2", "--context", "16", "--global-batch", "8"]);
+    let (o, _) = run(c, Duration::from_secs(180));
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{out}\n{err}");
+    let trace: serde_json::Value = serde_json::from_slice(&std::fs::read(&file).unwrap()).unwrap();
+    let events = trace["traceEvents"].as_array().unwrap();
+    let count = |rank: u64, cat: &str, name: &str| {
+        events
+            .iter()
+            .filter(|e| e["ph"] == "X" && e["pid"] == rank && e["cat"] == cat)
+            .filter(|e| e["name"].as_str().is_some_and(|n| n.starts_with(name)))
+            .count()
+    };
+    for rank in 0..4u64 {
+        let parts = [("forward", "FSDP forward"), ("forward", "F"), ("backward", "B"), ("optimizer", "AdamW step")];
+        for (cat, name) in parts {
+            assert!(count(rank, cat, name) >= 2, "rank {rank}: {} {cat} spans named {name:?}", count(rank, cat, name));
+        }
+        let reduced = events.iter().any(|e| {
+            e["pid"] == rank
+                && e["cat"] == "collective"
+                && e["name"].as_str().is_some_and(|n| n.starts_with("FSDP reduce-scatter, unit"))
+        });
+        assert!(reduced, "rank {rank}: no reduce-scatter labelled with its unit");
+    }
+    // the mesh is [pp, fsdp]: ranks 2 and 3 run the last stage, which waits for activations
+    for rank in 2..4u64 {
+        assert!(count(rank, "pipeline wait", "wait for Activation") >= 2, "rank {rank}: no waits for activations");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// `--trace-out`: one file, a track per rank, DDP's forward and backward spans on each, and the bucket
 /// allreduces recorded during a backward of the same rank.
 #[test]
