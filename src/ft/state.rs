@@ -14,11 +14,23 @@ pub trait ReplicaState {
     fn replica_tensors(&self) -> Result<Vec<(String, Tensor)>>;
 }
 
-/// Every variable, by its VarStore name: a replica of one rank, or DDP among its ranks.
+/// Every variable, by its VarStore name: a replica of one rank, or DDP among its ranks. A variable FSDP
+/// shards (empty between uses, its values in a shard) is refused: pass the FSDP model instead, or healing
+/// would copy nothing into it.
 impl ReplicaState for nn::VarStore {
     fn replica_tensors(&self) -> Result<Vec<(String, Tensor)>> {
         let mut vars: Vec<(String, Tensor)> = self.variables().into_iter().collect();
         vars.sort_by(|a, b| a.0.cmp(&b.0));
+        if let Some((name, _)) = vars.iter().find(|(_, t)| crate::placement::of(t).is_some_and(|l| l.local().is_some()))
+        {
+            return Err(Error::invalid(
+                "fault tolerance: the model's state",
+                format!(
+                    "{name} is sharded by FSDP: give Manager::start_step the FullyShardedDataParallel model, \
+                     whose shards hold the values, not its VarStore"
+                ),
+            ));
+        }
         Ok(vars)
     }
 }

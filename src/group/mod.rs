@@ -340,6 +340,10 @@ impl ProcessGroup {
                 Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
             }
             if let Some(e) = self.trace.frozen_peer_among(&mut watch, &what, Some(ranks)) {
+                // formed meanwhile after all: the group is the answer
+                if let Ok(Ok(g)) = rx.try_recv() {
+                    return Ok(Some(g));
+                }
                 return Err(e);
             }
         }
