@@ -230,7 +230,9 @@ impl<M> DistributedDataParallel<M> {
             |p: &Tensor| crate::placement::of(p).is_some_and(|l| l.is_partial_over(&pg)) || replicas(p).is_some();
         let (partial, named): (Vec<_>, Vec<_>) = named.into_iter().partition(|(_, p)| partial_here(p));
         let partial: Vec<(String, Tensor)> = partial.into_iter().filter(|(_, p)| p.requires_grad()).collect();
-        let mut summed: Vec<(Arc<ProcessGroup>, Vec<Tensor>)> = Vec::new();
+        // by group of replicas: its parameters, named
+        type Named = Vec<(String, Tensor)>;
+        let mut summed: Vec<(Arc<ProcessGroup>, Named)> = Vec::new();
         for (name, p) in &partial {
             let Some((q, sliced)) = replicas(p) else { continue };
             if q.size() * sliced != pg.size() {
@@ -247,9 +249,19 @@ impl<M> DistributedDataParallel<M> {
                 ));
             }
             match summed.iter_mut().find(|(g, _)| Arc::ptr_eq(g, &q)) {
-                Some((_, ps)) => ps.push(p.shallow_clone()),
-                None => summed.push((q, vec![p.shallow_clone()])),
+                Some((_, ps)) => ps.push((name.clone(), p.shallow_clone())),
+                None => summed.push((q, vec![(name.clone(), p.shallow_clone())])),
             }
+        }
+        if !summed.is_empty() && opts.comm_hook.is_some() {
+            return Err(Error::invalid(
+                "DistributedDataParallel::new",
+                format!(
+                    "a communication hook would not see {}'s gradient, which is summed over its replicas apart \
+                     from the buckets: leave the hook out",
+                    summed[0].1[0].0
+                ),
+            ));
         }
         let partial: Vec<Tensor> = partial.into_iter().map(|(_, p)| p).collect();
         states.retain(|s| !partial_here(s));
@@ -265,6 +277,15 @@ impl<M> DistributedDataParallel<M> {
             states.extend(buffers.iter().map(|b| b.shallow_clone()));
         }
         sync::broadcast_coalesced(&pg, &states, sync::BROADCAST_BUCKET_BYTES, 0)?;
+        // the ranks that hold the same experts start alike too, and hold them in the same shapes
+        for (q, named) in &summed {
+            let (names, ps): (Vec<String>, Vec<Tensor>) =
+                named.iter().map(|(n, p)| (n.clone(), p.shallow_clone())).unzip();
+            sync::verify_params(q, &ps, &names)?;
+            sync::broadcast_coalesced(q, &ps, sync::BROADCAST_BUCKET_BYTES, 0)?;
+        }
+        let summed: Vec<(Arc<ProcessGroup>, Vec<Tensor>)> =
+            summed.into_iter().map(|(q, named)| (q, named.into_iter().map(|(_, p)| p).collect())).collect();
         for p in &params {
             crate::placement::record_along(p, &pg, crate::placement::Placement::Replicate)?;
         }

@@ -736,8 +736,8 @@ fn init_buckets(st: &mut State, cfg: &Config, assignment: Vec<Vec<usize>>, zero_
     Ok(())
 }
 
-/// Sums the gradients of `params` over `group`, in one message (a parameter without a gradient here
-/// sends zeros, and gets the sum as its gradient).
+/// Sums the gradients of `params` over `group`, one message per dtype (a parameter without a gradient
+/// here sends zeros, and gets the sum as its gradient).
 fn sum_grads_over(group: &ProcessGroup, params: &[Tensor]) -> Result<()> {
     let grads: Vec<Tensor> = params
         .iter()
@@ -752,15 +752,20 @@ fn sum_grads_over(group: &ProcessGroup, params: &[Tensor]) -> Result<()> {
             }
         })
         .collect::<Result<_>>()?;
-    let flat: Vec<Tensor> = grads.iter().map(|g| g.f_reshape([-1])).collect::<std::result::Result<_, _>>()?;
-    let mut buf = Tensor::f_cat(&flat, 0)?;
+    let mut kinds: Vec<tch::Kind> = grads.iter().map(|g| g.kind()).collect();
+    kinds.dedup();
     let _l = crate::flight::label("DDP: gradients summed over their replicas");
-    group.allreduce_unverified(&mut buf, crate::group::ReduceOp::Sum)?.wait()?;
-    let mut at = 0;
-    for g in &grads {
-        let n = g.numel() as i64;
-        g.shallow_clone().f_copy_(&buf.f_narrow(0, at, n)?.f_view_as(g)?)?;
-        at += n;
+    for kind in kinds.iter().enumerate().filter(|(i, k)| !kinds[..*i].contains(k)).map(|(_, k)| *k) {
+        let these: Vec<&Tensor> = grads.iter().filter(|g| g.kind() == kind).collect();
+        let flat: Vec<Tensor> = these.iter().map(|g| g.f_reshape([-1])).collect::<std::result::Result<_, _>>()?;
+        let mut buf = Tensor::f_cat(&flat, 0)?;
+        group.allreduce_unverified(&mut buf, crate::group::ReduceOp::Sum)?.wait()?;
+        let mut at = 0;
+        for g in these {
+            let n = g.numel() as i64;
+            g.shallow_clone().f_copy_(&buf.f_narrow(0, at, n)?.f_view_as(g)?)?;
+            at += n;
+        }
     }
     Ok(())
 }

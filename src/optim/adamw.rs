@@ -155,6 +155,7 @@ impl Optimizer for AdamW {
             let p = self.params[i].shallow_clone();
             let g = p.grad();
             if !g.defined() {
+                super::skip_without_grad("AdamW::step", &p)?;
                 continue;
             }
             if self.exp_avg[i].is_none() {

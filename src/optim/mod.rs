@@ -85,6 +85,23 @@ pub(crate) fn bytes(t: &Tensor) -> i64 {
 }
 
 /// The defined gradients of `params`.
+/// An optimizer skips a parameter without a gradient, unless FSDP manages it (a module's own parameter,
+/// empty between uses, whose gradient goes to its shard): one built over those before the model was
+/// finished would train nothing, silently.
+pub(crate) fn skip_without_grad(what: &str, p: &Tensor) -> Result<()> {
+    if crate::placement::of(p).is_some_and(|l| l.local().is_some()) {
+        return Err(crate::error::Error::invalid(
+            what,
+            format!(
+                "it steps a {:?} module parameter that FSDP shards (empty between uses, never given a gradient): \
+                 build the optimizer over the model's parameters (this rank's shards) after finish",
+                p.size()
+            ),
+        ));
+    }
+    Ok(())
+}
+
 pub(crate) fn grads_of(params: &[Tensor]) -> Vec<Tensor> {
     params.iter().map(|p| p.grad()).filter(|g| g.defined()).collect()
 }

@@ -55,6 +55,7 @@ impl Optimizer for Sgd {
         for (p, buf) in self.params.iter().zip(self.buffers.iter_mut()) {
             let g = p.grad();
             if !g.defined() {
+                super::skip_without_grad("Sgd::step", p)?;
                 continue;
             }
             let mut d = if self.weight_decay != 0.0 { g.f_add(&p.f_mul_scalar(self.weight_decay)?)? } else { g };

@@ -846,3 +846,28 @@ fn a_tch_optimizer_built_before_finish_is_refused() {
         assert!(moved, "rank {rank}: the optimizer built after finish steps the shards");
     }
 }
+
+/// tch-dist's own optimizer built over the VarStore before `finish` holds the modules' parameters, which
+/// FSDP never gives a gradient: its step refuses, naming the fix. Fault tolerance's healing likewise
+/// refuses the VarStore of an FSDP model (its variables are empty between uses) and takes the model.
+#[test]
+fn an_early_optimizer_and_a_sharded_var_store_are_refused_where_they_would_do_nothing() {
+    use tch_dist::ft::ReplicaState;
+    let pg =
+        Arc::new(tch_dist::ProcessGroup::new(&tch_dist::Store::hash().unwrap(), 0, 1, &Default::default()).unwrap());
+    let vs = nn::VarStore::new(Device::Cpu);
+    let fsdp = FsdpBuilder::new(&vs, FsdpOptions::default().process_group(pg)).unwrap();
+    let l = nn::linear(vs.root() / "l", 4, 2, Default::default());
+    let mut early = AdamW::new(vs.trainable_variables(), LR);
+    let model = fsdp.finish(l).unwrap();
+    let x = Tensor::ones([3, 4], (Kind::Float, Device::Cpu));
+    model.backward(&model.forward(&x).square().mean(Kind::Float)).unwrap();
+    let e = early.step().unwrap_err().to_string();
+    assert!(e.contains("AdamW::step") && e.contains("after finish"), "{e}");
+    let mut late = AdamW::new(model.parameters(), LR);
+    late.step().unwrap();
+    let e = vs.replica_tensors().unwrap_err().to_string();
+    assert!(e.contains("l.") && e.contains("FullyShardedDataParallel"), "{e}");
+    let names: Vec<String> = model.replica_tensors().unwrap().into_iter().map(|(n, _)| n).collect();
+    assert_eq!(names, ["l.bias", "l.weight"]);
+}

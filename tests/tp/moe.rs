@@ -173,6 +173,14 @@ fn ddp_over_ep_2_x_dp_2_sums_experts_over_their_replicas_and_averages() {
         let same = Arc::new(pg.new_subgroup(&[k, k + 2], &format!("replicas{k}")).unwrap().unwrap());
         let (vs, m) = layer(ep.clone(), CFG);
         let m = m.replicated_over(&same).unwrap();
+        if g == 1 {
+            // a replica that starts elsewhere is brought to its group's rank 0's values
+            let _ = tch::no_grad(|| m.w1.shallow_clone().f_add_scalar_(1.0).unwrap());
+        }
+        // a communication hook would not see the experts' gradients: refused
+        let hooked = DdpOptions::default().process_group(pg.clone()).comm_hook(tch_dist::ddp::comm_hook::allreduce());
+        let hooked = DistributedDataParallel::new(&vs, (), hooked).map(|_| ()).unwrap_err().to_string();
+        assert!(hooked.contains("communication hook"), "{hooked}");
         // over the expert-parallel group alone, DDP would miss the replicas: refused
         let refused = DistributedDataParallel::new(&vs, (), DdpOptions::default().process_group(ep)).map(|_| ());
         let refused = refused.unwrap_err().to_string();
