@@ -19,7 +19,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::{Parser, Subcommand};
-use tch::{nn, nn::Module, nn::OptimizerConfig, Device, Kind, Tensor};
+use tch::{nn, nn::Module, nn::ModuleT, nn::OptimizerConfig, Device, Kind, Tensor};
 use tch_dist::amp::{autocast, GradScaler};
 use tch_dist::ddp::{DdpOptions, DistributedDataParallel};
 use tch_dist::fsdp::{FsdpBuilder, FsdpOptions, FullyShardedDataParallel};
@@ -1063,8 +1063,16 @@ fn sync_free_steps(device: Device) -> Res<Outcome> {
 
 /// The two-process checks: both ranks on one GPU over Gloo (NCCL refuses two ranks on one GPU), each
 /// with its half of the batch, against plain training on the CPU.
-const RANK_CHECKS: &[&str] =
-    &["ddp-views-on", "ddp-views-off", "zero2", "fsdp-prefetch", "fsdp-offload", "fsdp-no-reshard", "pipeline-1f1b"];
+const RANK_CHECKS: &[&str] = &[
+    "ddp-views-on",
+    "ddp-views-off",
+    "zero2",
+    "fsdp-prefetch",
+    "fsdp-offload",
+    "fsdp-no-reshard",
+    "pipeline-1f1b",
+    "sync-bn",
+];
 
 fn rank_check(what: &str, device: Device) -> Res<Outcome> {
     if !RANK_CHECKS.contains(&what) {
@@ -1112,6 +1120,8 @@ fn rank_check(what: &str, device: Device) -> Res<Outcome> {
             };
             format!("FSDP, a unit per Linear, prefetch 2{mode}, {STEPS} steps, max |diff| vs CPU {diff:.1e}")
         }
+        // the shim's SyncBatchNorm node on CUDA tensors (a one-rank group falls back to tch's kernel)
+        "sync-bn" => sync_bn_rank(&pg, device)?,
         "pipeline-1f1b" => {
             let layers = split_layers();
             let cpu_ref = layers.build_stage(0..layers.len(), Device::Cpu)?;
@@ -1171,6 +1181,68 @@ fn rank_check(what: &str, device: Device) -> Res<Outcome> {
         || "send/recv of a CUDA tensor over gloo went wrong".into(),
     )?;
     Ok(Pass(format!("rank {rank} of {world}, gloo on {device:?}: {detail}; send/recv ok")))
+}
+
+/// SyncBatchNorm2d over the two ranks (3 and 5 rows), two training steps on `device`: this rank's
+/// output, input gradient and running statistics against tch's BatchNorm on the CPU over both ranks'
+/// rows, which each rank computes itself.
+fn sync_bn_rank(pg: &Arc<ProcessGroup>, device: Device) -> Res<String> {
+    let (c, rows) = (4i64, [3i64, 5]);
+    let rank = pg.rank();
+    let data = |r: usize, n: i64, k: f64| {
+        let x = (Tensor::arange(n * c * 6, (Kind::Float, Device::Cpu)).reshape([n, c, 3, 2]) * 0.31 + k + r as f64)
+            .sin()
+            * (r as f64 + 1.5);
+        let t = (Tensor::arange(n * c * 6, (Kind::Float, Device::Cpu)).reshape([n, c, 3, 2]) * 0.17 + k).cos();
+        (x, t)
+    };
+    // the reference: both ranks' rows, in one process on the CPU
+    let vs = nn::VarStore::new(Device::Cpu);
+    let bn = nn::batch_norm2d(vs.root() / "bn", c, Default::default());
+    // tch draws the scale uniformly: one fixed affine on both sides
+    let affine = |w: &Option<Tensor>, b: &Option<Tensor>| {
+        tch::no_grad(|| {
+            if let (Some(w), Some(b)) = (w, b) {
+                let _ = w.shallow_clone().fill_(1.5);
+                let _ = b.shallow_clone().fill_(0.25);
+            }
+        })
+    };
+    affine(&bn.ws, &bn.bs);
+    let cat = |k: f64| {
+        let parts: Vec<(Tensor, Tensor)> = rows.iter().enumerate().map(|(r, &n)| data(r, n, k)).collect();
+        let xs: Vec<&Tensor> = parts.iter().map(|p| &p.0).collect();
+        let ts: Vec<&Tensor> = parts.iter().map(|p| &p.1).collect();
+        (Tensor::cat(&xs, 0), Tensor::cat(&ts, 0))
+    };
+    let _ = bn.forward_t(&cat(10.0).0, true);
+    let (x, t) = cat(0.0);
+    let x = x.set_requires_grad(true);
+    let y = bn.forward_t(&x, true);
+    (&y * &t).sum(Kind::Float).backward();
+    let at = if rank == 0 { 0 } else { rows[0] };
+    let (want_y, want_gx) = (y.detach().narrow(0, at, rows[rank]), x.grad().narrow(0, at, rows[rank]));
+    // this rank's layer on the device
+    let vs = nn::VarStore::new(device);
+    let sbn = tch_dist::sync_batch_norm::sync_batch_norm2d(vs.root() / "bn", c, Default::default(), pg.clone());
+    affine(&sbn.ws, &sbn.bs);
+    let _ = sbn.f_forward_t(&data(rank, rows[rank], 10.0).0.to_device(device), true)?;
+    let (x, t) = data(rank, rows[rank], 0.0);
+    let x = x.to_device(device).set_requires_grad(true);
+    let y = sbn.f_forward_t(&x, true)?;
+    (&y * &t.to_device(device)).sum(Kind::Float).backward();
+    let cpu = |t: &Tensor| t.detach().to_device(Device::Cpu);
+    let diffs = [
+        ("output", (cpu(&y) - &want_y).abs().max().double_value(&[])),
+        ("input gradient", (cpu(&x.grad()) - &want_gx).abs().max().double_value(&[])),
+        ("running mean", (cpu(&sbn.running_mean) - &bn.running_mean).abs().max().double_value(&[])),
+        ("running variance", (cpu(&sbn.running_var) - &bn.running_var).abs().max().double_value(&[])),
+    ];
+    for (what, d) in diffs {
+        ensure(d < 1e-5, || format!("rank {rank}: SyncBatchNorm's {what} differs from one CPU process by {d:e}"))?;
+    }
+    let worst = diffs.iter().map(|(_, d)| *d).fold(0.0, f64::max);
+    Ok(format!("SyncBatchNorm2d, rows 3 and 5, 2 steps, max |diff| vs one CPU process {worst:.1e}"))
 }
 
 /// Linear layers of `dims` on `device`, each an FSDP unit, with ReLU after the first, tanh between the
