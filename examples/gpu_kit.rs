@@ -826,6 +826,11 @@ fn streams(device: Device) -> Res<Outcome> {
     ensure(side != compute, || "the side stream is the current one".into())?;
     let (a, n) = matmuls_for_200ms(device);
     let small = Tensor::full([1 << 16], 1.0, (Kind::Float, device));
+    // CUDA loads a kernel's module at its first launch, and that load waits for the whole context: the
+    // side stream's add and sum run once here first, or their first launch would wait for the matmuls.
+    let _ = small.shallow_clone().f_add_scalar_(0.0)?;
+    let _ = a.sum(Kind::Float);
+    tch::Cuda::synchronize(0);
     let mut acc = a.zeros_like();
     for _ in 0..n {
         acc = a.matmul(&a);

@@ -2,7 +2,8 @@
 use tch::Tensor;
 
 use super::{find, Optimizer};
-use crate::error::{Error, Result};
+use crate::error::{check, Error, Result};
+use crate::ffi;
 
 pub struct Sgd {
     params: Vec<Tensor>,
@@ -52,28 +53,25 @@ impl Optimizer for Sgd {
         }
         let _s = crate::timeline::span("optimizer", || "SGD step".into());
         let _g = tch::no_grad_guard();
+        // torch.optim.SGD's single-tensor path, call for call: the same floats
         for (p, buf) in self.params.iter().zip(self.buffers.iter_mut()) {
             let g = p.grad();
             if !g.defined() {
                 super::skip_without_grad("Sgd::step", p)?;
                 continue;
             }
-            let mut d = if self.weight_decay != 0.0 { g.f_add(&p.f_mul_scalar(self.weight_decay)?)? } else { g };
+            let mut d = if self.weight_decay != 0.0 { add_scaled(&g, p, self.weight_decay, false)? } else { g };
             if self.momentum != 0.0 {
                 let b = match buf {
-                    None => {
-                        *buf = Some(d.f_detach_copy()?);
-                        buf.as_ref().map(|b| b.shallow_clone()).unwrap_or_else(|| d.shallow_clone())
-                    }
                     Some(b) => {
                         let _ = b.f_mul_scalar_(self.momentum)?;
-                        let _ = b.f_add_(&d.f_mul_scalar(1.0 - self.dampening)?)?;
-                        b.shallow_clone()
+                        add_scaled(b, &d, 1.0 - self.dampening, true)?
                     }
+                    None => buf.insert(d.f_detach_copy()?).shallow_clone(),
                 };
-                d = if self.nesterov { d.f_add(&b.f_mul_scalar(self.momentum)?)? } else { b };
+                d = if self.nesterov { add_scaled(&d, &b, self.momentum, false)? } else { b };
             }
-            let _ = p.shallow_clone().f_add_(&d.f_mul_scalar(-self.lr)?)?;
+            add_scaled(p, &d, -self.lr, true)?;
         }
         Ok(())
     }
@@ -112,5 +110,24 @@ impl Optimizer for Sgd {
             };
         }
         Ok(())
+    }
+}
+
+/// `a + alpha * b` in one ATen op (`add(b, alpha)`, as torch.optim.SGD): in place into `a` (returned), or
+/// into a new tensor.
+fn add_scaled(a: &Tensor, b: &Tensor, alpha: f64, in_place: bool) -> Result<Tensor> {
+    let ptr = |t: &Tensor| t.as_ptr() as ffi::tdx_tensor;
+    let mut out: ffi::tdx_tensor = std::ptr::null_mut();
+    let what = || format!("SGD's add of {:?}{:?} times {alpha}", b.kind(), b.size());
+    // SAFETY: both tensors are alive for the call; `out` is null (in place) or receives a new at::Tensor*
+    // that `adopt` takes over once.
+    let code =
+        unsafe { ffi::tdx_add_scaled(ptr(a), ptr(b), alpha, if in_place { std::ptr::null_mut() } else { &mut out }) };
+    check(code, std::time::Duration::ZERO, what)?;
+    if in_place {
+        Ok(a.shallow_clone())
+    } else {
+        // SAFETY: on success the shim made `out` for this call alone.
+        unsafe { ffi::adopt(out, "SGD's add") }
     }
 }

@@ -1,4 +1,4 @@
-// AdamW, both of PyTorch's CPU paths. The fused one is ATen's kernel (what torch.optim.AdamW(fused=True)
+// SGD's update, and AdamW, both of PyTorch's CPU paths. The fused one is ATen's kernel (what torch.optim.AdamW(fused=True)
 // calls): one pass over each parameter's data, gradient and moments, with no temporaries. The caller counts
 // the steps; `steps` holds each parameter's step count after this one, as float32 scalars (the kernel reads
 // them as PyTorch passes them). The single-tensor one (torch.optim.adamw._single_tensor_adamw, with its floats)
@@ -47,4 +47,16 @@ extern "C" int tdx_adamw_two_pass_variant() {
   } catch (...) {
     return -1;
   }
+}
+
+extern "C" int tdx_add_scaled(tdx_tensor self, tdx_tensor other, double alpha, tdx_tensor* out) {
+  TDX_TRY({
+    at::NoGradGuard no_grad;
+    if (out == nullptr) {
+      tdx::tensor(self).add_(tdx::tensor(other), alpha);
+    } else {
+      *out = new at::Tensor(tdx::tensor(self).add(tdx::tensor(other), alpha));
+    }
+    return TDX_OK;
+  })
 }

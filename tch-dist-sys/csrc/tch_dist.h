@@ -187,6 +187,9 @@ void tdx_weak_free(tdx_weak* w);
 int tdx_fused_adamw(const tdx_tensor* params, const tdx_tensor* grads, const tdx_tensor* exp_avgs,
                     const tdx_tensor* exp_avg_sqs, const tdx_tensor* steps, size_t n, double lr, double beta1,
                     double beta2, double weight_decay, double eps);
+// self + alpha * other as ATen's add(other, alpha), what torch.optim.SGD calls: one kernel, no temporary,
+// one rounding where the kernel fuses the multiply-add. In place when out is null, else into a new tensor.
+int tdx_add_scaled(tdx_tensor self, tdx_tensor other, double alpha, tdx_tensor* out);
 // One parameter's AdamW update, in place, with the floats of torch.optim.AdamW's single-tensor path (its
 // ATen calls and scalars; on the CPU in two passes where that gives the same floats: adamw_single.cpp);
 // `step` is the parameter's step count after this one. Otherwise contiguous tensors go `chunk` elements at a

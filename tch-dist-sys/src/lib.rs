@@ -281,6 +281,8 @@ extern "C" {
         eps: f64,
     ) -> c_int;
 
+    pub fn tdx_add_scaled(this: tdx_tensor, other: tdx_tensor, alpha: f64, out: *mut tdx_tensor) -> c_int;
+
     #[allow(clippy::too_many_arguments)]
     pub fn tdx_adamw_step(
         param: tdx_tensor,
