@@ -71,7 +71,7 @@ impl Optimizer for Sgd {
                 };
                 d = if self.nesterov { add_scaled(&d, &b, self.momentum, false)? } else { b };
             }
-            add_scaled(p, &d, -self.lr, true)?;
+            let _ = add_scaled(p, &d, -self.lr, true)?;
         }
         Ok(())
     }
