@@ -13,9 +13,6 @@ use tch_dist::optim::{AdamW, Optimizer, Sgd};
 
 // the last one larger than AdamW's CPU chunk (2^16), so chunks are compared with PyTorch too
 const SHAPES: [&[i64]; 4] = [&[4, 3], &[5], &[2, 2, 2], &[300, 500]];
-/// float32; the same kernels mostly, a few fused ones (addcmul/addcdiv with a value) written as two
-/// steps here: observed differences are at most a few ulps.
-const TOL: f64 = 1e-6;
 
 fn formula(n: i64, k: f64) -> Tensor {
     (Tensor::arange(n, (Kind::Float, Device::Cpu)) * 0.37 + k).sin() * 0.5
@@ -57,16 +54,6 @@ fn pytorch(args: &[&str]) -> Vec<Vec<f64>> {
         .lines()
         .map(|l| l.split_whitespace().map(|x| x.parse().unwrap()).collect())
         .collect()
-}
-
-fn compare(ps: &[Tensor], want: &[Vec<f64>], what: &str) {
-    assert_eq!(ps.len(), want.len());
-    for (p, w) in ps.iter().zip(want) {
-        let got = Vec::<f64>::try_from(p.detach().to_kind(Kind::Double).flatten(0, -1)).unwrap();
-        for (a, b) in got.iter().zip(w) {
-            assert!((a - b).abs() <= TOL * (1.0 + b.abs()), "{what}: {a} vs PyTorch {b}");
-        }
-    }
 }
 
 /// Every float32 equal to PyTorch's, bit for bit (printed with 10 significant digits: enough to name each
