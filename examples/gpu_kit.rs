@@ -850,6 +850,7 @@ fn streams(device: Device) -> Res<Outcome> {
         })?;
         std::thread::sleep(Duration::from_micros(200));
     }
+    let side_done = t0.elapsed();
     let overlapped = !busy.query()?;
     // ordered: after the matmuls, so not done while they run, and it sees their result
     side.wait_stream(&compute)?;
@@ -878,8 +879,7 @@ fn streams(device: Device) -> Res<Outcome> {
     ensure(close, || "the ordered sum differs from the matmul's".into())?;
     ensure(round_trip, || "a pinned round trip through the GPU came back wrong".into())?;
     Ok(Pass(format!(
-        "side-stream work done in {:?} behind {n} queued matmuls; event-ordered work waited for them; pinned copies right",
-        t0.elapsed()
+        "side-stream work done in {side_done:?} behind {n} queued matmuls; event-ordered work waited for them; pinned copies right"
     )))
 }
 
