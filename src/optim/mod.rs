@@ -17,9 +17,9 @@ mod sgd;
 
 #[doc(hidden)]
 pub use adamw::two_pass_variant;
-pub use adamw::AdamW;
+pub use adamw::{AdamW, AdamWConfig};
 pub use clip::{clip_grad_norm, GradNorm};
-pub use sgd::Sgd;
+pub use sgd::{Sgd, SgdConfig};
 
 use tch::Tensor;
 
@@ -29,7 +29,9 @@ use crate::error::Result;
 pub trait Optimizer {
     /// One update from the parameters' current `.grad` (parameters without a gradient are skipped).
     fn step(&mut self) -> Result<()>;
-    /// Zeroes gradients in place, keeping bucket views intact.
+    /// Drops the gradients it steps (set to none: PyTorch's `zero_grad()` default, tch's
+    /// `nn::Optimizer::zero_grad`, and what every [`crate::DistModule::zero_grad`] does); DDP's next
+    /// backward puts them back into its buckets.
     fn zero_grad(&mut self) -> Result<()>;
     /// The optimizer's state as named tensors (e.g. for [`crate::checkpoint`]).
     fn state_dict(&self) -> Vec<(String, Tensor)>;

@@ -202,11 +202,12 @@ impl Optimizer for ShardedOptimizer {
         self.pg.meta().outcome("ZeRO step", local)
     }
 
-    /// Zeroes the gradients the next step reads: DDP's buckets and any `.grad` (stage 1), or the shards
-    /// (stage 2; a step without a backward then changes parameters by weight decay only, as unsharded).
+    /// Drops the parameters' gradients (set to none, as every optimizer here) and zeroes what the next
+    /// step reads: DDP's buckets (stage 1) or the shards (stage 2). A step with no backward since then
+    /// steps on zeros (weight decay only), where an unsharded optimizer would skip the parameters.
     fn zero_grad(&mut self) -> Result<()> {
         let _g = tch::no_grad_guard();
-        hooks::zero_grads(&self.params)?;
+        hooks::drop_grads(&self.params)?;
         for g in &self.full_grads {
             let _ = g.shallow_clone().f_zero_()?;
         }
