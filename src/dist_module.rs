@@ -2,8 +2,8 @@
 //! model that is only an `nn::ModuleT` (dropout, batch norm) a `ModuleT` under DDP and FSDP too.
 //!
 //! The forward is tch's: a wrapper of an `nn::Module` is an `nn::Module` (so an `nn::ModuleT`), a
-//! wrapper of a [`WithTrain`] model an `nn::ModuleT`; each has the `f_forward` / `f_forward_t` twins
-//! that return errors. The rest is this trait:
+//! wrapper of a [`WithTrain`] model an `nn::ModuleT`; the trait has their `f_forward` / `f_forward_t`
+//! twins, which return errors, so that code generic over a `DistModule` runs its forward too:
 //!
 //! ```no_run
 //! use tch::{nn, nn::ModuleT, Device, Kind, Tensor};
@@ -31,8 +31,19 @@ use crate::error::Result;
 use crate::fsdp::{FsdpUnit, FullyShardedDataParallel};
 use crate::pipeline::{PipelineRank, Stage};
 
-/// One interface over DDP, FSDP (and HSDP), pipeline stages and a rank's pipeline chunks.
+/// One interface over DDP, FSDP (and HSDP), the plan's models (TP among them), pipeline stages and a
+/// rank's pipeline chunks.
 pub trait DistModule {
+    /// The forward with tch's train flag, errors returned: the `f_` twin of `nn::ModuleT::forward_t`,
+    /// which the wrappers implement too (`xs.apply_t(&model, train)`).
+    fn f_forward_t(&self, xs: &Tensor, train: bool) -> Result<Tensor>;
+
+    /// The forward without a train flag (evaluation mode, for a model that has one): the `f_` twin of
+    /// `nn::Module::forward`.
+    fn f_forward(&self, xs: &Tensor) -> Result<Tensor> {
+        self.f_forward_t(xs, false)
+    }
+
     /// What the optimizer steps: the parameters, or this rank's shards of them under FSDP.
     fn parameters(&self) -> Vec<Tensor>;
 
@@ -66,9 +77,7 @@ pub trait DistModule {
     where
         Self: Sized,
     {
-        let _restore = Restore(self, self.requires_gradient_sync());
-        self.set_requires_gradient_sync(false);
-        f(self)
+        without_sync(self, Self::requires_gradient_sync, Self::set_requires_gradient_sync, f)
     }
 
     /// Clips the gradients so that the whole model's norm is at most `max_norm`; returns the norm before
@@ -79,13 +88,18 @@ pub trait DistModule {
     }
 }
 
-/// Puts a wrapper's gradient synchronisation back to its setting when dropped.
-struct Restore<'a, W: DistModule + ?Sized>(&'a W, bool);
-
-impl<W: DistModule + ?Sized> Drop for Restore<'_, W> {
-    fn drop(&mut self) {
-        self.0.set_requires_gradient_sync(self.1);
+/// Runs `f` with `w`'s gradient synchronisation off, and puts the setting back after, also if `f`
+/// panics (`no_sync`, also for wrappers of models without a forward).
+pub(crate) fn without_sync<W: ?Sized, R>(w: &W, get: fn(&W) -> bool, set: fn(&W, bool), f: impl FnOnce(&W) -> R) -> R {
+    struct Restore<'a, W: ?Sized>(&'a W, fn(&W, bool), bool);
+    impl<W: ?Sized> Drop for Restore<'_, W> {
+        fn drop(&mut self) {
+            (self.1)(self.0, self.2);
+        }
     }
+    let _restore = Restore(w, set, get(w));
+    set(w, false);
+    f(w)
 }
 
 /// A model whose forward takes tch's train flag (`nn::ModuleT` only), to wrap in DDP or FSDP: the
@@ -119,7 +133,10 @@ impl<M: nn::ModuleT> nn::ModuleT for FsdpUnit<WithTrain<M>> {
     }
 }
 
-impl<M> DistModule for DistributedDataParallel<M> {
+impl<M: nn::ModuleT> DistModule for DistributedDataParallel<M> {
+    fn f_forward_t(&self, xs: &Tensor, train: bool) -> Result<Tensor> {
+        DistributedDataParallel::f_forward_t(self, xs, train)
+    }
     fn parameters(&self) -> Vec<Tensor> {
         DistributedDataParallel::parameters(self)
     }
@@ -134,7 +151,10 @@ impl<M> DistModule for DistributedDataParallel<M> {
     }
 }
 
-impl<M> DistModule for FullyShardedDataParallel<M> {
+impl<M: nn::ModuleT> DistModule for FullyShardedDataParallel<M> {
+    fn f_forward_t(&self, xs: &Tensor, train: bool) -> Result<Tensor> {
+        FullyShardedDataParallel::f_forward_t(self, xs, train)
+    }
     fn parameters(&self) -> Vec<Tensor> {
         FullyShardedDataParallel::parameters(self)
     }
@@ -155,6 +175,10 @@ impl<M> DistModule for FullyShardedDataParallel<M> {
 
 /// One pipeline chunk, on its own: [`PipelineRank`] drives its data-parallel sync per microbatch.
 impl DistModule for Stage {
+    /// A stage's layers are tch `Module`s: the train flag does not reach them.
+    fn f_forward_t(&self, xs: &Tensor, _train: bool) -> Result<Tensor> {
+        Stage::f_forward(self, xs)
+    }
     fn parameters(&self) -> Vec<Tensor> {
         Stage::parameters(self)
     }
@@ -174,6 +198,12 @@ impl DistModule for Stage {
 
 /// A rank's pipeline chunks. Its backwards run inside [`PipelineRank::step`], by the schedule.
 impl DistModule for PipelineRank {
+    fn f_forward_t(&self, _xs: &Tensor, _train: bool) -> Result<Tensor> {
+        Err(crate::Error::invalid(
+            "PipelineRank::f_forward_t",
+            "a pipeline runs its forwards inside step(x, y, loss), microbatch by microbatch; call step",
+        ))
+    }
     fn backward(&self, _loss: &Tensor) -> Result<()> {
         Err(crate::Error::invalid(
             "PipelineRank::backward",

@@ -122,6 +122,12 @@ impl DdpOptions {
         self.process_group = Some(pg);
         self
     }
+
+    /// Replicates over the mesh dimension `dim` (as [`FsdpOptions::mesh`](crate::fsdp::FsdpOptions::mesh)
+    /// shards over its dimensions): that dimension's group of this rank.
+    pub fn mesh(self, mesh: &crate::mesh::DeviceMesh, dim: &str) -> Result<Self> {
+        Ok(self.process_group(mesh.group(dim)?))
+    }
 }
 
 /// A model whose gradients are averaged across the ranks of a process group during backward.
@@ -390,7 +396,7 @@ impl<M> DistributedDataParallel<M> {
     /// outside `no_sync` reduces the accumulated sum (PyTorch's `no_sync()` context; the setting before
     /// it comes back after, also if `f` panics).
     pub fn no_sync<R>(&self, f: impl FnOnce(&Self) -> R) -> R {
-        crate::DistModule::no_sync(self, f)
+        crate::dist_module::without_sync(self, Self::requires_gradient_sync, Self::set_requires_gradient_sync, f)
     }
 
     /// Whether the next backwards reduce gradients (default true); false accumulates them locally, as

@@ -593,7 +593,7 @@ impl<M> FullyShardedDataParallel<M> {
     /// Runs `f` without gradient reduction (FSDP2's `set_requires_gradient_sync(False)`): gradients
     /// accumulate unsharded in the parameters, and the next synchronised backward reduces their sum.
     pub fn no_sync<R>(&self, f: impl FnOnce(&Self) -> R) -> R {
-        crate::DistModule::no_sync(self, f)
+        crate::dist_module::without_sync(self, Self::requires_gradient_sync, Self::set_requires_gradient_sync, f)
     }
 
     /// Whether the next backwards reduce-scatter gradients (default true); false accumulates them

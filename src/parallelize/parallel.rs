@@ -94,7 +94,10 @@ impl<M: nn::Module> Parallel<M> {
     }
 }
 
-impl<M> DistModule for Parallel<M> {
+impl<M: nn::ModuleT> DistModule for Parallel<M> {
+    fn f_forward_t(&self, xs: &Tensor, train: bool) -> Result<Tensor> {
+        Parallel::f_forward_t(self, xs, train)
+    }
     fn parameters(&self) -> Vec<Tensor> {
         match self {
             Parallel::Local { trainable, .. } => trainable.iter().map(|t| t.shallow_clone()).collect(),

@@ -60,7 +60,9 @@ fn batch(step: usize, rank: usize, micro: usize) -> (Tensor, Tensor) {
 fn step<W: DistModule + ModuleT>(w: &W, opt: &mut dyn Optimizer, step: usize, rank: usize) -> f64 {
     let loss = |w: &W, micro| {
         let (x, y) = batch(step, rank, micro);
-        x.apply_t(w, true).mse_loss(&y, tch::Reduction::Mean)
+        // tch's ModuleT for one microbatch, the trait's f_ twin for the other
+        let out = if micro == 0 { x.apply_t(w, true) } else { w.f_forward_t(&x, true).unwrap() };
+        out.mse_loss(&y, tch::Reduction::Mean)
     };
     w.no_sync(|w| w.backward(&loss(w, 0))).unwrap();
     w.backward(&loss(w, 1)).unwrap();
@@ -158,12 +160,15 @@ fn a_module_t_model_trains_under_ddp_and_fsdp_through_one_trait() {
 }
 
 #[test]
-fn a_pipeline_refuses_a_plain_backward() {
+fn a_pipeline_refuses_a_plain_forward_and_backward() {
     let store = tch_dist::Store::hash().unwrap();
     let pg = Arc::new(tch_dist::ProcessGroup::new(&store, 0, 1, &Default::default()).unwrap());
     let layers = LayerList::new().add("l", |p| nn::linear(p, 2, 2, Default::default()));
     let rank =
         PipelineRank::build(pg, &layers, &Partition::sizes(&[1], 1).unwrap(), PipelineConfig::default()).unwrap();
     let err = DistModule::backward(&rank, &Tensor::from(1.0)).unwrap_err().to_string();
+    assert!(err.contains("step(x, y, loss)"), "{err}");
+    let err =
+        DistModule::f_forward_t(&rank, &Tensor::ones([1, 2], tch::kind::FLOAT_CPU), true).unwrap_err().to_string();
     assert!(err.contains("step(x, y, loss)"), "{err}");
 }
