@@ -36,8 +36,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             &u(&[D, D]),
             &u(&[D]),
             HEADS,
-            false,
             pg.clone(),
+            Default::default(),
         )?;
         Box::new(move |x| a.f_forward(x))
     } else {

@@ -118,19 +118,56 @@ impl Part {
 
 /// The part `[start, start + len)` along `dim` of the tensor of shape `global` that `init` would give,
 /// on `device`, in `kind`; the CPU generator advanced as far as drawing the whole tensor advances it.
-pub(crate) fn slice(
+pub(crate) fn slice(what: &str, init: Init, global: &[i64], part: Part, opts: (Kind, Device)) -> Result<Tensor> {
+    if part.dim == 0 {
+        return rows(what, init, global, &[(part.start, part.len)], opts);
+    }
+    draw(what, init, global, &Pick::Along(part), opts)
+}
+
+/// The rows `[start, start + len)` of each range, in order and concatenated, of the tensor `init` would
+/// give (a head-parallel QKV projection's queries, keys and values of one rank's heads); the generator
+/// advanced as by the whole tensor.
+pub(crate) fn rows(
     what: &str,
     init: Init,
     global: &[i64],
-    part: Part,
-    (kind, device): (Kind, Device),
+    ranges: &[(i64, i64)],
+    opts: (Kind, Device),
 ) -> Result<Tensor> {
-    let Part { dim, start, len } = part;
-    if dim >= global.len() || start < 0 || len < 0 || start + len > global[dim] {
-        return Err(Error::invalid(
+    draw(what, init, global, &Pick::Rows(ranges), opts)
+}
+
+/// Which elements of the drawn tensor to keep.
+enum Pick<'a> {
+    /// Ascending, disjoint row ranges (start, len).
+    Rows(&'a [(i64, i64)]),
+    /// One range along a dimension other than the first.
+    Along(Part),
+}
+
+fn draw(what: &str, init: Init, global: &[i64], pick: &Pick, (kind, device): (Kind, Device)) -> Result<Tensor> {
+    let bad = |start: i64, len: i64, dim: usize| {
+        Error::invalid(
             what.to_string(),
             format!("no part [{start}, {}) along dimension {dim} of {global:?}", start + len),
-        ));
+        )
+    };
+    match pick {
+        Pick::Rows(ranges) => {
+            let mut end = 0;
+            for &(start, len) in ranges.iter() {
+                if global.is_empty() || start < end || len < 0 || start + len > global[0] {
+                    return Err(bad(start, len, 0));
+                }
+                end = start + len;
+            }
+        }
+        Pick::Along(Part { dim, start, len }) => {
+            if *dim >= global.len() || *start < 0 || *len < 0 || start + len > global[*dim] {
+                return Err(bad(*start, *len, *dim));
+            }
+        }
     }
     let d = draw_of(init, global);
     let (rows, rest) = (global[0], &global[1..]);
@@ -142,7 +179,15 @@ pub(crate) fn slice(
     for w in cuts.windows(2) {
         let (r0, r1) = (w[0], w[1]);
         let shape = [[r1 - r0].as_slice(), rest].concat();
-        if dim == 0 && (r1 <= start || r0 >= start + len) {
+        let wanted: Vec<(i64, i64)> = match pick {
+            Pick::Rows(ranges) => ranges
+                .iter()
+                .map(|&(start, len)| (start.max(r0), (start + len).min(r1)))
+                .filter(|(a, z)| a < z)
+                .collect(),
+            Pick::Along(_) => vec![(r0, r1)],
+        };
+        if wanted.is_empty() {
             if !matches!(d, Draw::Const(_)) {
                 // drawn only to move the generator on, as the whole tensor's draw would
                 let _ = draw_block(&d, &shape, kind)?;
@@ -150,16 +195,19 @@ pub(crate) fn slice(
             continue;
         }
         let b = draw_block(&d, &shape, kind)?;
-        parts.push(if dim == 0 {
-            let (a, z) = (start.max(r0), (start + len).min(r1));
-            b.f_narrow(0, a - r0, z - a)?
-        } else {
-            b.f_narrow(dim as i64, start, len)?
-        });
+        for (a, z) in wanted {
+            parts.push(match pick {
+                Pick::Rows(_) => b.f_narrow(0, a - r0, z - a)?,
+                Pick::Along(Part { dim, start, len }) => b.f_narrow(*dim as i64, *start, *len)?,
+            });
+        }
     }
     if parts.is_empty() {
         let mut shape = global.to_vec();
-        shape[dim] = 0;
+        match pick {
+            Pick::Rows(_) => shape[0] = 0,
+            Pick::Along(p) => shape[p.dim] = 0,
+        }
         return Ok(Tensor::f_empty(shape, (kind, device))?);
     }
     let t = if parts.len() == 1 { parts.remove(0) } else { Tensor::f_cat(&parts, 0)? };

@@ -57,7 +57,7 @@ fn divisible(what: &str, name: &str, n: i64, pg: &ProcessGroup) -> Result<()> {
 }
 
 /// tch's bias initialisation for a linear layer of `in_dim` inputs (`nn::linear`'s).
-fn bias_init(c: &nn::LinearConfig, in_dim: i64) -> nn::Init {
+pub(crate) fn bias_init(c: &nn::LinearConfig, in_dim: i64) -> nn::Init {
     c.bs_init.unwrap_or_else(|| {
         let bound = 1.0 / (in_dim as f64).sqrt();
         nn::Init::Uniform { lo: -bound, up: bound }
@@ -212,7 +212,7 @@ impl RowParallelLinear {
         Self::from_local(path, &ws, bias, pg, config)
     }
 
-    fn from_local(
+    pub(crate) fn from_local(
         path: &nn::Path,
         ws: &Tensor,
         bs: Option<&Tensor>,

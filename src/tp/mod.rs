@@ -20,6 +20,6 @@ pub mod layers;
 pub mod ops;
 pub mod vocab;
 
-pub use attention::ParallelAttention;
+pub use attention::{ParallelAttention, ParallelAttentionConfig};
 pub use layers::{ColumnParallelConfig, ColumnParallelLinear, ParallelMlp, RowParallelConfig, RowParallelLinear};
 pub use vocab::{vocab_parallel_cross_entropy, VocabParallelEmbedding};

@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tch::{nn, Device, Kind, Tensor};
-use tch_dist::tp::{ColumnParallelLinear, ParallelMlp, RowParallelLinear, VocabParallelEmbedding};
+use tch_dist::tp::{ColumnParallelLinear, ParallelAttention, ParallelMlp, RowParallelLinear, VocabParallelEmbedding};
 
 static GENERATOR: Mutex<()> = Mutex::new(());
 
@@ -17,6 +17,8 @@ static GENERATOR: Mutex<()> = Mutex::new(());
 /// multiple of 16) and large (drawn in several blocks).
 const LINEARS: [(i64, i64); 3] = [(8, 12), (12, 20), (520, 264)];
 const TABLES: [(i64, i64); 3] = [(12, 5), (16, 4), (1024, 130)];
+/// The attention's width and heads (divisible by 1, 2 and 4 ranks).
+const ATTN: (i64, i64) = (12, 4);
 
 /// What tch draws: every layer in turn after `manual_seed(3)`, then four more numbers.
 fn tch_draws() -> (Vec<Tensor>, Tensor) {
@@ -36,6 +38,10 @@ fn tch_draws() -> (Vec<Tensor>, Tensor) {
     let mlp_fc1 = nn::linear(vs.root() / "mlp" / "fc1", 8, 16, Default::default());
     let mlp_fc2 = nn::linear(vs.root() / "mlp" / "fc2", 16, 8, Default::default());
     out.extend([mlp_fc1.ws, mlp_fc1.bs.unwrap(), mlp_fc2.ws, mlp_fc2.bs.unwrap()]);
+    let d = ATTN.0;
+    let qkv = nn::linear(vs.root() / "attn" / "qkv", d, 3 * d, Default::default());
+    let o = nn::linear(vs.root() / "attn" / "out", d, d, Default::default());
+    out.extend([qkv.ws, qkv.bs.unwrap(), o.ws, o.bs.unwrap()]);
     (out, Tensor::rand([4], (Kind::Float, Device::Cpu)))
 }
 
@@ -66,6 +72,9 @@ fn every_rank_holds_its_slice_of_tch_s_layers_and_the_generator_moves_as_tch_s()
             }
             let m = ParallelMlp::new(&(vs.root() / "mlp"), 8, 16, pg.clone()).unwrap();
             out.extend([m.fc1.ws, m.fc1.bs.unwrap(), m.fc2.ws, m.fc2.bs.unwrap()]);
+            let a = ParallelAttention::new(&(vs.root() / "attn"), ATTN.0, ATTN.1, pg.clone(), Default::default());
+            let a = a.unwrap();
+            out.extend([a.qkv.ws, a.qkv.bs.unwrap(), a.out.ws, a.out.bs.unwrap()]);
             (pg.rank(), out, Tensor::rand([4], (Kind::Float, Device::Cpu)))
         });
         for (rank, tensors, rest) in got {
@@ -86,6 +95,10 @@ fn every_rank_holds_its_slice_of_tch_s_layers_and_the_generator_moves_as_tch_s()
                 k += 1;
             }
             expect.extend([slice(&want[k], 0), slice(&want[k + 1], 0), slice(&want[k + 2], 1), want[k + 3].copy()]);
+            k += 4;
+            // attention: this rank's heads of the queries, keys and values (a slice of each third)
+            let heads = |x: &Tensor| Tensor::cat(&x.chunk(3, 0).iter().map(|p| slice(p, 0)).collect::<Vec<_>>(), 0);
+            expect.extend([heads(&want[k]), heads(&want[k + 1]), slice(&want[k + 2], 1), want[k + 3].copy()]);
             assert_eq!(tensors.len(), expect.len());
             for (i, (g, w)) in tensors.iter().zip(&expect).enumerate() {
                 assert_eq!(g.size(), w.size(), "t {t} rank {rank} tensor {i}");

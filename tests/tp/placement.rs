@@ -10,7 +10,7 @@ use tch_dist::checkpoint::{Checkpointer, StateDict};
 use tch_dist::ddp::{DdpOptions, DistributedDataParallel};
 use tch_dist::fsdp::{FsdpBuilder, FsdpOptions};
 use tch_dist::placement::{self, Extent, Placement};
-use tch_dist::tp::{ParallelAttention, ParallelMlp, VocabParallelEmbedding};
+use tch_dist::tp::{ParallelAttention, ParallelAttentionConfig, ParallelMlp, VocabParallelEmbedding};
 
 const T: Duration = Duration::from_secs(60);
 
@@ -27,17 +27,8 @@ fn tensor_parallel_layers_record_their_slices() {
         let vs = nn::VarStore::new(Device::Cpu);
         let _mlp = ParallelMlp::new(&(vs.root() / "mlp"), 8, 16, tp.clone()).unwrap();
         let w = |s: &[i64]| Tensor::randn(s, (Kind::Float, Device::Cpu));
-        let _attn = ParallelAttention::from_full(
-            &(vs.root() / "attn"),
-            &w(&[24, 8]),
-            &w(&[24]),
-            &w(&[8, 8]),
-            &w(&[8]),
-            2,
-            true,
-            tp.clone(),
-        )
-        .unwrap();
+        let causal = ParallelAttentionConfig { causal: true, ..Default::default() };
+        let _attn = ParallelAttention::new(&(vs.root() / "attn"), 8, 2, tp.clone(), causal).unwrap();
         let _emb = VocabParallelEmbedding::from_full(&(vs.root() / "emb"), &w(&[10, 8]), tp.clone()).unwrap();
         let shard = |dim| vec![("default".to_string(), Placement::Shard(dim))];
         let l = placed(&vs, "mlp.fc1.weight");

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tch::{nn, Device, Kind, Tensor};
-use tch_dist::tp::ParallelAttention;
+use tch_dist::tp::{ParallelAttention, ParallelAttentionConfig};
 
 const T: Duration = Duration::from_secs(60);
 const TOL: f64 = 1e-5;
@@ -59,9 +59,9 @@ fn head_parallel_attention_equals_the_full_layer() {
             let res = common::run_threads(world, T, move |pg| {
                 let vs = nn::VarStore::new(Device::Cpu);
                 let w = weights();
-                let a =
-                    ParallelAttention::from_full(&vs.root(), &w[0], &w[1], &w[2], &w[3], HEADS, causal, Arc::new(pg))
-                        .unwrap();
+                let cfg = ParallelAttentionConfig { causal, ..Default::default() };
+                let a = ParallelAttention::from_full(&vs.root(), &w[0], &w[1], &w[2], &w[3], HEADS, Arc::new(pg), cfg)
+                    .unwrap();
                 let x = input().set_requires_grad(true);
                 let y = a.f_forward(&x).unwrap();
                 (&y * formula(&[2, 5, D], 6.0)).sum(Kind::Float).backward();
@@ -102,12 +102,42 @@ fn head_counts_that_do_not_divide_are_refused() {
         let pg = Arc::new(pg);
         let vs = nn::VarStore::new(Device::Cpu);
         let w = weights();
+        let causal = ParallelAttentionConfig { causal: true, ..Default::default() };
         let make =
-            |heads| ParallelAttention::from_full(&vs.root(), &w[0], &w[1], &w[2], &w[3], heads, true, pg.clone());
+            |heads| ParallelAttention::from_full(&vs.root(), &w[0], &w[1], &w[2], &w[3], heads, pg.clone(), causal);
         (make(5).unwrap_err().to_string(), make(3).unwrap_err().to_string())
     });
     for (d, t) in errs {
         assert!(d.contains("d_model 12 is not divisible by 5 heads"), "{d}");
         assert!(t.contains("3 heads are not divisible by the tensor-parallel size 2"), "{t}");
+    }
+}
+
+/// Attention dropout follows the train flag: without it (and with dropout 0) the layer gives the
+/// undropped output; in training with dropout it does not, and with dropout 1 every attention weight is
+/// dropped, leaving the output projection's bias alone.
+#[test]
+fn attention_dropout_follows_the_train_flag() {
+    let outs = common::run_threads(2, T, |pg| {
+        let pg = Arc::new(pg);
+        let w = weights();
+        let x = input();
+        let layer = |dropout: f64| {
+            let vs = nn::VarStore::new(Device::Cpu);
+            let cfg = ParallelAttentionConfig { causal: true, dropout, ..Default::default() };
+            ParallelAttention::from_full(&vs.root(), &w[0], &w[1], &w[2], &w[3], HEADS, pg.clone(), cfg).unwrap()
+        };
+        let plain = layer(0.0).f_forward_t(&x, true).unwrap();
+        let half = layer(0.5);
+        let all = layer(1.0).f_forward_t(&x, true).unwrap();
+        (plain, x.apply_t(&half, false), half.f_forward_t(&x, true).unwrap(), all)
+    });
+    let want = full(&input(), &weights(), true);
+    let bias = weights()[3].view([1, 1, D]).expand([2, 5, D], false);
+    for (r, (plain, eval, train, all)) in outs.iter().enumerate() {
+        assert!(diff(plain, &want) < TOL, "rank {r}: dropout 0 in training changed the output");
+        assert!(diff(eval, &want) < TOL, "rank {r}: dropout ran outside training");
+        assert!(diff(train, &want) > 1e-3, "rank {r}: dropout 0.5 in training changed nothing");
+        assert!(diff(all, &bias) < TOL, "rank {r}: dropout 1 left attention weights");
     }
 }
