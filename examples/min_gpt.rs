@@ -84,11 +84,8 @@ const WEIGHT_DECAY_GROUP: usize = 1;
 // plan: tch's linear layer with min-gpt's initialisation (weights N(0, 0.02), zero biases), split as the
 // plan says for its path (min-gpt's own kept the bias in the no-decay group; tch's layer keeps weight
 // and bias in the path's group)
-const INIT: nn::LinearConfig = nn::LinearConfig {
-    ws_init: nn::Init::Randn { mean: 0.0, stdev: 0.02 },
-    bs_init: Some(nn::Init::Const(0.0)),
-    bias: true,
-};
+const W: nn::Init = nn::Init::Randn { mean: 0.0, stdev: 0.02 };
+const INIT: nn::LinearConfig = nn::LinearConfig { ws_init: W, bs_init: Some(nn::Init::Const(0.0)), bias: true };
 
 fn linear(vs: nn::Path, in_dim: i64, out_dim: i64) -> Linear {
     parallelize::linear(&vs.set_group(WEIGHT_DECAY_GROUP), in_dim, out_dim, INIT).unwrap()
@@ -159,15 +156,11 @@ fn gpt(p: nn::Path, cfg: Config) -> impl ModuleT {
 /// Tensor parallelism as Megatron splits a block, and the data parallelism of the flags.
 fn plan(mesh: &DeviceMesh, vs: &nn::VarStore, a: &Args) -> tch_dist::Result<Plan> {
     let plan = Plan::tensor_parallel(mesh, "tp")?
-        .style("*.key", Style::colwise())
-        .style("*.query", Style::colwise())
-        .style("*.value", Style::colwise())
-        .style("*.proj", Style::rowwise())
-        .style("*.lin1", Style::colwise())
-        .style("*.lin2", Style::rowwise());
+        .styles(&["*.key", "*.query", "*.value", "*.lin1"], Style::colwise())
+        .styles(&["*.proj", "*.lin2"], Style::rowwise());
     Ok(match (a.layout.dp, a.layout.fsdp) {
         (1, 1) => plan,
-        (_, 1) => plan.replicate(DdpOptions::default().process_group(mesh.group("dp")?)),
+        (_, 1) => plan.replicate(DdpOptions::default().mesh(mesh, "dp")?),
         (1, _) => plan.fully_shard(vs, FsdpOptions::default().mesh(mesh, &["fsdp"])?)?,
         _ => plan.fully_shard(vs, FsdpOptions::default().mesh(mesh, &["dp", "fsdp"])?)?,
     })
@@ -198,11 +191,7 @@ fn main() -> Result<()> {
     let vs = nn::VarStore::new(device);
     let plan = plan(&mesh, &vs, &a)?;
     tch::manual_seed(42); // every layout starts from the same model
-    let model = {
-        let _plan = plan.enter(); // the model's layers and units are built through the plan
-        gpt(vs.root() / "gpt", cfg)
-    };
-    let gpt = plan.finish(&vs, model)?;
+    let gpt = plan.build(&vs, || gpt(vs.root() / "gpt", cfg))?; // the layers and units through the plan
     let mut opt = nn::AdamW::default().build(&vs, a.lr)?;
     opt.set_weight_decay_group(NO_WEIGHT_DECAY_GROUP, 0.0);
     opt.set_weight_decay_group(WEIGHT_DECAY_GROUP, 0.1);

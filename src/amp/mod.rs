@@ -22,4 +22,4 @@ mod autocast;
 mod scaler;
 
 pub use autocast::{autocast, AutocastGuard};
-pub use scaler::GradScaler;
+pub use scaler::{GradScaler, GradScalerConfig};

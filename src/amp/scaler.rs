@@ -16,6 +16,38 @@ use crate::ffi;
 use crate::group::{ProcessGroup, ReduceOp};
 use crate::optim::Optimizer;
 
+/// [`GradScaler`]'s settings (an options struct with `Default`): PyTorch's defaults, scale 2^16, growth
+/// ×2 after 2000 steps without overflow, backoff ×0.5.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct GradScalerConfig {
+    pub init_scale: f64,
+    pub growth_factor: f64,
+    pub backoff_factor: f64,
+    pub growth_interval: u32,
+}
+
+impl Default for GradScalerConfig {
+    fn default() -> Self {
+        GradScalerConfig { init_scale: 65536.0, growth_factor: 2.0, backoff_factor: 0.5, growth_interval: 2000 }
+    }
+}
+
+impl GradScalerConfig {
+    /// The scaler; [`GradScaler::process_group`] makes the ranks of a group skip steps together.
+    pub fn build(self) -> GradScaler {
+        GradScaler {
+            scale: self.init_scale,
+            growth_factor: self.growth_factor,
+            backoff_factor: self.backoff_factor,
+            growth_interval: self.growth_interval,
+            growth_tracker: 0,
+            pg: None,
+            found_inf: None,
+            stepped: false,
+        }
+    }
+}
+
 pub struct GradScaler {
     scale: f64,
     pub growth_factor: f64,
@@ -36,18 +68,9 @@ impl Default for GradScaler {
 }
 
 impl GradScaler {
-    /// PyTorch's defaults: scale 2^16, growth ×2 every 2000 good steps, backoff ×0.5.
+    /// With PyTorch's defaults ([`GradScalerConfig::default`]); the setters below change one each.
     pub fn new() -> GradScaler {
-        GradScaler {
-            scale: 65536.0,
-            growth_factor: 2.0,
-            backoff_factor: 0.5,
-            growth_interval: 2000,
-            growth_tracker: 0,
-            pg: None,
-            found_inf: None,
-            stepped: false,
-        }
+        GradScalerConfig::default().build()
     }
     pub fn init_scale(mut self, s: f64) -> Self {
         self.scale = s;

@@ -7,6 +7,48 @@ use super::{find, Optimizer};
 use crate::error::{check, Result};
 use crate::ffi;
 
+/// AdamW's settings, as tch's `nn::AdamW` (an options struct with `Default`): PyTorch's defaults, betas
+/// (0.9, 0.999), eps 1e-8, weight decay 0.01, the default (unfused) path.
+///
+/// ```no_run
+/// # use tch_dist::optim::AdamWConfig;
+/// # let params: Vec<tch::Tensor> = Vec::new();
+/// let opt = AdamWConfig { weight_decay: 0.1, fused: true, ..Default::default() }.build(params, 3e-4);
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AdamWConfig {
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    pub weight_decay: f64,
+    /// ATen's fused kernel, as `fused=True` ([`AdamW::fused`]).
+    pub fused: bool,
+}
+
+impl Default for AdamWConfig {
+    fn default() -> Self {
+        AdamWConfig { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01, fused: false }
+    }
+}
+
+impl AdamWConfig {
+    /// The optimizer over `params` (what it steps: a wrapper's `parameters()`) at learning rate `lr`.
+    pub fn build(self, params: Vec<Tensor>, lr: f64) -> AdamW {
+        let n = params.len();
+        AdamW {
+            params,
+            lr,
+            betas: (self.beta1, self.beta2),
+            eps: self.eps,
+            weight_decay: self.weight_decay,
+            step: vec![0; n],
+            exp_avg: (0..n).map(|_| None).collect(),
+            exp_avg_sq: (0..n).map(|_| None).collect(),
+            fused: self.fused,
+        }
+    }
+}
+
 pub struct AdamW {
     params: Vec<Tensor>,
     pub lr: f64,
@@ -20,20 +62,9 @@ pub struct AdamW {
 }
 
 impl AdamW {
-    /// PyTorch's defaults: betas (0.9, 0.999), eps 1e-8, weight decay 0.01.
+    /// With PyTorch's defaults ([`AdamWConfig::default`]); the setters below change one setting each.
     pub fn new(params: Vec<Tensor>, lr: f64) -> AdamW {
-        let n = params.len();
-        AdamW {
-            params,
-            lr,
-            betas: (0.9, 0.999),
-            eps: 1e-8,
-            weight_decay: 0.01,
-            step: vec![0; n],
-            exp_avg: (0..n).map(|_| None).collect(),
-            exp_avg_sq: (0..n).map(|_| None).collect(),
-            fused: false,
-        }
+        AdamWConfig::default().build(params, lr)
     }
     pub fn betas(mut self, b1: f64, b2: f64) -> Self {
         self.betas = (b1, b2);
@@ -186,7 +217,7 @@ impl Optimizer for AdamW {
     }
 
     fn zero_grad(&mut self) -> Result<()> {
-        crate::hooks::zero_grads(&self.params)
+        crate::hooks::drop_grads(&self.params)
     }
 
     fn state_dict(&self) -> Vec<(String, Tensor)> {

@@ -5,6 +5,38 @@ use super::{find, Optimizer};
 use crate::error::{check, Error, Result};
 use crate::ffi;
 
+/// SGD's settings, as tch's `nn::Sgd` (an options struct with `Default`): PyTorch's defaults, no
+/// momentum, dampening or weight decay.
+///
+/// ```no_run
+/// # use tch_dist::optim::SgdConfig;
+/// # let params: Vec<tch::Tensor> = Vec::new();
+/// let opt = SgdConfig { momentum: 0.9, nesterov: true, ..Default::default() }.build(params, 0.1);
+/// ```
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct SgdConfig {
+    pub momentum: f64,
+    pub dampening: f64,
+    pub nesterov: bool,
+    pub weight_decay: f64,
+}
+
+impl SgdConfig {
+    /// The optimizer over `params` at learning rate `lr`.
+    pub fn build(self, params: Vec<Tensor>, lr: f64) -> Sgd {
+        let n = params.len();
+        Sgd {
+            params,
+            lr,
+            momentum: self.momentum,
+            dampening: self.dampening,
+            nesterov: self.nesterov,
+            weight_decay: self.weight_decay,
+            buffers: (0..n).map(|_| None).collect(),
+        }
+    }
+}
+
 pub struct Sgd {
     params: Vec<Tensor>,
     pub lr: f64,
@@ -16,17 +48,9 @@ pub struct Sgd {
 }
 
 impl Sgd {
+    /// With PyTorch's defaults ([`SgdConfig::default`]); the setters below change one setting each.
     pub fn new(params: Vec<Tensor>, lr: f64) -> Sgd {
-        let n = params.len();
-        Sgd {
-            params,
-            lr,
-            momentum: 0.0,
-            dampening: 0.0,
-            nesterov: false,
-            weight_decay: 0.0,
-            buffers: (0..n).map(|_| None).collect(),
-        }
+        SgdConfig::default().build(params, lr)
     }
     pub fn momentum(mut self, m: f64) -> Self {
         self.momentum = m;
@@ -77,7 +101,7 @@ impl Optimizer for Sgd {
     }
 
     fn zero_grad(&mut self) -> Result<()> {
-        crate::hooks::zero_grads(&self.params)
+        crate::hooks::drop_grads(&self.params)
     }
 
     fn state_dict(&self) -> Vec<(String, Tensor)> {

@@ -30,7 +30,7 @@ use std::marker::PhantomData;
 use tch::nn;
 
 use super::layers::{BatchNorm, Embedding, Linear};
-use super::parallel::Unit;
+use super::parallel::{Parallel, Unit};
 use super::plan::Plan;
 use crate::error::Result;
 
@@ -64,6 +64,16 @@ impl Plan {
             e.len() - 1
         });
         PlanGuard { depth, _thread: PhantomData }
+    }
+
+    /// Builds the model with `build` while this plan is entered, then [`finish`](Plan::finish)es it: the
+    /// enter-build-finish of the module docs in one call.
+    pub fn build<M>(&self, vs: &nn::VarStore, build: impl FnOnce() -> M) -> Result<Parallel<M>> {
+        let model = {
+            let _plan = self.enter();
+            build()
+        };
+        self.finish(vs, model)
     }
 }
 

@@ -231,6 +231,11 @@ impl Plan {
         self
     }
 
+    /// [`style`](Self::style) for each pattern of `patterns`, in order.
+    pub fn styles(self, patterns: &[&str], style: Style) -> Plan {
+        patterns.iter().fold(self, |plan, p| plan.style(p, style))
+    }
+
     /// The tensor-parallel group, when it has more than one rank.
     pub fn tp_group(&self) -> Option<&Arc<ProcessGroup>> {
         self.tp.as_ref().filter(|g| g.size() > 1)

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tch::{nn, nn::Module, Device, Kind, Tensor};
-use tch_dist::amp::{autocast, GradScaler};
+use tch_dist::amp::{autocast, GradScaler, GradScalerConfig};
 use tch_dist::ddp::{DdpOptions, DistributedDataParallel};
 use tch_dist::hooks;
 use tch_dist::optim::{AdamW, Optimizer, Sgd};
@@ -67,7 +67,7 @@ fn grad_scaler_matches_torch_grad_scaler() {
     let want = pytorch("scaler");
     let p = Tensor::zeros([4], (Kind::Float, Device::Cpu)).set_requires_grad(true);
     let mut opt = Sgd::new(vec![p.shallow_clone()], 0.1);
-    let mut sc = GradScaler::new().init_scale(1024.0).growth_interval(3);
+    let mut sc = GradScalerConfig { init_scale: 1024.0, growth_interval: 3, ..Default::default() }.build();
     let mut skipped = Vec::new();
     for (step, line) in want.iter().enumerate() {
         let g = Tensor::from_slice(&[

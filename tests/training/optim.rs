@@ -9,7 +9,7 @@ use std::time::Duration;
 use tch::{nn, Device, Kind, Tensor};
 use tch_dist::ddp::{DdpOptions, DistributedDataParallel};
 use tch_dist::hooks;
-use tch_dist::optim::{AdamW, Optimizer, Sgd};
+use tch_dist::optim::{AdamW, AdamWConfig, Optimizer, SgdConfig};
 
 // the last one larger than AdamW's CPU chunk (2^16), so chunks are compared with PyTorch too
 const SHAPES: [&[i64]; 4] = [&[4, 3], &[5], &[2, 2, 2], &[300, 500]];
@@ -71,7 +71,7 @@ fn compare_exactly(ps: &[Tensor], want: &[Vec<f64>], what: &str) {
 fn sgd_matches_torch_optim_sgd() {
     for (m, d, n, wd) in [(0.0, 0.0, false, 0.0), (0.9, 0.1, false, 0.01), (0.9, 0.0, true, 0.01)] {
         let ps = params();
-        let mut opt = Sgd::new(handles(&ps), 0.1).momentum(m).dampening(d).nesterov(n).weight_decay(wd);
+        let mut opt = SgdConfig { momentum: m, dampening: d, nesterov: n, weight_decay: wd }.build(handles(&ps), 0.1);
         run(&mut opt, &ps, 0, 6);
         let want =
             pytorch(&["sgd", "0.1", &m.to_string(), &d.to_string(), if n { "1" } else { "0" }, &wd.to_string(), "6"]);
@@ -107,7 +107,8 @@ fn fused_adamw_matches_torch_optim_adamw_fused() {
 fn adamw_matches_torch_optim_adamw() {
     for (b1, b2, eps, wd) in [(0.9, 0.999, 1e-8, 0.01), (0.8, 0.99, 1e-6, 0.1)] {
         let ps = params();
-        let mut opt = AdamW::new(handles(&ps), 0.01).betas(b1, b2).eps(eps).weight_decay(wd);
+        let cfg = AdamWConfig { beta1: b1, beta2: b2, eps, weight_decay: wd, ..Default::default() };
+        let mut opt = cfg.build(handles(&ps), 0.01);
         run(&mut opt, &ps, 0, 6);
         let want =
             pytorch(&["adamw", "0.01", &b1.to_string(), &b2.to_string(), &eps.to_string(), &wd.to_string(), "6"]);
