@@ -113,8 +113,9 @@ pub fn drop_grads(vars: &[Tensor]) -> Result<()> {
     vars.iter().try_for_each(|v| set_grad(v, None))
 }
 
-/// Zeroes every defined `.grad` in place, keeping bucket views intact. Use this instead of tch's
-/// `Optimizer::zero_grad` / `Tensor::zero_grad`, which call `detach_()` and fail on views.
+/// Zeroes every defined `.grad` in place, keeping its memory (a DDP bucket's, say): where the next
+/// backward should accumulate into zeros rather than allocate. Every `zero_grad` of this crate, and
+/// tch's `Optimizer::zero_grad`, sets gradients to none instead ([`drop_grads`]).
 pub fn zero_grads(vars: &[Tensor]) -> Result<()> {
     let _guard = tch::no_grad_guard();
     for v in vars {

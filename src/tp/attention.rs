@@ -18,8 +18,9 @@ use crate::group::ProcessGroup;
 pub struct ParallelAttentionConfig {
     /// Mask the future (a decoder's attention).
     pub causal: bool,
-    /// Dropout on the attention weights while training (`scaled_dot_product_attention`'s `dropout_p`;
-    /// each rank draws its own heads' masks).
+    /// Dropout on the attention weights while training (`scaled_dot_product_attention`'s `dropout_p`).
+    /// Each rank draws its heads' masks from a generator of its own, seeded by one draw of the global
+    /// generator (which the ranks of one replica share) and its rank: Megatron's model-parallel RNG.
     pub dropout: f64,
     /// The QKV and output projections' initialisation and bias, as `nn::linear`'s.
     pub linear: nn::LinearConfig,
@@ -35,6 +36,9 @@ pub struct ParallelAttention {
     local_heads: i64,
     head_dim: i64,
     config: ParallelAttentionConfig,
+    /// This rank in the group, and the group's size.
+    rank: usize,
+    ranks: usize,
 }
 
 /// `heads` heads of `d` split over `t` ranks, or an error naming what does not divide.
@@ -76,7 +80,15 @@ impl ParallelAttention {
             .transpose()?;
         let w_out = init::slice(what, c.ws_init, &[d, d], Part::even(1, d, r as usize, t as usize), opts)?;
         let out = RowParallelLinear::from_local(&(path / "out"), &w_out, b_out.as_ref(), pg, Self::row(c))?;
-        Ok(ParallelAttention { qkv, out, local_heads: heads / t, head_dim: d / heads, config })
+        Ok(ParallelAttention {
+            qkv,
+            out,
+            local_heads: heads / t,
+            head_dim: d / heads,
+            config,
+            rank: r as usize,
+            ranks: t as usize,
+        })
     }
 
     /// From the full layer's weights: `w_qkv: [3d, d]` (queries, then keys, then values, head by head
@@ -96,6 +108,9 @@ impl ParallelAttention {
         let what = "ParallelAttention";
         let (d, t) = (w_out.size()[0], pg.size() as i64);
         check_heads(d, heads, t)?;
+        if !config.linear.bias {
+            return Err(Error::invalid(what, "from_full takes both biases: config.linear.bias must be true"));
+        }
         if w_qkv.size() != [3 * d, d] || b_qkv.size() != [3 * d] {
             return Err(Error::invalid(
                 what,
@@ -118,7 +133,15 @@ impl ParallelAttention {
         };
         let qkv = Self::qkv_from_local(path, &mine(w_qkv)?, Some(&mine(b_qkv)?), d, &pg, &config.linear)?;
         let out = RowParallelLinear::from_full(&(path / "out"), w_out, Some(b_out), pg, Self::row(&config.linear))?;
-        Ok(ParallelAttention { qkv, out, local_heads: heads / t, head_dim: d / heads, config })
+        Ok(ParallelAttention {
+            qkv,
+            out,
+            local_heads: heads / t,
+            head_dim: d / heads,
+            config,
+            rank: r as usize,
+            ranks: t as usize,
+        })
     }
 
     fn row(linear: &nn::LinearConfig) -> RowParallelConfig {
@@ -167,10 +190,32 @@ impl ParallelAttention {
         };
         let (q, k, v) = (q.f_transpose(1, 2)?, k.f_transpose(1, 2)?, v.f_transpose(1, 2)?);
         let p = if train { self.config.dropout } else { 0.0 };
-        let ctx =
-            Tensor::f_scaled_dot_product_attention(&q, &k, &v, None::<Tensor>, p, self.config.causal, None, false)?;
+        let ctx = if p > 0.0 && self.ranks > 1 {
+            self.attend_with_own_masks(&q, &k, &v, p)?
+        } else {
+            Tensor::f_scaled_dot_product_attention(&q, &k, &v, None::<Tensor>, p, self.config.causal, None, false)?
+        };
         let ctx = ctx.f_transpose(1, 2)?.f_contiguous()?.f_view([b, s, h * hd])?;
         self.out.f_forward(&ctx)
+    }
+
+    /// Attention with dropout whose masks this rank draws itself. SDPA's dropout draws from the global
+    /// generator, which the tensor-parallel ranks of a replica share (their other dropouts must agree):
+    /// rank r's heads would get rank 0's masks. Written out as SDPA's math (its CPU path with dropout).
+    fn attend_with_own_masks(&self, q: &Tensor, k: &Tensor, v: &Tensor, p: f64) -> Result<Tensor> {
+        let shared = Tensor::f_randint(i64::MAX, [1], (tch::Kind::Int64, tch::Device::Cpu))?.f_int64_value(&[0])?;
+        let seed = head_mask_seed(shared as u64, self.rank);
+        let mut scores = q.f_matmul(&k.f_transpose(-2, -1)?)?.f_mul_scalar(1.0 / (self.head_dim as f64).sqrt())?;
+        if self.config.causal {
+            let s = scores.size()[2];
+            let future = Tensor::f_ones([s, s], (tch::Kind::Bool, scores.device()))?.f_triu(1)?;
+            scores = scores.f_masked_fill(&future, f64::NEG_INFINITY)?;
+        }
+        let probs = scores.f_softmax(-1, scores.kind())?;
+        let keep = crate::random::keep_mask(&probs, &probs.size(), 1.0 - p, seed)?;
+        // dropout 1 drops everything (ATen's dropout gives zeros there, not 0 · ∞)
+        let scale = if p < 1.0 { 1.0 / (1.0 - p) } else { 0.0 };
+        Ok(probs.f_mul(&keep)?.f_mul_scalar(scale)?.f_matmul(v)?)
     }
 
     /// The forward without dropout (evaluation), errors returned.
@@ -183,5 +228,27 @@ impl ParallelAttention {
 impl nn::ModuleT for ParallelAttention {
     fn forward_t(&self, x: &Tensor, train: bool) -> Tensor {
         self.f_forward_t(x, train).unwrap_or_else(|e| panic!("{e}"))
+    }
+}
+
+/// The seed of a rank's attention-dropout masks: the replica's shared draw, spread by the rank.
+fn head_mask_seed(shared: u64, rank: usize) -> u64 {
+    shared.wrapping_add((rank as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15))
+}
+
+#[cfg(test)]
+mod tests {
+    use tch::{Device, Kind, Tensor};
+
+    /// Ranks get different masks from one shared draw; the same rank and draw, the same mask.
+    #[test]
+    fn each_rank_draws_its_own_masks() {
+        let like = Tensor::zeros([1], (Kind::Float, Device::Cpu));
+        let mask = |rank| crate::random::keep_mask(&like, &[4, 64, 64], 0.5, super::head_mask_seed(7, rank)).unwrap();
+        let (a, b) = (mask(0), mask(1));
+        assert!(a.equal(&mask(0)), "a rank's mask is not reproducible");
+        assert!(!a.equal(&b), "two ranks drew the same mask");
+        let kept = a.mean(Kind::Float).double_value(&[]);
+        assert!((kept - 0.5).abs() < 0.05, "keep probability 0.5, kept {kept}");
     }
 }

@@ -204,7 +204,8 @@ impl Optimizer for ShardedOptimizer {
 
     /// Drops the parameters' gradients (set to none, as every optimizer here) and zeroes what the next
     /// step reads: DDP's buckets (stage 1) or the shards (stage 2). A step with no backward since then
-    /// steps on zeros (weight decay only), where an unsharded optimizer would skip the parameters.
+    /// steps on zero gradients (weight decay, momentum and moments still move the parameters), where an
+    /// unsharded optimizer would skip them.
     fn zero_grad(&mut self) -> Result<()> {
         let _g = tch::no_grad_guard();
         hooks::drop_grads(&self.params)?;

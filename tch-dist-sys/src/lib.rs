@@ -309,6 +309,14 @@ extern "C" {
         bounds: *const f64,
         outs: *mut tdx_tensor,
     ) -> c_int;
+    pub fn tdx_keep_mask(
+        like: tdx_tensor,
+        shape: *const i64,
+        ndim: usize,
+        keep: f64,
+        seed: u64,
+        out: *mut tdx_tensor,
+    ) -> c_int;
 
     pub fn tdx_cpu_counter_install() -> c_int;
     pub fn tdx_cpu_counter_installed() -> c_int;

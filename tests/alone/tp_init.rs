@@ -17,8 +17,9 @@ static GENERATOR: Mutex<()> = Mutex::new(());
 /// multiple of 16) and large (drawn in several blocks).
 const LINEARS: [(i64, i64); 3] = [(8, 12), (12, 20), (520, 264)];
 const TABLES: [(i64, i64); 3] = [(12, 5), (16, 4), (1024, 130)];
-/// The attention's width and heads (divisible by 1, 2 and 4 ranks).
-const ATTN: (i64, i64) = (12, 4);
+/// The attention's width and heads (divisible by 1, 2 and 4 ranks); its QKV weight, 480 x 160, is drawn
+/// in two blocks, and some ranks' rows of one third cross from one to the other.
+const ATTN: (i64, i64) = (160, 4);
 
 /// What tch draws: every layer in turn after `manual_seed(3)`, then four more numbers.
 fn tch_draws() -> (Vec<Tensor>, Tensor) {

@@ -13,10 +13,10 @@ use tch::{nn, nn::Module, Device, Kind, Tensor};
 use tch_dist::checkpoint::{self, Checkpointer, StateDict};
 use tch_dist::ddp::{DdpOptions, DistributedDataParallel};
 use tch_dist::fsdp::{FsdpBuilder, FsdpOptions, FullyShardedDataParallel};
+use tch_dist::mesh::DeviceMesh;
 use tch_dist::optim::{AdamW, Optimizer};
 use tch_dist::pipeline::schedule::Kind as Sched;
 use tch_dist::pipeline::{Partition, PipelineRank};
-use tch_dist::tp::groups::TpDpGroups;
 use tch_dist::tp::ParallelMlp;
 use tch_dist::zero::{ShardedOptimizer, ZeroStage};
 use tch_dist::{ProcessGroup, ReduceOp};
@@ -180,19 +180,20 @@ impl Trainer for Fsdp {
 struct Tp {
     vs: nn::VarStore,
     mlp: ParallelMlp,
-    groups: TpDpGroups,
+    tp: Arc<ProcessGroup>,
+    dp: Arc<ProcessGroup>,
     opt: AdamW,
 }
 
 impl Trainer for Tp {
     fn step(&mut self, s: usize) {
         let (x, y) = data(s);
-        let (r, n) = (self.groups.dp.rank(), self.groups.dp.size());
+        let (r, n) = (self.dp.rank(), self.dp.size());
         let out = self.mlp.f_forward(&rows(&x, r, n)).unwrap();
         out.mse_loss(&rows(&y, r, n), tch::Reduction::Mean).backward();
         for p in self.vs.trainable_variables() {
             let mut g = p.grad();
-            self.groups.dp.allreduce(&mut g, ReduceOp::Sum).unwrap();
+            self.dp.allreduce(&mut g, ReduceOp::Sum).unwrap();
             let _ = g.divide_scalar_(n as f64);
         }
         self.opt.step().unwrap();
@@ -201,7 +202,7 @@ impl Trainer for Tp {
     fn state(&mut self) -> StateDict<'_> {
         let mut sd = StateDict::new();
         sd.var_store("model", &self.vs).optimizer("optim", &mut self.opt);
-        sd.describe("tp", self.groups.tp.size() as i64).describe("dp", self.groups.dp.size() as i64);
+        sd.describe("tp", self.tp.size() as i64).describe("dp", self.dp.size() as i64);
         sd
     }
 }
@@ -272,13 +273,14 @@ fn build(layout: Layout, pg: Arc<ProcessGroup>) -> Box<dyn Trainer> {
             Box::new(Fsdp { vs, model, opt, rank, world })
         }
         Layout::TpDp(tp) => {
-            let groups = TpDpGroups::new(&pg, tp).unwrap();
+            let mesh = DeviceMesh::new(&pg, &[("dp", pg.size() / tp), ("tp", tp)]).unwrap();
+            let (tp_group, dp) = (mesh.group("tp").unwrap(), mesh.group("dp").unwrap());
             let vs = nn::VarStore::new(Device::Cpu);
             let (w1, b1, w2, b2) = (wave(&[H, D], 1.0), wave(&[H], 2.0), wave(&[D, H], 3.0), wave(&[D], 4.0));
-            let tp_pg = Arc::new(groups.tp.new_subgroup(&(0..tp).collect::<Vec<_>>(), "mlp").unwrap().unwrap());
+            let tp_pg = Arc::new(tp_group.new_subgroup(&(0..tp).collect::<Vec<_>>(), "mlp").unwrap().unwrap());
             let mlp = ParallelMlp::from_full(&(vs.root() / "mlp"), &w1, &b1, &w2, &b2, tp_pg).unwrap();
             let opt = AdamW::new(vs.trainable_variables(), LR);
-            Box::new(Tp { vs, mlp, groups, opt })
+            Box::new(Tp { vs, mlp, tp: tp_group, dp, opt })
         }
         Layout::Pipe => {
             let l = common::pipe::layers();

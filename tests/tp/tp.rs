@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use tch::{nn, nn::OptimizerConfig, Device, Kind, Tensor};
 use tch_dist::ddp::{DdpOptions, DistributedDataParallel};
-use tch_dist::tp::groups::TpDpGroups;
+use tch_dist::mesh::DeviceMesh;
 use tch_dist::tp::{ColumnParallelConfig, ColumnParallelLinear, ParallelMlp, RowParallelConfig, RowParallelLinear};
 
 const T: Duration = Duration::from_secs(60);
@@ -148,14 +148,13 @@ fn tp_and_ddp_on_4_ranks_train_like_one_process() {
         w.iter().map(|t| t.detach().copy()).collect::<Vec<_>>()
     };
     let res = common::run_threads(4, T, move |world| {
-        let groups = TpDpGroups::new(&world, 2).unwrap();
-        let (tp_rank, dp_rank) = (groups.tp.rank(), groups.dp.rank());
+        let mesh = DeviceMesh::new(&world, &[("dp", 2), ("tp", 2)]).unwrap();
+        let (tp_rank, dp_rank) = (mesh.coordinate("tp").unwrap(), mesh.coordinate("dp").unwrap());
         let vs = nn::VarStore::new(Device::Cpu);
         let f = full();
-        let mlp = ParallelMlp::from_full(&vs.root(), &f.0, &f.1, &f.2, &f.3, Arc::new(groups.tp)).unwrap();
+        let mlp = ParallelMlp::from_full(&vs.root(), &f.0, &f.1, &f.2, &f.3, mesh.group("tp").unwrap()).unwrap();
         // gradients of TP shards are averaged over the data-parallel group only
-        let ddp =
-            DistributedDataParallel::new(&vs, mlp, DdpOptions::default().process_group(Arc::new(groups.dp))).unwrap();
+        let ddp = DistributedDataParallel::new(&vs, mlp, DdpOptions::default().mesh(&mesh, "dp").unwrap()).unwrap();
         let mut opt = nn::Sgd::default().build(&vs, LR).unwrap();
         for s in 0..STEPS {
             let out = ddp.forward_with(|m| m.f_forward(&batch(s, dp_rank))).unwrap().unwrap();

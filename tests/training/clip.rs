@@ -14,8 +14,8 @@ use tch::{nn, nn::Module, Device, Kind, Tensor};
 use tch_dist::amp::GradScaler;
 use tch_dist::ddp::{DdpOptions, DistributedDataParallel};
 use tch_dist::fsdp::{FsdpBuilder, FsdpOptions};
+use tch_dist::mesh::DeviceMesh;
 use tch_dist::optim::{clip_grad_norm, GradNorm, Optimizer, Sgd};
-use tch_dist::tp::groups::TpDpGroups;
 use tch_dist::tp::layers::ParallelMlp;
 use tch_dist::zero::{ShardedOptimizer, ZeroStage};
 
@@ -260,14 +260,13 @@ fn fsdp(world: usize, p: f64) -> Vec<Got> {
 /// from the TP ranks' slices.
 fn tensor_parallel(world: usize, p: f64) -> Vec<Got> {
     let res = common::run_threads(world, T, move |pg| {
-        let groups = TpDpGroups::new(&pg, 2).unwrap();
-        let (tp_rank, dp_rank) = (groups.tp.rank(), groups.dp.rank());
-        let tp = Arc::new(groups.tp);
+        let mesh = DeviceMesh::new(&pg, &[("dp", world / 2), ("tp", 2)]).unwrap();
+        let (tp_rank, dp_rank) = (mesh.coordinate("tp").unwrap(), mesh.coordinate("dp").unwrap());
+        let tp = mesh.group("tp").unwrap();
         let vs = nn::VarStore::new(Device::Cpu);
         let w = model_b_weights();
         let mlp = ParallelMlp::from_full(&vs.root(), &w[0], &w[1], &w[2], &w[3], tp.clone()).unwrap();
-        let ddp =
-            DistributedDataParallel::new(&vs, mlp, DdpOptions::default().process_group(Arc::new(groups.dp))).unwrap();
+        let ddp = DistributedDataParallel::new(&vs, mlp, DdpOptions::default().mesh(&mesh, "dp").unwrap()).unwrap();
         let (x, y) = batch(dp_rank, 4);
         let out = ddp.forward_with(|m| m.f_forward(&x)).unwrap().unwrap();
         ddp.backward(&loss(&out, &y)).unwrap();

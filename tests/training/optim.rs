@@ -146,20 +146,24 @@ fn our_optimizers_keep_ddp_bucket_views() {
         let net = nn::linear(vs.root() / "fc", 4, 3, Default::default());
         let ddp = DistributedDataParallel::new(&vs, net, DdpOptions::default().process_group(Arc::new(pg))).unwrap();
         let mut opt = AdamW::new(vs.trainable_variables(), 0.01);
-        let mut ptrs = Vec::new();
+        let (mut ptrs, mut outside, mut dropped) = (Vec::new(), Vec::new(), true);
         for s in 0..3 {
             let x = formula(8, s as f64).view([2, 4]);
             ddp.backward(&ddp.f_forward(&x).unwrap().sum(Kind::Float)).unwrap();
             opt.step().unwrap();
-            opt.zero_grad().unwrap();
+            // after the step, before zero_grad: where the gradients the step read live
             ptrs.push(vs.trainable_variables().iter().map(|p| hooks::grad_data_ptr(p).unwrap()).collect::<Vec<_>>());
+            outside.push(ddp.memory_breakdown().unwrap().gradients);
+            opt.zero_grad().unwrap();
+            dropped &= vs.trainable_variables().iter().all(|p| !p.grad().defined());
         }
-        let m = ddp.memory_breakdown().unwrap();
-        (ptrs, m.gradients)
+        (ptrs, outside, dropped)
     });
-    for (ptrs, grads_outside) in res {
-        assert_eq!(grads_outside, 0, "gradients must stay inside the buckets");
-        assert_eq!(ptrs[1], ptrs[2], "zero_grad and step must not move gradients after the rebuild");
+    for (ptrs, outside, dropped) in res {
+        assert!(dropped, "zero_grad sets the gradients to none");
+        assert!(ptrs.iter().flatten().all(|&p| p != 0), "every step read a gradient: {ptrs:?}");
+        assert_eq!(outside, [0, 0, 0], "gradients must be inside the buckets at every step");
+        assert_eq!(ptrs[1], ptrs[2], "the next backward puts gradients back into the same bucket memory");
     }
 }
 
