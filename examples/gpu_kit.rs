@@ -29,7 +29,7 @@ use tch_dist::pipeline::schedule::Kind as Sched;
 use tch_dist::pipeline::split::SplitModel;
 use tch_dist::pipeline::{LayerList, Partition, Pipeline, PipelineRank};
 use tch_dist::recompute::Checkpointed;
-use tch_dist::tp::ParallelMlp;
+use tch_dist::tp::{ParallelAttention, ParallelAttentionConfig, ParallelMlp};
 use tch_dist::zero::{ShardedOptimizer, ZeroStage};
 use tch_dist::P2pOp;
 use tch_dist::{checkpoint, memory, Backend, BackendConfig, GroupOptions, InitOptions, ProcessGroup, ReduceOp, Store};
@@ -1077,6 +1077,7 @@ const RANK_CHECKS: &[&str] = &[
     "fsdp-no-reshard",
     "pipeline-1f1b",
     "sync-bn",
+    "tp-attention-dropout",
 ];
 
 fn rank_check(what: &str, device: Device) -> Res<Outcome> {
@@ -1127,6 +1128,7 @@ fn rank_check(what: &str, device: Device) -> Res<Outcome> {
         }
         // the shim's SyncBatchNorm node on CUDA tensors (a one-rank group falls back to tch's kernel)
         "sync-bn" => sync_bn_rank(&pg, device)?,
+        "tp-attention-dropout" => tp_attention_dropout_rank(&pg, device)?,
         "pipeline-1f1b" => {
             let layers = split_layers();
             let cpu_ref = layers.build_stage(0..layers.len(), Device::Cpu)?;
@@ -1191,6 +1193,59 @@ fn rank_check(what: &str, device: Device) -> Res<Outcome> {
 /// SyncBatchNorm2d over the two ranks (3 and 5 rows), two training steps on `device`: this rank's
 /// output, input gradient and running statistics against tch's BatchNorm on the CPU over both ranks'
 /// rows, which each rank computes itself.
+/// Head-parallel attention over the two ranks with dropout: each rank's masks from a generator of its
+/// own on the device (a new CUDA generator on the GPU). Without training it equals the full layer on the
+/// CPU; in training with dropout 0.5 it differs and stays finite; with dropout 1 only the output bias is
+/// left.
+fn tp_attention_dropout_rank(pg: &Arc<ProcessGroup>, device: Device) -> Res<String> {
+    let (d, heads, b, s) = (16i64, 4i64, 2i64, 8i64);
+    let wave = |shape: &[i64], k: f64| {
+        let n: i64 = shape.iter().product();
+        ((Tensor::arange(n, (Kind::Float, Device::Cpu)) * 0.37 + k).sin() * 0.3).view(shape)
+    };
+    let w = [wave(&[3 * d, d], 1.0), wave(&[3 * d], 2.0), wave(&[d, d], 3.0), wave(&[d], 4.0)];
+    let x = wave(&[b, s, d], 5.0);
+    // the full layer on the CPU, written out
+    let want = {
+        let hd = d / heads;
+        let qkv = x.linear(&w[0], Some(&w[1])).view([b, s, 3, heads, hd]).permute([2, 0, 3, 1, 4]);
+        let scores = qkv.get(0).matmul(&qkv.get(1).transpose(-2, -1)) / (hd as f64).sqrt();
+        let future = Tensor::ones([s, s], (Kind::Bool, Device::Cpu)).triu(1);
+        let probs = scores.masked_fill(&future, f64::NEG_INFINITY).softmax(-1, Kind::Float);
+        probs.matmul(&qkv.get(2)).transpose(1, 2).contiguous().view([b, s, d]).linear(&w[2], Some(&w[3]))
+    };
+    let layer = |dropout: f64| -> Res<ParallelAttention> {
+        let vs = nn::VarStore::new(device);
+        let on = |t: &Tensor| t.to_device(device);
+        let cfg = ParallelAttentionConfig { causal: true, dropout, ..Default::default() };
+        Ok(ParallelAttention::from_full(
+            &vs.root(),
+            &on(&w[0]),
+            &on(&w[1]),
+            &on(&w[2]),
+            &on(&w[3]),
+            heads,
+            pg.clone(),
+            cfg,
+        )?)
+    };
+    let xd = x.to_device(device);
+    let half = layer(0.5)?;
+    let cpu = |t: Tensor| t.to_device(Device::Cpu);
+    let eval = cpu(half.f_forward_t(&xd, false)?);
+    let train = cpu(half.f_forward_t(&xd, true)?);
+    let all = cpu(layer(1.0)?.f_forward_t(&xd, true)?);
+    let rank = pg.rank();
+    let diff = |a: &Tensor, b: &Tensor| (a - b).abs().max().double_value(&[]);
+    let e = diff(&eval, &want);
+    ensure(e < 1e-5, || format!("rank {rank}: without training the output differs from the CPU's by {e:e}"))?;
+    let t = diff(&train, &want);
+    ensure(t.is_finite() && t > 1e-3, || format!("rank {rank}: dropout 0.5 in training changed the output by {t:e}"))?;
+    let a = diff(&all, &w[3].view([1, 1, d]));
+    ensure(a < 1e-5, || format!("rank {rank}: dropout 1 left more than the output bias ({a:e})"))?;
+    Ok(format!("ParallelAttention, {heads} heads over 2 ranks, dropout masks drawn per rank: eval vs CPU {e:.1e}, dropout 1 leaves the bias"))
+}
+
 fn sync_bn_rank(pg: &Arc<ProcessGroup>, device: Device) -> Res<String> {
     let (c, rows) = (4i64, [3i64, 5]);
     let rank = pg.rank();

@@ -58,7 +58,8 @@ report=$away/out/gpu-kit-report.txt
 if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; then
   for c in nccl-refuses-cpu-tensors ddp-views-on zero2 async-wait streams sync-free-steps gloo-2proc-ddp-views-on \
     gloo-2proc-ddp-views-off gloo-2proc-zero2 gloo-2proc-fsdp-prefetch gloo-2proc-fsdp-offload \
-    gloo-2proc-fsdp-no-reshard gloo-2proc-pipeline-1f1b gloo-2proc-sync-bn forum-cuda bench-ddp; do
+    gloo-2proc-fsdp-no-reshard gloo-2proc-pipeline-1f1b gloo-2proc-sync-bn \
+    gloo-2proc-tp-attention-dropout forum-cuda bench-ddp; do
     grep -q "^SKIP $c: no CUDA device" "$report" || { echo "gpu-kit: FAIL: $c did not report 'SKIP $c: no CUDA device'" >&2; exit 1; }
   done
   for c in selfcheck python-torch tchrun forum-cpu; do

@@ -48,7 +48,7 @@ fn the_two_process_kit_checks_pass_on_the_cpu() {
     let names: Vec<String> = String::from_utf8_lossy(&list.stdout).lines().map(str::to_string).collect();
     let want =
         ["ddp-views-on", "ddp-views-off", "zero2", "fsdp-prefetch", "fsdp-offload", "fsdp-no-reshard", "pipeline-1f1b"];
-    assert_eq!(names, [&want[..], &["sync-bn"]].concat());
+    assert_eq!(names, [&want[..], &["sync-bn", "tp-attention-dropout"]].concat());
     for name in &names {
         let o = Command::new(common::tchrun())
             .args(["--standalone", "--nproc-per-node", "2", "--"])
