@@ -41,6 +41,12 @@ pub struct ParallelAttention {
     ranks: usize,
 }
 
+/// Rank `r`'s rows of each third of the QKV projection (queries, keys, values) as (start, length): its
+/// heads', rows `[r·d/t, (r+1)·d/t)` of each.
+fn head_rows(d: i64, r: i64, t: i64) -> Vec<(i64, i64)> {
+    (0..3).map(|p| (p * d + r * (d / t), d / t)).collect()
+}
+
 /// `heads` heads of `d` split over `t` ranks, or an error naming what does not divide.
 fn check_heads(d: i64, heads: i64, t: i64) -> Result<()> {
     let what = "ParallelAttention";
@@ -68,8 +74,7 @@ impl ParallelAttention {
         let (r, t) = (pg.rank() as i64, pg.size() as i64);
         check_heads(d, heads, t)?;
         let (c, opts) = (&config.linear, (path.kind(), path.device()));
-        // this rank's heads of the queries, keys and values: rows [r·d/t, (r+1)·d/t) of each third
-        let mine: Vec<(i64, i64)> = (0..3).map(|p| (p * d + r * (d / t), d / t)).collect();
+        let mine = head_rows(d, r, t);
         // in nn::linear's order: the bias, then the weight
         let b_qkv = c.bias.then(|| init::rows(what, bias_init(c, d), &[3 * d], &mine, opts)).transpose()?;
         let w_qkv = init::rows(what, c.ws_init, &[3 * d, d], &mine, opts)?;
@@ -80,15 +85,7 @@ impl ParallelAttention {
             .transpose()?;
         let w_out = init::slice(what, c.ws_init, &[d, d], Part::even(1, d, r as usize, t as usize), opts)?;
         let out = RowParallelLinear::from_local(&(path / "out"), &w_out, b_out.as_ref(), pg, Self::row(c))?;
-        Ok(ParallelAttention {
-            qkv,
-            out,
-            local_heads: heads / t,
-            head_dim: d / heads,
-            config,
-            rank: r as usize,
-            ranks: t as usize,
-        })
+        Ok(Self::assemble(qkv, out, d, heads, config, r, t))
     }
 
     /// From the full layer's weights: `w_qkv: [3d, d]` (queries, then keys, then values, head by head
@@ -126,22 +123,29 @@ impl ParallelAttention {
         // only this rank's rows are copied, never a reordered full matrix
         let r = pg.rank() as i64;
         let mine = |x: &Tensor| -> Result<Tensor> {
-            let parts = (0..3)
-                .map(|p| x.f_narrow(0, p * d + r * (d / t), d / t))
+            let parts = head_rows(d, r, t)
+                .iter()
+                .map(|&(a, n)| x.f_narrow(0, a, n))
                 .collect::<std::result::Result<Vec<_>, _>>()?;
             Ok(Tensor::f_cat(&parts, 0)?)
         };
         let qkv = Self::qkv_from_local(path, &mine(w_qkv)?, Some(&mine(b_qkv)?), d, &pg, &config.linear)?;
         let out = RowParallelLinear::from_full(&(path / "out"), w_out, Some(b_out), pg, Self::row(&config.linear))?;
-        Ok(ParallelAttention {
-            qkv,
-            out,
-            local_heads: heads / t,
-            head_dim: d / heads,
-            config,
-            rank: r as usize,
-            ranks: t as usize,
-        })
+        Ok(Self::assemble(qkv, out, d, heads, config, r, t))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn assemble(
+        qkv: ColumnParallelLinear,
+        out: RowParallelLinear,
+        d: i64,
+        heads: i64,
+        config: ParallelAttentionConfig,
+        r: i64,
+        t: i64,
+    ) -> Self {
+        let (rank, ranks) = (r as usize, t as usize);
+        ParallelAttention { qkv, out, local_heads: heads / t, head_dim: d / heads, config, rank, ranks }
     }
 
     fn row(linear: &nn::LinearConfig) -> RowParallelConfig {
