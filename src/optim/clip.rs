@@ -107,9 +107,10 @@ impl GradNorm {
         self
     }
 
-    /// Gradient tensors themselves (e.g. a sharded optimizer's flat
-    /// [`gradients`](super::Optimizer::gradients)), of which the ranks of each group in `over` hold
-    /// disjoint parts (empty: the same on every rank).
+    /// Gradient tensors laid out as the caller says: the ranks of each group in `over` hold disjoint
+    /// parts (empty: the same on every rank). For tests of the norm itself (the `testing` feature): the
+    /// library's callers read placements ([`parameters`](Self::parameters)).
+    #[cfg(feature = "testing")]
     pub fn gradients(mut self, grads: Vec<Tensor>, over: &[&Arc<ProcessGroup>]) -> Self {
         self.parts.push(Part { grads, over: over.iter().filter(|g| g.size() > 1).map(|g| (*g).clone()).collect() });
         self

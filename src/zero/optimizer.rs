@@ -103,12 +103,14 @@ impl ShardedOptimizer {
     }
 
     /// Clips the gradients this rank steps (its shards) so that the whole model's gradient has at most
-    /// `max_norm` (see [`GradNorm`](optim::GradNorm)): the shards' norms are summed over the group.
+    /// `max_norm` (see [`GradNorm`](optim::GradNorm)): each shard's placement (its pieces of the
+    /// variables, over the group and any they were split over already) says where its norm is summed.
     /// Returns the whole model's norm before clipping. Collective; after backward, before the step.
     pub fn clip_grad_norm(&mut self, max_norm: f64, norm_type: f64) -> Result<Tensor> {
-        let grads = self.gradients()?;
-        let pg = self.pg.clone();
-        optim::GradNorm::new(norm_type).gradients(grads, &[&pg]).clip(max_norm)
+        self.prepare()?;
+        // every shard, empty ones too: each rank then names the same groups
+        let stepped: Vec<Tensor> = self.shards.iter().map(|s| s.stepped.shallow_clone()).collect();
+        optim::GradNorm::new(norm_type).parameters(&stepped).clip(max_norm)
     }
 
     /// The inner optimizers, one per non-empty shard.
