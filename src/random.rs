@@ -16,6 +16,26 @@ pub(crate) fn randperm(n: i64, seed: u64) -> Result<Vec<i64>> {
     Ok(Vec::<i64>::try_from(&unsafe { adopt(out, "randperm") }?)?)
 }
 
+/// The default generators' states (the CPU's and every CUDA device's), put back when dropped:
+/// `torch.random.fork_rng()`. Seeding inside leaves the program's draws where they were.
+pub(crate) struct Fork(*mut ffi::tdx_rng_saved);
+
+impl Fork {
+    pub(crate) fn new() -> Result<Fork> {
+        let mut p = std::ptr::null_mut();
+        // SAFETY: `p` is valid for the call; on success it owns the saved states until `Drop`.
+        check(unsafe { ffi::tdx_rng_save(&mut p) }, std::time::Duration::ZERO, || "save the generators".into())?;
+        Ok(Fork(p))
+    }
+}
+
+impl Drop for Fork {
+    fn drop(&mut self) {
+        // SAFETY: the states the shim saved for this Fork, restored and freed once.
+        unsafe { ffi::tdx_rng_restore(self.0) }
+    }
+}
+
 /// A dropout keep-mask of `shape` in `like`'s dtype and on its device: 1 with probability `keep`, else
 /// 0, from a generator of its own seeded with `seed` (CPU, or a new one of `like`'s CUDA device).
 pub(crate) fn keep_mask(like: &Tensor, shape: &[i64], keep: f64, seed: u64) -> Result<Tensor> {

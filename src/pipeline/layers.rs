@@ -28,7 +28,9 @@ use crate::fsdp::FsdpBuilder;
 type Builder = Arc<dyn Fn(&nn::Path) -> Box<dyn nn::Module> + Send + Sync>;
 
 /// An ordered list of named layer builders. Layer `i` is built right after `manual_seed(seed + i)`, so
-/// its initial values do not depend on how the list is cut (on one kind of device).
+/// its initial values do not depend on how the list is cut (on one kind of device); the generators are
+/// put back where they were after a stage is built (`torch.random.fork_rng`), so the program's own
+/// draws do not depend on it either.
 #[derive(Clone, Default)]
 pub struct LayerList {
     layers: Vec<(String, Builder)>,
@@ -227,6 +229,7 @@ impl LayerList {
             _ => None,
         };
         let mut layers = Vec::with_capacity(range.len());
+        let fork = crate::random::Fork::new()?;
         for i in range.clone() {
             tch::manual_seed(self.seed + i as i64);
             let (name, build) = &self.layers[i];
@@ -240,6 +243,7 @@ impl LayerList {
                 _ => layer,
             });
         }
+        drop(fork);
         // a chunk of parameter-free layers (activations) has nothing to reduce
         let sync = match (dp, fsdp) {
             _ if vs.trainable_variables().is_empty() => None,

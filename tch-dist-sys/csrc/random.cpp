@@ -4,6 +4,7 @@
 #include "common.h"
 
 #include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Context.h>
 #include <ATen/detail/CUDAHooksInterface.h>
 
 #include <mutex>
@@ -57,4 +58,39 @@ extern "C" int tdx_keep_mask(tdx_tensor like, const int64_t* shape, size_t ndim,
     *out = new at::Tensor(at::empty(s, x.options()).bernoulli_(keep, gen));
     return TDX_OK;
   })
+}
+
+// The default generators' states (the CPU's and every CUDA device's), to put back later: what
+// `torch.random.fork_rng()` keeps, so that seeding inside a scope leaves the program's draws alone.
+struct tdx_rng_saved {
+  std::vector<std::pair<at::Generator, at::Tensor>> states;
+};
+
+extern "C" int tdx_rng_save(tdx_rng_saved** out) {
+  TDX_TRY({
+    auto saved = std::make_unique<tdx_rng_saved>();
+    std::vector<c10::Device> devices{c10::Device(at::kCPU)};
+    int gpus = at::detail::getCUDAHooks().getNumGPUs();
+    for (int i = 0; i < gpus; i++) devices.emplace_back(at::kCUDA, static_cast<c10::DeviceIndex>(i));
+    for (auto d : devices) {
+      auto gen = at::globalContext().defaultGenerator(d);
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      saved->states.emplace_back(gen, gen.get_state());
+    }
+    *out = saved.release();
+    return TDX_OK;
+  })
+}
+
+extern "C" void tdx_rng_restore(tdx_rng_saved* saved) {
+  if (saved == nullptr) return;
+  for (auto& [gen, state] : saved->states) {
+    try {
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      gen.set_state(state);
+    } catch (...) {
+      // a state taken from this generator a moment ago is one it accepts; nothing to report from a drop
+    }
+  }
+  delete saved;
 }

@@ -35,6 +35,10 @@ pub type tdx_tensor = *mut c_void;
 pub struct tdx_event {
     _p: [u8; 0],
 }
+#[repr(C)]
+pub struct tdx_rng_saved {
+    _p: [u8; 0],
+}
 pub type tdx_hook_fn = unsafe extern "C" fn(ctx: *mut c_void, index: i64);
 pub type tdx_callback_fn = unsafe extern "C" fn(ctx: *mut c_void, err: *mut c_char, errlen: size_t) -> c_int;
 pub type tdx_drop_fn = unsafe extern "C" fn(ctx: *mut c_void);
@@ -317,6 +321,8 @@ extern "C" {
         seed: u64,
         out: *mut tdx_tensor,
     ) -> c_int;
+    pub fn tdx_rng_save(out: *mut *mut tdx_rng_saved) -> c_int;
+    pub fn tdx_rng_restore(saved: *mut tdx_rng_saved);
 
     pub fn tdx_cpu_counter_install() -> c_int;
     pub fn tdx_cpu_counter_installed() -> c_int;
