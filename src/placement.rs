@@ -259,6 +259,20 @@ pub fn of(t: &Tensor) -> Option<Layout> {
     reg.as_ref()?.records.get(&id).filter(|e| !e.weak.expired()).map(|e| e.layout.clone())
 }
 
+/// Elements of the model's variables that `t` holds, as its record says (what a rank updates when it
+/// steps `t`): the parts of variables a ZeRO shard holds, the real elements of a flat shard (not its
+/// padding), else all of `t` (a variable, a tensor-parallel slice).
+pub(crate) fn held_elements(t: &Tensor) -> i64 {
+    let n = t.numel() as i64;
+    match of(t) {
+        Some(l) if !l.pieces.is_empty() => l.pieces.iter().map(|p| p.len).sum(),
+        Some(Layout { extent: Extent::Flat { offset, .. }, global_shape, .. }) => {
+            (global_shape.iter().product::<i64>() - offset).clamp(0, n)
+        }
+        _ => n,
+    }
+}
+
 /// Replaces `t`'s record by what `f` makes of it (`None`: it had none).
 fn update(t: &Tensor, f: impl FnOnce(Option<Layout>) -> Result<Layout>) -> Result<()> {
     let (id, weak) = identity(t, true)?;
@@ -418,5 +432,25 @@ mod tests {
         }
         let reg = REGISTRY.lock().unwrap();
         assert!(!reg.as_ref().unwrap().records.contains_key(&id), "the record of a dropped tensor is gone");
+    }
+
+    #[test]
+    fn held_elements_leave_out_padding_and_count_a_shards_parts() {
+        let store = crate::Store::hash().unwrap();
+        let pg = Arc::new(ProcessGroup::new(&store, 0, 1, &Default::default()).unwrap());
+        let zeros = |n: i64| Tensor::zeros([n], (Kind::Float, Device::Cpu));
+        assert_eq!(held_elements(&zeros(7)), 7, "no record: all of it");
+        // a 3-element flat shard at offset 3 of a 5-element parameter: 2 real elements, 1 padding
+        let (param, shard) = (zeros(5), zeros(3));
+        record_flat_shard(&param, &[5], &shard, &pg, 3).unwrap();
+        assert_eq!(held_elements(&shard), 2);
+        // a ZeRO shard of 4 elements holding 2 of `a` and 1 of `b`, the rest padding
+        let (a, b, t) = (zeros(2), zeros(4), zeros(4));
+        let pieces = vec![
+            Piece { variable: a.shallow_clone(), start: 0, len: 2, at: 0 },
+            Piece { variable: b.shallow_clone(), start: 3, len: 1, at: 2 },
+        ];
+        record_pieces(&t, &pg, 4, 8, pieces).unwrap();
+        assert_eq!(held_elements(&t), 3);
     }
 }

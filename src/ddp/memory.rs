@@ -21,7 +21,8 @@ pub struct DdpMemory {
     pub master_params: i64,
     /// ZeRO-2's gradient shards.
     pub gradient_shards: i64,
-    /// Parameter elements whose update this rank computes (all of them unless sharded).
+    /// Parameter elements whose update this rank computes, read from the placements of what is stepped
+    /// (all of them unless sharded: a ZeRO shard's parts of the variables, with the optimizer).
     pub owned_elements: i64,
     /// [`crate::memory::allocated`] on the parameters' device.
     pub allocated: i64,
@@ -59,7 +60,7 @@ impl<M> DistributedDataParallel<M> {
                 }
             }
         }
-        m.owned_elements = st.params.iter().map(|p| p.numel() as i64).sum();
+        m.owned_elements = st.params.iter().map(crate::placement::held_elements).sum();
         m.allocated = crate::memory::allocated(device)?;
         m.peak = crate::memory::peak(device)?;
         Ok(m)

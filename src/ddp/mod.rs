@@ -441,6 +441,11 @@ impl<M> DistributedDataParallel<M> {
         self.reducer.state.lock().map(|s| s.events.clone()).unwrap_or_default()
     }
 
+    /// Whether [`fix_layout`](Self::fix_layout) fixed the buckets (a layer above shards them).
+    pub(crate) fn layout_fixed(&self) -> bool {
+        self.reducer.state.lock().map(|s| s.frozen).unwrap_or(true)
+    }
+
     /// Fixes the bucket layout for good; returns each bucket's parameters and gradient buffer (the
     /// averaged gradients after a synchronised backward).
     pub(crate) fn fix_layout(&self) -> Result<Vec<FixedBucket>> {

@@ -19,7 +19,7 @@ pub struct FsdpMemory {
     /// Of the bytes above, those on the offload device ([`super::FsdpOptions::offload`]): the shards, their
     /// gradients and the optimizer state.
     pub offloaded: i64,
-    /// Parameter elements whose update this rank computes.
+    /// Parameter elements whose update this rank computes, read from its shards' placements.
     pub owned_elements: i64,
     /// [`crate::memory::allocated`] and [`crate::memory::peak`] on the compute device.
     pub allocated: i64,
@@ -48,7 +48,7 @@ impl<M> FullyShardedDataParallel<M> {
             for s in &fp.slots {
                 m.gradient_shards += bytes(&s.shard.grad());
                 m.unsharded_gradients += bytes(&s.param.grad());
-                m.owned_elements += s.own;
+                m.owned_elements += crate::placement::held_elements(&s.shard);
             }
             Ok(())
         })?;

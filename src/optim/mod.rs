@@ -49,6 +49,24 @@ pub trait Optimizer {
     fn stepped(&self) -> Vec<Stepped> {
         Vec::new()
     }
+    /// Clips the gradients the next [`step`](Self::step) reads so that the whole model's gradient has
+    /// at most `max_norm`; returns the whole model's norm before clipping (a tensor: no host sync). Each
+    /// [`stepped`](Self::stepped) tensor's placement says where its part of the norm is summed (a slice
+    /// or shard over its group, a replica nowhere), so this one call serves every layout: the
+    /// parameters, tensor-parallel slices, ZeRO's and FSDP's shards. Collective where anything is
+    /// sharded; after backward, before the step.
+    fn clip_grad_norm(&mut self, max_norm: f64, norm_type: f64) -> Result<Tensor> {
+        self.gradients()?;
+        let stepped: Vec<Tensor> = self.stepped().into_iter().map(|s| s.tensor).collect();
+        if stepped.is_empty() {
+            return Err(crate::Error::invalid(
+                "Optimizer::clip_grad_norm",
+                "this optimizer does not say which tensors it steps (Optimizer::stepped): clip its \
+                 parameters with optim::clip_grad_norm",
+            ));
+        }
+        GradNorm::new(norm_type).parameters(&stepped).clip(max_norm)
+    }
 }
 
 /// One tensor an optimizer steps, and the keys of its state in [`Optimizer::state_dict`].
@@ -78,7 +96,8 @@ pub struct OptimizerMemory {
     pub master: i64,
     /// ZeRO-2's gradient shards.
     pub gradient_shards: i64,
-    /// Elements of parameters this rank updates (its shards; all of them when unsharded).
+    /// Elements of parameters this rank updates, read from the placements of what it steps (its shards' parts
+    /// of the variables; all of them when unsharded).
     pub owned_elements: i64,
 }
 
@@ -112,7 +131,7 @@ pub(crate) fn grads_of(params: &[Tensor]) -> Vec<Tensor> {
 pub(crate) fn memory_of(state: &[(String, Tensor)], params: &[Tensor]) -> OptimizerMemory {
     OptimizerMemory {
         state: state.iter().map(|(_, t)| bytes(t)).sum(),
-        owned_elements: params.iter().map(|p| p.numel() as i64).sum(),
+        owned_elements: params.iter().map(crate::placement::held_elements).sum(),
         ..Default::default()
     }
 }

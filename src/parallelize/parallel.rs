@@ -5,8 +5,10 @@ use tch::{nn, Tensor};
 
 use crate::ddp::DistributedDataParallel;
 use crate::dist_module::DistModule;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::fsdp::{FsdpUnit, FullyShardedDataParallel};
+use crate::optim::Optimizer;
+use crate::zero::{ShardedOptimizer, ZeroStage};
 
 /// A block of the model: an FSDP unit when the plan shards, else the block as it was built
 /// ([`Plan::unit`](super::Plan::unit)).
@@ -58,7 +60,53 @@ pub enum Parallel<M> {
         named: Vec<(String, Tensor)>,
     },
     Ddp(DistributedDataParallel<M>),
+    /// DDP whose optimizer [`optimizer`](Parallel::optimizer) shards over its buckets (ZeRO-1 or 2).
+    Zero {
+        ddp: DistributedDataParallel<M>,
+        stage: ZeroStage,
+    },
     Fsdp(FullyShardedDataParallel<M>),
+}
+
+impl<M> Parallel<M> {
+    /// The optimizer for this layout, `make` building it over the tensors it updates: the parameters
+    /// (no data parallelism, DDP), this rank's shard of each of DDP's buckets (the plan's ZeRO-1 or 2,
+    /// one inner optimizer per shard, inside a [`ShardedOptimizer`]), or FSDP's shards (ZeRO-3). Under
+    /// ZeRO-1/2, once per model and before the first forward.
+    ///
+    /// ```no_run
+    /// # fn f(model: &tch_dist::parallelize::Parallel<tch::nn::Linear>) -> tch_dist::Result<()> {
+    /// use tch_dist::optim::{AdamW, Optimizer};
+    /// let mut opt = model.optimizer(|params| Box::new(AdamW::new(params, 1e-3)))?;
+    /// # Ok(()) }
+    /// ```
+    pub fn optimizer(
+        &self,
+        make: impl Fn(Vec<Tensor>) -> Box<dyn Optimizer + Send>,
+    ) -> Result<Box<dyn Optimizer + Send>> {
+        Ok(match self {
+            Parallel::Local { trainable, .. } => make(trainable.iter().map(|t| t.shallow_clone()).collect()),
+            Parallel::Ddp(d) => make(d.parameters()),
+            Parallel::Zero { ddp, stage } => Box::new(ShardedOptimizer::new(ddp, *stage, make)?),
+            Parallel::Fsdp(f) => make(f.parameters()),
+        })
+    }
+
+    /// Under the plan's ZeRO-1/2, the optimizer must exist before the model runs: without it the model
+    /// would train as plain DDP, unsharded, and say nothing.
+    fn check_sharded(&self, op: &str) -> Result<()> {
+        match self {
+            Parallel::Zero { ddp, stage } if !ddp.layout_fixed() => Err(Error::invalid(
+                op,
+                format!(
+                    "the plan shards the optimizer (ZeRO-{}), but none was built: call optimizer(make) on \
+                     the model before its first forward",
+                    stage.number()
+                ),
+            )),
+            _ => Ok(()),
+        }
+    }
 }
 
 impl<M: nn::ModuleT> Parallel<M> {
@@ -67,6 +115,10 @@ impl<M: nn::ModuleT> Parallel<M> {
         match self {
             Parallel::Local { module, .. } => Ok(module.forward_t(xs, train)),
             Parallel::Ddp(d) => d.f_forward_t(xs, train),
+            Parallel::Zero { ddp, .. } => {
+                self.check_sharded("Parallel::forward_t")?;
+                ddp.f_forward_t(xs, train)
+            }
             Parallel::Fsdp(f) => f.f_forward_t(xs, train),
         }
     }
@@ -84,6 +136,10 @@ impl<M: nn::Module> Parallel<M> {
         match self {
             Parallel::Local { module, .. } => Ok(module.forward(xs)),
             Parallel::Ddp(d) => d.f_forward(xs),
+            Parallel::Zero { ddp, .. } => {
+                self.check_sharded("Parallel::forward")?;
+                ddp.f_forward(xs)
+            }
             Parallel::Fsdp(f) => f.f_forward(xs),
         }
     }
@@ -101,7 +157,7 @@ impl<M: nn::ModuleT> DistModule for Parallel<M> {
     fn parameters(&self) -> Vec<Tensor> {
         match self {
             Parallel::Local { trainable, .. } => trainable.iter().map(|t| t.shallow_clone()).collect(),
-            Parallel::Ddp(d) => DistModule::parameters(d),
+            Parallel::Ddp(d) | Parallel::Zero { ddp: d, .. } => DistModule::parameters(d),
             Parallel::Fsdp(f) => DistModule::parameters(f),
         }
     }
@@ -111,7 +167,7 @@ impl<M: nn::ModuleT> DistModule for Parallel<M> {
     fn set_requires_gradient_sync(&self, on: bool) {
         match self {
             Parallel::Local { .. } => {}
-            Parallel::Ddp(d) => d.set_requires_gradient_sync(on),
+            Parallel::Ddp(d) | Parallel::Zero { ddp: d, .. } => d.set_requires_gradient_sync(on),
             Parallel::Fsdp(f) => f.set_requires_gradient_sync(on),
         }
     }
@@ -119,7 +175,7 @@ impl<M: nn::ModuleT> DistModule for Parallel<M> {
     fn requires_gradient_sync(&self) -> bool {
         match self {
             Parallel::Local { .. } => true,
-            Parallel::Ddp(d) => d.requires_gradient_sync(),
+            Parallel::Ddp(d) | Parallel::Zero { ddp: d, .. } => d.requires_gradient_sync(),
             Parallel::Fsdp(f) => f.requires_gradient_sync(),
         }
     }
@@ -127,7 +183,7 @@ impl<M: nn::ModuleT> DistModule for Parallel<M> {
     fn state_dict(&self) -> Result<Vec<(String, Tensor)>> {
         match self {
             Parallel::Local { named, .. } => Ok(named.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect()),
-            Parallel::Ddp(d) => DistModule::state_dict(d),
+            Parallel::Ddp(d) | Parallel::Zero { ddp: d, .. } => DistModule::state_dict(d),
             Parallel::Fsdp(f) => DistModule::state_dict(f),
         }
     }
@@ -137,5 +193,18 @@ impl<M: nn::ModuleT> DistModule for Parallel<M> {
             Parallel::Fsdp(f) => DistModule::zero_grad(f),
             _ => crate::hooks::drop_grads(&self.parameters()),
         }
+    }
+
+    /// Under ZeRO-2 the parameters have no gradients after backward (their shards do, in the
+    /// optimizer): clipping goes through the optimizer, which this names.
+    fn clip_grad_norm(&self, max_norm: f64, norm_type: f64) -> Result<Tensor> {
+        if let Parallel::Zero { stage: ZeroStage::Two, .. } = self {
+            return Err(Error::invalid(
+                "Parallel::clip_grad_norm",
+                "under ZeRO-2 the gradients are the optimizer's shards: call clip_grad_norm on the optimizer \
+                 (Optimizer::clip_grad_norm)",
+            ));
+        }
+        crate::optim::clip_grad_norm(&self.parameters(), max_norm, norm_type)
     }
 }

@@ -12,6 +12,7 @@ use crate::group::ProcessGroup;
 use crate::mesh::DeviceMesh;
 use crate::tp::VocabParallelEmbedding;
 use crate::tp::{ColumnParallelConfig, ColumnParallelLinear, RowParallelConfig, RowParallelLinear};
+use crate::zero::ZeroStage;
 
 /// How a layer is split over the tensor-parallel group (PyTorch's `ParallelStyle`).
 #[derive(Clone, Copy, Debug)]
@@ -52,7 +53,8 @@ pub struct Plan {
 enum DataParallelism {
     #[default]
     None,
-    Replicate(DdpOptions),
+    /// DDP, with ZeRO-1 or ZeRO-2 sharding the optimizer over its buckets.
+    Replicate(DdpOptions, Option<ZeroStage>),
     /// The builder of the model's units, taken by `finish`. The lock is held only to take a handle:
     /// never across the builder's collectives.
     Shard(Arc<Mutex<Option<Arc<FsdpBuilder>>>>),
@@ -62,7 +64,9 @@ impl std::fmt::Debug for Plan {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let dp = match &self.dp {
             DataParallelism::None => "none",
-            DataParallelism::Replicate(_) => "DDP",
+            DataParallelism::Replicate(_, None) => "DDP",
+            DataParallelism::Replicate(_, Some(ZeroStage::One)) => "DDP + ZeRO-1",
+            DataParallelism::Replicate(_, Some(_)) => "DDP + ZeRO-2",
             DataParallelism::Shard(_) => "FSDP",
         };
         f.debug_struct("Plan")
@@ -123,8 +127,34 @@ impl Plan {
     /// Data parallelism by DDP (PyTorch's `replicate`): [`finish`](Self::finish) wraps the model in
     /// [`DistributedDataParallel`] over the options' group.
     pub fn replicate(mut self, opts: DdpOptions) -> Plan {
-        self.dp = DataParallelism::Replicate(opts);
+        self.dp = DataParallelism::Replicate(opts, None);
         self
+    }
+
+    /// ZeRO over the data-parallel ranks (DeepSpeed's `zero_optimization.stage`; see [`ZeroStage`]):
+    /// after [`replicate`](Self::replicate), stage 1 or 2 shard the optimizer over DDP's buckets, and the
+    /// model [`finish`](Self::finish) builds gives that optimizer ([`Parallel::optimizer`], before the
+    /// first forward); stage 3 is [`fully_shard`](Self::fully_shard), which this names after it. A stage
+    /// the chosen data parallelism cannot give is refused, naming the call that gives it.
+    pub fn zero(mut self, stage: ZeroStage) -> Result<Plan> {
+        let refuse = |why: &str| Err(Error::invalid("Plan::zero", format!("ZeRO-{}: {why}", stage.number())));
+        match (&mut self.dp, stage) {
+            (DataParallelism::None, _) => return refuse(
+                "choose the data parallelism first: Plan::replicate (stages 1 and 2) or Plan::fully_shard (stage 3)",
+            ),
+            (DataParallelism::Replicate(..), ZeroStage::Three) => {
+                return refuse("stage 3 shards the parameters: Plan::fully_shard(&vs, FsdpOptions), not replicate")
+            }
+            (DataParallelism::Replicate(_, zero), _) => *zero = Some(stage),
+            (DataParallelism::Shard(_), ZeroStage::Three) => {}
+            (DataParallelism::Shard(_), _) => {
+                return refuse(
+                    "fully_shard shards parameters, gradients and optimizer state (stage 3); stages 1 and 2 \
+                     shard over DDP: Plan::replicate",
+                )
+            }
+        }
+        Ok(self)
     }
 
     /// Data parallelism by FSDP, or HSDP with a replicate group (PyTorch's `fully_shard`, e.g. with
@@ -159,8 +189,12 @@ impl Plan {
                 let named = crate::var_store::sorted_variables(vs);
                 Ok(Parallel::Local { module: model, trainable: vs.trainable_variables(), named })
             }
-            DataParallelism::Replicate(opts) => {
-                Ok(Parallel::Ddp(DistributedDataParallel::new(vs, model, opts.clone())?))
+            DataParallelism::Replicate(opts, zero) => {
+                let ddp = DistributedDataParallel::new(vs, model, opts.clone())?;
+                Ok(match zero {
+                    None => Parallel::Ddp(ddp),
+                    Some(stage) => Parallel::Zero { ddp, stage: *stage },
+                })
             }
             DataParallelism::Shard(b) => {
                 let builder = {

@@ -23,6 +23,24 @@
 //! 4Ψ + 12Ψ/N stage 2; with 16-bit parameters and float32 master weights, the paper's 4Ψ + 12Ψ/N and
 //! 2Ψ + 14Ψ/N. `scripts/bench-memory.sh` measures them.
 //!
+//! Through the plan, one knob picks the stage (stage 3 is the plan's FSDP), and the model gives the
+//! optimizer for it:
+//!
+//! ```no_run
+//! use tch_dist::ddp::DdpOptions;
+//! use tch_dist::optim::{AdamW, Optimizer};
+//! use tch_dist::parallelize::Plan;
+//! use tch_dist::zero::ZeroStage;
+//! # let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+//! let plan = Plan::new().replicate(DdpOptions::default()).zero(ZeroStage::Two)?;
+//! let model = plan.build(&vs, || tch::nn::linear(vs.root(), 4, 4, Default::default()))?;
+//! let mut opt = model.optimizer(|params| Box::new(AdamW::new(params, 1e-3)))?;
+//! // loop: forward, model.backward(&loss)?, opt.clip_grad_norm(1.0, 2.0)?, opt.step()?, opt.zero_grad()?
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
+//! Or over a DDP model directly:
+//!
 //! ```no_run
 //! use std::sync::Arc;
 //! use tch_dist::ddp::{DdpOptions, DistributedDataParallel};
@@ -43,13 +61,32 @@ mod optimizer;
 
 pub use optimizer::ShardedOptimizer;
 
-/// Which ZeRO stage shards what. [`ShardedOptimizer`] runs stages 1 and 2 over a DDP model; stage 3 is
-/// [`crate::fsdp::FullyShardedDataParallel`] (or the plan's [`fully_shard`](crate::parallelize::Plan::fully_shard)),
-/// since sharding the parameters changes how the model runs, not only how it steps.
+/// Which ZeRO stage shards what over the data-parallel ranks (DeepSpeed's `zero_optimization.stage`),
+/// each a policy over the same placements: a stage's shards are recorded in [`crate::placement`], where
+/// clipping, checkpoints and `memory_breakdown` read them. The plan applies any of them
+/// ([`Plan::zero`](crate::parallelize::Plan::zero)) and the model it builds gives the matching optimizer
+/// ([`Parallel::optimizer`](crate::parallelize::Parallel::optimizer)).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ZeroStage {
-    /// Optimizer state sharded.
+    /// Optimizer state sharded: DDP's allreduce, then each rank steps its shard of every bucket
+    /// ([`ShardedOptimizer`]).
     One,
-    /// Optimizer state and gradients sharded.
+    /// Optimizer state and gradients sharded: DDP's buckets reduce-scattered into shards
+    /// ([`ShardedOptimizer`]).
     Two,
+    /// Parameters too, gathered unit by unit for forward and backward: FSDP
+    /// ([`crate::fsdp::FullyShardedDataParallel`], the plan's
+    /// [`fully_shard`](crate::parallelize::Plan::fully_shard)), whose optimizer is any over its shards.
+    Three,
+}
+
+impl ZeroStage {
+    /// The stage's number, as the paper and DeepSpeed name it.
+    pub fn number(self) -> u8 {
+        match self {
+            ZeroStage::One => 1,
+            ZeroStage::Two => 2,
+            ZeroStage::Three => 3,
+        }
+    }
 }

@@ -10,7 +10,7 @@ use super::grad_shards::GradShards;
 use super::ZeroStage;
 use crate::ddp::DistributedDataParallel;
 use crate::ddp::GradSink;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::group::ProcessGroup;
 use crate::hooks;
 use crate::optim::{self, Optimizer, OptimizerMemory};
@@ -54,13 +54,29 @@ impl ShardedOptimizer {
         stage: ZeroStage,
         make: impl Fn(Vec<Tensor>) -> Box<dyn Optimizer + Send>,
     ) -> Result<ShardedOptimizer> {
+        if stage == ZeroStage::Three {
+            return Err(Error::invalid(
+                "ShardedOptimizer::new",
+                "ZeRO-3 shards the parameters, which changes how the model runs: wrap it in FSDP \
+                 (fsdp::FullyShardedDataParallel, or Plan::fully_shard) and step its shards with any optimizer",
+            ));
+        }
+        if ddp.layout_fixed() {
+            return Err(Error::invalid(
+                "ShardedOptimizer::new",
+                format!(
+                    "ZeRO-{}: this DDP model's buckets are sharded by another ShardedOptimizer already (one per model)",
+                    stage.number()
+                ),
+            ));
+        }
         let pg = ddp.process_group().clone();
         let (rank, world) = (pg.rank(), pg.size());
         let layout = ddp.fix_layout()?;
         let params = ddp.parameters();
         let grads = match stage {
             ZeroStage::One => layout.iter().map(|b| b.grads.shallow_clone()).collect(),
-            ZeroStage::Two => {
+            _ => {
                 let mut shards = Vec::new();
                 ddp.route_to("ZeRO-2 setup", |buckets| {
                     let sink = GradShards::new(buckets, world)?;
@@ -79,7 +95,7 @@ impl ShardedOptimizer {
                 ZeroStage::One => {
                     grads[b].f_narrow(0, (rank as i64 * flat.len).min(grads[b].numel() as i64), flat.own)?
                 }
-                ZeroStage::Two => grads[b].f_narrow(0, 0, flat.own)?,
+                _ => grads[b].f_narrow(0, 0, flat.own)?,
             };
             let view = flat.shard()?;
             let master = matches!(view.kind(), Kind::Half | Kind::BFloat16);
@@ -100,17 +116,6 @@ impl ShardedOptimizer {
     /// Elements of parameters this rank updates (the sum of its shards).
     pub fn shard_numel(&self) -> i64 {
         self.shards.iter().map(|s| s.params.own).sum()
-    }
-
-    /// Clips the gradients this rank steps (its shards) so that the whole model's gradient has at most
-    /// `max_norm` (see [`GradNorm`](optim::GradNorm)): each shard's placement (its pieces of the
-    /// variables, over the group and any they were split over already) says where its norm is summed.
-    /// Returns the whole model's norm before clipping. Collective; after backward, before the step.
-    pub fn clip_grad_norm(&mut self, max_norm: f64, norm_type: f64) -> Result<Tensor> {
-        self.prepare()?;
-        // every shard, empty ones too: each rank then names the same groups
-        let stepped: Vec<Tensor> = self.shards.iter().map(|s| s.stepped.shallow_clone()).collect();
-        optim::GradNorm::new(norm_type).parameters(&stepped).clip(max_norm)
     }
 
     /// The inner optimizers, one per non-empty shard.
@@ -223,6 +228,17 @@ impl Optimizer for ShardedOptimizer {
         Ok(())
     }
 
+    /// Clips the gradients this rank steps (its shards) so that the whole model's gradient has at most
+    /// `max_norm` (see [`GradNorm`](optim::GradNorm)): each shard's placement (its pieces of the
+    /// variables, over the group and any they were split over already) says where its norm is summed.
+    /// Returns the whole model's norm before clipping. Collective; after backward, before the step.
+    fn clip_grad_norm(&mut self, max_norm: f64, norm_type: f64) -> Result<Tensor> {
+        self.prepare()?;
+        // every shard, empty ones too: each rank then names the same groups
+        let stepped: Vec<Tensor> = self.shards.iter().map(|s| s.stepped.shallow_clone()).collect();
+        optim::GradNorm::new(norm_type).parameters(&stepped).clip(max_norm)
+    }
+
     fn gradients(&mut self) -> Result<Vec<Tensor>> {
         self.prepare()?;
         Ok(self.shards.iter().filter(|s| s.params.own > 0).map(|s| s.stepped.grad()).collect())
@@ -283,7 +299,7 @@ impl Optimizer for ShardedOptimizer {
         if self.stage == ZeroStage::Two {
             m.gradient_shards = self.shards.iter().map(|s| optim::bytes(&s.grad)).sum();
         }
-        m.owned_elements = self.shard_numel();
+        m.owned_elements = self.shards.iter().map(|s| placement::held_elements(&s.stepped)).sum();
         m
     }
 }

@@ -9,8 +9,11 @@ use std::time::Duration;
 
 use tch::{nn, nn::Module, Device, Kind, Tensor};
 use tch_dist::ddp::{DdpOptions, DistributedDataParallel};
+use tch_dist::fsdp::FsdpOptions;
 use tch_dist::optim::{AdamW, Optimizer, Sgd};
+use tch_dist::parallelize::Plan;
 use tch_dist::zero::{ShardedOptimizer, ZeroStage};
+use tch_dist::DistModule;
 
 /// Elementwise updates of the same values, and the same sums (reduce-scatter and allreduce add two or
 /// three numbers in rank order): observed bit-identical; 1e-6 leaves room for nothing more.
@@ -512,8 +515,8 @@ fn consolidated_state_is_the_unsharded_optimizers_and_reshards() {
 }
 
 /// ZeRO-2 reduce-scatters DDP's buckets itself: a DDP model with a comm hook is refused by name, and so is
-/// a second ZeRO-2 optimizer over the same model (one sink owns its gradients); the model still trains
-/// under the first.
+/// a second sharded optimizer (stage 1 or 2) over the same model (one owns its buckets); the model still
+/// trains under the first.
 #[test]
 fn zero2_refuses_a_comm_hook_and_a_second_sharding_by_name() {
     let outs = common::run_threads(2, Duration::from_secs(60), |pg| {
@@ -531,6 +534,8 @@ fn zero2_refuses_a_comm_hook_and_a_second_sharding_by_name() {
         let ddp = DistributedDataParallel::new(&vs, net, DdpOptions::default().process_group(pg.clone())).unwrap();
         let mut first = ShardedOptimizer::new(&ddp, ZeroStage::Two, make).unwrap();
         let second = ShardedOptimizer::new(&ddp, ZeroStage::Two, make).unwrap_err().to_string();
+        let third = ShardedOptimizer::new(&ddp, ZeroStage::One, make).unwrap_err().to_string();
+        assert!(third.contains("ZeRO-1") && third.contains("another ShardedOptimizer"), "{third}");
         let loss = ddp.forward(&batch(0, pg.rank(), 0)).square().mean(Kind::Float);
         ddp.backward(&loss).unwrap();
         first.step().unwrap();
@@ -538,6 +543,45 @@ fn zero2_refuses_a_comm_hook_and_a_second_sharding_by_name() {
     });
     for (hooked, second) in outs {
         assert!(hooked.contains("ZeRO-2") && hooked.contains("comm hook"), "{hooked}");
-        assert!(second.contains("ZeRO-2") && second.contains("another sink"), "{second}");
+        assert!(second.contains("ZeRO-2") && second.contains("another ShardedOptimizer"), "{second}");
     }
+}
+
+/// The plan's ZeRO: a stage its data parallelism cannot give is refused, naming the call that gives it;
+/// the model refuses to run before its sharded optimizer exists (it would train as unsharded DDP and say
+/// nothing) and refuses a second one; ZeRO-3 is FSDP, not a `ShardedOptimizer`.
+#[test]
+fn the_plans_zero_refuses_what_it_cannot_give_by_name() {
+    let e = Plan::new().zero(ZeroStage::One).unwrap_err().to_string();
+    assert!(e.contains("Plan::replicate") && e.contains("ZeRO-1"), "{e}");
+    let out = common::run_threads(1, Duration::from_secs(60), |pg| {
+        let pg = Arc::new(pg);
+        let ddp_opts = || DdpOptions::default().process_group(pg.clone());
+        let e = Plan::new().replicate(ddp_opts()).zero(ZeroStage::Three).unwrap_err().to_string();
+        assert!(e.contains("Plan::fully_shard"), "{e}");
+        let vs = nn::VarStore::new(Device::Cpu);
+        let fsdp = || Plan::new().fully_shard(&vs, FsdpOptions::default().process_group(pg.clone())).unwrap();
+        let e = fsdp().zero(ZeroStage::Two).unwrap_err().to_string();
+        assert!(e.contains("Plan::replicate"), "{e}");
+        assert!(fsdp().zero(ZeroStage::Three).is_ok(), "stage 3 is what fully_shard does");
+
+        let plan = Plan::new().replicate(ddp_opts()).zero(ZeroStage::Two).unwrap();
+        let net = plan.finish(&vs, model(&vs)).unwrap();
+        let x = batch(0, 0, 0);
+        let e = net.f_forward(&x).unwrap_err().to_string();
+        assert!(e.contains("optimizer(make)") && e.contains("ZeRO-2"), "{e}");
+        let make = |p: Vec<Tensor>| -> Box<dyn Optimizer + Send> { Box::new(Sgd::new(p, 0.1)) };
+        let mut opt = net.optimizer(make).unwrap();
+        let e = net.optimizer(make).err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(e.contains("another ShardedOptimizer"), "{e}");
+        net.backward(&net.f_forward(&x).unwrap().square().mean(Kind::Float)).unwrap();
+        opt.step().unwrap();
+
+        let vs3 = nn::VarStore::new(Device::Cpu);
+        let ddp = DistributedDataParallel::new(&vs3, model(&vs3), ddp_opts()).unwrap();
+        let e = ShardedOptimizer::new(&ddp, ZeroStage::Three, make).unwrap_err().to_string();
+        assert!(e.contains("FSDP"), "{e}");
+        vs.trainable_variables().len()
+    });
+    assert_eq!(out, vec![5]);
 }

@@ -1,8 +1,9 @@
 //! Gradient clipping under every layout equals `torch.nn.utils.clip_grad_norm_` on the unsharded model
 //! (PyTorch run here, on the full batch's gradients): the returned norm, and the parameters after one SGD
 //! step of rate 1 (so the step subtracts exactly the clipped gradient). Layouts: plain, DDP, ZeRO-1,
-//! ZeRO-2 (also under a GradScaler), FSDP on 2 and 3 ranks, tensor parallel, and TP × DP on 4 ranks;
-//! norms 2 and ∞, each clipping (the norm above max_norm).
+//! ZeRO-2 (also under a GradScaler), the plan's ZeRO-1 and ZeRO-2, FSDP on 2 and 3 ranks, tensor
+//! parallel, and TP × DP on 4 ranks; norms 2 and ∞, each clipping (the norm above max_norm). DDP and FSDP
+//! also clip through `Optimizer::clip_grad_norm`, which reads the placements of what it steps.
 use crate::common;
 
 use std::collections::BTreeMap;
@@ -16,8 +17,10 @@ use tch_dist::ddp::{DdpOptions, DistributedDataParallel};
 use tch_dist::fsdp::{FsdpBuilder, FsdpOptions};
 use tch_dist::mesh::DeviceMesh;
 use tch_dist::optim::{clip_grad_norm, GradNorm, Optimizer, Sgd};
+use tch_dist::parallelize::Plan;
 use tch_dist::tp::layers::ParallelMlp;
 use tch_dist::zero::{ShardedOptimizer, ZeroStage};
+use tch_dist::DistModule;
 
 const T: Duration = Duration::from_secs(60);
 /// Small enough that every case clips.
@@ -194,6 +197,8 @@ enum Dp {
     Ddp,
     Zero(ZeroStage),
     ZeroScaled,
+    /// the plan's ZeRO, its optimizer from the model
+    PlanZero(ZeroStage),
 }
 
 fn data_parallel(kind: Dp, p: f64) -> Vec<Got> {
@@ -201,14 +206,30 @@ fn data_parallel(kind: Dp, p: f64) -> Vec<Got> {
         let rank = pg.rank();
         let vs = nn::VarStore::new(Device::Cpu);
         let m = model_a(&vs, None);
+        if let Dp::PlanZero(stage) = kind {
+            let plan = Plan::new().replicate(DdpOptions::default().process_group(Arc::new(pg))).zero(stage).unwrap();
+            let model = plan.finish(&vs, m).unwrap();
+            let mut opt = model.optimizer(|ps| Box::new(Sgd::new(ps, 1.0))).unwrap();
+            let (x, y) = batch(rank, 3);
+            model.backward(&loss(&model.f_forward(&x).unwrap(), &y)).unwrap();
+            if stage == ZeroStage::Two {
+                let e = model.clip_grad_norm(MAX_NORM, p).unwrap_err().to_string();
+                assert!(e.contains("Optimizer::clip_grad_norm"), "{e}");
+            }
+            let t = opt.clip_grad_norm(MAX_NORM, p).unwrap().double_value(&[]);
+            opt.step().unwrap();
+            return (t, named(&vs));
+        }
         let ddp = DistributedDataParallel::new(&vs, m, DdpOptions::default().process_group(Arc::new(pg))).unwrap();
         let (x, y) = batch(rank, 3);
         let out = ddp.f_forward(&x).unwrap();
         let total = match kind {
             Dp::Ddp => {
                 ddp.backward(&loss(&out, &y)).unwrap();
-                let t = clip_grad_norm(&ddp.parameters(), MAX_NORM, p).unwrap().double_value(&[]);
-                Sgd::new(ddp.parameters(), 1.0).step().unwrap();
+                // the optimizer's own clip: its parameters' placements say they are DDP's replicas
+                let mut opt = Sgd::new(ddp.parameters(), 1.0);
+                let t = opt.clip_grad_norm(MAX_NORM, p).unwrap().double_value(&[]);
+                opt.step().unwrap();
                 t
             }
             Dp::Zero(stage) => {
@@ -218,6 +239,7 @@ fn data_parallel(kind: Dp, p: f64) -> Vec<Got> {
                 opt.step().unwrap();
                 t
             }
+            Dp::PlanZero(_) => unreachable!("run above"),
             Dp::ZeroScaled => {
                 let mut opt = ShardedOptimizer::new(&ddp, ZeroStage::Two, |ps| Box::new(Sgd::new(ps, 1.0))).unwrap();
                 let mut scaler = GradScaler::new().init_scale(1024.0);
@@ -232,7 +254,8 @@ fn data_parallel(kind: Dp, p: f64) -> Vec<Got> {
     })
 }
 
-fn fsdp(world: usize, p: f64) -> Vec<Got> {
+/// `through_optimizer`: the optimizer's clip over the shards it steps, else the model's.
+fn fsdp(world: usize, p: f64, through_optimizer: bool) -> Vec<Got> {
     common::run_threads(world, T, move |pg| {
         let rank = pg.rank();
         let vs = nn::VarStore::new(Device::Cpu);
@@ -248,10 +271,12 @@ fn fsdp(world: usize, p: f64) -> Vec<Got> {
             .total()
             .unwrap()
             .double_value(&[]);
-        let total = model.clip_grad_norm(MAX_NORM, p).unwrap().double_value(&[]);
+        let mut opt = Sgd::new(model.parameters(), 1.0);
+        let total = if through_optimizer { opt.clip_grad_norm(MAX_NORM, p) } else { model.clip_grad_norm(MAX_NORM, p) };
+        let total = total.unwrap().double_value(&[]);
         let smaller = if p.is_finite() { local < total * 0.999 } else { local <= total };
         assert!(smaller, "rank {rank}: its shards' {p}-norm {local} vs the model's {total}");
-        Sgd::new(model.parameters(), 1.0).step().unwrap();
+        opt.step().unwrap();
         (total, model.state_dict().unwrap().into_iter().collect())
     })
 }
@@ -318,11 +343,19 @@ fn every_layout_clips_like_pytorch_on_the_unsharded_model() {
     for (i, p) in NORMS.into_iter().enumerate() {
         let [w2, w3, wtp, wtpdp] = [&want[4 * i], &want[4 * i + 1], &want[4 * i + 2], &want[4 * i + 3]];
         assert_same(&format!("plain, norm {p}"), &plain(p, MAX_NORM), w2);
-        for kind in [Dp::Ddp, Dp::Zero(ZeroStage::One), Dp::Zero(ZeroStage::Two), Dp::ZeroScaled] {
+        for kind in [
+            Dp::Ddp,
+            Dp::Zero(ZeroStage::One),
+            Dp::Zero(ZeroStage::Two),
+            Dp::ZeroScaled,
+            Dp::PlanZero(ZeroStage::One),
+            Dp::PlanZero(ZeroStage::Two),
+        ] {
             assert_same(&format!("{kind:?}, norm {p}"), &data_parallel(kind, p), w2);
         }
-        assert_same(&format!("FSDP on 2 ranks, norm {p}"), &fsdp(2, p), w2);
-        assert_same(&format!("FSDP on 3 ranks, norm {p}"), &fsdp(3, p), w3);
+        assert_same(&format!("FSDP on 2 ranks, norm {p}"), &fsdp(2, p, false), w2);
+        assert_same(&format!("FSDP on 3 ranks, norm {p}"), &fsdp(3, p, false), w3);
+        assert_same(&format!("FSDP on 3 ranks, the optimizer's clip, norm {p}"), &fsdp(3, p, true), w3);
         assert_same(&format!("TP on 2 ranks, norm {p}"), &tensor_parallel(2, p), wtp);
         assert_same(&format!("TP x DP on 4 ranks, norm {p}"), &tensor_parallel(4, p), wtpdp);
     }
