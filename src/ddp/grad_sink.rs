@@ -1,9 +1,12 @@
-//! Where a synchronised backward's gradients go when they are not to stay in DDP's buckets: a layer above
-//! DDP that keeps only part of each bucket's reduced gradient (a reduce-scatter into shards) gives DDP a
-//! sink, and DDP's reducer feeds it in bucket order instead of allreducing its own buffers.
+//! DDP's interface for a layer above it that shards its buckets (ZeRO-1 and ZeRO-2), the whole of it in
+//! this file: the layer fixes the bucket layout (to lay each bucket's parameters out flat and own a
+//! slice of it) and may take a synchronised backward's gradients: it gives DDP a sink, which the
+//! reducer feeds in bucket order instead of allreducing its own buffers (a reduce-scatter into shards
+//! keeps only part of each bucket's reduced gradient).
 use tch::Tensor;
 
-use crate::error::Result;
+use super::DistributedDataParallel;
+use crate::error::{Error, Result};
 use crate::group::ProcessGroup;
 
 /// A destination for bucket gradients, fed by the reducer as gradients become ready. One backward at a
@@ -26,4 +29,33 @@ pub(crate) trait GradSink: Send {
 pub(crate) struct FixedBucket {
     pub params: Vec<usize>,
     pub grads: Tensor,
+}
+
+impl<M> DistributedDataParallel<M> {
+    /// Whether [`fix_layout`](Self::fix_layout) fixed the buckets (a layer above shards them).
+    pub(crate) fn layout_fixed(&self) -> bool {
+        self.reducer.state.lock().map(|s| s.frozen).unwrap_or(true)
+    }
+
+    /// Fixes the bucket layout for good; returns each bucket's parameters and gradient buffer (the
+    /// averaged gradients after a synchronised backward).
+    pub(crate) fn fix_layout(&self) -> Result<Vec<FixedBucket>> {
+        self.reducer.fix_layout()
+    }
+
+    /// Sends synchronised backwards' gradients to a sink instead of the buckets (see [`GradSink`]).
+    /// `owner` names the caller in the error a comm hook gets: the sink reduces buckets itself.
+    pub(crate) fn route_to(
+        &self,
+        owner: &str,
+        make: impl FnOnce(&[(i64, Tensor)]) -> Result<Box<dyn GradSink>>,
+    ) -> Result<()> {
+        if self.reducer.cfg.comm_hook.is_some() {
+            return Err(Error::invalid(
+                owner,
+                format!("the DDP model has a comm hook, but {owner} reduces its buckets itself; remove the hook"),
+            ));
+        }
+        self.reducer.route_to(make).map_err(|e| e.in_op(owner.to_string()))
+    }
 }

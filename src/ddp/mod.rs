@@ -41,7 +41,7 @@ use std::sync::Arc;
 use tch::{nn, Tensor};
 
 pub use comm_hook::{CommHook, GradBucket, HookFuture};
-pub(crate) use grad_sink::{FixedBucket, GradSink};
+pub(crate) use grad_sink::GradSink;
 pub use join::JoinOptions;
 pub use memory::DdpMemory;
 pub use powersgd::{PowerSgd, PowerSgdOptions};
@@ -439,33 +439,6 @@ impl<M> DistributedDataParallel<M> {
     /// What the reducer did during the last synchronised backward, in order.
     pub fn last_events(&self) -> Vec<ReducerEvent> {
         self.reducer.state.lock().map(|s| s.events.clone()).unwrap_or_default()
-    }
-
-    /// Whether [`fix_layout`](Self::fix_layout) fixed the buckets (a layer above shards them).
-    pub(crate) fn layout_fixed(&self) -> bool {
-        self.reducer.state.lock().map(|s| s.frozen).unwrap_or(true)
-    }
-
-    /// Fixes the bucket layout for good; returns each bucket's parameters and gradient buffer (the
-    /// averaged gradients after a synchronised backward).
-    pub(crate) fn fix_layout(&self) -> Result<Vec<FixedBucket>> {
-        self.reducer.fix_layout()
-    }
-
-    /// Sends synchronised backwards' gradients to a sink instead of the buckets (see [`GradSink`]).
-    /// `owner` names the caller in the error a comm hook gets: the sink reduces buckets itself.
-    pub(crate) fn route_to(
-        &self,
-        owner: &str,
-        make: impl FnOnce(&[(i64, Tensor)]) -> Result<Box<dyn GradSink>>,
-    ) -> Result<()> {
-        if self.reducer.cfg.comm_hook.is_some() {
-            return Err(Error::invalid(
-                owner,
-                format!("the DDP model has a comm hook, but {owner} reduces its buckets itself; remove the hook"),
-            ));
-        }
-        self.reducer.route_to(make).map_err(|e| e.in_op(owner.to_string()))
     }
 
     /// Whether buckets were rebuilt from the observed gradient order.
