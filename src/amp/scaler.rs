@@ -37,9 +37,7 @@ impl GradScalerConfig {
     pub fn build(self) -> GradScaler {
         GradScaler {
             scale: self.init_scale,
-            growth_factor: self.growth_factor,
-            backoff_factor: self.backoff_factor,
-            growth_interval: self.growth_interval,
+            config: self,
             growth_tracker: 0,
             pg: None,
             found_inf: None,
@@ -50,9 +48,8 @@ impl GradScalerConfig {
 
 pub struct GradScaler {
     scale: f64,
-    pub growth_factor: f64,
-    pub backoff_factor: f64,
-    pub growth_interval: u32,
+    /// The settings it was built with (the setters change them); the scale moves from `init_scale`.
+    pub config: GradScalerConfig,
     growth_tracker: u32,
     pg: Option<Arc<ProcessGroup>>,
     /// Set by unscaling, cleared by `update`: 1 where this step's gradients overflowed on some rank (on the
@@ -73,19 +70,20 @@ impl GradScaler {
         GradScalerConfig::default().build()
     }
     pub fn init_scale(mut self, s: f64) -> Self {
+        self.config.init_scale = s;
         self.scale = s;
         self
     }
     pub fn growth_factor(mut self, f: f64) -> Self {
-        self.growth_factor = f;
+        self.config.growth_factor = f;
         self
     }
     pub fn backoff_factor(mut self, f: f64) -> Self {
-        self.backoff_factor = f;
+        self.config.backoff_factor = f;
         self
     }
     pub fn growth_interval(mut self, n: u32) -> Self {
-        self.growth_interval = n;
+        self.config.growth_interval = n;
         self
     }
     /// Ranks of `pg` skip steps together.
@@ -194,12 +192,12 @@ impl GradScaler {
         self.found_inf = None;
         self.stepped = false;
         if found {
-            self.scale = (self.scale * self.backoff_factor) as f32 as f64;
+            self.scale = (self.scale * self.config.backoff_factor) as f32 as f64;
             self.growth_tracker = 0;
         } else {
             self.growth_tracker += 1;
-            if self.growth_tracker == self.growth_interval {
-                let grown = (self.scale * self.growth_factor) as f32 as f64;
+            if self.growth_tracker == self.config.growth_interval {
+                let grown = (self.scale * self.config.growth_factor) as f32 as f64;
                 if grown.is_finite() {
                     self.scale = grown;
                 }

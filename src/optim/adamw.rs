@@ -38,13 +38,10 @@ impl AdamWConfig {
         AdamW {
             params,
             lr,
-            betas: (self.beta1, self.beta2),
-            eps: self.eps,
-            weight_decay: self.weight_decay,
+            config: self,
             step: vec![0; n],
             exp_avg: (0..n).map(|_| None).collect(),
             exp_avg_sq: (0..n).map(|_| None).collect(),
-            fused: self.fused,
         }
     }
 }
@@ -52,13 +49,11 @@ impl AdamWConfig {
 pub struct AdamW {
     params: Vec<Tensor>,
     pub lr: f64,
-    pub betas: (f64, f64),
-    pub eps: f64,
-    pub weight_decay: f64,
+    /// The settings it was built with (the setters change them).
+    pub config: AdamWConfig,
     step: Vec<i64>,
     exp_avg: Vec<Option<Tensor>>,
     exp_avg_sq: Vec<Option<Tensor>>,
-    fused: bool,
 }
 
 impl AdamW {
@@ -67,15 +62,15 @@ impl AdamW {
         AdamWConfig::default().build(params, lr)
     }
     pub fn betas(mut self, b1: f64, b2: f64) -> Self {
-        self.betas = (b1, b2);
+        (self.config.beta1, self.config.beta2) = (b1, b2);
         self
     }
     pub fn eps(mut self, e: f64) -> Self {
-        self.eps = e;
+        self.config.eps = e;
         self
     }
     pub fn weight_decay(mut self, wd: f64) -> Self {
-        self.weight_decay = wd;
+        self.config.weight_decay = wd;
         self
     }
 
@@ -90,7 +85,7 @@ impl AdamW {
     /// let opt = AdamW::new(params, 1e-3).fused(true);
     /// ```
     pub fn fused(mut self, on: bool) -> Self {
-        self.fused = on;
+        self.config.fused = on;
         self
     }
 
@@ -115,7 +110,7 @@ impl AdamW {
             return Err(crate::Error::invalid("AdamW", "a fused step over parameters without moments"));
         }
         let step_ptrs: Vec<_> = steps.iter().map(ptr).collect();
-        let (b1, b2) = self.betas;
+        let (b1, b2) = (self.config.beta1, self.config.beta2);
         // SAFETY: every handle points to a tensor alive for the call (self's, `grads`' and `steps`'), and
         // each list has idx.len() entries.
         let code = unsafe {
@@ -129,8 +124,8 @@ impl AdamW {
                 self.lr,
                 b1,
                 b2,
-                self.weight_decay,
-                self.eps,
+                self.config.weight_decay,
+                self.config.eps,
             )
         };
         check(code, std::time::Duration::ZERO, || format!("fused AdamW step over {} parameters", idx.len()))
@@ -194,7 +189,7 @@ impl Optimizer for AdamW {
                 self.exp_avg_sq[i] = Some(p.f_zeros_like()?);
             }
             // the kernel walks flat memory, and takes one device and dtype per call (as PyTorch groups)
-            if self.fused && p.numel() > 0 && g.kind() == p.kind() && p.is_contiguous() && g.is_contiguous() {
+            if self.config.fused && p.numel() > 0 && g.kind() == p.kind() && p.is_contiguous() && g.is_contiguous() {
                 self.step[i] += 1;
                 let group = (p.device(), p.kind());
                 match fused.iter_mut().find(|(k, _, _)| *k == group) {
@@ -208,7 +203,17 @@ impl Optimizer for AdamW {
             }
             let (Some(m), Some(v)) = (&self.exp_avg[i], &self.exp_avg_sq[i]) else { continue };
             self.step[i] += 1;
-            update(&p, &g, m, v, self.lr, self.weight_decay, self.betas, self.eps, self.step[i])?;
+            update(
+                &p,
+                &g,
+                m,
+                v,
+                self.lr,
+                self.config.weight_decay,
+                (self.config.beta1, self.config.beta2),
+                self.config.eps,
+                self.step[i],
+            )?;
         }
         for (_, idx, grads) in fused {
             self.step_fused(&idx, &grads)?;

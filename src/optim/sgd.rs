@@ -25,25 +25,15 @@ impl SgdConfig {
     /// The optimizer over `params` at learning rate `lr`.
     pub fn build(self, params: Vec<Tensor>, lr: f64) -> Sgd {
         let n = params.len();
-        Sgd {
-            params,
-            lr,
-            momentum: self.momentum,
-            dampening: self.dampening,
-            nesterov: self.nesterov,
-            weight_decay: self.weight_decay,
-            buffers: (0..n).map(|_| None).collect(),
-        }
+        Sgd { params, lr, config: self, buffers: (0..n).map(|_| None).collect() }
     }
 }
 
 pub struct Sgd {
     params: Vec<Tensor>,
     pub lr: f64,
-    pub momentum: f64,
-    pub dampening: f64,
-    pub nesterov: bool,
-    pub weight_decay: f64,
+    /// The settings it was built with (the setters change them).
+    pub config: SgdConfig,
     buffers: Vec<Option<Tensor>>,
 }
 
@@ -53,26 +43,26 @@ impl Sgd {
         SgdConfig::default().build(params, lr)
     }
     pub fn momentum(mut self, m: f64) -> Self {
-        self.momentum = m;
+        self.config.momentum = m;
         self
     }
     pub fn dampening(mut self, d: f64) -> Self {
-        self.dampening = d;
+        self.config.dampening = d;
         self
     }
     pub fn nesterov(mut self, on: bool) -> Self {
-        self.nesterov = on;
+        self.config.nesterov = on;
         self
     }
     pub fn weight_decay(mut self, wd: f64) -> Self {
-        self.weight_decay = wd;
+        self.config.weight_decay = wd;
         self
     }
 }
 
 impl Optimizer for Sgd {
     fn step(&mut self) -> Result<()> {
-        if self.nesterov && (self.momentum <= 0.0 || self.dampening != 0.0) {
+        if self.config.nesterov && (self.config.momentum <= 0.0 || self.config.dampening != 0.0) {
             return Err(Error::invalid("Sgd", "Nesterov momentum needs momentum > 0 and zero dampening"));
         }
         let _s = crate::timeline::span("optimizer", || "SGD step".into());
@@ -84,16 +74,17 @@ impl Optimizer for Sgd {
                 super::skip_without_grad("Sgd::step", p)?;
                 continue;
             }
-            let mut d = if self.weight_decay != 0.0 { add_scaled(&g, p, self.weight_decay, false)? } else { g };
-            if self.momentum != 0.0 {
+            let mut d =
+                if self.config.weight_decay != 0.0 { add_scaled(&g, p, self.config.weight_decay, false)? } else { g };
+            if self.config.momentum != 0.0 {
                 let b = match buf {
                     Some(b) => {
-                        let _ = b.f_mul_scalar_(self.momentum)?;
-                        add_scaled(b, &d, 1.0 - self.dampening, true)?
+                        let _ = b.f_mul_scalar_(self.config.momentum)?;
+                        add_scaled(b, &d, 1.0 - self.config.dampening, true)?
                     }
                     None => buf.insert(d.f_detach_copy()?).shallow_clone(),
                 };
-                d = if self.nesterov { add_scaled(&d, &b, self.momentum, false)? } else { b };
+                d = if self.config.nesterov { add_scaled(&d, &b, self.config.momentum, false)? } else { b };
             }
             let _ = add_scaled(p, &d, -self.lr, true)?;
         }
