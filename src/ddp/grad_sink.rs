@@ -32,9 +32,14 @@ pub(crate) struct FixedBucket {
 }
 
 impl<M> DistributedDataParallel<M> {
-    /// Whether [`fix_layout`](Self::fix_layout) fixed the buckets (a layer above shards them).
-    pub(crate) fn layout_fixed(&self) -> bool {
-        self.reducer.state.lock().map(|s| s.frozen).unwrap_or(true)
+    /// Whether a layer above shards the buckets ([`mark_sharded`](Self::mark_sharded)).
+    pub(crate) fn sharded(&self) -> bool {
+        super::reducer::lock(&self.reducer.state).sharded
+    }
+
+    /// The layer above is built: one per model, and the model may run.
+    pub(crate) fn mark_sharded(&self) {
+        super::reducer::lock(&self.reducer.state).sharded = true;
     }
 
     /// Fixes the bucket layout for good; returns each bucket's parameters and gradient buffer (the
@@ -50,12 +55,19 @@ impl<M> DistributedDataParallel<M> {
         owner: &str,
         make: impl FnOnce(&[(i64, Tensor)]) -> Result<Box<dyn GradSink>>,
     ) -> Result<()> {
+        self.refuse_comm_hook(owner)?;
+        self.reducer.route_to(make).map_err(|e| e.in_op(owner.to_string()))
+    }
+
+    /// A sink reduces the buckets itself, so a comm hook would never run: refused before anything
+    /// changes.
+    pub(crate) fn refuse_comm_hook(&self, owner: &str) -> Result<()> {
         if self.reducer.cfg.comm_hook.is_some() {
             return Err(Error::invalid(
                 owner,
                 format!("the DDP model has a comm hook, but {owner} reduces its buckets itself; remove the hook"),
             ));
         }
-        self.reducer.route_to(make).map_err(|e| e.in_op(owner.to_string()))
+        Ok(())
     }
 }

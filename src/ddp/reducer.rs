@@ -80,6 +80,8 @@ pub(crate) struct State {
     backwards: i64,
     /// The layout no longer changes (a layer above keeps parameters and state in it).
     pub frozen: bool,
+    /// A layer above shards the buckets (set once it is built: a failed attempt leaves it unset).
+    pub sharded: bool,
     /// Where gradients go instead of the buckets (reduce-scattered into shards, say).
     pub sink: Option<Box<dyn GradSink>>,
     /// Inside `join`: uneven inputs are being shadowed.
@@ -107,7 +109,7 @@ pub(crate) struct Reducer {
     pub state: Mutex<State>,
 }
 
-fn lock(m: &Mutex<State>) -> MutexGuard<'_, State> {
+pub(super) fn lock(m: &Mutex<State>) -> MutexGuard<'_, State> {
     // A panic while holding the lock is contained by the hook trampoline; the state stays usable.
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
@@ -154,6 +156,7 @@ impl Reducer {
             forwards: 0,
             backwards: 0,
             frozen: false,
+            sharded: false,
             sink: None,
             join: None,
             divisor: cfg.world as f64,

@@ -34,7 +34,7 @@ impl Precision {
     pub const FP32_SGD: Precision = Precision { param: 4, grad: 4, optimizer: 0 };
 }
 
-/// What is sharded across the data-parallel ranks.
+/// What is sharded across the data-parallel ranks: a ZeRO stage (`Stage::from(ZeroStage::Two)`), or nothing.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Stage {
     /// Nothing (DDP): every rank holds everything.

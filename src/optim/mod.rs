@@ -55,17 +55,50 @@ pub trait Optimizer {
     /// or shard over its group, a replica nowhere), so this one call serves every layout: the
     /// parameters, tensor-parallel slices, ZeRO's and FSDP's shards. Collective where anything is
     /// sharded; after backward, before the step.
+    ///
+    /// The default reads [`stepped`](Self::stepped), whose tensors must carry the gradients `step` reads
+    /// once [`gradients`](Self::gradients) has run. An optimizer that steps nothing on this rank still
+    /// takes part in the collectives.
     fn clip_grad_norm(&mut self, max_norm: f64, norm_type: f64) -> Result<Tensor> {
-        self.gradients()?;
+        let grads = self.gradients()?;
         let stepped: Vec<Tensor> = self.stepped().into_iter().map(|s| s.tensor).collect();
-        if stepped.is_empty() {
+        if stepped.is_empty() && grads.iter().any(|g| g.defined()) {
             return Err(crate::Error::invalid(
                 "Optimizer::clip_grad_norm",
-                "this optimizer does not say which tensors it steps (Optimizer::stepped): clip its \
-                 parameters with optim::clip_grad_norm",
+                "this optimizer does not say which tensors it steps (Optimizer::stepped is not \
+                 implemented): clip its parameters with optim::clip_grad_norm",
             ));
         }
         GradNorm::new(norm_type).parameters(&stepped).clip(max_norm)
+    }
+}
+
+/// A boxed optimizer (what [`crate::parallelize::Parallel::optimizer`] returns) is one, so that it goes
+/// wherever `&mut dyn Optimizer` is taken (`GradScaler::unscale`, `StateDict::optimizer`).
+impl<O: Optimizer + ?Sized> Optimizer for Box<O> {
+    fn step(&mut self) -> Result<()> {
+        (**self).step()
+    }
+    fn zero_grad(&mut self) -> Result<()> {
+        (**self).zero_grad()
+    }
+    fn state_dict(&self) -> Vec<(String, Tensor)> {
+        (**self).state_dict()
+    }
+    fn load_state_dict(&mut self, state: &[(String, Tensor)]) -> Result<()> {
+        (**self).load_state_dict(state)
+    }
+    fn gradients(&mut self) -> Result<Vec<Tensor>> {
+        (**self).gradients()
+    }
+    fn memory(&self) -> OptimizerMemory {
+        (**self).memory()
+    }
+    fn stepped(&self) -> Vec<Stepped> {
+        (**self).stepped()
+    }
+    fn clip_grad_norm(&mut self, max_norm: f64, norm_type: f64) -> Result<Tensor> {
+        (**self).clip_grad_norm(max_norm, norm_type)
     }
 }
 

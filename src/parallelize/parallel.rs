@@ -1,5 +1,6 @@
 //! What the plan's data parallelism makes of a model: [`Unit`], a block that FSDP shards as one (or the
-//! block itself), and [`Parallel`], the whole model under DDP, FSDP or HSDP (or the model itself). Both
+//! block itself), and [`Parallel`], the whole model under DDP, ZeRO-1/2, FSDP or HSDP (or the model
+//! itself), with the optimizer for its layout. Both
 //! are tch `nn::ModuleT`s, whatever the plan, so that the model code does not change between layouts.
 use tch::{nn, Tensor};
 
@@ -72,7 +73,9 @@ impl<M> Parallel<M> {
     /// The optimizer for this layout, `make` building it over the tensors it updates: the parameters
     /// (no data parallelism, DDP), this rank's shard of each of DDP's buckets (the plan's ZeRO-1 or 2,
     /// one inner optimizer per shard, inside a [`ShardedOptimizer`]), or FSDP's shards (ZeRO-3). Under
-    /// ZeRO-1/2, once per model and before the first forward.
+    /// ZeRO-1/2, once per model and before the first forward; there, clip with the optimizer's
+    /// [`clip_grad_norm`](Optimizer::clip_grad_norm) and end each step with its
+    /// [`zero_grad`](Optimizer::zero_grad), which also resets what it keeps for the shards.
     ///
     /// ```no_run
     /// # fn f(model: &tch_dist::parallelize::Parallel<tch::nn::Linear>) -> tch_dist::Result<()> {
@@ -96,7 +99,7 @@ impl<M> Parallel<M> {
     /// would train as plain DDP, unsharded, and say nothing.
     fn check_sharded(&self, op: &str) -> Result<()> {
         match self {
-            Parallel::Zero { ddp, stage } if !ddp.layout_fixed() => Err(Error::invalid(
+            Parallel::Zero { ddp, stage } if !ddp.sharded() => Err(Error::invalid(
                 op,
                 format!(
                     "the plan shards the optimizer (ZeRO-{}), but none was built: call optimizer(make) on \
@@ -195,14 +198,18 @@ impl<M: nn::ModuleT> DistModule for Parallel<M> {
         }
     }
 
-    /// Under ZeRO-2 the parameters have no gradients after backward (their shards do, in the
-    /// optimizer): clipping goes through the optimizer, which this names.
+    /// Under ZeRO the optimizer steps from its own gradients (DDP's buckets under stage 1, which need
+    /// not be the parameters' `.grad`; the shards under stage 2): clipping goes through the optimizer,
+    /// which this names.
     fn clip_grad_norm(&self, max_norm: f64, norm_type: f64) -> Result<Tensor> {
-        if let Parallel::Zero { stage: ZeroStage::Two, .. } = self {
+        if let Parallel::Zero { stage, .. } = self {
             return Err(Error::invalid(
                 "Parallel::clip_grad_norm",
-                "under ZeRO-2 the gradients are the optimizer's shards: call clip_grad_norm on the optimizer \
-                 (Optimizer::clip_grad_norm)",
+                format!(
+                    "under ZeRO-{} the optimizer holds the gradients it steps: call clip_grad_norm on the \
+                     optimizer (Optimizer::clip_grad_norm)",
+                    stage.number()
+                ),
             ));
         }
         crate::optim::clip_grad_norm(&self.parameters(), max_norm, norm_type)

@@ -127,7 +127,12 @@ impl Plan {
     /// Data parallelism by DDP (PyTorch's `replicate`): [`finish`](Self::finish) wraps the model in
     /// [`DistributedDataParallel`] over the options' group.
     pub fn replicate(mut self, opts: DdpOptions) -> Plan {
-        self.dp = DataParallelism::Replicate(opts, None);
+        // a ZeRO stage set before stays (a new replicate changes DDP's options only)
+        let zero = match &self.dp {
+            DataParallelism::Replicate(_, zero) => *zero,
+            _ => None,
+        };
+        self.dp = DataParallelism::Replicate(opts, zero);
         self
     }
 
@@ -163,6 +168,15 @@ impl Plan {
     /// [`finish`](Self::finish) makes the rest the root. The VarStore's trainable variables become this
     /// rank's shards, so tch's optimizers built over it after `finish` step them.
     pub fn fully_shard(mut self, vs: &nn::VarStore, opts: FsdpOptions) -> Result<Plan> {
+        if let DataParallelism::Replicate(_, Some(stage)) = &self.dp {
+            return Err(Error::invalid(
+                "Plan::fully_shard",
+                format!(
+                    "the plan runs ZeRO-{} over DDP; FSDP is ZeRO-3 (a plan has one data parallelism)",
+                    stage.number()
+                ),
+            ));
+        }
         self.dp = DataParallelism::Shard(Arc::new(Mutex::new(Some(Arc::new(FsdpBuilder::new(vs, opts)?)))));
         Ok(self)
     }

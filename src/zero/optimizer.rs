@@ -61,7 +61,7 @@ impl ShardedOptimizer {
                  (fsdp::FullyShardedDataParallel, or Plan::fully_shard) and step its shards with any optimizer",
             ));
         }
-        if ddp.layout_fixed() {
+        if ddp.sharded() {
             return Err(Error::invalid(
                 "ShardedOptimizer::new",
                 format!(
@@ -69,6 +69,9 @@ impl ShardedOptimizer {
                     stage.number()
                 ),
             ));
+        }
+        if stage == ZeroStage::Two {
+            ddp.refuse_comm_hook("ZeRO-2 setup")?;
         }
         let pg = ddp.process_group().clone();
         let (rank, world) = (pg.rank(), pg.size());
@@ -106,6 +109,7 @@ impl ShardedOptimizer {
             record_pieces(&stepped, &pg, &flat, &members, &params)?;
             shards.push(Shard { params: flat, grad, stepped, master, opt, members });
         }
+        ddp.mark_sharded();
         Ok(ShardedOptimizer { pg, stage, shards, params, full_grads: grads, prepared: false })
     }
 

@@ -55,7 +55,8 @@ fn check(what: &str, got: ModelStates, stage: Stage, world: usize) {
     close(&format!("{what} optimizer"), got.optimizer, want.optimizer);
 }
 
-fn data_parallel(world: usize, stage: Stage) -> Vec<ModelStates> {
+/// DDP (`zero` none) or ZeRO-1/2 over it.
+fn data_parallel(world: usize, zero: Option<ZeroStage>) -> Vec<ModelStates> {
     common::run_threads(world, T, move |pg| {
         let rank = pg.rank();
         let vs = nn::VarStore::new(Device::Cpu);
@@ -63,13 +64,9 @@ fn data_parallel(world: usize, stage: Stage) -> Vec<ModelStates> {
         // small buckets: several of them, each padded to the world size under ZeRO
         let opts = DdpOptions::default().process_group(Arc::new(pg)).bucket_cap_mb(0.004);
         let ddp = DistributedDataParallel::new(&vs, seq, opts).unwrap();
-        let mut opt: Box<dyn Optimizer> = match stage {
-            Stage::Replicated => Box::new(AdamW::new(ddp.parameters(), 1e-3)),
-            Stage::One | Stage::Two => {
-                let z = if stage == Stage::One { ZeroStage::One } else { ZeroStage::Two };
-                Box::new(ShardedOptimizer::new(&ddp, z, |p| Box::new(AdamW::new(p, 1e-3))).unwrap())
-            }
-            Stage::Three => unreachable!(),
+        let mut opt: Box<dyn Optimizer> = match zero {
+            None => Box::new(AdamW::new(ddp.parameters(), 1e-3)),
+            Some(z) => Box::new(ShardedOptimizer::new(&ddp, z, |p| Box::new(AdamW::new(p, 1e-3))).unwrap()),
         };
         ddp.backward(&step_loss(&ddp.f_forward(&input(rank)).unwrap())).unwrap();
         opt.step().unwrap();
@@ -112,8 +109,9 @@ fn fsdp(world: usize) -> Vec<ModelStates> {
 #[test]
 fn the_plan_predicts_memory_breakdown_for_every_stage() {
     for world in [2, 3] {
-        for stage in [Stage::Replicated, Stage::One, Stage::Two] {
-            for (r, got) in data_parallel(world, stage).into_iter().enumerate() {
+        for zero in [None, Some(ZeroStage::One), Some(ZeroStage::Two)] {
+            let stage = zero.map_or(Stage::Replicated, Stage::from);
+            for (r, got) in data_parallel(world, zero).into_iter().enumerate() {
                 check(&format!("{stage:?} on {world} ranks, rank {r}"), got, stage, world);
             }
         }

@@ -527,7 +527,10 @@ fn zero2_refuses_a_comm_hook_and_a_second_sharding_by_name() {
             let net = model(&vs);
             let opts = DdpOptions::default().process_group(pg.clone()).comm_hook(tch_dist::ddp::comm_hook::allreduce());
             let ddp = DistributedDataParallel::new(&vs, net, opts).unwrap();
-            ShardedOptimizer::new(&ddp, ZeroStage::Two, make).unwrap_err().to_string()
+            let e = ShardedOptimizer::new(&ddp, ZeroStage::Two, make).unwrap_err().to_string();
+            // the refusal changed nothing: stage 1 (which keeps DDP's reduction, hook included) takes it
+            ShardedOptimizer::new(&ddp, ZeroStage::One, make).unwrap();
+            e
         };
         let vs = nn::VarStore::new(Device::Cpu);
         let net = model(&vs);
@@ -564,6 +567,10 @@ fn the_plans_zero_refuses_what_it_cannot_give_by_name() {
         let e = fsdp().zero(ZeroStage::Two).unwrap_err().to_string();
         assert!(e.contains("Plan::replicate"), "{e}");
         assert!(fsdp().zero(ZeroStage::Three).is_ok(), "stage 3 is what fully_shard does");
+        let zero1 = Plan::new().replicate(ddp_opts()).zero(ZeroStage::One).unwrap();
+        let e = zero1.clone().fully_shard(&vs, FsdpOptions::default()).unwrap_err().to_string();
+        assert!(e.contains("ZeRO-1") && e.contains("ZeRO-3"), "{e}");
+        assert!(format!("{:?}", zero1.replicate(ddp_opts())).contains("ZeRO-1"), "a new replicate keeps the stage");
 
         let plan = Plan::new().replicate(ddp_opts()).zero(ZeroStage::Two).unwrap();
         let net = plan.finish(&vs, model(&vs)).unwrap();

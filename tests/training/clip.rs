@@ -212,10 +212,10 @@ fn data_parallel(kind: Dp, p: f64) -> Vec<Got> {
             let mut opt = model.optimizer(|ps| Box::new(Sgd::new(ps, 1.0))).unwrap();
             let (x, y) = batch(rank, 3);
             model.backward(&loss(&model.f_forward(&x).unwrap(), &y)).unwrap();
-            if stage == ZeroStage::Two {
-                let e = model.clip_grad_norm(MAX_NORM, p).unwrap_err().to_string();
-                assert!(e.contains("Optimizer::clip_grad_norm"), "{e}");
-            }
+            let e = model.clip_grad_norm(MAX_NORM, p).unwrap_err().to_string();
+            assert!(e.contains("Optimizer::clip_grad_norm") && e.contains(&format!("ZeRO-{}", stage.number())), "{e}");
+            // the plan's stage reached the optimizer: gradient shards under stage 2 only
+            assert_eq!(opt.memory().gradient_shards > 0, stage == ZeroStage::Two, "{stage:?}");
             let t = opt.clip_grad_norm(MAX_NORM, p).unwrap().double_value(&[]);
             opt.step().unwrap();
             return (t, named(&vs));
