@@ -149,6 +149,26 @@ impl<M: nn::ModuleT> DistModule for DistributedDataParallel<M> {
     fn state_dict(&self) -> Result<Vec<(String, Tensor)>> {
         Ok(DistributedDataParallel::state_dict(self))
     }
+    /// Refused once a [`ShardedOptimizer`](crate::zero::ShardedOptimizer) shards the model: it steps its
+    /// own gradients (DDP's buckets, or the shards), which need not be the parameters'.
+    fn clip_grad_norm(&self, max_norm: f64, norm_type: f64) -> Result<Tensor> {
+        if self.sharded() {
+            return Err(optimizer_clips("DistributedDataParallel::clip_grad_norm", "ZeRO"));
+        }
+        crate::optim::clip_grad_norm(&self.parameters(), max_norm, norm_type)
+    }
+}
+
+/// The error of a model's `clip_grad_norm` under ZeRO (`what`), whose optimizer holds the gradients it
+/// steps.
+pub(crate) fn optimizer_clips(op: &str, what: &str) -> crate::Error {
+    crate::Error::invalid(
+        op,
+        format!(
+            "under {what} the optimizer holds the gradients it steps: call clip_grad_norm on the optimizer \
+             (Optimizer::clip_grad_norm)"
+        ),
+    )
 }
 
 impl<M: nn::ModuleT> DistModule for FullyShardedDataParallel<M> {

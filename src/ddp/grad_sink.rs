@@ -5,6 +5,9 @@
 //! keeps only part of each bucket's reduced gradient).
 use tch::Tensor;
 
+use std::sync::Arc;
+
+use super::reducer::{lock, Reducer};
 use super::DistributedDataParallel;
 use crate::error::{Error, Result};
 use crate::group::ProcessGroup;
@@ -31,15 +34,29 @@ pub(crate) struct FixedBucket {
     pub grads: Tensor,
 }
 
+/// A DDP model's count of synchronised backwards, for a layer above whose copies of the gradients are
+/// stale once another backward has run.
+pub(crate) struct BackwardCount(Arc<Reducer>);
+
+impl BackwardCount {
+    pub(crate) fn get(&self) -> i64 {
+        lock(&self.0.state).backwards
+    }
+}
+
 impl<M> DistributedDataParallel<M> {
+    pub(crate) fn backward_count(&self) -> BackwardCount {
+        BackwardCount(self.reducer.clone())
+    }
+
     /// Whether a layer above shards the buckets ([`mark_sharded`](Self::mark_sharded)).
     pub(crate) fn sharded(&self) -> bool {
-        super::reducer::lock(&self.reducer.state).sharded
+        lock(&self.reducer.state).sharded
     }
 
     /// The layer above is built: one per model, and the model may run.
     pub(crate) fn mark_sharded(&self) {
-        super::reducer::lock(&self.reducer.state).sharded = true;
+        lock(&self.reducer.state).sharded = true;
     }
 
     /// Fixes the bucket layout for good; returns each bucket's parameters and gradient buffer (the

@@ -41,7 +41,7 @@ use std::sync::Arc;
 use tch::{nn, Tensor};
 
 pub use comm_hook::{CommHook, GradBucket, HookFuture};
-pub(crate) use grad_sink::GradSink;
+pub(crate) use grad_sink::{BackwardCount, GradSink};
 pub use join::JoinOptions;
 pub use memory::DdpMemory;
 pub use powersgd::{PowerSgd, PowerSgdOptions};

@@ -77,7 +77,7 @@ pub(crate) struct State {
     error: Option<Error>,
     /// Synchronised forwards and backwards so far, compared across ranks after each backward.
     forwards: i64,
-    backwards: i64,
+    pub backwards: i64,
     /// The layout no longer changes (a layer above keeps parameters and state in it).
     pub frozen: bool,
     /// A layer above shards the buckets (set once it is built: a failed attempt leaves it unset).

@@ -57,8 +57,9 @@ pub trait Optimizer {
     /// sharded; after backward, before the step.
     ///
     /// The default reads [`stepped`](Self::stepped), whose tensors must carry the gradients `step` reads
-    /// once [`gradients`](Self::gradients) has run. An optimizer that steps nothing on this rank still
-    /// takes part in the collectives.
+    /// once [`gradients`](Self::gradients) has run. Every rank of a group something is sharded over must
+    /// step a part of it, as ZeRO's empty shards and FSDP's do: a rank that names no group takes part in
+    /// no sum.
     fn clip_grad_norm(&mut self, max_norm: f64, norm_type: f64) -> Result<Tensor> {
         let grads = self.gradients()?;
         let stepped: Vec<Tensor> = self.stepped().into_iter().map(|s| s.tensor).collect();

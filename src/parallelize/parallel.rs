@@ -203,14 +203,8 @@ impl<M: nn::ModuleT> DistModule for Parallel<M> {
     /// which this names.
     fn clip_grad_norm(&self, max_norm: f64, norm_type: f64) -> Result<Tensor> {
         if let Parallel::Zero { stage, .. } = self {
-            return Err(Error::invalid(
-                "Parallel::clip_grad_norm",
-                format!(
-                    "under ZeRO-{} the optimizer holds the gradients it steps: call clip_grad_norm on the \
-                     optimizer (Optimizer::clip_grad_norm)",
-                    stage.number()
-                ),
-            ));
+            let what = format!("ZeRO-{}", stage.number());
+            return Err(crate::dist_module::optimizer_clips("Parallel::clip_grad_norm", &what));
         }
         crate::optim::clip_grad_norm(&self.parameters(), max_norm, norm_type)
     }

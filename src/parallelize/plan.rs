@@ -125,7 +125,7 @@ impl Plan {
     }
 
     /// Data parallelism by DDP (PyTorch's `replicate`): [`finish`](Self::finish) wraps the model in
-    /// [`DistributedDataParallel`] over the options' group.
+    /// [`DistributedDataParallel`] over the options' group. A ZeRO stage set before stays.
     pub fn replicate(mut self, opts: DdpOptions) -> Plan {
         // a ZeRO stage set before stays (a new replicate changes DDP's options only)
         let zero = match &self.dp {

@@ -9,7 +9,7 @@ use super::flat::{self, FlatBucket};
 use super::grad_shards::GradShards;
 use super::ZeroStage;
 use crate::ddp::DistributedDataParallel;
-use crate::ddp::GradSink;
+use crate::ddp::{BackwardCount, GradSink};
 use crate::error::{Error, Result};
 use crate::group::ProcessGroup;
 use crate::hooks;
@@ -40,8 +40,10 @@ pub struct ShardedOptimizer {
     /// gradient shards (stage 2).
     pub(super) params: Vec<Tensor>,
     full_grads: Vec<Tensor>,
-    /// Gradients of `stepped` set (and, with master weights, cast) for the coming step.
-    prepared: bool,
+    /// DDP's synchronised backwards so far: gradients prepared for an earlier one are stale.
+    backwards: BackwardCount,
+    /// The backward whose gradients `stepped` has (with master weights, cast), for the coming step.
+    prepared: Option<i64>,
 }
 
 impl ShardedOptimizer {
@@ -77,29 +79,12 @@ impl ShardedOptimizer {
         let (rank, world) = (pg.rank(), pg.size());
         let layout = ddp.fix_layout()?;
         let params = ddp.parameters();
-        let grads = match stage {
-            ZeroStage::One => layout.iter().map(|b| b.grads.shallow_clone()).collect(),
-            _ => {
-                let mut shards = Vec::new();
-                ddp.route_to("ZeRO-2 setup", |buckets| {
-                    let sink = GradShards::new(buckets, world)?;
-                    shards = sink.shards.iter().map(|t| t.shallow_clone()).collect();
-                    Ok(Box::new(sink) as Box<dyn GradSink>)
-                })?;
-                shards
-            }
-        };
-        let mut shards = Vec::with_capacity(layout.len());
-        for (b, idx) in layout.iter().map(|b| &b.params).enumerate() {
+        // Everything that can fail comes before DDP hands its gradients over (stage 2's route_to, whose
+        // sink is built last): a failed setup leaves the model as plain DDP, free for another try.
+        let mut built = Vec::with_capacity(layout.len());
+        for idx in layout.iter().map(|b| &b.params) {
             let members: Vec<Tensor> = idx.iter().map(|&i| params[i].shallow_clone()).collect();
             let flat = FlatBucket::new(&members, rank, world)?;
-            let grad = match stage {
-                // DDP's bucket is unpadded: a rank whose shard is all padding gets an empty slice at the end
-                ZeroStage::One => {
-                    grads[b].f_narrow(0, (rank as i64 * flat.len).min(grads[b].numel() as i64), flat.own)?
-                }
-                _ => grads[b].f_narrow(0, 0, flat.own)?,
-            };
             let view = flat.shard()?;
             let master = matches!(view.kind(), Kind::Half | Kind::BFloat16);
             let stepped = if master { view.f_to_kind(Kind::Float)? } else { view.f_detach()? }.set_requires_grad(true);
@@ -107,10 +92,47 @@ impl ShardedOptimizer {
             let members: Vec<(usize, i64, Vec<i64>)> =
                 idx.iter().zip(&flat.offsets).map(|(&i, &off)| (i, off, params[i].size())).collect();
             record_pieces(&stepped, &pg, &flat, &members, &params)?;
-            shards.push(Shard { params: flat, grad, stepped, master, opt, members });
+            built.push((flat, stepped, master, opt, members));
         }
+        // this rank's averaged gradient of each bucket, and the full buffers zero_grad zeroes
+        let (grads, full_grads) = match stage {
+            ZeroStage::One => {
+                let mut grads = Vec::with_capacity(layout.len());
+                for (b, (flat, ..)) in layout.iter().zip(&built) {
+                    // DDP's bucket is unpadded: a rank whose shard is all padding gets an empty slice at the end
+                    let at = (rank as i64 * flat.len).min(b.grads.numel() as i64);
+                    grads.push(b.grads.f_narrow(0, at, flat.own)?);
+                }
+                (grads, layout.iter().map(|b| b.grads.shallow_clone()).collect())
+            }
+            _ => {
+                let mut out = (Vec::new(), Vec::new());
+                ddp.route_to("ZeRO-2 setup", |buckets| {
+                    let sink = GradShards::new(buckets, world)?;
+                    for (t, (flat, ..)) in sink.shards.iter().zip(&built) {
+                        out.0.push(t.f_narrow(0, 0, flat.own)?);
+                    }
+                    out.1 = sink.shards.iter().map(|t| t.shallow_clone()).collect();
+                    Ok(Box::new(sink) as Box<dyn GradSink>)
+                })?;
+                out
+            }
+        };
+        let shards = built
+            .into_iter()
+            .zip(grads)
+            .map(|((params, stepped, master, opt, members), grad)| Shard {
+                params,
+                grad,
+                stepped,
+                master,
+                opt,
+                members,
+            })
+            .collect();
         ddp.mark_sharded();
-        Ok(ShardedOptimizer { pg, stage, shards, params, full_grads: grads, prepared: false })
+        let backwards = ddp.backward_count();
+        Ok(ShardedOptimizer { pg, stage, shards, params, full_grads, backwards, prepared: None })
     }
 
     pub fn stage(&self) -> ZeroStage {
@@ -129,11 +151,12 @@ impl ShardedOptimizer {
 
     /// Points the inner optimizers at all gradients at once (for [`Optimizer::gradients`]).
     fn prepare(&mut self) -> Result<()> {
-        if !self.prepared {
+        let now = self.backwards.get();
+        if self.prepared != Some(now) {
             for s in &self.shards {
                 s.prepare()?;
             }
-            self.prepared = true;
+            self.prepared = Some(now);
         }
         Ok(())
     }
@@ -198,7 +221,7 @@ impl Optimizer for ShardedOptimizer {
         // A rank whose own step fails still takes part in every gather (with its shard as it is), so
         // the others are not left waiting; then every rank learns of the failure at once.
         let mut local = Ok(());
-        let prepared = self.prepared;
+        let prepared = self.prepared == Some(self.backwards.get());
         for (b, s) in self.shards.iter_mut().enumerate() {
             if local.is_ok() {
                 local = s.step_local(prepared);
@@ -209,7 +232,7 @@ impl Optimizer for ShardedOptimizer {
         for w in pending.into_iter().flatten() {
             w.wait()?;
         }
-        self.prepared = false;
+        self.prepared = None;
         self.pg.meta().outcome("ZeRO step", local)
     }
 
@@ -228,7 +251,7 @@ impl Optimizer for ShardedOptimizer {
                 hooks::set_grad(&s.stepped, None)?;
             }
         }
-        self.prepared = false;
+        self.prepared = None;
         Ok(())
     }
 

@@ -159,10 +159,21 @@ fn autocast_under_ddp_averages_the_local_autocast_gradients() {
 
 #[test]
 fn forced_overflow_under_zero2_skips_the_step_on_every_rank() {
+    overflow_under_zero2(false);
+}
+
+/// The step after a skipped one is taken when the step ends with the model's `zero_grad` rather than the
+/// optimizer's: the float32 gradient copies of the skipped step are not read again.
+#[test]
+fn after_a_skipped_step_zero2_reads_the_new_gradients_whichever_zero_grad_ran() {
+    overflow_under_zero2(true);
+}
+
+fn overflow_under_zero2(model_zero_grad: bool) {
     // float16 parameters, float32 master weights sharded by ZeRO-2. At step 2, rank 1 alone adds a term
     // whose gradient overflows float16 in the first element of the first bucket, which rank 0 owns: the
     // inf reaches rank 0's gradient shard only, so rank 1 must learn of it from the agreement.
-    let out = common::run_threads(2, Duration::from_secs(60), |pg| {
+    let out = common::run_threads(2, Duration::from_secs(60), move |pg| {
         let pg = Arc::new(pg);
         let rank = pg.rank();
         let mut vs = nn::VarStore::new(Device::Cpu);
@@ -191,7 +202,11 @@ fn forced_overflow_under_zero2_skips_the_step_on_every_rank() {
             let local_finite = opt.gradients().unwrap().iter().all(|g| g.isfinite().all().int64_value(&[]) == 1);
             let stepped = sc.step(&mut opt).unwrap();
             sc.update().unwrap();
-            opt.zero_grad().unwrap();
+            if model_zero_grad {
+                ddp.zero_grad().unwrap();
+            } else {
+                opt.zero_grad().unwrap();
+            }
             let moved = common::model::max_diff(&before, &common::model::params(&vs)) > 0.0;
             log.push((step, local_finite, stepped, moved, sc.get_scale()));
         }
