@@ -182,7 +182,8 @@ impl Log {
 }
 
 /// Passes buckets to the manager's hook; at `--kill-at-step`, SIGKILLs this process once the second
-/// bucket is ready (the first one's reduction is under way).
+/// bucket is ready, before its reduction is posted (the first one's is under way), so that the step
+/// can never complete with this replica's gradients.
 #[derive(Debug)]
 struct KillMidBackward {
     inner: Arc<dyn CommHook>,
@@ -193,7 +194,6 @@ struct KillMidBackward {
 
 impl CommHook for KillMidBackward {
     fn run(&self, pg: &Arc<ProcessGroup>, bucket: &GradBucket) -> tch_dist::Result<HookFuture> {
-        let f = self.inner.run(pg, bucket)?;
         let first_start = std::env::var("TORCHELASTIC_RESTART_COUNT").map_or(true, |c| c == "0");
         let step = self.step.load(Ordering::SeqCst);
         if first_start && self.at == Some(step) && bucket.index() == 1.min(bucket_count(bucket) - 1) {
@@ -205,7 +205,7 @@ impl CommHook for KillMidBackward {
                 libc::kill(libc::getpid(), libc::SIGKILL);
             }
         }
-        Ok(f)
+        self.inner.run(pg, bucket)
     }
     fn fixed_layout(&self) -> bool {
         self.inner.fixed_layout()
