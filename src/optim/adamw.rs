@@ -153,22 +153,13 @@ const CHUNK: i64 = 1 << 18;
 
 /// One AdamW update of `p` in place, as torch.optim.AdamW's single-tensor path (in the shim: its ATen
 /// calls and scalars, chunk by chunk).
-#[allow(clippy::too_many_arguments)]
-fn update(
-    p: &Tensor,
-    g: &Tensor,
-    m: &Tensor,
-    v: &Tensor,
-    lr: f64,
-    wd: f64,
-    (b1, b2): (f64, f64),
-    eps: f64,
-    step: i64,
-) -> Result<()> {
+fn update(p: &Tensor, g: &Tensor, m: &Tensor, v: &Tensor, lr: f64, c: &AdamWConfig, step: i64) -> Result<()> {
     let chunk = if p.device() == tch::Device::Cpu { CPU_CHUNK } else { CHUNK };
     let ptr = |t: &Tensor| t.as_ptr() as ffi::tdx_tensor;
     // SAFETY: the four handles point to tensors alive for the call.
-    let code = unsafe { ffi::tdx_adamw_step(ptr(p), ptr(g), ptr(m), ptr(v), lr, b1, b2, wd, eps, step, chunk) };
+    let code = unsafe {
+        ffi::tdx_adamw_step(ptr(p), ptr(g), ptr(m), ptr(v), lr, c.beta1, c.beta2, c.weight_decay, c.eps, step, chunk)
+    };
     check(code, std::time::Duration::ZERO, || format!("AdamW step of a {:?} {:?} parameter", p.size(), p.kind()))
 }
 
@@ -203,17 +194,7 @@ impl Optimizer for AdamW {
             }
             let (Some(m), Some(v)) = (&self.exp_avg[i], &self.exp_avg_sq[i]) else { continue };
             self.step[i] += 1;
-            update(
-                &p,
-                &g,
-                m,
-                v,
-                self.lr,
-                self.config.weight_decay,
-                (self.config.beta1, self.config.beta2),
-                self.config.eps,
-                self.step[i],
-            )?;
+            update(&p, &g, m, v, self.lr, &self.config, self.step[i])?;
         }
         for (_, idx, grads) in fused {
             self.step_fused(&idx, &grads)?;

@@ -62,7 +62,8 @@ impl Sgd {
 
 impl Optimizer for Sgd {
     fn step(&mut self) -> Result<()> {
-        if self.config.nesterov && (self.config.momentum <= 0.0 || self.config.dampening != 0.0) {
+        let c = self.config;
+        if c.nesterov && (c.momentum <= 0.0 || c.dampening != 0.0) {
             return Err(Error::invalid("Sgd", "Nesterov momentum needs momentum > 0 and zero dampening"));
         }
         let _s = crate::timeline::span("optimizer", || "SGD step".into());
@@ -74,17 +75,16 @@ impl Optimizer for Sgd {
                 super::skip_without_grad("Sgd::step", p)?;
                 continue;
             }
-            let mut d =
-                if self.config.weight_decay != 0.0 { add_scaled(&g, p, self.config.weight_decay, false)? } else { g };
-            if self.config.momentum != 0.0 {
+            let mut d = if c.weight_decay != 0.0 { add_scaled(&g, p, c.weight_decay, false)? } else { g };
+            if c.momentum != 0.0 {
                 let b = match buf {
                     Some(b) => {
-                        let _ = b.f_mul_scalar_(self.config.momentum)?;
-                        add_scaled(b, &d, 1.0 - self.config.dampening, true)?
+                        let _ = b.f_mul_scalar_(c.momentum)?;
+                        add_scaled(b, &d, 1.0 - c.dampening, true)?
                     }
                     None => buf.insert(d.f_detach_copy()?).shallow_clone(),
                 };
-                d = if self.config.nesterov { add_scaled(&d, &b, self.config.momentum, false)? } else { b };
+                d = if c.nesterov { add_scaled(&d, &b, c.momentum, false)? } else { b };
             }
             let _ = add_scaled(p, &d, -self.lr, true)?;
         }

@@ -85,7 +85,7 @@ impl ParallelAttention {
             .transpose()?;
         let w_out = init::slice(what, c.ws_init, &[d, d], Part::even(1, d, r as usize, t as usize), opts)?;
         let out = RowParallelLinear::from_local(&(path / "out"), &w_out, b_out.as_ref(), pg, Self::row(c))?;
-        Ok(Self::assemble(qkv, out, d, heads, config, r, t))
+        Ok(Self::assemble(qkv, out, d, heads, config, (r, t)))
     }
 
     /// From the full layer's weights: `w_qkv: [3d, d]` (queries, then keys, then values, head by head
@@ -131,18 +131,17 @@ impl ParallelAttention {
         };
         let qkv = Self::qkv_from_local(path, &mine(w_qkv)?, Some(&mine(b_qkv)?), d, &pg, &config.linear)?;
         let out = RowParallelLinear::from_full(&(path / "out"), w_out, Some(b_out), pg, Self::row(&config.linear))?;
-        Ok(Self::assemble(qkv, out, d, heads, config, r, t))
+        Ok(Self::assemble(qkv, out, d, heads, config, (r, t)))
     }
 
-    #[allow(clippy::too_many_arguments)]
+    /// The layer from its projections; `(r, t)`: this rank and the group's size.
     fn assemble(
         qkv: ColumnParallelLinear,
         out: RowParallelLinear,
         d: i64,
         heads: i64,
         config: ParallelAttentionConfig,
-        r: i64,
-        t: i64,
+        (r, t): (i64, i64),
     ) -> Self {
         let (rank, ranks) = (r as usize, t as usize);
         ParallelAttention { qkv, out, local_heads: heads / t, head_dim: d / heads, config, rank, ranks }
