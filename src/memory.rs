@@ -110,6 +110,14 @@ pub fn cuda_device_count() -> usize {
     n.max(0) as usize
 }
 
+/// The calling thread's current CUDA device (`torch.cuda.current_device`), if CUDA is usable.
+pub fn current_cuda_device() -> Option<usize> {
+    let mut d = -1;
+    // SAFETY: out-pointer valid for the call.
+    let code = unsafe { ffi::tdx_cuda_current_device(&mut d) };
+    (code == ffi::TDX_OK && d >= 0).then_some(d as usize)
+}
+
 /// Makes `cuda:index` the current CUDA device of the calling thread (`torch.cuda.set_device`): where the
 /// caching allocator puts what is allocated without a device of its own.
 pub fn set_cuda_device(index: usize) -> Result<()> {

@@ -180,7 +180,7 @@ impl DeviceMesh {
         for (name, _) in dims {
             let ranks = layout.group_ranks(world.rank(), name)?;
             let g = world
-                .new_subgroup(&ranks, &format!("mesh-{name}"))?
+                .new_partition_subgroup(&ranks, &format!("mesh-{name}"))?
                 .ok_or_else(|| Error::invalid("DeviceMesh", "this rank is not in its own group"))?;
             groups.push(Arc::new(g));
         }
@@ -225,7 +225,7 @@ impl DeviceMesh {
         }
         let ranks = self.layout.flat_group_ranks(world.rank(), &names)?;
         let g = world
-            .new_subgroup(&ranks, &format!("mesh-{}", names.join("_")))?
+            .new_partition_subgroup(&ranks, &format!("mesh-{}", names.join("_")))?
             .ok_or_else(|| Error::invalid("DeviceMesh::flatten", "this rank is not in its own group"))?;
         Ok(Arc::new(g))
     }

@@ -1,19 +1,83 @@
-//! One c10d backend (a `ProcessGroupGloo` or `ProcessGroupNCCL`) behind the shim's handle.
+//! One c10d backend (a `ProcessGroupGloo` or `ProcessGroupNCCL`) behind the shim's handle, and the
+//! process's list of them: shut down as PyTorch's `destroy_process_group` does (c10d's `shutdown()`:
+//! pending work completes, then the communicators go), newest first so that subgroups go before their
+//! parent, by [`shutdown_all`] and at the process's exit. Without it `~ProcessGroupNCCL` aborts the
+//! communicators of a group with work still queued, and a group a process never dropped (the default
+//! group, in a static) would lose its queued collectives when `main` returns.
 use std::ffi::CString;
 use std::ptr::NonNull;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, Once, Weak};
 use std::time::Duration;
 
 use super::{Backend, GroupOptions};
 use crate::error::{check, Error, Result};
 use crate::ffi;
+use crate::flight::GroupTrace;
 use crate::store::{millis, Store};
 
 pub(crate) struct Engine {
     ptr: NonNull<ffi::tdx_pg>,
     pub backend: Backend,
-    /// A wait gave up on one of its collectives while it still ran (a peer stopped heartbeating): the
-    /// engine's threads wait on that peer until the collective timeout, so it is not destroyed.
-    pub abandoned: std::sync::atomic::AtomicBool,
+    /// The group's trace: a wait of it that gave up on a collective while it still ran (a peer stopped
+    /// heartbeating) leaves the engine's threads waiting on that peer until the collective timeout, so
+    /// such an engine is aborted, never waited for.
+    trace: Arc<GroupTrace>,
+    /// Shut down already (its handle stays valid; the shim refuses further work on it).
+    shut: AtomicBool,
+}
+
+/// How an engine is made, beyond its store and place.
+pub(crate) struct Creation<'a> {
+    /// c10d's group name and description (NCCL's logs, the flight recorder's dumps).
+    pub name: &'a str,
+    pub desc: &'a str,
+    /// NCCL: split the communicator from this group's (every rank of it forms its own part of the
+    /// partition, in the same order) with this color.
+    pub split: Option<(&'a Engine, i32)>,
+    /// NCCL with a device: create the communicator now, not at the first collective.
+    pub eager: bool,
+}
+
+/// Every engine of the process, oldest first.
+static LIVE: Mutex<Vec<Weak<Engine>>> = Mutex::new(Vec::new());
+static AT_EXIT: Once = Once::new();
+
+fn register(e: &Arc<Engine>) {
+    let mut live = LIVE.lock().unwrap_or_else(|p| p.into_inner());
+    live.retain(|w| w.strong_count() > 0);
+    live.push(Arc::downgrade(e));
+    AT_EXIT.call_once(|| {
+        // SAFETY: `exit_hook` is an `extern "C" fn()` that never unwinds; registering it has no other
+        // precondition.
+        unsafe {
+            libc::atexit(exit_hook);
+        }
+    });
+}
+
+extern "C" fn exit_hook() {
+    // the process is ending: whatever is left is shut down (a panic must not unwind into libc)
+    let _ = std::panic::catch_unwind(|| {
+        let _ = shutdown_all();
+    });
+}
+
+/// Shuts every engine of the process down, newest first (subgroups before the groups they came from);
+/// later operations on them fail with an error naming the shutdown. The first failure is returned after
+/// all were tried.
+pub(crate) fn shutdown_all() -> Result<()> {
+    let engines: Vec<Arc<Engine>> = {
+        let live = LIVE.lock().unwrap_or_else(|p| p.into_inner());
+        live.iter().rev().filter_map(Weak::upgrade).collect()
+    };
+    let mut first = None;
+    for e in engines {
+        if let Err(err) = e.shutdown() {
+            first.get_or_insert(err);
+        }
+    }
+    first.map_or(Ok(()), Err)
 }
 
 // SAFETY: c10d backends queue work under their own locks. As in PyTorch, callers must still issue
@@ -26,22 +90,18 @@ impl Engine {
     pub(crate) fn new(
         store: &Store,
         backend: Backend,
-        rank: usize,
-        size: usize,
+        (rank, size): (usize, usize),
         opts: &GroupOptions,
         cuda_device: Option<usize>,
-    ) -> Result<Engine> {
+        how: Creation<'_>,
+        trace: Arc<GroupTrace>,
+    ) -> Result<Arc<Engine>> {
         let mut out = std::ptr::null_mut();
         let what = || format!("{backend} process group (rank {rank} of {size})");
+        let c_str = |v: &str| CString::new(v).map_err(|_| Error::invalid(what(), format!("{v:?} contains a NUL byte")));
         let code = match backend {
             Backend::Gloo => {
-                let host = match &opts.hostname {
-                    Some(h) => Some(
-                        CString::new(h.as_str())
-                            .map_err(|_| Error::invalid("hostname", format!("{h:?} contains a NUL byte")))?,
-                    ),
-                    None => None,
-                };
+                let host = opts.hostname.as_deref().map(c_str).transpose()?;
                 let host_ptr = host.as_ref().map_or(std::ptr::null(), |h| h.as_ptr());
                 // SAFETY: the store handle and strings are valid for the call.
                 unsafe {
@@ -58,15 +118,48 @@ impl Engine {
             }
             Backend::Nccl => {
                 let device = cuda_device.map_or(-1, |d| d as i32);
-                // SAFETY: the store handle is valid for the call.
+                let (name, desc) = (c_str(how.name)?, c_str(how.desc)?);
+                let (parent, color) = match how.split {
+                    Some((p, c)) if p.backend == Backend::Nccl => (p.as_ptr(), c),
+                    _ => (std::ptr::null_mut(), -1),
+                };
+                // SAFETY: the store and parent handles and the strings are valid for the call.
                 unsafe {
-                    ffi::tdx_pg_nccl(store.as_ptr(), rank as i32, size as i32, millis(opts.timeout), device, &mut out)
+                    ffi::tdx_pg_nccl(
+                        store.as_ptr(),
+                        rank as i32,
+                        size as i32,
+                        millis(opts.timeout),
+                        device,
+                        name.as_ptr(),
+                        desc.as_ptr(),
+                        parent,
+                        color,
+                        how.eager as i32,
+                        &mut out,
+                    )
                 }
             }
         };
         check(code, opts.timeout, what)?;
         let ptr = NonNull::new(out).ok_or_else(|| Error::invalid(what(), "shim returned a null group"))?;
-        Ok(Engine { ptr, backend, abandoned: std::sync::atomic::AtomicBool::new(false) })
+        let e = Arc::new(Engine { ptr, backend, trace, shut: AtomicBool::new(false) });
+        register(&e);
+        Ok(e)
+    }
+
+    /// c10d's `shutdown()`: pending work completes, then the backend is destroyed. A group given up on
+    /// (a frozen peer) is aborted instead, so that this never waits on that peer. Once only.
+    pub(crate) fn shutdown(&self) -> Result<()> {
+        if self.shut.swap(true, Ordering::SeqCst) {
+            return Ok(());
+        }
+        let abort = self.trace.abandoned();
+        // SAFETY: the handle is valid until drop; the shim serialises this with calls in flight.
+        let code = unsafe { ffi::tdx_pg_shutdown(self.ptr.as_ptr(), abort as i32) };
+        check(code, Duration::ZERO, || {
+            format!("shutting down the {} process group {:?}", self.backend, self.trace.name)
+        })
     }
 
     pub(crate) fn as_ptr(&self) -> *mut ffi::tdx_pg {
@@ -82,13 +175,10 @@ impl Engine {
 
 impl Drop for Engine {
     fn drop(&mut self) {
-        if self.abandoned.load(std::sync::atomic::Ordering::SeqCst) {
-            // c10d's destructor joins the worker threads, which wait on the frozen peer for the whole
-            // collective timeout: the process, ending on the error that named the peer, would hang in
-            // it. The handle is left to the process's exit instead (its memory only).
-            return;
-        }
-        // SAFETY: we own the handle; collectives in flight hold their own references inside c10d.
+        // errors of a shutdown nobody waits for have nowhere to go
+        let _ = self.shutdown();
+        // SAFETY: we own the handle, shut down above; collectives in flight hold their own references
+        // inside c10d.
         unsafe { ffi::tdx_pg_free(self.ptr.as_ptr()) }
     }
 }

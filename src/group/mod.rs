@@ -22,6 +22,7 @@ use tch::{Device, Tensor};
 pub use backend::{Backend, BackendConfig};
 pub use checks::CheckPolicy;
 pub(crate) use checks::Scope;
+pub(crate) use engine::shutdown_all;
 use engine::Engine;
 pub use flat::Collectives;
 pub use p2p::P2pOp;
@@ -153,6 +154,8 @@ pub struct ProcessGroup {
     config: BackendConfig,
     /// The GPU of the NCCL engine, where metadata goes when the group has no CPU engine.
     cuda_device: Option<usize>,
+    /// The device was given (PyTorch's `device_id`): communicators are made eagerly, subgroups' split.
+    bound: bool,
     rank: usize,
     size: usize,
     timeout: Duration,
@@ -173,6 +176,10 @@ pub struct ProcessGroup {
     collectives: Collectives,
     /// Flat collectives run as rings so far (the same on every rank): their message tags.
     rings: std::sync::atomic::AtomicU64,
+    /// How many times each subgroup (name and ranks) was formed from this group so far: every member
+    /// forms it alike, so the count numbers each formation the same on all of them (PyTorch numbers every
+    /// group it forms) and a second formation never reads the first one's rendezvous keys.
+    formations: std::sync::Mutex<std::collections::HashMap<String, u64>>,
 }
 
 pub(crate) fn describe(t: &Tensor) -> String {
@@ -194,6 +201,17 @@ impl ProcessGroup {
         opts: &GroupOptions,
         name: &str,
     ) -> Result<ProcessGroup> {
+        ProcessGroup::create(store, (rank, size), opts, name, None)
+    }
+
+    /// Builds the group; `split`: its NCCL communicator is split from this engine's with this color.
+    fn create(
+        store: &Store,
+        (rank, size): (usize, usize),
+        opts: &GroupOptions,
+        name: &str,
+        split: Option<(Arc<Engine>, i32)>,
+    ) -> Result<ProcessGroup> {
         if size == 0 || rank >= size {
             return Err(Error::invalid(
                 "ProcessGroup::new",
@@ -203,11 +221,8 @@ impl ProcessGroup {
         opts.backend.validate()?;
         let cuda_device = if opts.backend.has_nccl() {
             let n = crate::memory::cuda_device_count();
-            let d = match opts.cuda_device {
-                Some(d) => d,
-                None if n > 0 => rank % n,
-                None => 0,
-            };
+            // PyTorch's rule: the bound device, else the current one
+            let d = opts.cuda_device.or_else(crate::memory::current_cuda_device).unwrap_or(0);
             if n > 0 && d >= n {
                 return Err(Error::invalid(
                     format!("nccl process group (rank {rank} of {size})"),
@@ -218,9 +233,19 @@ impl ProcessGroup {
         } else {
             None
         };
+        let trace = GroupTrace::new(name, rank, size, store, opts.heartbeat_timeout);
+        let desc = if name == "default" { "default_pg" } else { name.split(' ').next().unwrap_or(name) };
         let (mut cpu, mut cuda) = (None, None);
         for (prefix, backend, serves_cpu, serves_cuda) in opts.backend.engines() {
-            let e = Arc::new(Engine::new(&store.prefixed(prefix)?, backend, rank, size, opts, cuda_device)?);
+            let how = engine::Creation {
+                name,
+                desc,
+                split: split.as_ref().map(|(e, c)| (&**e, *c)),
+                // a bound device (PyTorch's device_id) makes the communicator when the group is built
+                eager: opts.cuda_device.is_some(),
+            };
+            let e =
+                Engine::new(&store.prefixed(prefix)?, backend, (rank, size), opts, cuda_device, how, trace.clone())?;
             if serves_cpu {
                 cpu = Some(e.clone());
             }
@@ -239,6 +264,7 @@ impl ProcessGroup {
             cuda,
             config: opts.backend,
             cuda_device,
+            bound: opts.cuda_device.is_some(),
             rank,
             size,
             timeout: opts.timeout,
@@ -247,11 +273,12 @@ impl ProcessGroup {
             checked: checks::Checked::default(),
             hostname: opts.hostname.clone(),
             store: store.clone(),
-            trace: GroupTrace::new(name, rank, size, store, opts.heartbeat_timeout),
+            trace,
             outcomes: std::sync::atomic::AtomicU64::new(0),
             strict,
             collectives: opts.collectives,
             rings: std::sync::atomic::AtomicU64::new(0),
+            formations: Default::default(),
         })
     }
 
@@ -303,7 +330,18 @@ impl ProcessGroup {
     /// Only the members call it (others get `None` without talking to anyone); `name` keeps different
     /// subgroups of the same ranks apart. Member `ranks[i]` is rank `i` of the subgroup.
     pub fn new_subgroup(&self, ranks: &[usize], name: &str) -> Result<Option<ProcessGroup>> {
-        match self.subgroup_plan(ranks, name)? {
+        match self.subgroup_plan(ranks, name, false)? {
+            Some(plan) => plan.form().map(Some),
+            None => Ok(None),
+        }
+    }
+
+    /// [`new_subgroup`](Self::new_subgroup) for one part of a partition of this group's ranks that every
+    /// rank forms at once, each its own part (a mesh dimension's groups, a flattening): with a bound
+    /// device, the NCCL communicator is split from this group's (c10d's split, one `ncclCommSplit`
+    /// that every rank of this group joins) instead of initialised on its own.
+    pub(crate) fn new_partition_subgroup(&self, ranks: &[usize], name: &str) -> Result<Option<ProcessGroup>> {
+        match self.subgroup_plan(ranks, name, true)? {
             Some(plan) => plan.form().map(Some),
             None => Ok(None),
         }
@@ -314,7 +352,7 @@ impl ProcessGroup {
     /// member that died before joining is found as in any collective. The forming goes on, on a thread of
     /// its own, until it succeeds or times out; its group is then dropped.
     pub(crate) fn new_subgroup_watched(&self, ranks: &[usize], name: &str) -> Result<Option<ProcessGroup>> {
-        let Some(mut plan) = self.subgroup_plan(ranks, name)? else { return Ok(None) };
+        let Some(mut plan) = self.subgroup_plan(ranks, name, false)? else { return Ok(None) };
         if !self.trace.watches_heartbeats() {
             return plan.form().map(Some);
         }
@@ -349,13 +387,22 @@ impl ProcessGroup {
         }
     }
 
-    /// What forming the subgroup of `ranks` needs; `None` when this rank is not one of them.
-    fn subgroup_plan(&self, ranks: &[usize], name: &str) -> Result<Option<SubgroupPlan>> {
+    /// What forming the subgroup of `ranks` needs; `None` when this rank is not one of them. `partition`:
+    /// every rank of this group forms its own part of one partition now (see
+    /// [`new_partition_subgroup`](Self::new_partition_subgroup)).
+    fn subgroup_plan(&self, ranks: &[usize], name: &str, partition: bool) -> Result<Option<SubgroupPlan>> {
         if let Some(&r) = ranks.iter().find(|&&r| r >= self.size) {
             return Err(Error::invalid("new_subgroup", format!("rank {r} is not in a group of size {}", self.size)));
         }
         let Some(me) = ranks.iter().position(|&r| r == self.rank) else { return Ok(None) };
-        let key = format!("subgroup/{name}/{}/", ranks.iter().map(|r| r.to_string()).collect::<Vec<_>>().join(","));
+        let members = ranks.iter().map(|r| r.to_string()).collect::<Vec<_>>().join(",");
+        let formation = {
+            let mut f = self.formations.lock().unwrap_or_else(|e| e.into_inner());
+            let n = f.entry(format!("{name}/{members}")).or_insert(0);
+            *n += 1;
+            *n
+        };
+        let key = format!("subgroup/{name}/{members}/{formation}/");
         let opts = GroupOptions {
             backend: self.config,
             timeout: self.timeout,
@@ -363,13 +410,23 @@ impl ProcessGroup {
             threads: 0,
             verify: self.verify,
             checks: self.checks,
-            cuda_device: self.cuda_device,
+            cuda_device: if self.bound { self.cuda_device } else { None },
             strict_nccl: self.strict.is_some(),
             collectives: self.collectives,
             heartbeat_timeout: self.trace.heartbeat_timeout(),
         };
-        let label = format!("{name} {:?}", ranks);
-        Ok(Some(SubgroupPlan { store: self.store.prefixed(&key)?, me, size: ranks.len(), opts, label }))
+        let label = match formation {
+            1 => format!("{name} {:?}", ranks),
+            n => format!("{name}#{n} {:?}", ranks),
+        };
+        // the color tells the parts apart: each part's lowest rank
+        let split = match (&self.cuda, partition && self.bound) {
+            (Some(e), true) if e.backend == Backend::Nccl => {
+                Some((e.clone(), ranks.iter().copied().min().unwrap_or(0) as i32))
+            }
+            _ => None,
+        };
+        Ok(Some(SubgroupPlan { store: self.store.prefixed(&key)?, me, size: ranks.len(), opts, label, split }))
     }
 
     /// The group's store (its rendezvous; also where ranks leave messages for each other).
@@ -812,17 +869,6 @@ impl ExternalRecorder {
     }
 }
 
-impl Drop for ProcessGroup {
-    fn drop(&mut self) {
-        // a collective given up on while it ran keeps the engines' threads busy: they are not destroyed
-        if self.trace.abandoned() {
-            for e in self.cpu.iter().chain(self.cuda.iter()) {
-                e.abandoned.store(true, std::sync::atomic::Ordering::SeqCst);
-            }
-        }
-    }
-}
-
 impl std::fmt::Debug for ProcessGroup {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "ProcessGroup({})", self.ctx())
@@ -836,11 +882,12 @@ struct SubgroupPlan {
     size: usize,
     opts: GroupOptions,
     label: String,
+    split: Option<(Arc<Engine>, i32)>,
 }
 
 impl SubgroupPlan {
     fn form(self) -> Result<ProcessGroup> {
-        ProcessGroup::new_named(&self.store, self.me, self.size, &self.opts, &self.label)
+        ProcessGroup::create(&self.store, (self.me, self.size), &self.opts, &self.label, self.split)
     }
 }
 

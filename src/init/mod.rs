@@ -8,6 +8,7 @@ use crate::group::{BackendConfig, GroupOptions, ProcessGroup, DEFAULT_TIMEOUT};
 use crate::store::{Store, TcpStoreOptions};
 
 mod consistency;
+pub mod launcher;
 
 /// Everything `init_process_group` needs.
 #[derive(Clone, Debug)]
@@ -54,33 +55,25 @@ impl InitOptions {
         self
     }
 
-    /// Reads `RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT` as `torchrun` sets them. With `LOCAL_RANK`
-    /// set and CUDA available, the device is `cuda:LOCAL_RANK`, which [`ProcessGroup::init`] makes the
-    /// current device; else CPU. `TCH_DIST_TIMEOUT_SECS` and
-    /// `TCH_DIST_BACKEND` override the timeout and backend; `TCH_DIST_HOSTNAME` (`tchrun --local-addr`) is
-    /// the address Gloo binds.
+    /// Reads the job's layout from its launcher: `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`,
+    /// `MASTER_PORT` as `torchrun`, `tchrun` and a Kubeflow PyTorchJob set them; without `RANK`, Slurm's
+    /// `SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID` and the first host of the job's node list (see
+    /// [`launcher::placement`]), so that `srun my-trainer` needs no launcher. The device follows
+    /// [`launcher::device`]: `cuda:LOCAL_RANK`, or `cuda:0` when one GPU is visible to the process, or the
+    /// CPU on a machine without GPUs, never silently the CPU on one with them (`TCH_DIST_DEVICE=cpu`
+    /// asks for it). [`ProcessGroup::init`] makes a CUDA device the current one. `TCH_DIST_TIMEOUT_SECS`
+    /// and `TCH_DIST_BACKEND` override the timeout and backend; `TCH_DIST_HOSTNAME` (`tchrun
+    /// --local-addr`) is the address Gloo binds.
     pub fn from_env() -> Result<Self> {
-        let rank: usize = env_num("RANK")?;
-        let world_size: usize = env_num("WORLD_SIZE")?;
-        if world_size == 0 {
-            return Err(Error::Env { var: "WORLD_SIZE".into(), msg: "must be at least 1".into() });
-        }
-        if rank >= world_size {
-            return Err(Error::Env {
-                var: "RANK".into(),
-                msg: format!("RANK={rank} is not below WORLD_SIZE={world_size}"),
-            });
-        }
-        let master_addr = env_str("MASTER_ADDR")?;
-        let master_port: u16 = env_num("MASTER_PORT")?;
-        let mut o = InitOptions::new(rank, world_size, &master_addr, master_port);
-        if let Ok(v) = std::env::var("LOCAL_RANK") {
-            let local: usize = parse_num("LOCAL_RANK", &v)?;
-            if tch::Cuda::is_available() && (local as i64) < tch::Cuda::device_count() {
-                o.device = tch::Device::Cuda(local);
-            }
-        }
-        if let Ok(v) = std::env::var("TCH_DIST_TIMEOUT_SECS") {
+        InitOptions::from_vars(&launcher::process_vars, crate::memory::cuda_device_count())
+    }
+
+    /// [`from_env`](Self::from_env) over the variables `vars` gives, on a machine with `visible_gpus`.
+    pub fn from_vars(vars: launcher::Vars, visible_gpus: usize) -> Result<Self> {
+        let p = launcher::placement(vars)?;
+        let mut o = InitOptions::new(p.rank, p.world_size, &p.master_addr, p.master_port);
+        o.device = launcher::device(vars, p.local_rank, visible_gpus)?;
+        if let Some(v) = vars("TCH_DIST_TIMEOUT_SECS") {
             let secs: f64 = parse_num("TCH_DIST_TIMEOUT_SECS", &v)?;
             o.timeout = Duration::try_from_secs_f64(secs).ok().filter(|_| secs > 0.0).ok_or_else(|| Error::Env {
                 var: "TCH_DIST_TIMEOUT_SECS".into(),
@@ -89,8 +82,8 @@ impl InitOptions {
         }
         // a bad value is named here; groups read the variable again for their default
         crate::group::heartbeat_timeout_from_env()?;
-        o.hostname = std::env::var("TCH_DIST_HOSTNAME").ok().filter(|h| !h.trim().is_empty());
-        if let Ok(v) = std::env::var("TCH_DIST_BACKEND") {
+        o.hostname = vars("TCH_DIST_HOSTNAME").filter(|h| !h.trim().is_empty());
+        if let Some(v) = vars("TCH_DIST_BACKEND") {
             o.backend = Some(v.parse().map_err(|_| Error::Env {
                 var: "TCH_DIST_BACKEND".into(),
                 msg: format!("{v:?} is not gloo, nccl or device:backend pairs such as cpu:gloo,cuda:nccl"),
@@ -98,19 +91,6 @@ impl InitOptions {
         }
         Ok(o)
     }
-}
-
-fn env_str(var: &str) -> Result<String> {
-    match std::env::var(var) {
-        Ok(v) if !v.trim().is_empty() => Ok(v.trim().to_string()),
-        Ok(_) => Err(Error::Env { var: var.into(), msg: "is empty".into() }),
-        Err(_) => Err(Error::Env { var: var.into(), msg: "is not set (torchrun and tchrun set it)".into() }),
-    }
-}
-
-fn env_num<T: std::str::FromStr>(var: &str) -> Result<T> {
-    let v = env_str(var)?;
-    parse_num(var, &v)
 }
 
 fn parse_num<T: std::str::FromStr>(var: &str, v: &str) -> Result<T> {
@@ -204,9 +184,16 @@ pub fn default_group() -> Option<Arc<ProcessGroup>> {
     GLOBAL.read().ok().and_then(|g| g.clone())
 }
 
-/// Drops the default group (collectives in flight finish first, as the group's destructor waits).
-pub fn destroy_process_group() {
+/// Shuts down every group of the process, as PyTorch's `destroy_process_group()` does: the newest first
+/// (subgroups before the groups they came from), each one's pending collectives completing before its
+/// communicators go; then forgets the default group. Handles still held elsewhere (a DDP model's, say)
+/// stay valid objects, but their collectives fail with an error naming the shutdown. The same happens
+/// at the process's exit to whatever is left, so that a program returning from `main` with collectives
+/// in flight loses none of them. A group given up on after a frozen peer is aborted, never waited for.
+pub fn destroy_process_group() -> Result<()> {
+    let r = crate::group::shutdown_all();
     if let Ok(mut g) = GLOBAL.write() {
         *g = None;
     }
+    r
 }

@@ -26,7 +26,7 @@ at::Tensor exchange(const c10::intrusive_ptr<c10d::Backend>& pg, const at::Tenso
 extern "C" int tdx_all_to_all_op(tdx_pg* g, tdx_tensor xt, const int64_t* out_splits, size_t n_out,
                                  const int64_t* in_splits, size_t n_in, tdx_tensor* out) {
   TDX_TRY({
-    auto pg = g->backend;
+    auto pg = tdx::backend(g);
     const auto& x = tdx::tensor(xt);
     std::vector<int64_t> os(out_splits, out_splits + n_out);
     std::vector<int64_t> is(in_splits, in_splits + n_in);

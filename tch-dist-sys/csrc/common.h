@@ -5,6 +5,7 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 #include <ATen/ATen.h>
 
+#include <mutex>
 #include <string>
 
 #include "tch_dist.h"
@@ -13,7 +14,9 @@ struct tdx_store {
   c10::intrusive_ptr<c10d::Store> store;
 };
 struct tdx_pg {
+  // Null once the group was shut down (tdx_pg_shutdown); read through tdx::backend, under `mu`.
   c10::intrusive_ptr<c10d::Backend> backend;
+  std::mutex mu;
 };
 struct tdx_work {
   c10::intrusive_ptr<c10d::Work> work;
@@ -24,6 +27,8 @@ namespace tdx {
 int set_error(int code, const std::string& msg);
 int classify(const std::string& msg, int fallback);
 inline at::Tensor& tensor(tdx_tensor t) { return *static_cast<at::Tensor*>(t); }
+// The group's backend for one call (a reference held for its length), or an error once it was shut down.
+c10::intrusive_ptr<c10d::Backend> backend(tdx_pg* pg);
 } // namespace tdx
 
 // Wraps a body so that no exception escapes through the C ABI. The body returns an int code.

@@ -8,6 +8,17 @@
 
 #include <cstring>
 
+namespace tdx {
+c10::intrusive_ptr<c10d::Backend> backend(tdx_pg* pg) {
+  std::lock_guard<std::mutex> g(pg->mu);
+  if (!pg->backend) {
+    throw std::invalid_argument(
+        "the process group was shut down (destroy_process_group, or the process is exiting)");
+  }
+  return pg->backend;
+}
+} // namespace tdx
+
 namespace {
 std::chrono::milliseconds ms(int64_t v) { return std::chrono::milliseconds(v); }
 
@@ -49,26 +60,72 @@ int tdx_pg_gloo(const tdx_store* s, int rank, int size, int64_t timeout_ms, cons
   })
 }
 
-int tdx_pg_nccl(const tdx_store* s, int rank, int size, int64_t timeout_ms, int device, tdx_pg** out) {
+int tdx_pg_nccl(const tdx_store* s, int rank, int size, int64_t timeout_ms, int device, const char* name,
+                const char* desc, tdx_pg* split_from, int color, int eager, tdx_pg** out) {
 #ifdef TDX_CUDA
   TDX_TRY({
     auto opts = c10d::ProcessGroupNCCL::Options::create();
     opts->timeout = ms(timeout_ms);
+    // c10d's group name and description: in NCCL's logs and the flight recorder's dumps
+    if (name) opts->group_name = name;
+    if (desc) opts->group_desc = desc;
+    if (split_from && color >= 0) {
+      // ncclCommSplit from the parent's communicator (c10d's split): every rank of the parent makes this
+      // call in the same order, each with the color of its own group
+      auto parent = c10::dynamic_intrusive_pointer_cast<c10d::ProcessGroupNCCL>(tdx::backend(split_from));
+      if (!parent) throw std::invalid_argument("split_from is not an NCCL group");
+      opts->split_from = parent;
+      opts->split_color = color;
+    }
     auto pg = c10::make_intrusive<c10d::ProcessGroupNCCL>(s->store, rank, size, opts);
-    // The barrier's device, and the one NCCL's communicator is created for (PyTorch's device_id).
-    if (device >= 0) pg->setBoundDeviceId(at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(device)));
+    if (name) pg->setGroupUid(name);
+    if (desc) pg->setGroupDesc(desc);
     pg->setSequenceNumberForGroup();
+    if (device >= 0) {
+      // The barrier's device, and the one NCCL's communicator is created for (PyTorch's device_id).
+      auto d = at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(device));
+      pg->setBoundDeviceId(d);
+      // as init_process_group(device_id=...) and new_group under it: the communicator now, not at the
+      // group's first collective (which may land mid-backward, in an order that differs by rank)
+      if (eager) pg->eagerConnectSingleDevice(d);
+    }
     *out = new tdx_pg{pg};
     return TDX_OK;
   })
 #else
-  (void)s; (void)rank; (void)size; (void)timeout_ms; (void)device; (void)out;
+  (void)s; (void)rank; (void)size; (void)timeout_ms; (void)device; (void)name; (void)desc; (void)split_from;
+  (void)color; (void)eager; (void)out;
   return tdx::set_error(TDX_EUNAVAILABLE, "NCCL is not built: enable the `cuda` feature of tch-dist");
 #endif
 }
 
+int tdx_pg_shutdown(tdx_pg* pg, int abort) {
+  TDX_TRY({
+    c10::intrusive_ptr<c10d::Backend> b;
+    {
+      std::lock_guard<std::mutex> g(pg->mu);
+      b = std::move(pg->backend);
+    }
+    if (!b) return TDX_OK;
+    if (abort) {
+      // a peer is frozen: NCCL's communicators are aborted (no wait); the backend is never destroyed,
+      // since Gloo's destructor would join threads that wait on that peer until the timeout
+      b->abort();
+      (void)b.release();
+      return TDX_OK;
+    }
+    // c10d's shutdown (what destroy_process_group calls): NCCL waits for its pending work, then destroys
+    // its communicators; then the destructor, which for Gloo runs the queued work first. Without it
+    // ~ProcessGroupNCCL aborts the communicators with work still queued.
+    b->shutdown();
+    b.reset();
+    return TDX_OK;
+  })
+}
+
 void tdx_pg_free(tdx_pg* pg) {
   try {
+    (void)tdx_pg_shutdown(pg, 0);
     delete pg;
   } catch (...) {
   }
@@ -76,14 +133,14 @@ void tdx_pg_free(tdx_pg* pg) {
 
 int tdx_pg_set_timeout(tdx_pg* pg, int64_t timeout_ms) {
   TDX_TRY({
-    pg->backend->setTimeout(ms(timeout_ms));
+    tdx::backend(pg)->setTimeout(ms(timeout_ms));
     return TDX_OK;
   })
 }
 
-int tdx_pg_backend_name(const tdx_pg* pg, char* buf, size_t len) {
+int tdx_pg_backend_name(tdx_pg* pg, char* buf, size_t len) {
   TDX_TRY({
-    auto name = pg->backend->getBackendName();
+    auto name = tdx::backend(pg)->getBackendName();
     if (len == 0) return TDX_OK;
     std::strncpy(buf, name.c_str(), len - 1);
     buf[len - 1] = 0;
@@ -97,7 +154,7 @@ int tdx_pg_allreduce(tdx_pg* pg, tdx_tensor t, int op, tdx_work** out) {
     std::vector<at::Tensor> v{tdx::tensor(t)};
     c10d::AllreduceOptions o;
     o.reduceOp = c10d::ReduceOp(static_cast<c10d::ReduceOp::RedOpType>(op));
-    return finish(pg->backend->allreduce(v, o), out);
+    return finish(tdx::backend(pg)->allreduce(v, o), out);
   })
 }
 
@@ -106,7 +163,7 @@ int tdx_pg_broadcast(tdx_pg* pg, tdx_tensor t, int root, tdx_work** out) {
     std::vector<at::Tensor> v{tdx::tensor(t)};
     c10d::BroadcastOptions o;
     o.rootRank = root;
-    return finish(pg->backend->broadcast(v, o), out);
+    return finish(tdx::backend(pg)->broadcast(v, o), out);
   })
 }
 
@@ -114,7 +171,7 @@ int tdx_pg_allgather(tdx_pg* pg, tdx_tensor* outs, size_t n, tdx_tensor in, tdx_
   TDX_TRY({
     std::vector<std::vector<at::Tensor>> o{list(outs, n)};
     std::vector<at::Tensor> i{tdx::tensor(in)};
-    return finish(pg->backend->allgather(o, i), out);
+    return finish(tdx::backend(pg)->allgather(o, i), out);
   })
 }
 
@@ -125,28 +182,28 @@ int tdx_pg_reduce_scatter(tdx_pg* pg, tdx_tensor out_t, tdx_tensor* ins, size_t 
     std::vector<std::vector<at::Tensor>> i{list(ins, n)};
     c10d::ReduceScatterOptions opts;
     opts.reduceOp = c10d::ReduceOp(static_cast<c10d::ReduceOp::RedOpType>(op));
-    return finish(pg->backend->reduce_scatter(o, i, opts), out);
+    return finish(tdx::backend(pg)->reduce_scatter(o, i, opts), out);
   })
 }
 
 int tdx_pg_send(tdx_pg* pg, tdx_tensor t, int dst, int tag, tdx_work** out) {
   TDX_TRY({
     std::vector<at::Tensor> v{tdx::tensor(t)};
-    return finish(pg->backend->send(v, dst, tag), out);
+    return finish(tdx::backend(pg)->send(v, dst, tag), out);
   })
 }
 
 int tdx_pg_recv(tdx_pg* pg, tdx_tensor t, int src, int tag, tdx_work** out) {
   TDX_TRY({
     std::vector<at::Tensor> v{tdx::tensor(t)};
-    return finish(pg->backend->recv(v, src, tag), out);
+    return finish(tdx::backend(pg)->recv(v, src, tag), out);
   })
 }
 
 int tdx_pg_allgather_base(tdx_pg* pg, tdx_tensor out_t, tdx_tensor in, tdx_work** out) {
   TDX_TRY({
     c10d::AllgatherOptions o;
-    return finish(pg->backend->_allgather_base(tdx::tensor(out_t), tdx::tensor(in), o), out);
+    return finish(tdx::backend(pg)->_allgather_base(tdx::tensor(out_t), tdx::tensor(in), o), out);
   })
 }
 
@@ -155,7 +212,7 @@ int tdx_pg_reduce_scatter_base(tdx_pg* pg, tdx_tensor out_t, tdx_tensor in, int 
     if (op < 0 || op > 4) return bad_op(op);
     c10d::ReduceScatterOptions o;
     o.reduceOp = c10d::ReduceOp(static_cast<c10d::ReduceOp::RedOpType>(op));
-    return finish(pg->backend->_reduce_scatter_base(tdx::tensor(out_t), tdx::tensor(in), o), out);
+    return finish(tdx::backend(pg)->_reduce_scatter_base(tdx::tensor(out_t), tdx::tensor(in), o), out);
   })
 }
 
@@ -167,14 +224,15 @@ int tdx_pg_alltoall_base(tdx_pg* pg, tdx_tensor out_t, tdx_tensor in, const int6
     at::Tensor o = tdx::tensor(out_t);
     at::Tensor i = tdx::tensor(in);
     c10d::AllToAllOptions opts;
-    return finish(pg->backend->alltoall_base(o, i, os, is, opts), out);
+    return finish(tdx::backend(pg)->alltoall_base(o, i, os, is, opts), out);
   })
 }
 
 int tdx_pg_batch_p2p(tdx_pg* pg, tdx_tensor* ts, const int* peers, const int* is_send, const int* tags, size_t n,
                      tdx_work** out) {
   TDX_TRY({
-    auto& b = *pg->backend;
+    auto held = tdx::backend(pg);
+    auto& b = *held;
     b.startCoalescing();
     try {
       for (size_t i = 0; i < n; i++) {
@@ -200,7 +258,7 @@ int tdx_pg_batch_p2p(tdx_pg* pg, tdx_tensor* ts, const int* peers, const int* is
 int tdx_pg_barrier(tdx_pg* pg, tdx_work** out) {
   TDX_TRY({
     c10d::BarrierOptions o;
-    return finish(pg->backend->barrier(o), out);
+    return finish(tdx::backend(pg)->barrier(o), out);
   })
 }
 

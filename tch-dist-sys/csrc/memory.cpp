@@ -144,6 +144,21 @@ bool allocator_started() {
 } // namespace
 #endif
 
+int tdx_cuda_current_device(int* out) {
+#ifdef TDX_CUDA
+  try {
+    *out = static_cast<int>(c10::cuda::current_device());
+    return TDX_OK;
+  } catch (...) {
+    *out = -1;
+    return TDX_EUNAVAILABLE;
+  }
+#else
+  *out = -1;
+  return TDX_EUNAVAILABLE;
+#endif
+}
+
 int tdx_cuda_set_device(int device) {
 #ifdef TDX_CUDA
   try {

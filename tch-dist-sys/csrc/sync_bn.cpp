@@ -53,7 +53,7 @@ struct Saved {
 extern "C" int tdx_sync_batch_norm(tdx_pg* g, tdx_tensor xt, tdx_tensor wt, tdx_tensor bt, tdx_tensor rmt,
                                    tdx_tensor rvt, double eps, double momentum, tdx_tensor* out) {
   TDX_TRY({
-    auto pg = g->backend;
+    auto pg = tdx::backend(g);
     const auto& x_in = tdx::tensor(xt);
     at::Tensor w = wt ? tdx::tensor(wt) : at::Tensor();
     at::Tensor b = bt ? tdx::tensor(bt) : at::Tensor();

@@ -51,10 +51,18 @@ void tdx_buf_free(uint8_t* p);
 int tdx_pg_gloo(const tdx_store* s, int rank, int size, int64_t timeout_ms, const char* hostname, int threads,
                 tdx_pg** out);
 // device: the CUDA device index the NCCL backend binds to (PyTorch's device_id), or -1 to leave it unbound.
-int tdx_pg_nccl(const tdx_store* s, int rank, int size, int64_t timeout_ms, int device, tdx_pg** out);
+// name, desc: c10d's group name and description (may be NULL). split_from (may be NULL) and color >= 0: the
+// communicator is split from that NCCL group's (every rank of it calls, in the same order). eager, with a
+// device: the communicator is created now rather than at the first collective.
+int tdx_pg_nccl(const tdx_store* s, int rank, int size, int64_t timeout_ms, int device, const char* name,
+                const char* desc, tdx_pg* split_from, int color, int eager, tdx_pg** out);
+// c10d's shutdown: pending work completes, then the backend is destroyed; later calls on the handle fail.
+// abort != 0: for a group given up on, the backend is aborted and never destroyed (no wait on a frozen peer).
+int tdx_pg_shutdown(tdx_pg* pg, int abort);
+// Frees the handle (shutting the group down first if that was not done).
 void tdx_pg_free(tdx_pg* pg);
 int tdx_pg_set_timeout(tdx_pg* pg, int64_t timeout_ms);
-int tdx_pg_backend_name(const tdx_pg* pg, char* buf, size_t len);
+int tdx_pg_backend_name(tdx_pg* pg, char* buf, size_t len);
 
 // op: 0 sum, 1 avg, 2 product, 3 min, 4 max (c10d::ReduceOp order)
 int tdx_pg_allreduce(tdx_pg* pg, tdx_tensor t, int op, tdx_work** out);
@@ -225,6 +233,8 @@ void tdx_cpu_reset_peak(void);
 int tdx_cuda_memory(int device, int64_t* allocated, int64_t* peak);
 int tdx_cuda_reset_peak(int device);
 int tdx_cuda_device_count(int* out);
+// The calling thread's current CUDA device (torch.cuda.current_device); TDX_EUNAVAILABLE without one.
+int tdx_cuda_current_device(int* out);
 // Makes cuda:device the calling thread's current device (torch.cuda.set_device).
 int tdx_cuda_set_device(int device);
 // torch.cuda.set_sync_debug_mode: 0 off, 1 warn, 2 error on every host-device sync; *previous gets the

@@ -56,7 +56,7 @@ at::Tensor reduce_scatter_seq(const c10::intrusive_ptr<Backend>& pg, const at::T
 
 extern "C" int tdx_tp_op(tdx_pg* g, int op, tdx_tensor xt, tdx_tensor* out) {
   TDX_TRY({
-    auto pg = g->backend;
+    auto pg = tdx::backend(g);
     const auto& x = tdx::tensor(xt);
     at::Tensor y;
     {

@@ -104,8 +104,14 @@ extern "C" {
         size: c_int,
         timeout_ms: i64,
         device: c_int,
+        name: *const c_char,
+        desc: *const c_char,
+        split_from: *mut tdx_pg,
+        color: c_int,
+        eager: c_int,
         out: *mut *mut tdx_pg,
     ) -> c_int;
+    pub fn tdx_pg_shutdown(pg: *mut tdx_pg, abort: c_int) -> c_int;
     pub fn tdx_pg_free(pg: *mut tdx_pg);
     pub fn tdx_pg_set_timeout(pg: *mut tdx_pg, timeout_ms: i64) -> c_int;
     pub fn tdx_pg_allreduce(pg: *mut tdx_pg, t: tdx_tensor, op: c_int, out: *mut *mut tdx_work) -> c_int;
@@ -332,6 +338,7 @@ extern "C" {
     pub fn tdx_cuda_memory(device: c_int, allocated: *mut i64, peak: *mut i64) -> c_int;
     pub fn tdx_cuda_reset_peak(device: c_int) -> c_int;
     pub fn tdx_cuda_device_count(out: *mut c_int) -> c_int;
+    pub fn tdx_cuda_current_device(out: *mut c_int) -> c_int;
     pub fn tdx_cuda_set_device(device: c_int) -> c_int;
     pub fn tdx_cuda_set_sync_debug_mode(mode: c_int, previous: *mut c_int) -> c_int;
 

@@ -5,3 +5,4 @@ mod common;
 
 mod collectives;
 mod failures;
+mod shutdown;

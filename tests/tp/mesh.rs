@@ -72,6 +72,56 @@ fn each_dimensions_group_reduces_among_its_ranks_on_8_ranks() {
     }
 }
 
+/// A newcomer builds a warm-up model's mesh and then the real one: two formations of the same groups.
+/// Each must be a group of its own (before, the second read the first's rendezvous keys and hung until
+/// the timeout). Both meshes and two flattenings of the same dimensions reduce, interleaved.
+#[test]
+fn the_same_mesh_built_twice_gives_two_working_meshes() {
+    let dims = [("dp", 2), ("tp", 2)];
+    let started = std::time::Instant::now();
+    let res = common::run_threads(4, Duration::from_secs(20), move |world| {
+        let first = DeviceMesh::new(&world, &dims).unwrap();
+        let second = DeviceMesh::new(&world, &dims).unwrap();
+        let flat_a = first.flatten(&world, &["dp", "tp"]).unwrap();
+        let flat_b = first.flatten(&world, &["dp", "tp"]).unwrap();
+        let mut out = Vec::new();
+        for round in 0..3i64 {
+            for (k, g) in [second.group("tp"), first.group("tp"), first.group("dp"), second.group("dp")]
+                .into_iter()
+                .map(|g| g.unwrap())
+                .chain([flat_b.clone(), flat_a.clone()])
+                .enumerate()
+            {
+                let mut t = Tensor::from_slice(&[world.rank() as i64 * 10 + round + k as i64]);
+                g.allreduce(&mut t, ReduceOp::Sum).unwrap();
+                out.push(t.int64_value(&[0]));
+            }
+        }
+        (world.rank(), out)
+    });
+    assert!(started.elapsed() < Duration::from_secs(15), "took {:?}", started.elapsed());
+    let layout = MeshLayout::new(&dims).unwrap();
+    for (rank, sums) in res {
+        let mut it = sums.into_iter();
+        for round in 0..3i64 {
+            for (k, ranks) in [
+                layout.group_ranks(rank, "tp").unwrap(),
+                layout.group_ranks(rank, "tp").unwrap(),
+                layout.group_ranks(rank, "dp").unwrap(),
+                layout.group_ranks(rank, "dp").unwrap(),
+                (0..4).collect(),
+                (0..4).collect(),
+            ]
+            .into_iter()
+            .enumerate()
+            {
+                let want: i64 = ranks.iter().map(|&r| r as i64 * 10 + round + k as i64).sum();
+                assert_eq!(it.next(), Some(want), "rank {rank}, round {round}, group {k} ({ranks:?})");
+            }
+        }
+    }
+}
+
 #[test]
 fn bad_meshes_are_refused_by_name() {
     let e = |dims: &[(&str, usize)]| MeshLayout::new(dims).unwrap_err().to_string();
