@@ -1,6 +1,6 @@
 //! The reducer: gradient buckets filled by autograd hooks, reduced asynchronously in bucket order while
 //! backward goes on, finalised when backward ends. Semantics follow PyTorch's `reducer.cpp`.
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 
 use tch::Tensor;
 
@@ -99,6 +99,15 @@ enum Launch {
     Reduce(GradBucket),
 }
 
+impl Launch {
+    fn bucket(&self) -> usize {
+        match self {
+            Launch::Sink(nb) => *nb,
+            Launch::Reduce(b) => b.index,
+        }
+    }
+}
+
 fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
     format!("panicked: {}", crate::error::panic_message(p))
 }
@@ -107,6 +116,13 @@ pub(crate) struct Reducer {
     pub pg: Arc<ProcessGroup>,
     pub cfg: Config,
     pub state: Mutex<State>,
+    /// The next bucket whose reduction may be posted. Launches are decided in bucket order under the
+    /// state lock, but posted after it is released; hooks firing on two autograd threads (two devices)
+    /// would otherwise post in either order, and NCCL runs a group's collectives in posting order, so
+    /// ranks that post differently hang. Each poster waits for its turn (as PyTorch's reducer launches
+    /// under its lock), with no lock held while the collective or the user's comm hook runs.
+    turn: Mutex<usize>,
+    turn_moved: Condvar,
 }
 
 pub(super) fn lock(m: &Mutex<State>) -> MutexGuard<'_, State> {
@@ -163,7 +179,7 @@ impl Reducer {
             forward_param_sync: true,
         };
         init_buckets(&mut st, &cfg, assignment, false)?;
-        Ok(Arc::new(Reducer { pg, cfg, state: Mutex::new(st) }))
+        Ok(Arc::new(Reducer { pg, cfg, state: Mutex::new(st), turn: Mutex::new(0), turn_moved: Condvar::new() }))
     }
 
     /// Registers one AccumulateGrad hook per parameter. The hooks hold a weak reference.
@@ -237,6 +253,10 @@ impl Reducer {
         if let Some((forwards, backwards)) = loop_counts {
             if let Err(e) = self.check_loop_agreement(forwards, backwards, LoopPhase::Backward) {
                 self.fail(e);
+                // the buckets decided here are never posted: later posters must not wait for them
+                for l in &launches {
+                    self.pass_turn(l.bucket());
+                }
                 return;
             }
         }
@@ -312,38 +332,75 @@ impl Reducer {
         Ok(launches)
     }
 
-    /// Starts the reductions of complete buckets, in order, with no lock held (they may block, as a
-    /// sink that waits for the previous bucket, and run the user's comm hook).
+    /// Waits until bucket `nb` may be posted: every bucket before it was (or was given up). Bounded by
+    /// the group's timeout, so that a poster that died cannot hold the others forever.
+    fn wait_turn(&self, nb: usize) -> Result<()> {
+        let limit = self.pg.timeout();
+        let turn = self.turn.lock().unwrap_or_else(|e| e.into_inner());
+        let (turn, waited) =
+            self.turn_moved.wait_timeout_while(turn, limit, |t| *t < nb).unwrap_or_else(|e| e.into_inner());
+        if waited.timed_out() && *turn < nb {
+            return Err(Error::invalid(
+                format!("DDP bucket {nb}"),
+                format!("bucket {} was never posted within {limit:?}", *turn),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Bucket `nb` was posted (or will never be): the next one's poster may go.
+    fn pass_turn(&self, nb: usize) {
+        let mut turn = self.turn.lock().unwrap_or_else(|e| e.into_inner());
+        *turn = (*turn).max(nb + 1);
+        self.turn_moved.notify_all();
+    }
+
+    /// Starts the reductions of complete buckets, in bucket order across threads, with no lock held
+    /// while they run (they may block, as a sink that waits for the previous bucket, and run the user's
+    /// comm hook).
     fn start(&self, launches: Vec<Launch>) -> Result<()> {
+        let mut launches = launches.into_iter();
+        let mut r = Ok(());
+        for l in launches.by_ref() {
+            let nb = l.bucket();
+            r = self.wait_turn(nb).and_then(|()| self.post(l));
+            self.pass_turn(nb);
+            if r.is_err() {
+                break;
+            }
+        }
+        // after a failure, the rest are given up: their turns pass
         for l in launches {
-            match l {
-                Launch::Sink(nb) => {
-                    let _l = crate::flight::label(format!("DDP bucket {nb}"));
-                    // out of the state while it runs (one backward at a time drives it)
-                    let Some(mut sink) = lock(&self.state).sink.take() else { continue };
-                    let r = sink.launch(&self.pg, nb);
-                    lock(&self.state).sink = Some(sink);
-                    r?;
-                }
-                Launch::Reduce(bucket) => {
-                    let _l = crate::flight::label(format!("DDP bucket {}", bucket.index));
-                    let f = match &self.cfg.comm_hook {
-                        None => HookFuture::after(
-                            self.pg.allreduce_unverified(&mut bucket.buffer.shallow_clone(), ReduceOp::Sum)?,
-                        ),
-                        Some(hook) => {
-                            // the user's code: a panic in it is this backward's error, not an abort
-                            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| hook.run(&self.pg, &bucket)))
-                                .unwrap_or_else(|p| {
-                                    Err(Error::invalid(
-                                        format!("comm hook on bucket {}", bucket.index),
-                                        panic_text(&*p),
-                                    ))
-                                })?
-                        }
-                    };
-                    lock(&self.state).in_flight.push(f);
-                }
+            self.pass_turn(l.bucket());
+        }
+        r
+    }
+
+    fn post(&self, l: Launch) -> Result<()> {
+        match l {
+            Launch::Sink(nb) => {
+                let _l = crate::flight::label(format!("DDP bucket {nb}"));
+                // out of the state while it runs (one backward at a time drives it)
+                let Some(mut sink) = lock(&self.state).sink.take() else { return Ok(()) };
+                let r = sink.launch(&self.pg, nb);
+                lock(&self.state).sink = Some(sink);
+                r?;
+            }
+            Launch::Reduce(bucket) => {
+                let _l = crate::flight::label(format!("DDP bucket {}", bucket.index));
+                let f = match &self.cfg.comm_hook {
+                    None => HookFuture::after(
+                        self.pg.allreduce_unverified(&mut bucket.buffer.shallow_clone(), ReduceOp::Sum)?,
+                    ),
+                    Some(hook) => {
+                        // the user's code: a panic in it is this backward's error, not an abort
+                        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| hook.run(&self.pg, &bucket)))
+                            .unwrap_or_else(|p| {
+                                Err(Error::invalid(format!("comm hook on bucket {}", bucket.index), panic_text(&*p)))
+                            })?
+                    }
+                };
+                lock(&self.state).in_flight.push(f);
             }
         }
         Ok(())
@@ -354,6 +411,7 @@ impl Reducer {
         let r = self.finalize_inner();
         let mut st = lock(&self.state);
         reset_iteration(&mut st);
+        *self.turn.lock().unwrap_or_else(|e| e.into_inner()) = 0;
         if r.is_ok() {
             st.iterations += 1;
         }
@@ -771,4 +829,58 @@ fn sum_grads_over(group: &ProcessGroup, params: &[Tensor]) -> Result<()> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::group::{GroupOptions, ProcessGroup};
+    use crate::store::Store;
+
+    #[derive(Debug, Default)]
+    struct Record(Mutex<Vec<usize>>);
+
+    impl CommHook for Record {
+        fn run(&self, _pg: &Arc<ProcessGroup>, bucket: &GradBucket) -> Result<HookFuture> {
+            self.0.lock().unwrap().push(bucket.index);
+            Ok(HookFuture::ready())
+        }
+    }
+
+    /// Two autograd threads (two devices) complete buckets 0 and 1; the one with bucket 1 gets to post
+    /// first. NCCL runs a group's collectives in posting order, so every rank must post bucket 0 first.
+    #[test]
+    fn buckets_are_posted_in_bucket_order_whichever_thread_completes_them() {
+        let pg = Arc::new(ProcessGroup::new(&Store::hash().unwrap(), 0, 1, &GroupOptions::default()).unwrap());
+        let record = Arc::new(Record::default());
+        let cfg = Config {
+            world: 1,
+            bucket_view: false,
+            find_unused: true,
+            first_bucket_bytes: 1,
+            bucket_bytes: 1,
+            comm_hook: Some(record.clone()),
+        };
+        let params = vec![Tensor::zeros([8], tch::kind::FLOAT_CPU), Tensor::zeros([8], tch::kind::FLOAT_CPU)];
+        let r = Reducer::new(pg, cfg, params, vec!["a".into(), "b".into()], vec![], vec![]).unwrap();
+        let launch = |nb: usize| {
+            let st = lock(&r.state);
+            Launch::Reduce(GradBucket {
+                index: nb,
+                count: st.buckets.len(),
+                buffer: st.buckets[nb].flat.shallow_clone(),
+                gradients: vec![],
+            })
+        };
+        assert_eq!(lock(&r.state).buckets.len(), 2, "one bucket per parameter");
+        let (l0, l1) = (launch(0), launch(1));
+        let second = {
+            let r = r.clone();
+            std::thread::spawn(move || r.start(vec![l1]))
+        };
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        r.start(vec![l0]).unwrap();
+        second.join().unwrap().unwrap();
+        assert_eq!(*record.0.lock().unwrap(), vec![0, 1]);
+    }
 }

@@ -171,6 +171,66 @@ pub fn placement(vars: Vars) -> Result<Placement> {
     Ok(Placement { launcher, rank, world_size, local_rank, master_addr: addr, master_port: port })
 }
 
+/// A node's place in a job whose launchers were started by `srun`, one per node (`srun
+/// --ntasks-per-node=1 tchrun ...`): what `tchrun` takes from Slurm where its options are not given.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SlurmNode {
+    pub nnodes: usize,
+    pub node_rank: usize,
+    /// The first host of the step's node list (or `MASTER_ADDR`), where node 0's launcher serves the store.
+    pub master_addr: String,
+    /// `MASTER_PORT`, else [`slurm_port`] of the job id.
+    pub master_port: u16,
+}
+
+/// `None` outside a Slurm step (no `SLURM_JOB_ID`); an error when the step does not run one task per node.
+pub fn slurm_node(vars: Vars) -> Result<Option<SlurmNode>> {
+    let Some(job) = get(vars, "SLURM_JOB_ID") else { return Ok(None) };
+    let hint = "srun sets it";
+    let nnodes = match num(vars, "SLURM_STEP_NUM_NODES")? {
+        Some(n) => n,
+        None => need(num(vars, "SLURM_NNODES")?, "SLURM_NNODES", hint)?,
+    };
+    let node_rank: usize = need(num(vars, "SLURM_NODEID")?, "SLURM_NODEID", hint)?;
+    if let Some(tasks) = num::<usize>(vars, "SLURM_NTASKS")? {
+        if tasks != nnodes {
+            return Err(Error::Env {
+                var: "SLURM_NTASKS".into(),
+                msg: format!(
+                    "{tasks} tasks on {nnodes} nodes: tchrun starts the workers of its node itself, so srun must                      start one tchrun per node (srun --ntasks-per-node=1 tchrun --nproc-per-node=GPUS ...)"
+                ),
+            });
+        }
+    }
+    if node_rank >= nnodes {
+        return Err(Error::Env {
+            var: "SLURM_NODEID".into(),
+            msg: format!("node {node_rank} is not below the step's {nnodes} nodes"),
+        });
+    }
+    let master_addr = match get(vars, "MASTER_ADDR") {
+        Some(a) => a,
+        None => {
+            let (var, list) = ["SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"]
+                .iter()
+                .find_map(|v| get(vars, v).map(|l| (*v, l)))
+                .ok_or_else(|| Error::Env { var: "SLURM_JOB_NODELIST".into(), msg: format!("is not set ({hint})") })?;
+            first_host(&list).ok_or_else(|| Error::Env {
+                var: var.into(),
+                msg: format!("{list:?} is not a Slurm host list whose first host can be read"),
+            })?
+        }
+    };
+    let master_port = match num(vars, "MASTER_PORT")? {
+        Some(p) => p,
+        None => slurm_port(&job).ok_or_else(|| Error::Env {
+            var: "SLURM_JOB_ID".into(),
+            msg: format!("{job:?} does not end in digits; set MASTER_PORT"),
+        })?,
+    };
+    Ok(Some(SlurmNode { nnodes, node_rank, master_addr, master_port }))
+}
+
 /// The device a rank takes (PyTorch's rule for `LOCAL_RANK`, and a scheduler's one-GPU binding):
 /// - `TCH_DIST_DEVICE=cpu` (or `cuda`, `cuda:N`) decides;
 /// - no GPU visible: the CPU;
@@ -321,6 +381,29 @@ mod tests {
         assert!(e.contains("\"n[x]\""), "{e}");
         let e = err(&[("RANK", "0"), ("WORLD_SIZE", "two"), ("MASTER_ADDR", "h"), ("MASTER_PORT", "1")]);
         assert!(e.contains("WORLD_SIZE") && e.contains("\"two\""), "{e}");
+    }
+
+    #[test]
+    fn tchrun_under_srun_takes_its_node_from_slurm() {
+        assert_eq!(slurm_node(&vars(&[("SLURM_PROCID", "0")])).unwrap(), None);
+        let v = vars(&[
+            ("SLURM_JOB_ID", "77"),
+            ("SLURM_NNODES", "4"),
+            ("SLURM_NODEID", "2"),
+            ("SLURM_NTASKS", "4"),
+            ("SLURM_JOB_NODELIST", "dgx[10-13]"),
+        ]);
+        let n = slurm_node(&v).unwrap().unwrap();
+        assert_eq!(n, SlurmNode { nnodes: 4, node_rank: 2, master_addr: "dgx10".into(), master_port: 15077 });
+        let v = vars(&[
+            ("SLURM_JOB_ID", "77"),
+            ("SLURM_NNODES", "2"),
+            ("SLURM_NODEID", "0"),
+            ("SLURM_NTASKS", "16"),
+            ("SLURM_JOB_NODELIST", "dgx[10-11]"),
+        ]);
+        let e = slurm_node(&v).unwrap_err().to_string();
+        assert!(e.contains("16 tasks on 2 nodes") && e.contains("--ntasks-per-node=1"), "{e}");
     }
 
     #[test]

@@ -37,11 +37,13 @@ struct Cli {
     #[arg(long, default_value_t = 1)]
     nproc_per_node: usize,
     /// Number of nodes (machines, or launchers on one machine): N, or MIN:MAX with --rdzv-endpoint.
-    #[arg(long, default_value = "1")]
-    nnodes: String,
+    /// Default 1, or the step's node count under srun.
+    #[arg(long)]
+    nnodes: Option<String>,
     /// This node's index, 0..nnodes (without --rdzv-endpoint; the rendezvous assigns it otherwise).
-    #[arg(long, default_value_t = 0)]
-    node_rank: usize,
+    /// Default 0, or SLURM_NODEID under srun.
+    #[arg(long)]
+    node_rank: Option<usize>,
     /// Elastic: HOST:PORT of the rendezvous store (hosted by the first launcher that binds it).
     #[arg(long, value_name = "HOST:PORT", conflicts_with_all = ["node_rank", "master_addr", "master_port"])]
     rdzv_endpoint: Option<String>,
@@ -58,11 +60,13 @@ struct Cli {
     /// elastic rounds advertise it (default there: the route to the endpoint).
     #[arg(long)]
     local_addr: Option<String>,
-    /// Address of rank 0's node, where the TCPStore listens.
-    #[arg(long, default_value = "127.0.0.1")]
-    master_addr: String,
-    #[arg(long, default_value_t = 29500)]
-    master_port: u16,
+    /// Address of rank 0's node, where the TCPStore listens. Default 127.0.0.1, or under srun the first
+    /// host of the step's node list.
+    #[arg(long)]
+    master_addr: Option<String>,
+    /// Default 29500, or under srun MASTER_PORT, else 15000 + the job id's last four digits.
+    #[arg(long)]
+    master_port: Option<u16>,
     /// One node on this machine: loopback and a free port (overrides the master options).
     #[arg(long, conflicts_with_all = ["nnodes", "node_rank", "master_addr", "master_port"])]
     standalone: bool,
@@ -175,7 +179,17 @@ fn main() {
         }
     }
     let grace = secs("grace-secs", cli.grace_secs);
-    let (min_nodes, max_nodes) = launch::parse_nnodes(&cli.nnodes).unwrap_or_else(|e| {
+    // under srun (one tchrun per node), what the options leave out comes from Slurm
+    let slurm = if cli.standalone || cli.rdzv_endpoint.is_some() {
+        None
+    } else {
+        tch_dist::init::launcher::slurm_node(&tch_dist::init::launcher::process_vars).unwrap_or_else(|e| {
+            eprintln!("tchrun: under srun: {e}");
+            std::process::exit(2);
+        })
+    };
+    let nnodes = cli.nnodes.clone().or_else(|| slurm.as_ref().map(|s| s.nnodes.to_string())).unwrap_or("1".into());
+    let (min_nodes, max_nodes) = launch::parse_nnodes(&nnodes).unwrap_or_else(|e| {
         eprintln!("{e}");
         std::process::exit(2);
     });
@@ -198,7 +212,7 @@ fn main() {
             })
         }
         None if min_nodes != max_nodes => {
-            eprintln!("tchrun: --nnodes {} (MIN:MAX) needs --rdzv-endpoint", cli.nnodes);
+            eprintln!("tchrun: --nnodes {nnodes} (MIN:MAX) needs --rdzv-endpoint");
             std::process::exit(2);
         }
         None => None,
@@ -217,12 +231,18 @@ fn main() {
             }
         }
     } else {
-        (cli.master_addr.clone(), cli.master_port)
+        (
+            cli.master_addr
+                .clone()
+                .or_else(|| slurm.as_ref().map(|s| s.master_addr.clone()))
+                .unwrap_or("127.0.0.1".into()),
+            cli.master_port.or(slurm.as_ref().map(|s| s.master_port)).unwrap_or(29500),
+        )
     };
     let cfg = LaunchConfig {
         nproc_per_node: cli.nproc_per_node,
         nnodes: if cli.standalone { 1 } else { min_nodes },
-        node_rank: if cli.standalone { 0 } else { cli.node_rank },
+        node_rank: if cli.standalone { 0 } else { cli.node_rank.or(slurm.as_ref().map(|s| s.node_rank)).unwrap_or(0) },
         master_addr,
         master_port,
         max_restarts: cli.max_restarts,
