@@ -73,6 +73,9 @@ enum Cmd {
         #[arg(long, default_value_t = 20)]
         iters: usize,
     },
+    /// The process `nccl-lifecycle` starts and reads (its stderr is the check).
+    #[command(hide = true)]
+    NcclLifecycleChild,
 }
 
 /// A check passed (with what it measured) or did not apply.
@@ -107,6 +110,8 @@ const CHECKS: &[(&str, Check)] = &[
     ("async-wait", async_wait),
     ("streams", streams),
     ("sync-free-steps", sync_free_steps),
+    ("nccl-lifecycle", nccl_lifecycle),
+    ("device-from-env", device_from_env),
 ];
 
 fn main() {
@@ -132,6 +137,17 @@ fn main() {
         }
         Cmd::BenchDdp { steps } => report("bench-ddp", bench_ddp(steps)),
         Cmd::BenchAllreduce { iters } => report("bench-allreduce", bench_allreduce(iters)),
+        Cmd::NcclLifecycleChild => match nccl_lifecycle_child() {
+            Ok(line) => {
+                println!("{line}");
+                // returns from main with an allreduce queued on the default group (a static)
+                0
+            }
+            Err(e) => {
+                println!("CHILD-FAIL {e}");
+                1
+            }
+        },
     };
     std::process::exit(code);
 }
@@ -788,15 +804,143 @@ fn async_wait(device: Device) -> Res<Outcome> {
     let waited = Instant::now();
     pg.all_gather_into_tensor_async(&mut out, &input)?.wait()?;
     let waited = waited.elapsed();
+    // the flight recorder counts it complete when its end event is, not when the host's wait returned
+    let state = || {
+        tch_dist::flight::entries()
+            .into_iter()
+            .rev()
+            .find(|e| e.op.starts_with("all_gather_into_tensor"))
+            .map(|e| e.state)
+    };
+    let while_queued = state();
     tch::Cuda::synchronize(0);
     let total = start.elapsed();
+    pg.barrier()?;
+    let after = state();
+    ensure(
+        while_queued == Some(tch_dist::flight::EntryState::Pending)
+            && after == Some(tch_dist::flight::EntryState::Completed),
+        || format!("the recorder had the all-gather {while_queued:?} while queued and {after:?} after it ran"),
+    )?;
     drop(acc);
     ensure(total >= Duration::from_millis(150), || format!("only {total:?} of work queued; the check needs 150 ms"))?;
     ensure(waited < Duration::from_millis(20), || {
         format!("wait() held the host {waited:?} behind {total:?} of queued work (it must return in < 20 ms)")
     })?;
     ensure(out.equal(&input), || "the all-gather's result is wrong".into())?;
-    Ok(Pass(format!("wait() returned in {waited:?} behind {n} queued matmuls ({total:?}); result right")))
+    Ok(Pass(format!(
+        "wait() returned in {waited:?} behind {n} queued matmuls ({total:?}); result right; recorded pending \
+         until its end event, then completed"
+    )))
+}
+
+/// What `from_env` picks here with `LOCAL_RANK=1`, as under Slurm's `--gpus-per-task=1`: with one
+/// visible GPU, `cuda:0` (never the CPU); with none, the CPU; with more, `cuda:1`.
+fn device_from_env(_device: Device) -> Res<Outcome> {
+    let vars = |k: &str| {
+        let v = match k {
+            "RANK" => "1",
+            "WORLD_SIZE" => "2",
+            "LOCAL_RANK" => "1",
+            "MASTER_ADDR" => "127.0.0.1",
+            "MASTER_PORT" => "29500",
+            _ => return None,
+        };
+        Some(v.to_string())
+    };
+    let n = memory::cuda_device_count();
+    let got = InitOptions::from_vars(&vars, n)?.device;
+    let want = match n {
+        0 => Device::Cpu,
+        1 => Device::Cuda(0),
+        _ => Device::Cuda(1),
+    };
+    ensure(got == want, || format!("LOCAL_RANK=1 with {n} visible GPU(s) gave {got:?}, not {want:?}"))?;
+    Ok(Pass(format!("LOCAL_RANK=1 with {n} visible GPU(s): {got:?}")))
+}
+
+/// NCCL groups' lifecycle, in a process of its own whose stderr is read: a group with a bound device
+/// creates its communicator when it is built (its first collective is faster than a lazy group's, which
+/// pays the init), a mesh dimension splits from it, c10d's recorder names the groups, a group dropped
+/// with an allreduce queued behind ~200 ms of matmuls shuts down (no abort, the right result), and the
+/// process returns from `main` with another queued on the default group.
+fn nccl_lifecycle(device: Device) -> Res<Outcome> {
+    if device == Device::Cpu {
+        return Ok(Skip("NCCL only".into()));
+    }
+    let out = std::process::Command::new(std::env::current_exe()?)
+        .arg("nccl-lifecycle-child")
+        .env("TORCH_NCCL_TRACE_BUFFER_SIZE", "100")
+        .output()?;
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    let line = stdout.lines().find(|l| l.starts_with("CHILD-")).unwrap_or("no CHILD line").to_string();
+    ensure(out.status.success() && line.starts_with("CHILD-OK"), || {
+        format!("the child ended with {}: {line}; stderr: {}", out.status, stderr.lines().last().unwrap_or(""))
+    })?;
+    for bad in ["destroy_process_group() was not called", "abort", "Abort"] {
+        ensure(!stderr.contains(bad), || format!("stderr says {bad:?}: {}", stderr.replace('\n', " | ")))?;
+    }
+    Ok(Pass(line.trim_start_matches("CHILD-OK ").to_string()))
+}
+
+fn nccl_lifecycle_child() -> Res<String> {
+    let device = Device::Cuda(0);
+    let opts = |bound: bool| GroupOptions {
+        backend: BackendConfig::NCCL,
+        timeout: Duration::from_secs(120),
+        cuda_device: bound.then_some(0),
+        ..GroupOptions::default()
+    };
+    let first = |pg: &ProcessGroup| -> Res<Duration> {
+        let mut t = Tensor::ones([1024], (Kind::Float, device));
+        let start = Instant::now();
+        pg.allreduce(&mut t, ReduceOp::Sum)?;
+        tch::Cuda::synchronize(0);
+        Ok(start.elapsed())
+    };
+    let lazy = ProcessGroup::new(&Store::hash()?, 0, 1, &opts(false))?;
+    let lazy_first = first(&lazy)?;
+    let built = Instant::now();
+    let world = Arc::new(ProcessGroup::new(&Store::hash()?, 0, 1, &opts(true))?);
+    let build = built.elapsed();
+    let eager_first = first(&world)?;
+    ensure(eager_first * 2 < lazy_first, || {
+        format!(
+            "a bound group's first collective took {eager_first:?}, a lazy one's {lazy_first:?} (built in {build:?})"
+        )
+    })?;
+    // a mesh dimension: its communicator split from the world's
+    let mesh = tch_dist::mesh::DeviceMesh::new(&world, &[("dp", 1)])?;
+    let dp = mesh.group("dp")?;
+    let split_first = first(&dp)?;
+    let trace = tch_dist::flight::nccl_trace_json()?;
+    for name in ["default_pg", "mesh-dp"] {
+        ensure(trace.contains(name), || {
+            format!("c10d's recorder does not name {name:?}: {}", &trace[..trace.len().min(300)])
+        })?;
+    }
+    // dropped with work queued: shut down, pending work first
+    let (a, n) = matmuls_for_200ms(device);
+    let mut acc = a.zeros_like();
+    for _ in 0..n {
+        acc = a.matmul(&a);
+    }
+    let mut t = acc.sum(Kind::Float).reshape([1]);
+    let want = t.copy();
+    let work = dp.allreduce_async(&mut t, ReduceOp::Sum)?;
+    drop(work);
+    drop(mesh);
+    drop(dp);
+    ensure(t.equal(&want), || "the allreduce of a dropped group left a wrong result".into())?;
+    // and the process returns from main with one more queued on the default group
+    tch_dist::init::set_default_group(world.clone())?;
+    let mut last = acc.sum(Kind::Float).reshape([1]);
+    drop(world.allreduce_async(&mut last, ReduceOp::Sum)?);
+    Ok(format!(
+        "CHILD-OK first allreduce {eager_first:?} on a bound group (built in {build:?}) vs {lazy_first:?} lazy; \
+         split mesh group's first {split_first:?}; c10d's recorder names default_pg and mesh-dp; a group dropped \
+         behind {n} matmuls shut down cleanly"
+    ))
 }
 
 /// A 4096x4096 matrix and how many of its matmuls take ~200 ms on `device` (warmed, timed over ten).

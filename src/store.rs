@@ -211,6 +211,16 @@ impl Store {
         Ok(out != 0)
     }
 
+    /// Removes `key`; whether it was there.
+    pub(crate) fn delete(&self, key: &str) -> Result<bool> {
+        let k = cstr("store key", key)?;
+        let mut out = 0;
+        // SAFETY: pointers valid for the call.
+        let code = unsafe { ffi::tdx_store_delete(self.ptr.as_ptr(), k.as_ptr(), &mut out) };
+        check(code, self.timeout, || format!("{}: delete {key:?}", self.desc))?;
+        Ok(out != 0)
+    }
+
     /// Waits until `key` is set, at most `timeout`.
     pub fn wait(&self, key: &str, timeout: Duration) -> Result<()> {
         let k = cstr("store key", key)?;

@@ -190,11 +190,20 @@ impl Work {
             // process is ending on this error, so they are never freed
             std::mem::forget(self.in_use.take());
         }
-        if let Some(t) = self.trace.take() {
+        if let Some(mut t) = self.trace.take() {
             match waited {
                 Ok(()) => {
-                    if let Some(r) = &t.recording {
-                        r.end(None);
+                    match (&self.handle, t.recording.take()) {
+                        // the stream waits; the GPU may still run it: it is complete when its end event
+                        // is, which the group's trace polls
+                        (Handle::Engine { ptr, stream_wait: true }, Some(r)) if plain => {
+                            match crate::flight::EngineProbe::of(*ptr) {
+                                Some(probe) => t.group.end_when_done(r, probe),
+                                None => r.end(None),
+                            }
+                        }
+                        (_, Some(r)) => r.end(None),
+                        (_, None) => {}
                     }
                 }
                 Err(err) => {

@@ -156,6 +156,7 @@ fi
 # 6. what one GPU cannot show, and where it is covered instead
 say "NOT COVERED on one GPU: NCCL with 2+ ranks (NCCL refuses two ranks on one GPU): its ordering rules (p2p per pair in posting order, tags ignored, batches as units, sizes) are enforced on the CPU by the strict NCCL mode, under which CI runs every multi-rank suite whose ranks are all Rust (scripts/test.sh)"
 say "NOT COVERED on one GPU: host syncs that only a group of 2+ ranks makes (agreement checks, metadata collectives, FSDP's gathers skip at world size 1), and host waits the sync debug mode does not flag (event synchronize): sync-free-steps counts what one rank does"
+say "NOT COVERED on one GPU: communicators split for 2+ ranks (ncclCommSplit with several colors, mesh dimensions of 8 GPUs), shutdown while a peer still runs, and c10d's watchdog ending a rank on a timeout: nccl-lifecycle shows them at world size 1; the order of collectives and batches per group is enforced on the CPU by the strict mode"
 say "NOT COVERED on one GPU: device placement on cuda:k, k > 0 (set_device in init, shim allocations under the tensor's device guard): needs a second GPU"
 say "NOT COVERED on one GPU: overlap of NCCL communication with compute across ranks (FSDP's side streams; the streams check shows the streams themselves overlap), and bandwidth over NVLink or a network: needs 2+ GPUs"
 [ -n "${OUT:-}" ] && cp "$work/all.log" "$OUT/gpu-kit-output.log" 2>/dev/null

@@ -22,5 +22,21 @@ mod torch_format;
 pub use analyze::{analyze, Analysis};
 pub use record::{clear_dumps, dump, entries, label, probe, Dump, Entry, EntryState, LabelGuard, TORCH_DIR};
 
-pub(crate) use progress::{GroupTrace, HeartbeatWatch, HEARTBEAT_CHECK_EVERY};
+pub(crate) use progress::{EngineProbe, GroupTrace, HeartbeatWatch, HEARTBEAT_CHECK_EVERY};
 pub(crate) use record::{current_label, enabled as recording, hostname, is_p2p, now, Recording};
+
+/// c10d's own NCCL flight recorder, as JSON (`torch.distributed` `_dump_nccl_trace_json`): its entries
+/// and `pg_config` name every NCCL group by the names tch-dist gives them. It records when
+/// `TORCH_NCCL_TRACE_BUFFER_SIZE` is above 0 before the first NCCL group (tchrun sets it); an error
+/// without the `cuda` feature.
+pub fn nccl_trace_json() -> crate::Result<String> {
+    let mut buf = std::ptr::null_mut();
+    let mut len = 0usize;
+    // SAFETY: out-pointers valid for the call; on success `buf` is a malloc'ed buffer of `len` bytes,
+    // copied and freed here.
+    let code = unsafe { crate::ffi::tdx_nccl_trace_json(&mut buf, &mut len) };
+    crate::error::check(code, std::time::Duration::ZERO, || "c10d's NCCL flight recorder".to_string())?;
+    let v = unsafe { std::slice::from_raw_parts(buf, len).to_vec() };
+    unsafe { crate::ffi::tdx_buf_free(buf) };
+    Ok(String::from_utf8_lossy(&v).into_owned())
+}

@@ -101,6 +101,39 @@ pub(crate) struct GroupTrace {
     survivable: std::sync::atomic::AtomicBool,
     /// Held while publishing or leaving.
     publishing: Mutex<()>,
+    /// NCCL operations whose host wait returned (their stream waits on them) but whose end event may
+    /// not have completed: recorded as complete only once it has.
+    unfinished: Mutex<Vec<(Recording, EngineProbe)>>,
+}
+
+/// A second handle on an engine's work, to ask whether it finished (its end event, on NCCL).
+pub(crate) struct EngineProbe(std::ptr::NonNull<crate::ffi::tdx_work>);
+
+// SAFETY: c10d's works are queried from any thread (its watchdog does); this handle is only queried and
+// freed.
+unsafe impl Send for EngineProbe {}
+
+impl EngineProbe {
+    pub(crate) fn of(w: std::ptr::NonNull<crate::ffi::tdx_work>) -> Option<EngineProbe> {
+        let mut out = std::ptr::null_mut();
+        // SAFETY: `w` is a live work handle; the clone is ours to free.
+        let code = unsafe { crate::ffi::tdx_work_clone(w.as_ptr(), &mut out) };
+        (code == crate::ffi::TDX_OK).then(|| std::ptr::NonNull::new(out).map(EngineProbe)).flatten()
+    }
+
+    fn done(&self) -> bool {
+        let mut out = 0;
+        // SAFETY: we own the handle.
+        let code = unsafe { crate::ffi::tdx_work_is_completed(self.0.as_ptr(), &mut out) };
+        code != crate::ffi::TDX_OK || out != 0
+    }
+}
+
+impl Drop for EngineProbe {
+    fn drop(&mut self) {
+        // SAFETY: we own the handle.
+        unsafe { crate::ffi::tdx_work_free(self.0.as_ptr()) }
+    }
 }
 
 /// What one long wait has seen of the other ranks' heartbeats: each one's last value, and when it
@@ -140,6 +173,7 @@ impl GroupTrace {
             left: std::sync::atomic::AtomicBool::new(false),
             survivable: std::sync::atomic::AtomicBool::new(false),
             publishing: Mutex::new(()),
+            unfinished: Mutex::new(Vec::new()),
         });
         if enabled() && size > 1 {
             register(&t);
@@ -148,7 +182,33 @@ impl GroupTrace {
     }
 
     /// A collective starts on this rank: the next sequence number, and its recording.
+    /// Records `r` as complete once `probe`'s work has finished (checked at this group's next operation
+    /// and at every heartbeat).
+    pub(crate) fn end_when_done(&self, r: Recording, probe: EngineProbe) {
+        if probe.done() {
+            r.end(None);
+            return;
+        }
+        self.unfinished.lock().unwrap_or_else(|e| e.into_inner()).push((r, probe));
+    }
+
+    /// Ends the recordings of operations that finished since.
+    fn reap(&self) {
+        let mut u = self.unfinished.lock().unwrap_or_else(|e| e.into_inner());
+        if u.is_empty() {
+            return;
+        }
+        u.retain(|(r, probe)| {
+            let done = probe.done();
+            if done {
+                r.end(None);
+            }
+            !done
+        });
+    }
+
     pub(crate) fn enter(&self, op: &str, backend: &str) -> (u64, Option<Recording>) {
+        self.reap();
         let seq = self.seq.fetch_add(1, Ordering::Relaxed) + 1;
         if !enabled() {
             return (seq, None);
@@ -421,6 +481,7 @@ fn publisher() -> Option<&'static std::thread::Thread> {
                     };
                     // no lock held while the store is talked to; every group's heartbeat, changed or not
                     for t in live {
+                        t.reap();
                         t.publish();
                         t.answer_dump_request();
                     }

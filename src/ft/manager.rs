@@ -390,7 +390,7 @@ impl Manager {
             ..GroupOptions::default()
         };
         let prefixed = store.prefixed(&format!("ft/{}/{local}/", q.id))?;
-        let g = ProcessGroup::new_named(&prefixed, me, q.members.len(), &opts, "replicate")?;
+        let g = ProcessGroup::new_named(&prefixed, (me, q.members.len()), &opts, "replicate", true)?;
         g.set_survivable();
         Ok(g)
     }

@@ -89,7 +89,8 @@ pub struct GroupOptions {
     /// ordering rules, so that code which would hang on several GPUs fails here with an error. For tests;
     /// `TCH_DIST_STRICT_NCCL=1` turns it on for every group of the process.
     pub strict_nccl: bool,
-    /// How flat all-gathers and reduce-scatters (ZeRO, FSDP) run; by default the engine's fastest.
+    /// How flat all-gathers and reduce-scatters (ZeRO, FSDP) run; by default the engine's fastest
+    /// (`TCH_DIST_COLLECTIVES` sets it for every group of the process).
     pub collectives: Collectives,
     /// A rank waiting on the host for a collective ends the wait when another rank's heartbeat (published
     /// every second by the flight recorder, whatever that rank computes) has not changed for this long:
@@ -127,7 +128,7 @@ impl Default for GroupOptions {
             checks: CheckPolicy::from_env(),
             cuda_device: None,
             strict_nccl: strict_default(),
-            collectives: Collectives::default(),
+            collectives: Collectives::from_env(),
             heartbeat_timeout: heartbeat_timeout_from_env().unwrap_or(Some(DEFAULT_HEARTBEAT_TIMEOUT)),
         }
     }
@@ -190,27 +191,33 @@ impl ProcessGroup {
     /// Builds a group on `store`, one engine per backend of `opts.backend`, each under the store prefix
     /// PyTorch gives it (`cpu/`, `cuda/`). Blocks until all `size` ranks joined, at most `opts.timeout`.
     pub fn new(store: &Store, rank: usize, size: usize, opts: &GroupOptions) -> Result<ProcessGroup> {
-        ProcessGroup::new_named(store, rank, size, opts, "default")
+        ProcessGroup::new_named(store, (rank, size), opts, "default", false)
     }
 
-    /// [`new`](Self::new) with the name the flight recorder gives the group.
+    /// [`new`](Self::new) with the name the flight recorder gives the group; `connect`: its NCCL
+    /// communicator is created now even without a bound device (a group whose membership its caller
+    /// handles at formation, as fault tolerance's quorum groups: a member lost before the first
+    /// collective would otherwise hold the others in NCCL's lazy creation until the timeout).
     pub(crate) fn new_named(
         store: &Store,
-        rank: usize,
-        size: usize,
+        (rank, size): (usize, usize),
         opts: &GroupOptions,
         name: &str,
+        connect: bool,
     ) -> Result<ProcessGroup> {
-        ProcessGroup::create(store, (rank, size), opts, name, None)
+        ProcessGroup::create(store, (rank, size), opts, name, None, connect)
     }
 
-    /// Builds the group; `split`: its NCCL communicator is split from this engine's with this color.
+    /// Builds the group; `split`: its NCCL communicator is split from this engine's with this color;
+    /// `connect`: its NCCL communicator is created now even without a bound device (a forming watched by
+    /// heartbeats, where a lost member is found; at the first collective nothing would find it).
     fn create(
         store: &Store,
         (rank, size): (usize, usize),
         opts: &GroupOptions,
         name: &str,
         split: Option<(Arc<Engine>, i32)>,
+        connect: bool,
     ) -> Result<ProcessGroup> {
         if size == 0 || rank >= size {
             return Err(Error::invalid(
@@ -242,7 +249,7 @@ impl ProcessGroup {
                 desc,
                 split: split.as_ref().map(|(e, c)| (&**e, *c)),
                 // a bound device (PyTorch's device_id) makes the communicator when the group is built
-                eager: opts.cuda_device.is_some(),
+                eager: opts.cuda_device.is_some() || connect,
             };
             let e =
                 Engine::new(&store.prefixed(prefix)?, backend, (rank, size), opts, cuda_device, how, trace.clone())?;
@@ -254,9 +261,13 @@ impl ProcessGroup {
             }
         }
         let strict = match (&cpu, opts.strict_nccl) {
-            (Some(e), true) if e.backend == Backend::Gloo => {
-                Some(Strict::new(e.clone(), rank, store.prefixed("tdx-strict/")?, opts.timeout))
-            }
+            (Some(e), true) if e.backend == Backend::Gloo => Some(Strict::new(
+                e.clone(),
+                (rank, size),
+                store.prefixed("tdx-strict/")?,
+                opts.timeout,
+                opts.cuda_device.is_some() || connect,
+            )?),
             _ => None,
         };
         Ok(ProcessGroup {
@@ -353,6 +364,7 @@ impl ProcessGroup {
     /// its own, until it succeeds or times out; its group is then dropped.
     pub(crate) fn new_subgroup_watched(&self, ranks: &[usize], name: &str) -> Result<Option<ProcessGroup>> {
         let Some(mut plan) = self.subgroup_plan(ranks, name, false)? else { return Ok(None) };
+        plan.connect = true;
         if !self.trace.watches_heartbeats() {
             return plan.form().map(Some);
         }
@@ -426,7 +438,15 @@ impl ProcessGroup {
             }
             _ => None,
         };
-        Ok(Some(SubgroupPlan { store: self.store.prefixed(&key)?, me, size: ranks.len(), opts, label, split }))
+        Ok(Some(SubgroupPlan {
+            store: self.store.prefixed(&key)?,
+            me,
+            size: ranks.len(),
+            opts,
+            label,
+            split,
+            connect: false,
+        }))
     }
 
     /// The group's store (its rendezvous; also where ranks leave messages for each other).
@@ -528,12 +548,24 @@ impl ProcessGroup {
     ) -> Result<Work> {
         let timeout = self.timeout;
         let stream_wait = e.backend == Backend::Nccl;
-        self.launch_with(e, op, finish, |desc| {
+        let post = |desc: &dyn Fn() -> String| {
             let mut out = std::ptr::null_mut();
             check(start(e.as_ptr(), &mut out), timeout, desc)?;
             let ptr = std::ptr::NonNull::new(out).ok_or_else(|| Error::invalid(desc(), "shim returned no work"))?;
             Ok(Handle::Engine { ptr, stream_wait })
-        })
+        };
+        match self.strict_for(e).filter(|_| !crate::flight::is_p2p(&op)) {
+            // in the strict mode a collective is a unit of the group's stream, as on NCCL
+            Some(s) => self.launch_with(e, op, finish, |desc| {
+                let what = desc();
+                let ticket = s.post_collective(what.clone(), || {
+                    let h = post(desc)?;
+                    Ok(Work::with_handle(h, timeout, Box::new(move || what.clone()), None))
+                })?;
+                Ok(Handle::Ticket(ticket))
+            }),
+            None => self.launch_with(e, op, finish, post),
+        }
     }
 
     /// Starts an operation through `start`, which returns what to wait on, recorded by the flight
@@ -883,11 +915,12 @@ struct SubgroupPlan {
     opts: GroupOptions,
     label: String,
     split: Option<(Arc<Engine>, i32)>,
+    connect: bool,
 }
 
 impl SubgroupPlan {
     fn form(self) -> Result<ProcessGroup> {
-        ProcessGroup::create(&self.store, (self.me, self.size), &self.opts, &self.label, self.split)
+        ProcessGroup::create(&self.store, (self.me, self.size), &self.opts, &self.label, self.split, self.connect)
     }
 }
 

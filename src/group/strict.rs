@@ -9,12 +9,19 @@
 //! - tags are ignored: the k-th send from a to b on a queue meets b's k-th receive from a there;
 //! - sizes must agree: each message's dtype and shape go first, and a mismatch is an error naming both
 //!   ranks (NCCL would hang or read garbage, Gloo would abort the process);
-//! - waiting on one operation drives no other: each queue's worker runs on its own.
+//! - waiting on one operation drives no other: each queue's worker runs on its own;
+//! - a group's collectives and its batches share one queue (NCCL's one communicator and stream per
+//!   group), completing in posting order; and every pair of ranks must post them in the same order: each
+//!   unit is stamped, per peer, with its place among the units of the two ranks, and a unit whose peer
+//!   posted something else in that place is an error naming both ranks' operations (NCCL would hang);
+//! - a group whose communicator NCCL would create lazily (no bound device) makes its first unit wait
+//!   for every rank's first unit, as `ncclCommInitRank` blocks until all ranks call it.
 //!
 //! An operation that cannot complete (it waits on a message queued behind another) fails after the
 //! group's timeout with what the queue holds; the queue then refuses everything after it, as NCCL's
 //! aborted communicator would.
 use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -32,6 +39,20 @@ pub fn strict_default() -> bool {
     matches!(std::env::var("TCH_DIST_STRICT_NCCL").as_deref(), Ok("1") | Ok("true") | Ok("on"))
 }
 
+/// What a queued unit runs: messages to post, or a collective already posted; and its places in the
+/// group's order.
+struct Unit {
+    ops: Vec<(Op, i32)>,
+    posted: Option<Work>,
+    stamps: Option<Stamps>,
+}
+
+impl Unit {
+    fn ops(ops: Vec<(Op, i32)>) -> Unit {
+        Unit { ops, posted: None, stamps: None }
+    }
+}
+
 /// One send or receive of a queued unit.
 pub(crate) struct Op {
     pub send: bool,
@@ -41,8 +62,153 @@ pub(crate) struct Op {
 
 struct Item {
     ops: Vec<(Op, i32)>,
+    /// A collective already posted on the engine: the unit completes with it.
+    posted: Option<Work>,
+    /// Its places in the group's order, checked against the peers' before it runs.
+    stamps: Option<Stamps>,
     ticket: Arc<Ticket>,
     what: String,
+}
+
+/// A unit's places in its group's order: for each peer, how many units the two ranks posted before it.
+struct Stamps {
+    kind: String,
+    places: Vec<(usize, u64)>,
+}
+
+/// The order of a group's units, as each rank posted them, in the store.
+struct Order {
+    rank: usize,
+    size: usize,
+    /// A connection of its own: its waits must not hold up the group's other store traffic.
+    store: Store,
+    /// Per peer, the units posted with it so far.
+    posted: Mutex<HashMap<usize, u64>>,
+    /// The communicator exists (a bound device, or the first unit met every rank).
+    connected: AtomicBool,
+}
+
+/// The kind of a unit, from its description: `allreduce(Sum) of ..` is an `allreduce`.
+fn kind_of(what: &str) -> String {
+    what.split(['(', ' ']).next().unwrap_or(what).to_string()
+}
+
+fn nth(i: u64) -> String {
+    let n = i + 1;
+    let suffix = match (n % 10, n % 100) {
+        (1, 11) | (2, 12) | (3, 13) => "th",
+        (1, _) => "st",
+        (2, _) => "nd",
+        (3, _) => "rd",
+        _ => "th",
+    };
+    format!("{n}{suffix}")
+}
+
+impl Order {
+    fn key(&self, peer: usize, i: u64, of: usize) -> String {
+        let (lo, hi) = (self.rank.min(peer), self.rank.max(peer));
+        format!("{lo}-{hi}/{i}/{of}")
+    }
+
+    /// Stamps a unit with `peers` (every other rank for a collective), publishing its places.
+    fn stamp(&self, peers: &[usize], what: &str) -> Result<Stamps> {
+        let kind = kind_of(what);
+        let places: Vec<(usize, u64)> = {
+            let mut posted = self.posted.lock().unwrap_or_else(|e| e.into_inner());
+            peers
+                .iter()
+                .map(|&p| {
+                    let n = posted.entry(p).or_insert(0);
+                    *n += 1;
+                    (p, *n - 1)
+                })
+                .collect()
+        };
+        let value = format!("{kind}\u{1}{what}");
+        for &(p, i) in &places {
+            self.store.set(&self.key(p, i, self.rank), value.as_bytes())?;
+        }
+        Ok(Stamps { kind, places })
+    }
+
+    /// NCCL without a bound device creates the group's communicator at its first collective or batch, and
+    /// `ncclCommInitRank` returns only once every rank of the group called it.
+    fn connect(&self, what: &str, timeout: Duration) -> Result<()> {
+        if self.connected.load(Ordering::SeqCst) {
+            return Ok(());
+        }
+        self.store.set(&format!("first/{}", self.rank), b"1")?;
+        let start = Instant::now();
+        for r in (0..self.size).filter(|&r| r != self.rank) {
+            let left = timeout.saturating_sub(start.elapsed()).max(Duration::from_millis(1));
+            self.store.wait(&format!("first/{r}"), left).map_err(|_| Error::Timeout {
+                op: what.to_string(),
+                timeout,
+                msg: format!(
+                    "strict NCCL mode: rank {}'s first collective or batch on this group creates its NCCL \
+                    communicator, which waits for every rank of the group, and rank {r} posted none (bind a \
+                    device, as from_env does on a GPU machine, to create communicators when groups are built; \
+                    or make every rank use the group first in the same order)",
+                    self.rank
+                ),
+            })?;
+        }
+        self.connected.store(true, Ordering::SeqCst);
+        Ok(())
+    }
+
+    /// Waits for each peer's unit in the same places and compares: a different kind is an error naming
+    /// both ranks' operations.
+    /// `posted`: the unit's collective, already on the engine: if it ends first (a peer gone), its own
+    /// outcome is what the unit reports.
+    fn check(&self, stamps: &Stamps, what: &str, queue: &str, deadline: Instant, posted: Option<&Work>) -> Result<()> {
+        for &(p, i) in &stamps.places {
+            let key = self.key(p, i, p);
+            let ordinal = nth(i);
+            let mut seen = false;
+            while !seen {
+                let left = deadline.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    break;
+                }
+                seen = self.store.wait(&key, left.min(Duration::from_millis(100))).is_ok();
+                if !seen && posted.is_some_and(|w| w.is_completed().unwrap_or(true)) {
+                    // ended without the peer's stamp: only a failure does (the caller's wait reports it)
+                    return Ok(());
+                }
+            }
+            let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
+            (if seen { Ok(()) } else { Err(()) }).map_err(|_| Error::Timeout {
+                op: what.to_string(),
+                timeout: left,
+                msg: format!(
+                    "strict NCCL mode: rank {p} posted no {ordinal} collective or batch with rank {} on {queue} \
+                    (NCCL runs a group's collectives and batches in posting order on every rank: this one \
+                    waits for rank {p}'s)",
+                    self.rank
+                ),
+            })?;
+            let theirs = String::from_utf8_lossy(&self.store.get(&key)?).to_string();
+            // read once, by this rank alone: the store must not grow with every collective
+            self.store.delete(&key)?;
+            let (their_kind, their_what) = theirs.split_once('\u{1}').unwrap_or((&theirs, &theirs));
+            if their_kind != stamps.kind {
+                return Err(Error::mismatch(
+                    what.to_string(),
+                    format!(
+                        "strict NCCL mode: the {ordinal} collective or batch between ranks {} and {p} on {queue} \
+                        is {what} on rank {} but {their_what} on rank {p}; NCCL runs a group's collectives and \
+                        batched point-to-point on one stream in posting order, so these ranks would hang: post \
+                        them in the same order on every rank",
+                        self.rank.min(p),
+                        self.rank,
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
 }
 
 #[derive(Default)]
@@ -107,8 +273,9 @@ pub(crate) struct Strict {
     timeout: Arc<Mutex<Duration>>,
     /// Unbatched point-to-point: a queue per peer, created on first use.
     pairs: Mutex<HashMap<usize, (Arc<Queue>, Seqs)>>,
-    /// Batches.
+    /// Batches and collectives.
     group: Mutex<Option<(Arc<Queue>, Seqs)>>,
+    order: Arc<Order>,
 }
 
 /// Tags of the strict mode's messages: bit 29 tells the group's queue from a pair's, bit 0 a header
@@ -119,15 +286,30 @@ fn tag(group: bool, seq: u32, body: bool) -> i32 {
 }
 
 impl Strict {
-    pub(super) fn new(engine: Arc<Engine>, rank: usize, store: Store, timeout: Duration) -> Strict {
-        Strict {
+    /// `bound`: the group's device was given, so NCCL would create its communicator when it was built.
+    pub(super) fn new(
+        engine: Arc<Engine>,
+        (rank, size): (usize, usize),
+        store: Store,
+        timeout: Duration,
+        bound: bool,
+    ) -> Result<Strict> {
+        let order = Arc::new(Order {
+            rank,
+            size,
+            store: store.prefixed("order/")?.connection()?,
+            posted: Mutex::new(HashMap::new()),
+            connected: AtomicBool::new(bound || size == 1),
+        });
+        Ok(Strict {
             engine,
             rank,
             store,
             timeout: Arc::new(Mutex::new(timeout)),
             pairs: Mutex::new(HashMap::new()),
             group: Mutex::new(None),
-        }
+            order,
+        })
     }
 
     pub(super) fn set_timeout(&self, t: Duration) {
@@ -152,15 +334,18 @@ impl Strict {
             .entry(peer)
             .or_insert_with(|| (self.start_queue(format!("the pair stream of ranks {lo} and {hi}")), Seqs::default()));
         let seq = seqs.next(op.send, peer);
-        Ok(self.enqueue(queue, vec![(op, tag(false, seq, false))], what))
+        Ok(self.enqueue(queue, Unit::ops(vec![(op, tag(false, seq, false))]), what))
     }
 
     /// Queues a batch as one unit on the group's queue.
     pub(super) fn post_batch(&self, ops: Vec<Op>, what: String) -> Result<Arc<Ticket>> {
+        let mut peers: Vec<usize> = ops.iter().map(|o| o.peer).collect();
+        peers.sort_unstable();
+        peers.dedup();
+        self.order.connect(&what, self.timeout())?;
         let mut g = self.group.lock().unwrap_or_else(|e| e.into_inner());
-        let (queue, seqs) = g.get_or_insert_with(|| {
-            (self.start_queue(format!("the group stream of rank {}", self.rank)), Seqs::default())
-        });
+        let stamps = self.order.stamp(&peers, &what)?;
+        let (queue, seqs) = g.get_or_insert_with(|| self.group_queue());
         let ops = ops
             .into_iter()
             .map(|op| {
@@ -168,16 +353,34 @@ impl Strict {
                 (op, tag(true, seq, false))
             })
             .collect();
-        Ok(self.enqueue(queue, ops, what))
+        Ok(self.enqueue(queue, Unit { ops, posted: None, stamps: Some(stamps) }, what))
     }
 
-    fn enqueue(&self, queue: &Arc<Queue>, ops: Vec<(Op, i32)>, what: String) -> Arc<Ticket> {
+    /// Queues a collective that `post` puts on the engine, as one unit on the group's queue: it completes
+    /// after everything posted on the group before it, once every peer posted the same kind in its place.
+    pub(super) fn post_collective(&self, what: String, post: impl FnOnce() -> Result<Work>) -> Result<Arc<Ticket>> {
+        self.order.connect(&what, self.timeout())?;
+        let peers: Vec<usize> = (0..self.order.size).filter(|&r| r != self.rank).collect();
+        // stamped and posted under the queue's lock, so that the stamps follow the posting order
+        let mut g = self.group.lock().unwrap_or_else(|e| e.into_inner());
+        let stamps = self.order.stamp(&peers, &what)?;
+        let work = post()?;
+        let (queue, _) = g.get_or_insert_with(|| self.group_queue());
+        Ok(self.enqueue(queue, Unit { ops: Vec::new(), posted: Some(work), stamps: Some(stamps) }, what))
+    }
+
+    fn group_queue(&self) -> (Arc<Queue>, Seqs) {
+        (self.start_queue(format!("the group stream of rank {}", self.rank)), Seqs::default())
+    }
+
+    fn enqueue(&self, queue: &Arc<Queue>, unit: Unit, what: String) -> Arc<Ticket> {
         let ticket = Arc::new(Ticket::default());
         let mut st = queue.state.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(f) = &st.failed {
             ticket.complete(Err(refused(f, &queue.name, what)));
         } else {
-            st.items.push_back(Item { ops, ticket: ticket.clone(), what });
+            let Unit { ops, posted, stamps } = unit;
+            st.items.push_back(Item { ops, posted, stamps, ticket: ticket.clone(), what });
             queue.cv.notify_all();
         }
         ticket
@@ -206,10 +409,10 @@ impl Strict {
     fn start_queue(&self, name: String) -> Arc<Queue> {
         let q = Arc::new(Queue { name, state: Mutex::new(QueueState::default()), cv: Condvar::new() });
         let (worker, engine, rank) = (q.clone(), self.engine.clone(), self.rank);
-        let timeout = self.timeout.clone();
+        let (timeout, order) = (self.timeout.clone(), self.order.clone());
         std::thread::Builder::new()
             .name("tdx-strict".into())
-            .spawn(move || worker.run(&engine, rank, timeout))
+            .spawn(move || worker.run(&engine, rank, timeout, &order))
             .map(|_| ())
             .unwrap_or_else(|e| {
                 let mut st = q.state.lock().unwrap_or_else(|p| p.into_inner());
@@ -232,9 +435,9 @@ impl Drop for Strict {
 }
 
 impl Queue {
-    fn run(&self, engine: &Engine, rank: usize, timeout: Arc<Mutex<Duration>>) {
+    fn run(&self, engine: &Engine, rank: usize, timeout: Arc<Mutex<Duration>>, order: &Order) {
         loop {
-            let item = {
+            let mut item = {
                 let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
                 loop {
                     if let Some(i) = st.items.pop_front() {
@@ -247,11 +450,14 @@ impl Queue {
                 }
             };
             let t = *timeout.lock().unwrap_or_else(|e| e.into_inner());
-            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.run_item(engine, rank, &item, t)))
-                .unwrap_or_else(|_| {
-                    Err(Error::Backend { op: item.what.clone(), msg: "strict NCCL mode: its worker panicked".into() })
-                });
-            let Item { ops, ticket, what } = item;
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                self.run_item(engine, rank, &mut item, t, order)
+            }))
+            .unwrap_or_else(|_| {
+                Err(Error::Backend { op: item.what.clone(), msg: "strict NCCL mode: its worker panicked".into() })
+            });
+            let Item { ops, posted, ticket, what, .. } = item;
+            drop(posted);
             // the tensors go before the waiter wakes: it may free or reuse their memory then
             drop(ops);
             if let Err(e) = &r {
@@ -267,8 +473,16 @@ impl Queue {
 
     /// Posts a unit's messages at once and waits for all of them: sends with their headers, receives
     /// after checking the header.
-    fn run_item(&self, engine: &Engine, rank: usize, item: &Item, timeout: Duration) -> Result<()> {
+    fn run_item(&self, engine: &Engine, rank: usize, item: &mut Item, timeout: Duration, order: &Order) -> Result<()> {
         let deadline = Instant::now() + timeout;
+        if let Some(stamps) = &item.stamps {
+            order.check(stamps, &item.what, &self.name, deadline, item.posted.as_ref())?;
+        }
+        if let Some(w) = item.posted.take() {
+            let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
+            return w.wait_timeout(left);
+        }
+        let item = &*item;
         let mut works = Vec::new();
         let mut heads = Vec::new();
         for (op, t) in &item.ops {

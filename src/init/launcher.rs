@@ -163,10 +163,11 @@ pub fn placement(vars: Vars) -> Result<Placement> {
         return Err(Error::Env { var: "WORLD_SIZE".into(), msg: "must be at least 1".into() });
     }
     if rank >= world_size {
-        return Err(Error::Env {
-            var: if launcher == Launcher::Slurm { "SLURM_PROCID" } else { "RANK" }.into(),
-            msg: format!("rank {rank} is not below the world size {world_size}"),
-        });
+        let (r, w) = match launcher {
+            Launcher::Slurm => ("SLURM_PROCID", "SLURM_NTASKS"),
+            Launcher::Torchrun => ("RANK", "WORLD_SIZE"),
+        };
+        return Err(Error::Env { var: r.into(), msg: format!("{r}={rank} is not below {w}={world_size}") });
     }
     Ok(Placement { launcher, rank, world_size, local_rank, master_addr: addr, master_port: port })
 }
@@ -197,7 +198,8 @@ pub fn slurm_node(vars: Vars) -> Result<Option<SlurmNode>> {
             return Err(Error::Env {
                 var: "SLURM_NTASKS".into(),
                 msg: format!(
-                    "{tasks} tasks on {nnodes} nodes: tchrun starts the workers of its node itself, so srun must                      start one tchrun per node (srun --ntasks-per-node=1 tchrun --nproc-per-node=GPUS ...)"
+                    "{tasks} tasks on {nnodes} nodes: tchrun starts the workers of its node itself, so srun must \
+                    start one tchrun per node (srun --ntasks-per-node=1 tchrun --nproc-per-node=GPUS ...)"
                 ),
             });
         }
@@ -373,7 +375,7 @@ mod tests {
         assert!(e.contains("RANK") && e.contains("SLURM_PROCID"), "{e}");
         let e =
             err(&[("SLURM_PROCID", "2"), ("SLURM_NTASKS", "2"), ("SLURM_JOB_NODELIST", "n1"), ("SLURM_JOB_ID", "9")]);
-        assert!(e.contains("SLURM_PROCID") && e.contains("rank 2 is not below the world size 2"), "{e}");
+        assert!(e.contains("SLURM_PROCID=2 is not below SLURM_NTASKS=2"), "{e}");
         let e = err(&[("SLURM_PROCID", "0"), ("SLURM_NTASKS", "2"), ("SLURM_JOB_ID", "9")]);
         assert!(e.contains("SLURM_JOB_NODELIST") && e.contains("MASTER_ADDR"), "{e}");
         let e =

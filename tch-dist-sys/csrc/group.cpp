@@ -6,6 +6,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
+#include <cstdlib>
 #include <cstring>
 
 namespace tdx {
@@ -129,6 +130,23 @@ void tdx_pg_free(tdx_pg* pg) {
     delete pg;
   } catch (...) {
   }
+}
+
+int tdx_nccl_trace_json(uint8_t** out, size_t* len) {
+#ifdef TDX_CUDA
+  TDX_TRY({
+    std::string s = c10d::dump_nccl_trace_json(true, false);
+    auto* buf = static_cast<uint8_t*>(std::malloc(s.size() > 0 ? s.size() : 1));
+    if (!buf) throw std::bad_alloc();
+    std::memcpy(buf, s.data(), s.size());
+    *out = buf;
+    *len = s.size();
+    return TDX_OK;
+  })
+#else
+  (void)out; (void)len;
+  return tdx::set_error(TDX_EUNAVAILABLE, "NCCL is not built: enable the `cuda` feature of tch-dist");
+#endif
 }
 
 int tdx_pg_set_timeout(tdx_pg* pg, int64_t timeout_ms) {
@@ -276,6 +294,13 @@ int tdx_work_wait(tdx_work* w, int64_t timeout_ms) {
 int tdx_work_is_completed(tdx_work* w, int* out) {
   TDX_TRY({
     *out = w->work->isCompleted() ? 1 : 0;
+    return TDX_OK;
+  })
+}
+
+int tdx_work_clone(tdx_work* w, tdx_work** out) {
+  TDX_TRY({
+    *out = new tdx_work{w->work};
     return TDX_OK;
   })
 }

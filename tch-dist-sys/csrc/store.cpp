@@ -96,6 +96,13 @@ int tdx_store_check(const tdx_store* s, const char* key, int* out) {
   })
 }
 
+int tdx_store_delete(const tdx_store* s, const char* key, int* out) {
+  TDX_TRY({
+    *out = s->store->deleteKey(std::string(key)) ? 1 : 0;
+    return TDX_OK;
+  })
+}
+
 int tdx_store_wait(const tdx_store* s, const char* key, int64_t timeout_ms) {
   TDX_TRY({
     s->store->wait({std::string(key)}, std::chrono::milliseconds(timeout_ms));

@@ -42,6 +42,8 @@ int tdx_store_get(const tdx_store* s, const char* key, uint8_t** out, size_t* ou
 int tdx_store_add(const tdx_store* s, const char* key, int64_t delta, int64_t* out);
 int tdx_store_check(const tdx_store* s, const char* key, int* out);
 int tdx_store_wait(const tdx_store* s, const char* key, int64_t timeout_ms);
+// Removes key; *out is 1 when it was there.
+int tdx_store_delete(const tdx_store* s, const char* key, int* out);
 int tdx_store_set_timeout(const tdx_store* s, int64_t timeout_ms);
 int tdx_store_tcp_port(const tdx_store* s, uint16_t* out);
 void tdx_buf_free(uint8_t* p);
@@ -61,6 +63,9 @@ int tdx_pg_nccl(const tdx_store* s, int rank, int size, int64_t timeout_ms, int 
 int tdx_pg_shutdown(tdx_pg* pg, int abort);
 // Frees the handle (shutting the group down first if that was not done).
 void tdx_pg_free(tdx_pg* pg);
+// c10d's NCCL flight recorder as JSON (its entries and pg_config name every group); *out is malloc'ed, free
+// with tdx_buf_free. Needs TORCH_NCCL_TRACE_BUFFER_SIZE > 0 before the first NCCL group.
+int tdx_nccl_trace_json(uint8_t** out, size_t* len);
 int tdx_pg_set_timeout(tdx_pg* pg, int64_t timeout_ms);
 int tdx_pg_backend_name(tdx_pg* pg, char* buf, size_t len);
 
@@ -89,6 +94,8 @@ int tdx_pg_batch_p2p(tdx_pg* pg, tdx_tensor* ts, const int* peers, const int* is
 // Waits at most timeout_ms (<0: the group's own timeout applies). Errors with TDX_ETIMEOUT when not done.
 int tdx_work_wait(tdx_work* w, int64_t timeout_ms);
 int tdx_work_is_completed(tdx_work* w, int* out);
+// A second handle on the same work (freed on its own with tdx_work_free).
+int tdx_work_clone(tdx_work* w, tdx_work** out);
 void tdx_work_free(tdx_work* w);
 
 // ---- autograd hooks on AccumulateGrad (fires after a leaf's .grad was accumulated)

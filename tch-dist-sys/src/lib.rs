@@ -85,6 +85,7 @@ extern "C" {
     pub fn tdx_store_add(s: *const tdx_store, key: *const c_char, delta: i64, out: *mut i64) -> c_int;
     pub fn tdx_store_check(s: *const tdx_store, key: *const c_char, out: *mut c_int) -> c_int;
     pub fn tdx_store_wait(s: *const tdx_store, key: *const c_char, timeout_ms: i64) -> c_int;
+    pub fn tdx_store_delete(s: *const tdx_store, key: *const c_char, out: *mut c_int) -> c_int;
     pub fn tdx_store_set_timeout(s: *const tdx_store, timeout_ms: i64) -> c_int;
     pub fn tdx_store_tcp_port(s: *const tdx_store, out: *mut u16) -> c_int;
     pub fn tdx_buf_free(p: *mut u8);
@@ -112,6 +113,7 @@ extern "C" {
         out: *mut *mut tdx_pg,
     ) -> c_int;
     pub fn tdx_pg_shutdown(pg: *mut tdx_pg, abort: c_int) -> c_int;
+    pub fn tdx_nccl_trace_json(out: *mut *mut u8, len: *mut size_t) -> c_int;
     pub fn tdx_pg_free(pg: *mut tdx_pg);
     pub fn tdx_pg_set_timeout(pg: *mut tdx_pg, timeout_ms: i64) -> c_int;
     pub fn tdx_pg_allreduce(pg: *mut tdx_pg, t: tdx_tensor, op: c_int, out: *mut *mut tdx_work) -> c_int;
@@ -169,6 +171,7 @@ extern "C" {
 
     pub fn tdx_work_wait(w: *mut tdx_work, timeout_ms: i64) -> c_int;
     pub fn tdx_work_is_completed(w: *mut tdx_work, out: *mut c_int) -> c_int;
+    pub fn tdx_work_clone(w: *mut tdx_work, out: *mut *mut tdx_work) -> c_int;
     pub fn tdx_work_free(w: *mut tdx_work);
 
     pub fn tdx_hook_register(

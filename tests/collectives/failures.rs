@@ -35,6 +35,9 @@ fn wait_with_a_short_timeout_reports_timeout() {
     let res = common::run_threads(2, Duration::from_secs(30), |mut pg| {
         pg.set_verify(false); // the agreement check would block until rank 1 arrives
         let mut t = Tensor::ones([8], (Kind::Float, Device::Cpu));
+        // the first collective connects the group (in the strict mode, as NCCL's lazy creation of the
+        // communicator, it waits for every rank)
+        pg.allreduce(&mut t.ones_like(), ReduceOp::Sum).unwrap();
         if pg.rank() == 1 {
             std::thread::sleep(Duration::from_millis(1500));
             pg.allreduce(&mut t, ReduceOp::Sum).unwrap();

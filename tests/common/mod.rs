@@ -158,7 +158,8 @@ pub fn spawn_mixed(
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped());
             if !python_ranks.is_empty() {
-                c.env("TCH_DIST_VERIFY", "0");
+                // a Python peer speaks plain Gloo: no agreement checks, no strict mode's protocol
+                c.env("TCH_DIST_VERIFY", "0").env("TCH_DIST_STRICT_NCCL", "0");
             }
             for (k, v) in env {
                 c.env(k, v);

@@ -187,3 +187,71 @@ fn every_flat_algorithm_runs_in_the_strict_mode() {
         }
     }
 }
+
+/// Rank 0 posts a batched exchange and then an allreduce; rank 1 the allreduce first. Gloo matches each
+/// by itself and completes both; NCCL runs a group's collectives and batches on one stream in posting
+/// order, so the two ranks would wait on each other for ever.
+fn batch_and_allreduce_crossed(pg: &ProcessGroup) -> tch_dist::Result<f64> {
+    let peer = 1 - pg.rank();
+    let (into, mine) = (ones(4, -1.0), ones(4, pg.rank() as f64));
+    let mut sum = ones(4, 1.0);
+    let batch = || pg.batch_isend_irecv(vec![P2pOp::recv(&into, peer), P2pOp::send(&mine, peer)]);
+    let works = if pg.rank() == 0 {
+        let b = batch()?;
+        vec![b, pg.allreduce_async(&mut sum, ReduceOp::Sum)?]
+    } else {
+        let a = pg.allreduce_async(&mut sum, ReduceOp::Sum)?;
+        vec![a, batch()?]
+    };
+    for w in works {
+        w.wait()?;
+    }
+    Ok(sum.double_value(&[0]) + into.double_value(&[0]))
+}
+
+#[test]
+fn a_collective_and_a_batch_posted_in_different_orders_fail_in_the_strict_mode() {
+    // plain Gloo, checks off: both complete (sum 2, and the peer's value)
+    let plain = common::run_threads_with(2, plain_unchecked(), |pg| batch_and_allreduce_crossed(&pg).expect("plain"));
+    assert_eq!(plain, vec![3.0, 2.0]);
+    for verify in [false, true] {
+        let t0 = Instant::now();
+        let o = GroupOptions { verify, ..opts(true, SHORT) };
+        let errs = common::run_threads_with(2, o, held(2, |pg| batch_and_allreduce_crossed(pg).expect_err("strict")));
+        assert!(t0.elapsed() < SHORT, "verify {verify}: the error came after {:?}", t0.elapsed());
+        for (rank, e) in errs.iter().enumerate() {
+            let s = e.to_string();
+            assert!(matches!(e, Error::Mismatch { .. }), "verify {verify}, rank {rank}: {s}");
+            assert!(s.contains("strict NCCL mode") && s.contains("1st collective or batch"), "rank {rank}: {s}");
+            assert!(s.contains("on rank 0") && s.contains("on rank 1"), "rank {rank}: {s}");
+            if !verify {
+                assert!(s.contains("batch of") && s.contains("allreduce(Sum)"), "rank {rank}: {s}");
+            }
+        }
+    }
+}
+
+/// Without a bound device NCCL creates a group's communicator at its first collective, blocking until
+/// every rank of the group makes one: a rank that never uses the group leaves the others waiting.
+#[test]
+fn a_lazily_connected_groups_first_collective_waits_for_every_rank_in_the_strict_mode() {
+    let errs = common::run_threads_with(
+        3,
+        GroupOptions { verify: false, ..opts(true, SHORT) },
+        held(3, |pg| {
+            if pg.rank() == 2 {
+                return None;
+            }
+            // ranks 0 and 1 exchange in a batch: on Gloo that needs nobody else
+            let peer = 1 - pg.rank();
+            let into = ones(2, 0.0);
+            Some(pg.batch_isend_irecv(vec![P2pOp::recv(&into, peer), P2pOp::send(&ones(2, 1.0), peer)]).err())
+        }),
+    );
+    for (rank, e) in errs.into_iter().enumerate().take(2) {
+        let e = e.flatten().unwrap_or_else(|| panic!("rank {rank} must time out"));
+        let s = e.to_string();
+        assert!(matches!(e, Error::Timeout { .. }), "rank {rank}: {s}");
+        assert!(s.contains("creates its NCCL communicator") && s.contains("rank 2 posted none"), "rank {rank}: {s}");
+    }
+}

@@ -243,8 +243,16 @@ fn spawn(cfg: &LaunchConfig, restart: usize) -> Result<Vec<Worker>> {
         if let Some(dir) = &cfg.libtorch_dir {
             c.env("LD_LIBRARY_PATH", with_lib_dir(std::env::var_os("LD_LIBRARY_PATH"), dir));
         }
-        if let (Some(dir), None) = (trace_dir(cfg, restart), std::env::var_os("TCH_DIST_TRACE_DIR")) {
+        let dump_dir = trace_dir(cfg, restart);
+        if let (Some(dir), None) = (&dump_dir, std::env::var_os("TCH_DIST_TRACE_DIR")) {
             c.env("TCH_DIST_TRACE_DIR", dir);
+        }
+        // c10d's own NCCL flight recorder (what PyTorch's fr_trace reads), dumped beside ours before
+        // c10d's watchdog ends a worker on a timeout, unless the user set these
+        for (var, value) in nccl_recorder_env(dump_dir.as_deref()) {
+            if std::env::var_os(var).is_none() {
+                c.env(var, value);
+            }
         }
         // every early error stops the workers already started: no orphans
         let log = match open_log(cfg, rank, restart) {
@@ -282,6 +290,17 @@ fn open_log(cfg: &LaunchConfig, rank: usize, restart: usize) -> Result<Option<Ar
     let p = dir.join(format!("rank{rank}.restart{restart}.log"));
     let f = std::fs::File::create(&p).map_err(|e| invalid(format!("tchrun log {}", p.display()), e.to_string()))?;
     Ok(Some(Arc::new(Mutex::new(f))))
+}
+
+/// The variables that turn on c10d's NCCL flight recorder and its dump on a watchdog timeout, into
+/// `dir/nccl_trace_rank_<R>` (torchtitan sets the same).
+fn nccl_recorder_env(dir: Option<&std::path::Path>) -> Vec<(&'static str, std::ffi::OsString)> {
+    let mut v = vec![("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000".into()), ("TORCH_NCCL_DUMP_ON_TIMEOUT", "1".into())];
+    // c10d writes its dump into an existing directory only
+    if let Some(d) = dir.filter(|d| std::fs::create_dir_all(d).is_ok()) {
+        v.push(("TORCH_FR_DUMP_TEMP_FILE", d.join("nccl_trace_rank_").into_os_string()));
+    }
+    v
 }
 
 /// This attempt's dump directory: the caller's `TCH_DIST_TRACE_DIR`, or ours per restart.
