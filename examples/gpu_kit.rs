@@ -868,10 +868,7 @@ fn nccl_lifecycle(device: Device) -> Res<Outcome> {
     if device == Device::Cpu {
         return Ok(Skip("NCCL only".into()));
     }
-    let out = std::process::Command::new(std::env::current_exe()?)
-        .arg("nccl-lifecycle-child")
-        .env("TORCH_NCCL_TRACE_BUFFER_SIZE", "100")
-        .output()?;
+    let out = std::process::Command::new(std::env::current_exe()?).arg("nccl-lifecycle-child").output()?;
     let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     let line = stdout.lines().find(|l| l.starts_with("CHILD-")).unwrap_or("no CHILD line").to_string();
     ensure(out.status.success() && line.starts_with("CHILD-OK"), || {

@@ -225,7 +225,8 @@ impl Store {
     pub fn wait(&self, key: &str, timeout: Duration) -> Result<()> {
         let k = cstr("store key", key)?;
         // SAFETY: pointers valid for the call.
-        let code = unsafe { ffi::tdx_store_wait(self.ptr.as_ptr(), k.as_ptr(), millis(timeout)) };
+        // at least 1 ms: c10d reads 0 ms as "no timeout", so a deadline nearly reached would wait for ever
+        let code = unsafe { ffi::tdx_store_wait(self.ptr.as_ptr(), k.as_ptr(), millis(timeout).max(1)) };
         check(code, timeout, || format!("{}: wait for {key:?}", self.desc))
     }
 

@@ -26,9 +26,8 @@ pub(crate) use progress::{EngineProbe, GroupTrace, HeartbeatWatch, HEARTBEAT_CHE
 pub(crate) use record::{current_label, enabled as recording, hostname, is_p2p, now, Recording};
 
 /// c10d's own NCCL flight recorder, as JSON (`torch.distributed` `_dump_nccl_trace_json`): its entries
-/// and `pg_config` name every NCCL group by the names tch-dist gives them. It records when
-/// `TORCH_NCCL_TRACE_BUFFER_SIZE` is above 0 before the first NCCL group (tchrun sets it); an error
-/// without the `cuda` feature.
+/// and `pg_config` name every NCCL group by the names tch-dist gives them. c10d records 2,000 entries by
+/// default (`TORCH_FR_BUFFER_SIZE`, read before the first NCCL group); an error without the `cuda` feature.
 pub fn nccl_trace_json() -> crate::Result<String> {
     let mut buf = std::ptr::null_mut();
     let mut len = 0usize;

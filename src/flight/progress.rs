@@ -93,6 +93,8 @@ pub(crate) struct GroupTrace {
     heartbeat_timeout: Option<Duration>,
     /// A wait of this group ended that way, with its collective still running in the engine.
     abandoned: std::sync::atomic::AtomicBool,
+    /// An operation of this group failed: what it left queued may never be matched.
+    failed: std::sync::atomic::AtomicBool,
     /// Another rank's request for dumps was answered.
     answered: std::sync::atomic::AtomicBool,
     /// This rank left the group: its heartbeat says so for good.
@@ -169,6 +171,7 @@ impl GroupTrace {
             store,
             heartbeat_timeout,
             abandoned: std::sync::atomic::AtomicBool::new(false),
+            failed: std::sync::atomic::AtomicBool::new(false),
             answered: std::sync::atomic::AtomicBool::new(false),
             left: std::sync::atomic::AtomicBool::new(false),
             survivable: std::sync::atomic::AtomicBool::new(false),
@@ -289,6 +292,11 @@ impl GroupTrace {
         self.heartbeat_timeout
     }
 
+    /// Whether an operation of this group failed.
+    pub(crate) fn failed(&self) -> bool {
+        self.failed.load(Ordering::SeqCst)
+    }
+
     /// Whether a wait gave up on a collective that still runs (see [`GroupTrace::frozen_peer`]).
     pub(crate) fn abandoned(&self) -> bool {
         self.abandoned.load(Ordering::SeqCst)
@@ -363,6 +371,7 @@ impl GroupTrace {
     /// published progress), and dump the ring (when `TCH_DIST_TRACE_DIR` is set).
     /// `p2p`: a send or recv, whose sequence numbers do not pair up across ranks (only liveness is told).
     pub(crate) fn on_failure(self: &Arc<Self>, seq: u64, p2p: bool, err: Error) -> Error {
+        self.failed.store(true, Ordering::SeqCst);
         if !enabled() || !matches!(err, Error::Timeout { .. } | Error::PeerGone { .. } | Error::Mismatch { .. }) {
             return err;
         }

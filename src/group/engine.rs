@@ -23,8 +23,13 @@ pub(crate) struct Engine {
     /// heartbeating) leaves the engine's threads waiting on that peer until the collective timeout, so
     /// such an engine is aborted, never waited for.
     trace: Arc<GroupTrace>,
+    /// The group's timeout when it was built: how long a shutdown lets queued work drain.
+    timeout: Duration,
     /// Shut down already (its handle stays valid; the shim refuses further work on it).
     shut: AtomicBool,
+    /// Work queued above the engine that a shutdown lets reach it first (the strict mode's queues), each
+    /// waited for until the deadline.
+    drains: Mutex<Vec<Box<dyn Fn(std::time::Instant) + Send + Sync>>>,
 }
 
 /// How an engine is made, beyond its store and place.
@@ -41,25 +46,46 @@ pub(crate) struct Creation<'a> {
 
 /// Every engine of the process, oldest first.
 static LIVE: Mutex<Vec<Weak<Engine>>> = Mutex::new(Vec::new());
+/// The exit hook, registered at the first engine and again at the first NCCL one: handlers run in
+/// reverse order of registration, and this one must run before the CUDA runtime's own teardown, which
+/// it registers when CUDA starts (at the latest, with the first NCCL group).
 static AT_EXIT: Once = Once::new();
+static AT_EXIT_NCCL: Once = Once::new();
+
+/// How long the exit waits for the groups' pending work before it goes without it.
+const EXIT_WAIT: Duration = Duration::from_secs(60);
 
 fn register(e: &Arc<Engine>) {
     let mut live = LIVE.lock().unwrap_or_else(|p| p.into_inner());
     live.retain(|w| w.strong_count() > 0);
     live.push(Arc::downgrade(e));
-    AT_EXIT.call_once(|| {
+    let hook = || {
         // SAFETY: `exit_hook` is an `extern "C" fn()` that never unwinds; registering it has no other
         // precondition.
         unsafe {
             libc::atexit(exit_hook);
         }
-    });
+    };
+    AT_EXIT.call_once(hook);
+    if e.backend == Backend::Nccl {
+        AT_EXIT_NCCL.call_once(hook);
+    }
 }
 
 extern "C" fn exit_hook() {
-    // the process is ending: whatever is left is shut down (a panic must not unwind into libc)
+    // the process is ending: whatever is left is shut down, its pending work first, but a peer that
+    // never comes must not hold the exit (a panic must not unwind into libc)
     let _ = std::panic::catch_unwind(|| {
-        let _ = shutdown_all();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let spawned = std::thread::Builder::new().name("tdx-exit".into()).spawn(move || {
+            let _ = tx.send(shutdown_all());
+        });
+        if spawned.is_ok() && rx.recv_timeout(EXIT_WAIT).is_err() {
+            eprintln!(
+                "tch-dist: at exit, the process groups' pending collectives did not complete within {EXIT_WAIT:?}; \
+                 exiting without them"
+            );
+        }
     });
 }
 
@@ -143,9 +169,25 @@ impl Engine {
         };
         check(code, opts.timeout, what)?;
         let ptr = NonNull::new(out).ok_or_else(|| Error::invalid(what(), "shim returned a null group"))?;
-        let e = Arc::new(Engine { ptr, backend, trace, shut: AtomicBool::new(false) });
+        let e = Arc::new(Engine {
+            ptr,
+            backend,
+            trace,
+            timeout: opts.timeout,
+            shut: AtomicBool::new(false),
+            drains: Mutex::new(Vec::new()),
+        });
         register(&e);
         Ok(e)
+    }
+
+    /// Registers work queued above the engine, which a shutdown lets reach it before the engine goes.
+    pub(crate) fn before_shutdown(&self, drain: Box<dyn Fn(std::time::Instant) + Send + Sync>) {
+        self.drains.lock().unwrap_or_else(|p| p.into_inner()).push(drain);
+    }
+
+    fn trace_timeout(&self) -> Duration {
+        self.timeout
     }
 
     /// c10d's `shutdown()`: pending work completes, then the backend is destroyed. A group given up on
@@ -154,7 +196,17 @@ impl Engine {
         if self.shut.swap(true, Ordering::SeqCst) {
             return Ok(());
         }
-        let abort = self.trace.abandoned();
+        // NCCL's shutdown flushes what is queued: after a failure that may wait for a peer that never
+        // comes, so a failed NCCL group is aborted (Gloo's engine fails its queued work by itself)
+        let abort = self.trace.abandoned() || (self.backend == Backend::Nccl && self.trace.failed());
+        if !abort {
+            // what was posted above the engine reaches it first, as NCCL flushes what it has queued
+            let deadline = std::time::Instant::now() + self.trace_timeout();
+            let drains = std::mem::take(&mut *self.drains.lock().unwrap_or_else(|p| p.into_inner()));
+            for d in drains {
+                d(deadline);
+            }
+        }
         // SAFETY: the handle is valid until drop; the shim serialises this with calls in flight.
         let code = unsafe { ffi::tdx_pg_shutdown(self.ptr.as_ptr(), abort as i32) };
         check(code, Duration::ZERO, || {

@@ -205,20 +205,19 @@ impl ProcessGroup {
         name: &str,
         connect: bool,
     ) -> Result<ProcessGroup> {
-        ProcessGroup::create(store, (rank, size), opts, name, None, connect)
+        let how = Formation { split: None, connect, bound: opts.cuda_device.is_some() };
+        ProcessGroup::create(store, (rank, size), opts, name, how)
     }
 
-    /// Builds the group; `split`: its NCCL communicator is split from this engine's with this color;
-    /// `connect`: its NCCL communicator is created now even without a bound device (a forming watched by
-    /// heartbeats, where a lost member is found; at the first collective nothing would find it).
+    /// Builds the group, its NCCL communicator as `how` says.
     fn create(
         store: &Store,
         (rank, size): (usize, usize),
         opts: &GroupOptions,
         name: &str,
-        split: Option<(Arc<Engine>, i32)>,
-        connect: bool,
+        how: Formation,
     ) -> Result<ProcessGroup> {
+        let Formation { split, connect, bound } = how;
         if size == 0 || rank >= size {
             return Err(Error::invalid(
                 "ProcessGroup::new",
@@ -249,7 +248,7 @@ impl ProcessGroup {
                 desc,
                 split: split.as_ref().map(|(e, c)| (&**e, *c)),
                 // a bound device (PyTorch's device_id) makes the communicator when the group is built
-                eager: opts.cuda_device.is_some() || connect,
+                eager: bound || connect,
             };
             let e =
                 Engine::new(&store.prefixed(prefix)?, backend, (rank, size), opts, cuda_device, how, trace.clone())?;
@@ -266,7 +265,7 @@ impl ProcessGroup {
                 (rank, size),
                 store.prefixed("tdx-strict/")?,
                 opts.timeout,
-                opts.cuda_device.is_some() || connect,
+                bound || connect,
             )?),
             _ => None,
         };
@@ -275,7 +274,7 @@ impl ProcessGroup {
             cuda,
             config: opts.backend,
             cuda_device,
-            bound: opts.cuda_device.is_some(),
+            bound,
             rank,
             size,
             timeout: opts.timeout,
@@ -422,7 +421,8 @@ impl ProcessGroup {
             threads: 0,
             verify: self.verify,
             checks: self.checks,
-            cuda_device: if self.bound { self.cuda_device } else { None },
+            // the parent's device, bound or not (a forming thread's current device may be another)
+            cuda_device: self.cuda_device,
             strict_nccl: self.strict.is_some(),
             collectives: self.collectives,
             heartbeat_timeout: self.trace.heartbeat_timeout(),
@@ -446,6 +446,7 @@ impl ProcessGroup {
             label,
             split,
             connect: false,
+            bound: self.bound,
         }))
     }
 
@@ -916,12 +917,25 @@ struct SubgroupPlan {
     label: String,
     split: Option<(Arc<Engine>, i32)>,
     connect: bool,
+    /// The parent's device was given: the subgroup's is too.
+    bound: bool,
 }
 
 impl SubgroupPlan {
     fn form(self) -> Result<ProcessGroup> {
-        ProcessGroup::create(&self.store, (self.me, self.size), &self.opts, &self.label, self.split, self.connect)
+        let how = Formation { split: self.split, connect: self.connect, bound: self.bound };
+        ProcessGroup::create(&self.store, (self.me, self.size), &self.opts, &self.label, how)
     }
+}
+
+/// How a group's NCCL communicator comes to be.
+struct Formation {
+    /// Split from this engine's, with this color.
+    split: Option<(Arc<Engine>, i32)>,
+    /// Created when the group forms even without a bound device.
+    connect: bool,
+    /// The device was given (PyTorch's `device_id`): created when the group forms.
+    bound: bool,
 }
 
 #[cfg(test)]

@@ -80,8 +80,10 @@ struct Stamps {
 struct Order {
     rank: usize,
     size: usize,
-    /// A connection of its own: its waits must not hold up the group's other store traffic.
+    /// Connections of their own: the posters' stamps, and the worker's waits for the peers' (a wait must
+    /// not hold up the group's other store traffic, nor a stamp).
     store: Store,
+    checks: Store,
     /// Per peer, the units posted with it so far.
     posted: Mutex<HashMap<usize, u64>>,
     /// The communicator exists (a bound device, or the first unit met every rank).
@@ -172,7 +174,9 @@ impl Order {
                 if left.is_zero() {
                     break;
                 }
-                seen = self.store.wait(&key, left.min(Duration::from_millis(100))).is_ok();
+                // at least 1 ms: a wait of 0 ms is c10d's "no timeout"
+                let slice = left.clamp(Duration::from_millis(1), Duration::from_millis(100));
+                seen = self.checks.wait(&key, slice).is_ok();
                 if !seen && posted.is_some_and(|w| w.is_completed().unwrap_or(true)) {
                     // ended without the peer's stamp: only a failure does (the caller's wait reports it)
                     return Ok(());
@@ -189,9 +193,9 @@ impl Order {
                     self.rank
                 ),
             })?;
-            let theirs = String::from_utf8_lossy(&self.store.get(&key)?).to_string();
+            let theirs = String::from_utf8_lossy(&self.checks.get(&key)?).to_string();
             // read once, by this rank alone: the store must not grow with every collective
-            self.store.delete(&key)?;
+            self.checks.delete(&key)?;
             let (their_kind, their_what) = theirs.split_once('\u{1}').unwrap_or((&theirs, &theirs));
             if their_kind != stamps.kind {
                 return Err(Error::mismatch(
@@ -214,6 +218,8 @@ impl Order {
 #[derive(Default)]
 struct QueueState {
     items: VecDeque<Item>,
+    /// The worker is running an item it took.
+    busy: bool,
     /// The first failure; everything after it is refused with an error of the same kind.
     failed: Option<Error>,
     closed: bool,
@@ -276,6 +282,8 @@ pub(crate) struct Strict {
     /// Batches and collectives.
     group: Mutex<Option<(Arc<Queue>, Seqs)>>,
     order: Arc<Order>,
+    /// Every queue started, for the engine's shutdown to drain.
+    started: Arc<Mutex<Vec<std::sync::Weak<Queue>>>>,
 }
 
 /// Tags of the strict mode's messages: bit 29 tells the group's queue from a pair's, bit 0 a header
@@ -294,13 +302,26 @@ impl Strict {
         timeout: Duration,
         bound: bool,
     ) -> Result<Strict> {
+        let order_store = store.prefixed("order/")?;
         let order = Arc::new(Order {
             rank,
             size,
-            store: store.prefixed("order/")?.connection()?,
+            store: order_store.connection()?,
+            checks: order_store.connection()?,
             posted: Mutex::new(HashMap::new()),
             connected: AtomicBool::new(bound || size == 1),
         });
+        let started: Arc<Mutex<Vec<std::sync::Weak<Queue>>>> = Arc::default();
+        let queues = started.clone();
+        // a shutdown (the group's drop, destroy_process_group, the process's exit) lets what was posted
+        // reach the engine first: a rank that posts its last batches and returns loses none of them
+        engine.before_shutdown(Box::new(move |deadline| {
+            let live: Vec<Arc<Queue>> =
+                queues.lock().unwrap_or_else(|e| e.into_inner()).iter().filter_map(|w| w.upgrade()).collect();
+            for q in live {
+                q.wait_idle(deadline);
+            }
+        }));
         Ok(Strict {
             engine,
             rank,
@@ -309,6 +330,7 @@ impl Strict {
             pairs: Mutex::new(HashMap::new()),
             group: Mutex::new(None),
             order,
+            started,
         })
     }
 
@@ -363,8 +385,9 @@ impl Strict {
         let peers: Vec<usize> = (0..self.order.size).filter(|&r| r != self.rank).collect();
         // stamped and posted under the queue's lock, so that the stamps follow the posting order
         let mut g = self.group.lock().unwrap_or_else(|e| e.into_inner());
-        let stamps = self.order.stamp(&peers, &what)?;
+        // a post that fails leaves no stamp behind (its place would shift every later unit's)
         let work = post()?;
+        let stamps = self.order.stamp(&peers, &what)?;
         let (queue, _) = g.get_or_insert_with(|| self.group_queue());
         Ok(self.enqueue(queue, Unit { ops: Vec::new(), posted: Some(work), stamps: Some(stamps) }, what))
     }
@@ -408,6 +431,7 @@ impl Strict {
 
     fn start_queue(&self, name: String) -> Arc<Queue> {
         let q = Arc::new(Queue { name, state: Mutex::new(QueueState::default()), cv: Condvar::new() });
+        self.started.lock().unwrap_or_else(|e| e.into_inner()).push(Arc::downgrade(&q));
         let (worker, engine, rank) = (q.clone(), self.engine.clone(), self.rank);
         let (timeout, order) = (self.timeout.clone(), self.order.clone());
         std::thread::Builder::new()
@@ -435,12 +459,25 @@ impl Drop for Strict {
 }
 
 impl Queue {
+    /// Waits until the queue has nothing left to run (or failed), at most until `deadline`.
+    fn wait_idle(&self, deadline: Instant) {
+        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        while (st.busy || !st.items.is_empty()) && st.failed.is_none() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return;
+            }
+            st = self.cv.wait_timeout(st, left).unwrap_or_else(|e| e.into_inner()).0;
+        }
+    }
+
     fn run(&self, engine: &Engine, rank: usize, timeout: Arc<Mutex<Duration>>, order: &Order) {
         loop {
             let mut item = {
                 let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
                 loop {
                     if let Some(i) = st.items.pop_front() {
+                        st.busy = true;
                         break i;
                     }
                     if st.closed {
@@ -460,12 +497,16 @@ impl Queue {
             drop(posted);
             // the tensors go before the waiter wakes: it may free or reuse their memory then
             drop(ops);
-            if let Err(e) = &r {
+            {
                 let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
-                for later in st.items.drain(..) {
-                    later.ticket.complete(Err(refused(e, &self.name, later.what)));
+                if let Err(e) = &r {
+                    for later in st.items.drain(..) {
+                        later.ticket.complete(Err(refused(e, &self.name, later.what)));
+                    }
+                    st.failed = Some(copy_of(e, what));
                 }
-                st.failed = Some(copy_of(e, what));
+                st.busy = false;
+                self.cv.notify_all();
             }
             ticket.complete(r);
         }

@@ -61,7 +61,7 @@ pub fn first_host(list: &str) -> Option<String> {
 pub enum Launcher {
     /// torchrun, tchrun, a Kubeflow PyTorchJob, or anything that sets `RANK` and `WORLD_SIZE`.
     Torchrun,
-    /// `srun` (no `RANK`; `SLURM_PROCID` and `SLURM_NTASKS`).
+    /// `srun` (no `RANK`; `SLURM_PROCID` and `SLURM_STEP_NUM_TASKS`).
     Slurm,
 }
 
@@ -109,11 +109,17 @@ pub fn placement(vars: Vars) -> Result<Placement> {
             need(num(vars, "MASTER_PORT")?, "MASTER_PORT", hint)?,
         )
     } else if get(vars, "SLURM_PROCID").is_some() {
-        let hint = "srun sets it for each task";
-        let world = match num(vars, "SLURM_NTASKS")? {
-            Some(n) => n,
-            None => need(num(vars, "SLURM_NPROCS")?, "SLURM_NTASKS", hint)?,
+        // srun's tasks carry the step's variables; a batch script or an salloc shell has SLURM_PROCID
+        // (0) and the job's task count too, but is one process, not a rank of them
+        let Some(world) = num(vars, "SLURM_STEP_NUM_TASKS")? else {
+            return Err(Error::Env {
+                var: "RANK".into(),
+                msg: "is not set, and this is not a task of srun (SLURM_PROCID is set but not SLURM_STEP_NUM_TASKS: \
+                      a batch script or an salloc shell): start the program with srun, tchrun or torchrun"
+                    .into(),
+            });
         };
+        let hint = "srun sets it for each task";
         let addr = match get(vars, "MASTER_ADDR") {
             Some(a) => a,
             None => {
@@ -164,7 +170,7 @@ pub fn placement(vars: Vars) -> Result<Placement> {
     }
     if rank >= world_size {
         let (r, w) = match launcher {
-            Launcher::Slurm => ("SLURM_PROCID", "SLURM_NTASKS"),
+            Launcher::Slurm => ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS"),
             Launcher::Torchrun => ("RANK", "WORLD_SIZE"),
         };
         return Err(Error::Env { var: r.into(), msg: format!("{r}={rank} is not below {w}={world_size}") });
@@ -184,19 +190,18 @@ pub struct SlurmNode {
     pub master_port: u16,
 }
 
-/// `None` outside a Slurm step (no `SLURM_JOB_ID`); an error when the step does not run one task per node.
+/// `None` outside a task of srun (no `SLURM_STEP_NUM_NODES`: not under Slurm, or in a batch script or an
+/// salloc shell, where tchrun's own defaults hold); an error when the step does not run one task per
+/// node.
 pub fn slurm_node(vars: Vars) -> Result<Option<SlurmNode>> {
-    let Some(job) = get(vars, "SLURM_JOB_ID") else { return Ok(None) };
+    let Some(nnodes) = num::<usize>(vars, "SLURM_STEP_NUM_NODES")? else { return Ok(None) };
     let hint = "srun sets it";
-    let nnodes = match num(vars, "SLURM_STEP_NUM_NODES")? {
-        Some(n) => n,
-        None => need(num(vars, "SLURM_NNODES")?, "SLURM_NNODES", hint)?,
-    };
+    let job = need(get(vars, "SLURM_JOB_ID"), "SLURM_JOB_ID", hint)?;
     let node_rank: usize = need(num(vars, "SLURM_NODEID")?, "SLURM_NODEID", hint)?;
-    if let Some(tasks) = num::<usize>(vars, "SLURM_NTASKS")? {
+    if let Some(tasks) = num::<usize>(vars, "SLURM_STEP_NUM_TASKS")? {
         if tasks != nnodes {
             return Err(Error::Env {
-                var: "SLURM_NTASKS".into(),
+                var: "SLURM_STEP_NUM_TASKS".into(),
                 msg: format!(
                     "{tasks} tasks on {nnodes} nodes: tchrun starts the workers of its node itself, so srun must \
                     start one tchrun per node (srun --ntasks-per-node=1 tchrun --nproc-per-node=GPUS ...)"
@@ -317,7 +322,7 @@ mod tests {
     fn srun_alone_gives_a_placement() {
         let v = vars(&[
             ("SLURM_PROCID", "5"),
-            ("SLURM_NTASKS", "16"),
+            ("SLURM_STEP_NUM_TASKS", "16"),
             ("SLURM_LOCALID", "1"),
             ("SLURM_JOB_NODELIST", "gpu[003-006]"),
             ("SLURM_JOB_ID", "4242"),
@@ -337,19 +342,23 @@ mod tests {
         // MASTER_ADDR and MASTER_PORT win; the step's list before the job's
         let v = vars(&[
             ("SLURM_PROCID", "0"),
-            ("SLURM_NTASKS", "2"),
+            ("SLURM_STEP_NUM_TASKS", "2"),
             ("SLURM_STEP_NODELIST", "b[1-2]"),
             ("SLURM_JOB_NODELIST", "a[1-9]"),
             ("MASTER_PORT", "29400"),
         ]);
         let p = placement(&v).unwrap();
         assert_eq!((p.master_addr.as_str(), p.master_port), ("b1", 29400));
-        let v =
-            vars(&[("SLURM_PROCID", "0"), ("SLURM_NTASKS", "2"), ("MASTER_ADDR", "10.0.0.9"), ("SLURM_JOB_ID", "1")]);
+        let v = vars(&[
+            ("SLURM_PROCID", "0"),
+            ("SLURM_STEP_NUM_TASKS", "2"),
+            ("MASTER_ADDR", "10.0.0.9"),
+            ("SLURM_JOB_ID", "1"),
+        ]);
         assert_eq!(placement(&v).unwrap().master_addr, "10.0.0.9");
         let v = vars(&[
             ("SLURM_PROCID", "0"),
-            ("SLURM_NTASKS", "2"),
+            ("SLURM_STEP_NUM_TASKS", "2"),
             ("SLURM_LAUNCH_NODE_IPADDR", "10.1.2.3"),
             ("SLURM_JOB_ID", "1"),
         ]);
@@ -366,20 +375,28 @@ mod tests {
             ("MASTER_ADDR", "h0"),
             ("MASTER_PORT", "29500"),
             ("SLURM_PROCID", "0"),
-            ("SLURM_NTASKS", "2"),
+            ("SLURM_STEP_NUM_TASKS", "2"),
         ]);
         let p = placement(&v).unwrap();
         assert_eq!((p.launcher, p.rank, p.world_size, p.local_rank), (Launcher::Torchrun, 3, 8, Some(3)));
         let err = |pairs: &[(&str, &str)]| placement(&vars(pairs)).unwrap_err().to_string();
         let e = err(&[]);
         assert!(e.contains("RANK") && e.contains("SLURM_PROCID"), "{e}");
-        let e =
-            err(&[("SLURM_PROCID", "2"), ("SLURM_NTASKS", "2"), ("SLURM_JOB_NODELIST", "n1"), ("SLURM_JOB_ID", "9")]);
-        assert!(e.contains("SLURM_PROCID=2 is not below SLURM_NTASKS=2"), "{e}");
-        let e = err(&[("SLURM_PROCID", "0"), ("SLURM_NTASKS", "2"), ("SLURM_JOB_ID", "9")]);
+        let e = err(&[
+            ("SLURM_PROCID", "2"),
+            ("SLURM_STEP_NUM_TASKS", "2"),
+            ("SLURM_JOB_NODELIST", "n1"),
+            ("SLURM_JOB_ID", "9"),
+        ]);
+        assert!(e.contains("SLURM_PROCID=2 is not below SLURM_STEP_NUM_TASKS=2"), "{e}");
+        let e = err(&[("SLURM_PROCID", "0"), ("SLURM_STEP_NUM_TASKS", "2"), ("SLURM_JOB_ID", "9")]);
         assert!(e.contains("SLURM_JOB_NODELIST") && e.contains("MASTER_ADDR"), "{e}");
-        let e =
-            err(&[("SLURM_PROCID", "0"), ("SLURM_NTASKS", "2"), ("SLURM_JOB_NODELIST", "n[x]"), ("SLURM_JOB_ID", "9")]);
+        let e = err(&[
+            ("SLURM_PROCID", "0"),
+            ("SLURM_STEP_NUM_TASKS", "2"),
+            ("SLURM_JOB_NODELIST", "n[x]"),
+            ("SLURM_JOB_ID", "9"),
+        ]);
         assert!(e.contains("\"n[x]\""), "{e}");
         let e = err(&[("RANK", "0"), ("WORLD_SIZE", "two"), ("MASTER_ADDR", "h"), ("MASTER_PORT", "1")]);
         assert!(e.contains("WORLD_SIZE") && e.contains("\"two\""), "{e}");
@@ -388,20 +405,24 @@ mod tests {
     #[test]
     fn tchrun_under_srun_takes_its_node_from_slurm() {
         assert_eq!(slurm_node(&vars(&[("SLURM_PROCID", "0")])).unwrap(), None);
+        // salloc's shell or a batch script: the job's variables, no step: tchrun's defaults hold
+        let alloc =
+            vars(&[("SLURM_JOB_ID", "77"), ("SLURM_NNODES", "1"), ("SLURM_NTASKS", "8"), ("SLURM_NODEID", "0")]);
+        assert_eq!(slurm_node(&alloc).unwrap(), None);
         let v = vars(&[
             ("SLURM_JOB_ID", "77"),
-            ("SLURM_NNODES", "4"),
+            ("SLURM_STEP_NUM_NODES", "4"),
             ("SLURM_NODEID", "2"),
-            ("SLURM_NTASKS", "4"),
+            ("SLURM_STEP_NUM_TASKS", "4"),
             ("SLURM_JOB_NODELIST", "dgx[10-13]"),
         ]);
         let n = slurm_node(&v).unwrap().unwrap();
         assert_eq!(n, SlurmNode { nnodes: 4, node_rank: 2, master_addr: "dgx10".into(), master_port: 15077 });
         let v = vars(&[
             ("SLURM_JOB_ID", "77"),
-            ("SLURM_NNODES", "2"),
+            ("SLURM_STEP_NUM_NODES", "2"),
             ("SLURM_NODEID", "0"),
-            ("SLURM_NTASKS", "16"),
+            ("SLURM_STEP_NUM_TASKS", "16"),
             ("SLURM_JOB_NODELIST", "dgx[10-11]"),
         ]);
         let e = slurm_node(&v).unwrap_err().to_string();

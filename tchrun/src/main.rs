@@ -180,7 +180,9 @@ fn main() {
     }
     let grace = secs("grace-secs", cli.grace_secs);
     // under srun (one tchrun per node), what the options leave out comes from Slurm
-    let slurm = if cli.standalone || cli.rdzv_endpoint.is_some() {
+    let complete =
+        cli.nnodes.is_some() && cli.node_rank.is_some() && cli.master_addr.is_some() && cli.master_port.is_some();
+    let slurm = if cli.standalone || cli.rdzv_endpoint.is_some() || complete {
         None
     } else {
         tch_dist::init::launcher::slurm_node(&tch_dist::init::launcher::process_vars).unwrap_or_else(|e| {

@@ -292,10 +292,11 @@ fn open_log(cfg: &LaunchConfig, rank: usize, restart: usize) -> Result<Option<Ar
     Ok(Some(Arc::new(Mutex::new(f))))
 }
 
-/// The variables that turn on c10d's NCCL flight recorder and its dump on a watchdog timeout, into
+/// The variables that turn on c10d's NCCL flight recorder's dump on a watchdog timeout, into
 /// `dir/nccl_trace_rank_<R>` (torchtitan sets the same).
 fn nccl_recorder_env(dir: Option<&std::path::Path>) -> Vec<(&'static str, std::ffi::OsString)> {
-    let mut v = vec![("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000".into()), ("TORCH_NCCL_DUMP_ON_TIMEOUT", "1".into())];
+    // c10d records by default (TORCH_FR_BUFFER_SIZE, 2000 entries); it dumps on a timeout only when asked
+    let mut v = vec![("TORCH_NCCL_DUMP_ON_TIMEOUT", "1".into())];
     // c10d writes its dump into an existing directory only
     if let Some(d) = dir.filter(|d| std::fs::create_dir_all(d).is_ok()) {
         v.push(("TORCH_FR_DUMP_TEMP_FILE", d.join("nccl_trace_rank_").into_os_string()));
