@@ -36,11 +36,13 @@ plain=("${plain_suites[@]}" "${both_suites[@]}")
 cargo test "${plain[@]/#/--test=}" -- --skip cuda_
 cargo test --doc
 
-echo "== NCCL's check-once policy on Gloo (TCH_DIST_VERIFY=once): every rank decides alike"
-# the modules (files) that run again under it, in their area's binaries
+echo "== production runs on NCCL, modelled on Gloo: the strict mode, agreement checks at each kind's first use only"
+echo "   (TCH_DIST_VERIFY=once: checks never act as barriers that hide an order), NCCL's own flat collectives (no rings)"
+# the modules (files) that run again so, in their area's binaries: every rank must decide alike
 once_binaries=(collectives ddp sharding training pipeline tp)
-once_modules=(collectives:: ddp:: zero:: clip:: pipeline:: context_parallel::ring_attention)
-TCH_DIST_VERIFY=once cargo test "${once_binaries[@]/#/--test=}" -- --skip cuda_ "${once_modules[@]}"
+once_modules=(collectives:: ddp:: zero:: clip:: fsdp:: pipeline:: context_parallel::ring_attention mesh::)
+TCH_DIST_STRICT_NCCL=1 TCH_DIST_VERIFY=once TCH_DIST_COLLECTIVES=native \
+  cargo test "${once_binaries[@]/#/--test=}" -- --skip cuda_ "${once_modules[@]}"
 
 echo "== cuda feature: the GPU tests, linked against libtorch_cuda (clippy above compiled every target)"
 cargo test --features cuda --test cuda -- --nocapture

@@ -29,8 +29,11 @@ pub(crate) struct Engine {
     shut: AtomicBool,
     /// Work queued above the engine that a shutdown lets reach it first (the strict mode's queues), each
     /// waited for until the deadline.
-    drains: Mutex<Vec<Box<dyn Fn(std::time::Instant) + Send + Sync>>>,
+    drains: Mutex<Vec<Drain>>,
 }
+
+/// Lets work queued above an engine reach it, waiting at most until the deadline.
+pub(crate) type Drain = Box<dyn Fn(std::time::Instant) + Send + Sync>;
 
 /// How an engine is made, beyond its store and place.
 pub(crate) struct Creation<'a> {
@@ -182,7 +185,7 @@ impl Engine {
     }
 
     /// Registers work queued above the engine, which a shutdown lets reach it before the engine goes.
-    pub(crate) fn before_shutdown(&self, drain: Box<dyn Fn(std::time::Instant) + Send + Sync>) {
+    pub(crate) fn before_shutdown(&self, drain: Drain) {
         self.drains.lock().unwrap_or_else(|p| p.into_inner()).push(drain);
     }
 
