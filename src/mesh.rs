@@ -211,7 +211,8 @@ impl DeviceMesh {
     /// parallelism over the data- and context-parallel ranks, say): built here from `world`, the group
     /// the mesh was built from, so every rank of it calls this alike. Rank `i` of the result is the
     /// `i`-th, row-major, over `names` in the mesh's order; one name (or one of size above 1) gives that
-    /// dimension's group. Each call builds a new group: call it once per set of names.
+    /// dimension's group. Each call forms a new group (its own communicator, a formation of its own):
+    /// calling again works, and costs another group, so keep the first.
     pub fn flatten(&self, world: &ProcessGroup, names: &[&str]) -> Result<Arc<ProcessGroup>> {
         // dimensions of size 1 add no rank: with at most one left, that dimension's group is the answer
         let wide = names.iter().map(|n| Ok((*n, self.size(n)?))).collect::<Result<Vec<_>>>()?;

@@ -133,8 +133,9 @@ pub fn placement(vars: Vars) -> Result<Placement> {
                     })?,
                     None => need(
                         get(vars, "SLURM_LAUNCH_NODE_IPADDR"),
-                        "SLURM_JOB_NODELIST",
-                        "or MASTER_ADDR: the host of rank 0",
+                        "SLURM_STEP_NODELIST",
+                        "nor SLURM_JOB_NODELIST, SLURM_NODELIST, SLURM_LAUNCH_NODE_IPADDR or MASTER_ADDR: the host \
+                         of rank 0",
                     )?,
                 }
             }
@@ -166,7 +167,8 @@ pub fn placement(vars: Vars) -> Result<Placement> {
         });
     };
     if world_size == 0 {
-        return Err(Error::Env { var: "WORLD_SIZE".into(), msg: "must be at least 1".into() });
+        let w = if launcher == Launcher::Slurm { "SLURM_STEP_NUM_TASKS" } else { "WORLD_SIZE" };
+        return Err(Error::Env { var: w.into(), msg: "must be at least 1".into() });
     }
     if rank >= world_size {
         let (r, w) = match launcher {
@@ -390,7 +392,13 @@ mod tests {
         ]);
         assert!(e.contains("SLURM_PROCID=2 is not below SLURM_STEP_NUM_TASKS=2"), "{e}");
         let e = err(&[("SLURM_PROCID", "0"), ("SLURM_STEP_NUM_TASKS", "2"), ("SLURM_JOB_ID", "9")]);
-        assert!(e.contains("SLURM_JOB_NODELIST") && e.contains("MASTER_ADDR"), "{e}");
+        assert!(
+            e.contains("SLURM_STEP_NODELIST") && e.contains("SLURM_JOB_NODELIST") && e.contains("MASTER_ADDR"),
+            "{e}"
+        );
+        let e =
+            err(&[("SLURM_PROCID", "0"), ("SLURM_STEP_NUM_TASKS", "0"), ("SLURM_JOB_ID", "9"), ("MASTER_ADDR", "h")]);
+        assert!(e.contains("SLURM_STEP_NUM_TASKS") && e.contains("at least 1"), "{e}");
         let e = err(&[
             ("SLURM_PROCID", "0"),
             ("SLURM_STEP_NUM_TASKS", "2"),

@@ -57,7 +57,7 @@ impl InitOptions {
 
     /// Reads the job's layout from its launcher: `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`,
     /// `MASTER_PORT` as `torchrun`, `tchrun` and a Kubeflow PyTorchJob set them; without `RANK`, Slurm's
-    /// `SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID` and the first host of the job's node list (see
+    /// `SLURM_PROCID`, `SLURM_STEP_NUM_TASKS`, `SLURM_LOCALID` and the first host of the step's node list (see
     /// [`launcher::placement`]), so that `srun my-trainer` needs no launcher. The device follows
     /// [`launcher::device`]: `cuda:LOCAL_RANK`, or `cuda:0` when one GPU is visible to the process, or the
     /// CPU on a machine without GPUs, never silently the CPU on one with them (`TCH_DIST_DEVICE=cpu`
