@@ -55,6 +55,9 @@ static LIVE: Mutex<Vec<Weak<Engine>>> = Mutex::new(Vec::new());
 static AT_EXIT: Once = Once::new();
 static AT_EXIT_NCCL: Once = Once::new();
 
+/// How long a shutdown lets work queued above the engine reach it.
+const DRAIN_WAIT: Duration = Duration::from_secs(5);
+
 /// How long the exit waits for the groups' pending work before it goes without it.
 const EXIT_WAIT: Duration = Duration::from_secs(60);
 
@@ -204,7 +207,9 @@ impl Engine {
         let abort = self.trace.abandoned() || (self.backend == Backend::Nccl && self.trace.failed());
         if !abort {
             // what was posted above the engine reaches it first, as NCCL flushes what it has queued
-            let deadline = std::time::Instant::now() + self.trace_timeout();
+            // briefly: what a healthy peer takes is milliseconds; an ending process must not linger on one
+            // that is gone
+            let deadline = std::time::Instant::now() + self.trace_timeout().min(DRAIN_WAIT);
             let drains = std::mem::take(&mut *self.drains.lock().unwrap_or_else(|p| p.into_inner()));
             for d in drains {
                 d(deadline);

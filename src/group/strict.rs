@@ -168,15 +168,18 @@ impl Order {
         for &(p, i) in &stamps.places {
             let key = self.key(p, i, p);
             let ordinal = nth(i);
-            let mut seen = false;
+            // polled, not waited for in slices: a TCPStore wait that times out logs a warning each time
+            // a store that fails (its host gone) ends the unit at once: polling it again would only fail again
+            let mut seen = self.checks.check(&key)?;
+            let mut pause = Duration::from_micros(200);
             while !seen {
                 let left = deadline.saturating_duration_since(Instant::now());
                 if left.is_zero() {
                     break;
                 }
-                // at least 1 ms: a wait of 0 ms is c10d's "no timeout"
-                let slice = left.clamp(Duration::from_millis(1), Duration::from_millis(100));
-                seen = self.checks.wait(&key, slice).is_ok();
+                std::thread::sleep(pause.min(left));
+                pause = (pause * 2).min(Duration::from_millis(20));
+                seen = self.checks.check(&key)?;
                 if !seen && posted.is_some_and(|w| w.is_completed().unwrap_or(true)) {
                     // ended without the peer's stamp: only a failure does (the caller's wait reports it)
                     return Ok(());
