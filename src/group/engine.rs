@@ -192,10 +192,6 @@ impl Engine {
         self.drains.lock().unwrap_or_else(|p| p.into_inner()).push(drain);
     }
 
-    fn trace_timeout(&self) -> Duration {
-        self.timeout
-    }
-
     /// c10d's `shutdown()`: pending work completes, then the backend is destroyed. A group given up on
     /// (a frozen peer) is aborted instead, so that this never waits on that peer. Once only.
     pub(crate) fn shutdown(&self) -> Result<()> {
@@ -209,7 +205,7 @@ impl Engine {
             // what was posted above the engine reaches it first, as NCCL flushes what it has queued
             // briefly: what a healthy peer takes is milliseconds; an ending process must not linger on one
             // that is gone
-            let deadline = std::time::Instant::now() + self.trace_timeout().min(DRAIN_WAIT);
+            let deadline = std::time::Instant::now() + self.timeout.min(DRAIN_WAIT);
             let drains = std::mem::take(&mut *self.drains.lock().unwrap_or_else(|p| p.into_inner()));
             for d in drains {
                 d(deadline);
