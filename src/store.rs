@@ -2,7 +2,8 @@
 //! `HashStore` (threads of one process, for tests) and `PrefixStore` (namespaces inside another store).
 use std::ffi::CString;
 use std::ptr::NonNull;
-use std::time::Duration;
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
 
 use crate::error::{check, Error, Result};
 use crate::ffi;
@@ -23,7 +24,15 @@ pub struct Store {
     ptr: NonNull<ffi::tdx_store>,
     timeout: Duration,
     desc: String,
+    /// A TCPStore's `host:port` and the prefixes over it: what [`Store::shared_connection`] rebuilds.
+    origin: Option<(String, Vec<String>)>,
+    /// The shared connection this handle is a view of, kept alive while the handle lives.
+    _shared: Option<Arc<Store>>,
 }
+
+/// The shared connection of each TCPStore server this process talks to (see
+/// [`Store::shared_connection`]); it closes when its last user goes.
+static SHARED: Mutex<Vec<(String, Weak<Store>)>> = Mutex::new(Vec::new());
 
 // SAFETY: c10d stores synchronise internally (TCPStore's client holds a mutex, HashStore too).
 unsafe impl Send for Store {}
@@ -115,7 +124,7 @@ pub(crate) fn millis(d: Duration) -> i64 {
 impl Store {
     fn wrap(ptr: *mut ffi::tdx_store, timeout: Duration, desc: String) -> Result<Store> {
         let ptr = NonNull::new(ptr).ok_or_else(|| Error::invalid(desc.clone(), "shim returned a null store"))?;
-        Ok(Store { ptr, timeout, desc })
+        Ok(Store { ptr, timeout, desc, origin: None, _shared: None })
     }
 
     /// Connects to (or, with `is_server`, starts) a TCPStore.
@@ -139,7 +148,10 @@ impl Store {
             )
         };
         check(code, o.timeout, || desc.clone())?;
-        Store::wrap(out, o.timeout, desc)
+        let mut s = Store::wrap(out, o.timeout, desc)?;
+        let port = if o.port == 0 { s.port()? } else { o.port };
+        s.origin = Some((format!("{}:{port}", o.host), Vec::new()));
+        Ok(s)
     }
 
     /// An in-process store: ranks that are threads of one process rendezvous through clones of it.
@@ -157,7 +169,13 @@ impl Store {
         // SAFETY: self.ptr is a live handle; `out` receives an owned handle.
         let code = unsafe { ffi::tdx_store_prefix(p.as_ptr(), self.ptr.as_ptr(), &mut out) };
         check(code, self.timeout, || format!("PrefixStore({prefix:?}) over {}", self.desc))?;
-        Store::wrap(out, self.timeout, format!("{}/{prefix}", self.desc))
+        let mut s = Store::wrap(out, self.timeout, format!("{}/{prefix}", self.desc))?;
+        s.origin = self.origin.clone().map(|(at, mut prefixes)| {
+            prefixes.push(prefix.to_string());
+            (at, prefixes)
+        });
+        s._shared = self._shared.clone();
+        Ok(s)
     }
 
     /// The same store on a connection of its own (c10d's `Store::clone`): a TCPStore client blocked in a
@@ -168,7 +186,72 @@ impl Store {
         // SAFETY: self.ptr is a live handle; `out` receives an owned handle.
         let code = unsafe { ffi::tdx_store_clone_connection(self.ptr.as_ptr(), &mut out) };
         check(code, self.timeout, || format!("{}: a connection of its own", self.desc))?;
-        Store::wrap(out, self.timeout, self.desc.clone())
+        let mut s = Store::wrap(out, self.timeout, self.desc.clone())?;
+        s.origin = self.origin.clone();
+        Ok(s)
+    }
+
+    /// The same store on the process's one shared connection to its server, apart from the connections
+    /// that rendezvous and user calls block on: for calls that never wait (`set`, `check`, `add`,
+    /// `delete`, a `get` of a key known to be set), as the heartbeats and the strict mode's stamps make.
+    /// One connection for all of them, not one per group: every new TCPStore connection costs c10d a
+    /// reverse lookup of the server's address, which a slow resolver turns into seconds (measured here:
+    /// 5 s, one connection in 25). A HashStore is shared as it is.
+    pub(crate) fn shared_connection(&self) -> Result<Store> {
+        let Some((at, prefixes)) = &self.origin else { return Ok(self.clone()) };
+        let live =
+            |shared: &[(String, Weak<Store>)]| shared.iter().find(|(a, _)| a == at).and_then(|(_, w)| w.upgrade());
+        let found = live(&SHARED.lock().unwrap_or_else(|e| e.into_inner()));
+        let root = match found {
+            Some(r) => r,
+            None => {
+                // connected without the lock held: a connection may take seconds
+                let (host, port) = at
+                    .rsplit_once(':')
+                    .and_then(|(h, p)| p.parse::<u16>().ok().map(|p| (h, p)))
+                    .ok_or_else(|| Error::invalid(self.desc.clone(), format!("bad store address {at:?}")))?;
+                let opts = TcpStoreOptions {
+                    wait_workers: false,
+                    num_workers: None,
+                    ..TcpStoreOptions::client(host, port, 1)
+                };
+                let fresh = Arc::new(Store::tcp(&opts.timeout(self.timeout))?);
+                let mut shared = SHARED.lock().unwrap_or_else(|e| e.into_inner());
+                shared.retain(|(_, w)| w.strong_count() > 0);
+                match live(&shared) {
+                    Some(r) => r,
+                    None => {
+                        shared.push((at.clone(), Arc::downgrade(&fresh)));
+                        fresh
+                    }
+                }
+            }
+        };
+        let mut s = (*root).clone();
+        for p in prefixes {
+            s = s.prefixed(p)?;
+        }
+        s.desc = self.desc.clone();
+        s._shared = Some(root);
+        Ok(s)
+    }
+
+    /// Polls until `key` is set, until `deadline` or until `give_up` says so: whether it was set. A
+    /// TCPStore wait that times out logs a warning each time; a poll does not, and leaves the connection
+    /// free between polls.
+    pub(crate) fn poll(&self, key: &str, deadline: Instant, give_up: impl Fn() -> bool) -> Result<bool> {
+        let mut pause = Duration::from_micros(200);
+        loop {
+            if self.check(key)? {
+                return Ok(true);
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() || give_up() {
+                return Ok(false);
+            }
+            std::thread::sleep(pause.min(left));
+            pause = (pause * 2).min(Duration::from_millis(20));
+        }
     }
 
     pub fn set(&self, key: &str, value: &[u8]) -> Result<()> {
@@ -257,7 +340,13 @@ impl Clone for Store {
             Some(p) if code == ffi::TDX_OK => p,
             _ => std::process::abort(),
         };
-        Store { ptr, timeout: self.timeout, desc: self.desc.clone() }
+        Store {
+            ptr,
+            timeout: self.timeout,
+            desc: self.desc.clone(),
+            origin: self.origin.clone(),
+            _shared: self._shared.clone(),
+        }
     }
 }
 

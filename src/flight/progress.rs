@@ -156,10 +156,10 @@ impl GroupTrace {
         store: &Store,
         heartbeat_timeout: Option<Duration>,
     ) -> Arc<GroupTrace> {
-        // a connection of its own: the heartbeat must not wait behind this rank's blocking store calls
+        // the shared connection: the heartbeat must not wait behind this rank's blocking store calls
         // (a rendezvous waiting for a late rank), or a live rank would look frozen
         let store = store.prefixed("flight/").unwrap_or_else(|_| store.clone());
-        let store = store.connection().unwrap_or(store);
+        let store = store.shared_connection().unwrap_or(store);
         let t = Arc::new(GroupTrace {
             name: name.to_string(),
             rank,

@@ -80,10 +80,9 @@ struct Stamps {
 struct Order {
     rank: usize,
     size: usize,
-    /// Connections of their own: the posters' stamps, and the worker's waits for the peers' (a wait must
-    /// not hold up the group's other store traffic, nor a stamp).
+    /// The process's shared store connection (stamps are set and polled, never waited for): nothing here
+    /// waits behind the group's rendezvous traffic, and no group costs a connection of its own.
     store: Store,
-    checks: Store,
     /// Per peer, the units posted with it so far.
     posted: Mutex<HashMap<usize, u64>>,
     /// The communicator exists (a bound device, or the first unit met every rank).
@@ -141,10 +140,11 @@ impl Order {
             return Ok(());
         }
         self.store.set(&format!("first/{}", self.rank), b"1")?;
-        let start = Instant::now();
+        let deadline = Instant::now() + timeout;
         for r in (0..self.size).filter(|&r| r != self.rank) {
-            let left = timeout.saturating_sub(start.elapsed()).max(Duration::from_millis(1));
-            self.store.wait(&format!("first/{r}"), left).map_err(|_| Error::Timeout {
+            // polled: this connection is shared, never blocked on
+            let seen = self.store.poll(&format!("first/{r}"), deadline, || false)?;
+            seen.then_some(()).ok_or_else(|| Error::Timeout {
                 op: what.to_string(),
                 timeout,
                 msg: format!(
@@ -168,22 +168,12 @@ impl Order {
         for &(p, i) in &stamps.places {
             let key = self.key(p, i, p);
             let ordinal = nth(i);
-            // polled, not waited for in slices: a TCPStore wait that times out logs a warning each time
-            // a store that fails (its host gone) ends the unit at once: polling it again would only fail again
-            let mut seen = self.checks.check(&key)?;
-            let mut pause = Duration::from_micros(200);
-            while !seen {
-                let left = deadline.saturating_duration_since(Instant::now());
-                if left.is_zero() {
-                    break;
-                }
-                std::thread::sleep(pause.min(left));
-                pause = (pause * 2).min(Duration::from_millis(20));
-                seen = self.checks.check(&key)?;
-                if !seen && posted.is_some_and(|w| w.is_completed().unwrap_or(true)) {
-                    // ended without the peer's stamp: only a failure does (the caller's wait reports it)
-                    return Ok(());
-                }
+            // a store that fails (its host gone) ends the unit at once: polling it again would only fail again;
+            // ended without the peer's stamp: only a failure does (the caller's wait reports it)
+            let ended = || posted.is_some_and(|w| w.is_completed().unwrap_or(true));
+            let seen = self.store.poll(&key, deadline, ended)?;
+            if !seen && ended() {
+                return Ok(());
             }
             let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
             (if seen { Ok(()) } else { Err(()) }).map_err(|_| Error::Timeout {
@@ -196,9 +186,9 @@ impl Order {
                     self.rank
                 ),
             })?;
-            let theirs = String::from_utf8_lossy(&self.checks.get(&key)?).to_string();
+            let theirs = String::from_utf8_lossy(&self.store.get(&key)?).to_string();
             // read once, by this rank alone: the store must not grow with every collective
-            self.checks.delete(&key)?;
+            self.store.delete(&key)?;
             let (their_kind, their_what) = theirs.split_once('\u{1}').unwrap_or((&theirs, &theirs));
             if their_kind != stamps.kind {
                 return Err(Error::mismatch(
@@ -309,8 +299,7 @@ impl Strict {
         let order = Arc::new(Order {
             rank,
             size,
-            store: order_store.connection()?,
-            checks: order_store.connection()?,
+            store: order_store.shared_connection()?,
             posted: Mutex::new(HashMap::new()),
             connected: AtomicBool::new(bound || size == 1),
         });
