@@ -26,6 +26,13 @@ pub enum Style {
 }
 
 impl Style {
+    fn name(&self) -> &'static str {
+        match self {
+            Style::Colwise(_) => "column-wise",
+            Style::Rowwise(_) => "row-wise",
+        }
+    }
+
     /// Columns split, each rank keeping its output features (for a row-wise layer after it, or a
     /// vocabulary-parallel loss).
     pub fn colwise() -> Style {
@@ -47,6 +54,11 @@ pub struct Plan {
     dp: DataParallelism,
     /// The group batch-normalization layers take their statistics over, when they synchronise.
     sync_bn: Option<Arc<ProcessGroup>>,
+    /// The dotted paths of the layers built through the plan (shared by its clones): what `finish`
+    /// checks every style pattern against.
+    built: Arc<Mutex<Vec<String>>>,
+    /// A pattern that matches no layer is accepted (one plan for several models).
+    unmatched_ok: bool,
 }
 
 #[derive(Clone, Default)]
@@ -101,6 +113,45 @@ fn matches(pattern: &str, path: &str) -> bool {
         }
     }
     p[i..].iter().all(|&c| c == b'*')
+}
+
+/// Edit distance from `pattern` (its stars dropped) to `path`, where a leading star lets the pattern start
+/// anywhere in the path and a trailing one end anywhere.
+fn distance(pattern: &str, path: &str) -> usize {
+    let p: Vec<char> = pattern.chars().filter(|&c| c != '*').collect();
+    let s: Vec<char> = path.chars().collect();
+    let (free_start, free_end) = (pattern.starts_with('*'), pattern.ends_with('*'));
+    // row j: the cost of the pattern's first i characters against the path's first j
+    let mut row: Vec<usize> = (0..=s.len()).map(|j| if free_start { 0 } else { j }).collect();
+    for (i, &pc) in p.iter().enumerate() {
+        let mut next = vec![i + 1; s.len() + 1];
+        for (j, &sc) in s.iter().enumerate() {
+            next[j + 1] = (row[j] + usize::from(pc != sc)).min(row[j + 1] + 1).min(next[j] + 1);
+        }
+        row = next;
+    }
+    if free_end {
+        row.into_iter().min().unwrap_or(0)
+    } else {
+        row[s.len()]
+    }
+}
+
+/// The (at most 3) paths of `built` closest to `pattern`, one per last component.
+fn closest(pattern: &str, built: &[String]) -> Vec<String> {
+    let mut ranked: Vec<(usize, &String)> = built.iter().map(|b| (distance(pattern, b), b)).collect();
+    ranked.sort();
+    let mut out: Vec<String> = Vec::new();
+    for (_, b) in ranked {
+        let last = |x: &str| x.rsplit('.').next().unwrap_or(x).to_string();
+        if !out.iter().any(|o| last(o) == last(b)) {
+            out.push(b.clone());
+        }
+        if out.len() == 3 {
+            break;
+        }
+    }
+    out
 }
 
 /// The VarStore name prefix of `path` (`"block3.mlp.fc"`).
@@ -197,7 +248,12 @@ impl Plan {
 
     /// The model, built in `vs` through this plan, as it trains: under DDP, FSDP or HSDP, as the plan
     /// says, or as it is. Once per plan under FSDP.
+    ///
+    /// Every style pattern must have matched a layer built through the plan (`plan.linear`,
+    /// `plan.embedding`), or this is an error naming the pattern and the closest paths: a pattern that
+    /// matches nothing would leave that layer whole on every rank and say nothing.
     pub fn finish<M>(&self, vs: &nn::VarStore, model: M) -> Result<Parallel<M>> {
+        self.check_styles_matched()?;
         match &self.dp {
             DataParallelism::None => {
                 let named = crate::var_store::sorted_variables(vs);
@@ -279,6 +335,43 @@ impl Plan {
         self
     }
 
+    /// Style patterns that match no layer are accepted by [`finish`](Self::finish) (one plan written
+    /// for several models); by default each is an error.
+    pub fn allow_unmatched_styles(mut self) -> Plan {
+        self.unmatched_ok = true;
+        self
+    }
+
+    /// Every style pattern matched a layer built through the plan (see [`finish`](Self::finish)).
+    fn check_styles_matched(&self) -> Result<()> {
+        if self.unmatched_ok {
+            return Ok(());
+        }
+        let built = self.built.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        for (pattern, style) in &self.styles {
+            if built.iter().any(|path| matches(pattern, path)) {
+                continue;
+            }
+            let hint = if built.is_empty() {
+                "no layer was built through the plan: build them with plan.linear / plan.embedding (or \
+                 parallelize::linear inside plan.build), not tch's nn::linear"
+                    .to_string()
+            } else {
+                format!("the closest layer paths are {}", closest(pattern, &built).join(", "))
+            };
+            return Err(Error::invalid(
+                "Plan::finish",
+                format!(
+                    "the style pattern {pattern:?} ({}) matched no layer, so that layer would stay whole on every \
+                     rank; {hint} (patterns match dotted VarStore paths, `*` any run of characters; \
+                     Plan::allow_unmatched_styles accepts this)",
+                    style.name()
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     /// [`style`](Self::style) for each pattern of `patterns`, in order.
     pub fn styles(self, patterns: &[&str], style: Style) -> Plan {
         patterns.iter().fold(self, |plan, p| plan.style(p, style))
@@ -296,8 +389,9 @@ impl Plan {
 
     /// The style for `path` and the group it splits over, when the layer is split.
     fn style_of(&self, path: &nn::Path) -> Option<(Style, Arc<ProcessGroup>)> {
-        let pg = self.tp_group()?;
         let name = dotted(path);
+        self.built.lock().unwrap_or_else(|e| e.into_inner()).push(name.clone());
+        let pg = self.tp_group()?;
         self.styles.iter().find(|(p, _)| matches(p, &name)).map(|(_, s)| (*s, pg.clone()))
     }
 
@@ -365,7 +459,18 @@ fn finished(what: &str) -> Error {
 
 #[cfg(test)]
 mod tests {
-    use super::matches;
+    use super::{closest, matches};
+
+    #[test]
+    fn the_closest_paths_come_first() {
+        let built: Vec<String> = ["tok", "block0.attn.q", "block0.attn.k", "block1.attn.q", "block0.mlp.fc", "head"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        assert_eq!(closest("*.attn.wq", &built)[..2], ["block0.attn.q", "block0.attn.k"]);
+        assert_eq!(closest("*.mlp.w1", &built)[0], "block0.mlp.fc");
+        assert_eq!(closest("heads", &built)[0], "head");
+    }
 
     #[test]
     fn patterns_match_as_fnmatch() {

@@ -87,6 +87,35 @@ fn one_model_source_on_two_ranks_computes_what_it_does_on_one() {
     }
 }
 
+/// Patterns written for another model's names (`*.attn.wq`) or with a typo would leave those layers whole
+/// on every rank, training as if tensor parallelism were on: `finish` names the pattern and the closest
+/// paths, on every rank; `allow_unmatched_styles` accepts it.
+#[test]
+fn a_style_pattern_that_matches_no_layer_is_an_error_naming_the_closest_paths() {
+    let _alone = common::alone();
+    let errs = common::run_threads(2, Duration::from_secs(30), |pg| {
+        let plan =
+            Plan::over_group(Arc::new(pg)).style("*.attn.q", Style::colwise()).style("*.attn.wo", Style::rowwise());
+        let vs = nn::VarStore::new(Device::Cpu);
+        let q = plan.linear(&(vs.root() / "block0" / "attn" / "q"), 8, 8, Default::default()).unwrap();
+        let o = plan.linear(&(vs.root() / "block0" / "attn" / "o"), 8, 8, Default::default()).unwrap();
+        let (q, o) = (kind(&q), kind(&o));
+        let err = plan.finish(&vs, ()).err().map(|e| e.to_string()).unwrap_or_default();
+        let nothing = Plan::over_group(plan.tp_group().unwrap().clone()).style("*.attn.q", Style::colwise());
+        let _ = nn::linear(vs.root() / "block1" / "attn" / "q", 8, 8, Default::default());
+        let none_built = nothing.finish(&vs, ()).err().map(|e| e.to_string()).unwrap_or_default();
+        let accepted = plan.clone().allow_unmatched_styles().finish(&vs, ()).is_ok();
+        (q, o, err, none_built, accepted)
+    });
+    for (rank, (q, o, err, none_built, accepted)) in errs.into_iter().enumerate() {
+        assert_eq!((q, o), ("column", "local"), "rank {rank}");
+        assert!(err.contains("\"*.attn.wo\" (row-wise) matched no layer"), "rank {rank}: {err}");
+        assert!(err.contains("closest layer paths are block0.attn.o"), "rank {rank}: {err}");
+        assert!(none_built.contains("no layer was built through the plan"), "rank {rank}: {none_built}");
+        assert!(accepted, "rank {rank}: allow_unmatched_styles did not accept the plan");
+    }
+}
+
 #[test]
 fn an_embedding_split_column_wise_is_refused_with_its_path() {
     let _alone = common::alone();
