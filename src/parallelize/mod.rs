@@ -24,6 +24,7 @@ mod current;
 mod layers;
 mod parallel;
 mod plan;
+mod replicas;
 
 pub use current::{batch_norm1d, batch_norm2d, batch_norm3d, current, embedding, linear, unit, PlanGuard};
 

@@ -252,8 +252,15 @@ impl Plan {
     /// Every style pattern must have matched a layer built through the plan (`plan.linear`,
     /// `plan.embedding`), or this is an error naming the pattern and the closest paths: a pattern that
     /// matches nothing would leave that layer whole on every rank and say nothing.
+    ///
+    /// With a tensor-parallel group, the variables it does not split must hold the same values on its
+    /// ranks (built from one seed), or this is an error naming the first that differs: collective over
+    /// that group.
     pub fn finish<M>(&self, vs: &nn::VarStore, model: M) -> Result<Parallel<M>> {
         self.check_styles_matched()?;
+        if let Some(pg) = self.tp_group() {
+            super::replicas::check_agree(vs, pg)?;
+        }
         match &self.dp {
             DataParallelism::None => {
                 let named = crate::var_store::sorted_variables(vs);

@@ -97,12 +97,17 @@ fn a_style_pattern_that_matches_no_layer_is_an_error_naming_the_closest_paths() 
         let plan =
             Plan::over_group(Arc::new(pg)).style("*.attn.q", Style::colwise()).style("*.attn.wo", Style::rowwise());
         let vs = nn::VarStore::new(Device::Cpu);
-        let q = plan.linear(&(vs.root() / "block0" / "attn" / "q"), 8, 8, Default::default()).unwrap();
-        let o = plan.linear(&(vs.root() / "block0" / "attn" / "o"), 8, 8, Default::default()).unwrap();
-        let (q, o) = (kind(&q), kind(&o));
+        // ranks are threads here: one seed and one generator at a time, as processes would have
+        let (q, o) = {
+            let _g = GENERATOR.lock().unwrap_or_else(|e| e.into_inner());
+            tch::manual_seed(3);
+            let q = plan.linear(&(vs.root() / "block0" / "attn" / "q"), 8, 8, Default::default()).unwrap();
+            let o = plan.linear(&(vs.root() / "block0" / "attn" / "o"), 8, 8, Default::default()).unwrap();
+            let _ = nn::linear(vs.root() / "block1" / "attn" / "q", 8, 8, Default::default());
+            (kind(&q), kind(&o))
+        };
         let err = plan.finish(&vs, ()).err().map(|e| e.to_string()).unwrap_or_default();
         let nothing = Plan::over_group(plan.tp_group().unwrap().clone()).style("*.attn.q", Style::colwise());
-        let _ = nn::linear(vs.root() / "block1" / "attn" / "q", 8, 8, Default::default());
         let none_built = nothing.finish(&vs, ()).err().map(|e| e.to_string()).unwrap_or_default();
         let accepted = plan.clone().allow_unmatched_styles().finish(&vs, ()).is_ok();
         (q, o, err, none_built, accepted)
@@ -113,6 +118,39 @@ fn a_style_pattern_that_matches_no_layer_is_an_error_naming_the_closest_paths() 
         assert!(err.contains("closest layer paths are block0.attn.o"), "rank {rank}: {err}");
         assert!(none_built.contains("no layer was built through the plan"), "rank {rank}: {none_built}");
         assert!(accepted, "rank {rank}: allow_unmatched_styles did not accept the plan");
+    }
+}
+
+/// A seed per rank under tensor parallelism draws different replicated variables on the ranks, which then
+/// train different models: `finish` names the first one that differs; with one seed it passes.
+#[test]
+fn replicated_variables_that_differ_between_tensor_parallel_ranks_are_named_at_finish() {
+    let _alone = common::alone();
+    let outs = common::run_threads(2, Duration::from_secs(30), |pg| {
+        let rank = pg.rank() as i64;
+        let pg = Arc::new(pg);
+        let build = |seed: i64| {
+            let plan = Plan::over_group(pg.clone()).style("*.fc", Style::colwise()).style("*.proj", Style::rowwise());
+            let vs = nn::VarStore::new(Device::Cpu);
+            {
+                let _g = GENERATOR.lock().unwrap_or_else(|e| e.into_inner());
+                tch::manual_seed(seed);
+                let r = vs.root();
+                plan.embedding(&(&r / "tok"), 16, 8, Default::default()).unwrap();
+                plan.linear(&(&r / "mlp" / "fc"), 8, 32, Default::default()).unwrap();
+                plan.linear(&(&r / "mlp" / "proj"), 32, 8, nn::LinearConfig { bias: false, ..Default::default() })
+                    .unwrap();
+            }
+            plan.finish(&vs, ()).err().map(|e| e.to_string())
+        };
+        (build(42), build(42 + rank))
+    });
+    for (rank, (same, per_rank)) in outs.into_iter().enumerate() {
+        assert_eq!(same, None, "rank {rank}: one seed on both ranks was refused");
+        let err = per_rank.unwrap_or_default();
+        // mlp.fc's rows are split (each rank its own); tok is replicated: the one named
+        assert!(err.contains("variable tok.weight") && err.contains("ranks 0 and 1"), "rank {rank}: {err}");
+        assert!(err.contains("same seed"), "rank {rank}: {err}");
     }
 }
 
