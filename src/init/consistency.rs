@@ -23,6 +23,39 @@ const OK: &[u8] = b"ok";
 /// Processes that claimed a rank, and those that read a failed verdict.
 const ARRIVED: &str = "arrived";
 const READ: &str = "read";
+/// Rank 0's latest word on who is missing, which the waiting ranks repeat.
+const WAITING: &str = "waiting";
+
+/// When a rank still waiting says so on stderr: first after [`FIRST_REPORT`], then every [`REPORT_EVERY`].
+const FIRST_REPORT: Duration = Duration::from_secs(5);
+const REPORT_EVERY: Duration = Duration::from_secs(30);
+
+/// A rank's reports while it waits at rendezvous: silence until the timeout would look like a hang.
+struct Reports {
+    start: Instant,
+    next: Instant,
+}
+
+impl Reports {
+    fn new() -> Reports {
+        let start = Instant::now();
+        Reports { start, next: start + FIRST_REPORT }
+    }
+
+    /// Whether a report is due now (and the next one scheduled).
+    fn due(&mut self) -> bool {
+        let now = Instant::now();
+        if now < self.next {
+            return false;
+        }
+        self.next = now + REPORT_EVERY;
+        true
+    }
+
+    fn waited(&self) -> u64 {
+        self.start.elapsed().as_secs()
+    }
+}
 
 /// What one rank was launched as.
 #[derive(Clone, Debug, PartialEq)]
@@ -197,11 +230,21 @@ fn others(store: &Store, me: &Launch, deadline: Instant, timeout: Duration) -> R
     // rank 0's launch: a different world size is found here, by this rank, even when rank 0 waits for
     // ranks that will never come
     let mut backoff = Backoff::new();
+    let mut reports = Reports::new();
     let zero = loop {
         if let Some(l) = published(store, 0)? {
             break l;
         }
         verdict(store)?;
+        if reports.due() {
+            eprintln!(
+                "tch-dist: rank {}: rank 0 has not arrived after {} s (it serves the store at MASTER_ADDR/MASTER_PORT); \
+                 waiting for up to {} s more (the group timeout)",
+                me.rank,
+                reports.waited(),
+                deadline.saturating_duration_since(Instant::now()).as_secs()
+            );
+        }
         if Instant::now() >= deadline {
             return Err(Error::Timeout {
                 op: "launch check at rendezvous".into(),
@@ -223,11 +266,25 @@ fn others(store: &Store, me: &Launch, deadline: Instant, timeout: Duration) -> R
         if verdict(store)? {
             return Ok(());
         }
+        if reports.due() {
+            // rank 0's word on who is missing, else the count
+            let word = match waiting_word(store) {
+                Some(w) => format!("rank 0 says: {w}"),
+                None => {
+                    format!("{} of {world} ranks have arrived after {} s", store.add(ARRIVED, 0)?, reports.waited())
+                }
+            };
+            eprintln!("tch-dist: rank {}: waiting for the other ranks at rendezvous; {word}", me.rank);
+        }
         if Instant::now() >= deadline {
+            // rank 0 times out at about the same moment: its verdict names the missing ranks
+            std::thread::sleep(Duration::from_secs(1));
+            verdict(store)?;
+            let word = waiting_word(store).map_or(String::new(), |w| format!(" (rank 0 said: {w})"));
             return Err(Error::Timeout {
                 op: "launch check at rendezvous".into(),
                 timeout,
-                msg: "rank 0 did not confirm that every rank arrived".into(),
+                msg: format!("rank 0 did not confirm that every rank arrived{word}"),
             });
         }
         backoff.sleep();
@@ -239,6 +296,7 @@ fn rank_zero(store: &Store, me: &Launch, deadline: Instant, timeout: Duration) -
     let mut seen: Vec<Option<Launch>> = vec![None; me.world];
     seen[0] = Some(me.clone());
     let mut backoff = Backoff::new();
+    let mut reports = Reports::new();
     loop {
         // a verdict written by another rank (a duplicate RANK, a larger world) ends this one too
         verdict(store)?;
@@ -257,6 +315,20 @@ fn rank_zero(store: &Store, me: &Launch, deadline: Instant, timeout: Duration) -
             store.set(VERDICT, OK)?;
             return Ok(());
         }
+        if reports.due() {
+            let left = deadline.saturating_duration_since(Instant::now()).as_secs();
+            let msg = format!(
+                "{} of {} ranks have arrived after {} s; waiting for {} {} (not started yet, or started with \
+                 another MASTER_ADDR/MASTER_PORT or WORLD_SIZE) for up to {left} s more (the group timeout)",
+                me.world - missing.len(),
+                me.world,
+                reports.waited(),
+                if missing.len() == 1 { "rank" } else { "ranks" },
+                shorten(&missing),
+            );
+            eprintln!("tch-dist: rank 0: {msg}");
+            let _ = store.set(WAITING, msg.as_bytes());
+        }
         if Instant::now() >= deadline {
             let msg = format!(
                 "{} {} of WORLD_SIZE={} did not arrive (not started, or started with another \
@@ -270,6 +342,22 @@ fn rank_zero(store: &Store, me: &Launch, deadline: Instant, timeout: Duration) -
         }
         backoff.sleep();
     }
+}
+
+/// Rank 0's latest report of who is missing, if it made one.
+fn waiting_word(store: &Store) -> Option<String> {
+    match store.check(WAITING) {
+        Ok(true) => store.get(WAITING).ok().map(|v| String::from_utf8_lossy(&v).to_string()),
+        _ => None,
+    }
+}
+
+/// `ranks` listed, the middle of a long list elided.
+fn shorten(ranks: &[String]) -> String {
+    if ranks.len() <= 8 {
+        return ranks.join(", ");
+    }
+    format!("{}, ... {} more ..., {}", ranks[..4].join(", "), ranks.len() - 6, ranks[ranks.len() - 2..].join(", "))
 }
 
 /// Rank `r`'s launch, if it has published it.

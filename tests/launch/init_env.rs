@@ -86,3 +86,45 @@ fn an_unreachable_master_names_the_address_in_bounded_time() {
     assert!(e.contains(&format!("127.0.0.1:{port}")), "{e}");
     assert_eq!(e.lines().count(), 1, "{e}");
 }
+
+/// Fewer processes than WORLD_SIZE (3 given by hand to 2): both say within seconds who has arrived and
+/// who is missing, and keep waiting until the timeout, which then names the missing rank.
+#[test]
+fn a_world_larger_than_the_processes_started_says_who_is_missing_within_seconds() {
+    let port = common::free_port().to_string();
+    let spawn = |rank: &str| {
+        let mut c = Command::new(std::env::current_exe().unwrap());
+        c.args(["--ignored", "--exact", common::test_name!("worker_init_from_env").as_str(), "--nocapture"]);
+        for v in ["LOCAL_RANK", "TCH_DIST_VERIFY"] {
+            c.env_remove(v);
+        }
+        c.envs([
+            ("RANK", rank),
+            ("WORLD_SIZE", "3"),
+            ("MASTER_ADDR", "127.0.0.1"),
+            ("MASTER_PORT", port.as_str()),
+            ("TCH_DIST_TIMEOUT_SECS", "9"),
+        ])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+        c.spawn().unwrap()
+    };
+    let start = Instant::now();
+    let children = vec![spawn("0"), spawn("1")];
+    let outs = common::wait_all(children, Duration::from_secs(60));
+    assert!(start.elapsed() < Duration::from_secs(40), "took {:?}", start.elapsed());
+    let err0 = String::from_utf8_lossy(&outs[0].stderr).to_string();
+    let err1 = String::from_utf8_lossy(&outs[1].stderr).to_string();
+    assert!(
+        err0.contains("tch-dist: rank 0: 2 of 3 ranks have arrived") && err0.contains("waiting for rank 2"),
+        "{}",
+        common::show(&outs[0])
+    );
+    assert!(err1.contains("tch-dist: rank 1: waiting for the other ranks"), "{}", common::show(&outs[1]));
+    let out0 = String::from_utf8_lossy(&outs[0].stdout).to_string();
+    assert!(
+        out0.contains("error:") && out0.contains("rank 2 of WORLD_SIZE=3 did not arrive"),
+        "{}",
+        common::show(&outs[0])
+    );
+}
