@@ -76,3 +76,41 @@ pub use work::Work;
 
 /// The libtorch directory tch-dist was built against (its `lib/`, holding `libtorch_cpu.so`).
 pub const LIBTORCH_LIB: &str = ffi::LIBTORCH_LIB;
+
+/// Every Rust block of README.md and docs/ compiles as a doc test (`no_run`: they need a launch), so a
+/// renamed or removed method breaks the build, not a reader's first try.
+#[cfg(doctest)]
+mod docs_compile {
+    // the README opens with indented commands: after a line of text they continue its paragraph, not code
+    #[doc = "README.md:"]
+    #[doc = include_str!("../README.md")]
+    struct Readme;
+    #[doc = include_str!("../docs/amp.md")]
+    struct Amp;
+    #[doc = include_str!("../docs/checkpoints.md")]
+    struct Checkpoints;
+    #[doc = include_str!("../docs/context-parallel.md")]
+    struct ContextParallel;
+    #[doc = include_str!("../docs/ddp.md")]
+    struct Ddp;
+    #[doc = include_str!("../docs/expert-parallel.md")]
+    struct ExpertParallel;
+    #[doc = include_str!("../docs/fault-tolerance.md")]
+    struct FaultTolerance;
+    #[doc = include_str!("../docs/fsdp.md")]
+    struct Fsdp;
+    #[doc = include_str!("../docs/parallelize.md")]
+    struct Parallelize;
+    #[doc = include_str!("../docs/pipeline.md")]
+    struct Pipeline;
+    #[doc = include_str!("../docs/process-groups.md")]
+    struct ProcessGroups;
+    #[doc = include_str!("../docs/sync-batch-norm.md")]
+    struct SyncBatchNorm;
+    #[doc = include_str!("../docs/tchrun.md")]
+    struct Tchrun;
+    #[doc = include_str!("../docs/tp.md")]
+    struct Tp;
+    #[doc = include_str!("../docs/zero.md")]
+    struct Zero;
+}
