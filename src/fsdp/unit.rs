@@ -63,6 +63,30 @@ pub(crate) fn forward(rt: &Arc<Runtime>, id: usize, x: &Tensor, f: impl FnOnce(&
     Ok(y)
 }
 
+impl<M> FsdpUnit<M> {
+    /// The unit's forward around any call of its module, for a block whose forward takes more than the
+    /// activations (a rotary table, an attention mask, positions: captured by `f`, passed as they are).
+    /// `x`, the activations, is cast to the compute dtype as [`f_forward`](Self::f_forward) casts it;
+    /// `f` gets the module and that `x`.
+    ///
+    /// ```no_run
+    /// # use tch::Tensor;
+    /// # struct Block;
+    /// # impl Block { fn forward(&self, x: &Tensor, rope: &Tensor) -> Tensor { x * rope } }
+    /// # fn f(unit: &tch_dist::fsdp::FsdpUnit<Block>, x: &Tensor, rope: &Tensor) -> tch_dist::Result<Tensor> {
+    /// unit.f_forward_with(x, |block, x| block.forward(x, rope))
+    /// # }
+    /// ```
+    pub fn f_forward_with(&self, x: &Tensor, f: impl FnOnce(&M, &Tensor) -> Tensor) -> Result<Tensor> {
+        forward(&self.rt, self.id, x, |x| f(&self.module, x))
+    }
+
+    /// [`f_forward_with`](Self::f_forward_with), panicking on error as tch's infallible methods do.
+    pub fn forward_with(&self, x: &Tensor, f: impl FnOnce(&M, &Tensor) -> Tensor) -> Tensor {
+        self.f_forward_with(x, f).unwrap_or_else(|e| panic!("{e}"))
+    }
+}
+
 impl<M: nn::Module> FsdpUnit<M> {
     /// The unit's forward, errors returned (tch's `f_` convention).
     pub fn f_forward(&self, x: &Tensor) -> Result<Tensor> {

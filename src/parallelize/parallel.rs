@@ -25,6 +25,24 @@ impl<M: nn::ModuleT> nn::ModuleT for Unit<M> {
     }
 }
 
+impl<M> Unit<M> {
+    /// The block's forward around any call of it, for a block whose forward takes more than the
+    /// activations (a rotary table, a mask: captured by `f`); see
+    /// [`FsdpUnit::f_forward_with`]. `Unit<Block>` of such a block has no `forward` of its own:
+    /// `unit.f_forward_with(&x, |block, x| block.forward(x, &rope))`.
+    pub fn f_forward_with(&self, x: &Tensor, f: impl FnOnce(&M, &Tensor) -> Tensor) -> Result<Tensor> {
+        match self {
+            Unit::Local(m) => Ok(f(m, x)),
+            Unit::Sharded(u) => u.f_forward_with(x, f),
+        }
+    }
+
+    /// [`f_forward_with`](Self::f_forward_with), panicking on error as tch's infallible methods do.
+    pub fn forward_with(&self, x: &Tensor, f: impl FnOnce(&M, &Tensor) -> Tensor) -> Tensor {
+        self.f_forward_with(x, f).unwrap_or_else(|e| panic!("{e}"))
+    }
+}
+
 impl<M: nn::ModuleT> Unit<M> {
     /// The block's forward, errors returned (tch's `f_` convention).
     pub fn f_forward_t(&self, xs: &Tensor, train: bool) -> Result<Tensor> {

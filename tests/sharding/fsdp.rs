@@ -871,3 +871,68 @@ fn an_early_optimizer_and_a_sharded_var_store_are_refused_where_they_would_do_no
     let names: Vec<String> = model.replica_tensors().unwrap().into_iter().map(|(n, _)| n).collect();
     assert_eq!(names, ["l.bias", "l.weight"]);
 }
+
+/// A block whose forward takes a second input (a rotary table, as Llama's blocks take theirs) is an FSDP
+/// unit through `forward_with`: on 2 ranks it trains as one process does on the whole batch.
+#[test]
+fn a_block_with_a_second_input_is_a_unit_through_forward_with() {
+    struct Rotary {
+        l: nn::Linear,
+    }
+    impl Rotary {
+        fn forward(&self, x: &Tensor, table: &Tensor) -> Tensor {
+            self.l.forward(x) * table
+        }
+    }
+    type Model = Box<dyn Fn(&Tensor) -> Tensor + Send>;
+    fn net(vs: &nn::VarStore, fsdp: Option<&FsdpBuilder>) -> Model {
+        let (p1, p2) = (vs.root() / "rot", vs.root() / "out");
+        let rot = Rotary { l: nn::linear(&p1, 4, 6, Default::default()) };
+        let out = nn::linear(&p2, 6, 1, Default::default());
+        init(vs, 0.0);
+        let table = Tensor::linspace(0.5, 1.5, 6, (Kind::Float, Device::Cpu));
+        match fsdp {
+            Some(f) => {
+                let rot = tch_dist::parallelize::Unit::Sharded(f.fully_shard(&p1, rot).unwrap());
+                let out = f.fully_shard(&p2, out).unwrap();
+                Box::new(move |x| out.forward(&rot.forward_with(x, |b, x| b.forward(x, &table)).tanh()))
+            }
+            None => Box::new(move |x| out.forward(&rot.forward(x, &table).tanh())),
+        }
+    }
+    let loss = |y: &Tensor, t: &Tensor| (y - t).square().mean(Kind::Float);
+    let vs = nn::VarStore::new(Device::Cpu);
+    let m = net(&vs, None);
+    let mut opt = Sgd::new(vs.trainable_variables(), LR);
+    for step in 0..STEPS {
+        let ((x0, y0), (x1, y1)) = (batch(step, 0, 0), batch(step, 1, 0));
+        opt.zero_grad().unwrap();
+        loss(&m(&Tensor::cat(&[x0, x1], 0)), &Tensor::cat(&[y0, y1], 0)).backward();
+        opt.step().unwrap();
+    }
+    let mut want: Vec<(String, Tensor)> = vs.variables().into_iter().map(|(n, t)| (n, t.detach().copy())).collect();
+    want.sort_by(|a, b| a.0.cmp(&b.0));
+    let got = common::run_threads(2, Duration::from_secs(60), move |pg| {
+        let rank = pg.rank();
+        let vs = nn::VarStore::new(Device::Cpu);
+        let fsdp = FsdpBuilder::new(&vs, FsdpOptions::default().process_group(Arc::new(pg))).unwrap();
+        let m = net(&vs, Some(&fsdp));
+        let model = fsdp.finish(nn::func(move |x| m(x))).unwrap();
+        let mut opt = Sgd::new(model.parameters(), LR);
+        for step in 0..STEPS {
+            let (x, y) = batch(step, rank, 0);
+            opt.zero_grad().unwrap();
+            model.backward(&loss(&model.forward(&x), &y)).unwrap();
+            opt.step().unwrap();
+        }
+        model.state_dict().unwrap()
+    });
+    for (rank, state) in got.iter().enumerate() {
+        assert_eq!(state.len(), want.len());
+        for ((n, g), (wn, w)) in state.iter().zip(&want) {
+            assert_eq!(n, wn);
+            let d = (g - w).abs().max().double_value(&[]);
+            assert!(d < 1e-5, "rank {rank}: {n} differs from one process by {d:e}");
+        }
+    }
+}
