@@ -179,12 +179,34 @@ pub fn var_store_tensors(vs: &nn::VarStore) -> Vec<(String, Tensor)> {
     crate::var_store::sorted_variables(vs)
 }
 
-/// [`save`] of every variable of `vs`.
+/// [`save`] of every variable of `vs`, each held whole on every rank (one process, DDP, ZeRO-1/2): a
+/// variable a layout splits (FSDP's shards, a tensor-parallel slice) is refused by name, since the file
+/// would hold rank 0's part; [`save_full`](super::save_full) writes those whole.
 pub fn save_var_store(pg: &ProcessGroup, path: &Path, step: u64, vs: &nn::VarStore) -> Result<()> {
-    save(pg, path, step, &var_store_tensors(vs))
+    save(pg, path, step, &whole_variables("checkpoint::save_var_store", vs)?)
 }
 
-/// [`load`] into every variable of `vs`.
+/// [`load`] into every variable of `vs`, each held whole (as [`save_var_store`] requires).
 pub fn load_var_store(pg: &ProcessGroup, path: &Path, vs: &nn::VarStore) -> Result<Option<u64>> {
-    load(pg, path, &var_store_tensors(vs))
+    load(pg, path, &whole_variables("checkpoint::load_var_store", vs)?)
+}
+
+/// The variables of `vs`, refusing one that is only this rank's part of a larger tensor.
+fn whole_variables(what: &str, vs: &nn::VarStore) -> Result<Vec<(String, Tensor)>> {
+    let all = var_store_tensors(vs);
+    for (name, t) in &all {
+        if let Some(l) = crate::placement::of(t).filter(|l| l.placements().iter().any(|(_, p)| p.is_partial())) {
+            return Err(Error::invalid(
+                what,
+                format!(
+                    "variable {name} is this rank's part of a {:?} tensor ({:?}); a single-file checkpoint holds \
+                     whole tensors: checkpoint::save_full writes the whole model in one file from any layout, a \
+                     Checkpointer saves and loads it sharded",
+                    l.global_shape(),
+                    l.placements()
+                ),
+            ));
+        }
+    }
+    Ok(all)
 }

@@ -7,7 +7,10 @@
 //!   reads only the rows it needs. Saving can run in the background ([`Checkpointer::async_save`]).
 //!   `scripts/ckpt_to_torch.py` reads it into a PyTorch state dict.
 //! - **Single file** ([`save_var_store`], [`load_var_store`]): rank 0 writes everything; for small
-//!   models every rank holds whole.
+//!   models every rank holds whole (a variable a layout splits is refused by name).
+//! - **The whole model, one file, any layout** ([`save_full`]): FSDP's shards, tensor-parallel slices
+//!   and other ranks' pipeline stages written whole, for export or inference (tch's `vs.save` writes
+//!   only this rank's part: under FSDP, its shards).
 //!
 //! ```no_run
 //! # let pg = std::sync::Arc::new(tch_dist::ProcessGroup::from_env()?);
@@ -23,6 +26,7 @@
 //! ```
 mod file;
 pub(crate) mod format;
+mod full;
 mod load;
 mod plan;
 mod region;
@@ -33,6 +37,7 @@ pub use file::{
     load, load_var_store, read, save, save_var_store, var_store_tensors, write_atomic, CHECKSUM_KEY, STEP_KEY,
 };
 pub use format::METADATA;
+pub use full::save_full;
 pub use load::{load_dir, read_full, verify, LoadedInfo};
 pub use save::{committed_steps, step_dir, Checkpointer};
 pub use state::StateDict;

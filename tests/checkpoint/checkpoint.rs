@@ -96,3 +96,69 @@ fn a_kill_during_save_leaves_the_previous_checkpoint_intact() {
     }
     let _ = std::fs::remove_dir_all(&d);
 }
+
+/// Under FSDP the VarStore holds this rank's shards: a single-file save of it is refused by name (rank
+/// 0's shards alone would be written, as tch's `vs.save` writes them), and `save_full` writes the whole
+/// model, equal to the one-process model and loadable into it.
+#[test]
+fn the_whole_model_is_saved_in_one_file_under_fsdp_and_shards_are_refused() {
+    use std::sync::Arc;
+    use tch_dist::fsdp::{FsdpBuilder, FsdpOptions};
+    fn build(vs: &nn::VarStore) -> (nn::Path<'_>, nn::Linear, nn::Path<'_>, nn::Linear) {
+        let (p1, p2) = (vs.root() / "l1", vs.root() / "l2");
+        let (l1, l2) = (nn::linear(&p1, 5, 6, Default::default()), nn::linear(&p2, 6, 3, Default::default()));
+        // threads share tch's generator: values by name, not drawn
+        let mut vars: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+        vars.sort_by(|a, b| a.0.cmp(&b.0));
+        tch::no_grad(|| {
+            for (i, (_, t)) in vars.iter().enumerate() {
+                let n = t.numel() as i64;
+                let v =
+                    (Tensor::arange(n, (Kind::Float, Device::Cpu)) * 0.3 + i as f64).sin().view(t.size().as_slice());
+                t.shallow_clone().copy_(&v);
+            }
+        });
+        (p1, l1, p2, l2)
+    }
+    let d = tmp("full");
+    let path = d.join("model.safetensors");
+    let one = nn::VarStore::new(Device::Cpu);
+    let _ = build(&one);
+    let (p, dir) = (path.clone(), d.clone());
+    let refused = common::run_threads(2, Duration::from_secs(60), move |pg| {
+        let pg = Arc::new(pg);
+        let vs = nn::VarStore::new(Device::Cpu);
+        let fsdp = FsdpBuilder::new(&vs, FsdpOptions::default().process_group(pg.clone())).unwrap();
+        let (p1, l1, p2, l2) = build(&vs);
+        let (l1, l2) = (fsdp.fully_shard(&p1, l1).unwrap(), fsdp.fully_shard(&p2, l2).unwrap());
+        let _model = fsdp.finish(nn::seq().add(l1).add(l2)).unwrap();
+        let refused = checkpoint::save_var_store(&pg, &dir.join("shards.safetensors"), 3, &vs).unwrap_err().to_string();
+        checkpoint::save_full(&pg, &p, 3, &vs).unwrap();
+        refused
+    });
+    for (rank, e) in refused.iter().enumerate() {
+        assert!(e.contains("this rank's part of a") && e.contains("checkpoint::save_full"), "rank {rank}: {e}");
+    }
+    assert!(!d.join("shards.safetensors").exists(), "a refused save wrote a file");
+    assert!(!d.join("model.safetensors.parts").exists(), "the parts were left behind");
+    let (step, saved) = checkpoint::read(&path).unwrap();
+    assert_eq!(step, 3);
+    let want = checkpoint::var_store_tensors(&one);
+    assert_eq!(saved.len(), want.len(), "{:?}", saved.iter().map(|(n, _)| n).collect::<Vec<_>>());
+    for (n, w) in &want {
+        let (_, s) = saved.iter().find(|(sn, _)| sn == n).unwrap_or_else(|| panic!("{n} is not in the file"));
+        assert!(s.equal(w), "{n}: the file's {:?} differs from the one-process model's {:?}", s.size(), w.size());
+    }
+    let back = nn::VarStore::new(Device::Cpu);
+    let _ = build(&back);
+    tch::no_grad(|| {
+        for (_, t) in back.variables() {
+            let _ = t.shallow_clone().zero_();
+        }
+    });
+    assert_eq!(checkpoint::load_var_store(&solo(), &path, &back).unwrap(), Some(3));
+    for ((n, a), (_, b)) in checkpoint::var_store_tensors(&back).iter().zip(&want) {
+        assert!(a.equal(b), "{n} did not load back");
+    }
+    let _ = std::fs::remove_dir_all(&d);
+}
