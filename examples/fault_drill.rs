@@ -185,6 +185,8 @@ fn fsdp(args: &Args, pg: Arc<ProcessGroup>, f: &Option<Fault>) -> Result<(), Box
     for step in 0..steps(args, f, rank) {
         match strike(f, rank, step) {
             Some("sample") => drop(tch::no_grad(|| model.f_forward(&batch(step, rank).0))?),
+            // a collective call of the API made by one rank (the others train on)
+            Some("statedict") => drop(model.state_dict()?),
             Some("torcherr") => drop(
                 Tensor::ones([4], (Kind::Float, Device::Cpu)).f_add(&Tensor::ones([3], (Kind::Float, Device::Cpu)))?,
             ),

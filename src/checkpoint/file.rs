@@ -120,6 +120,7 @@ pub fn read(path: &Path) -> Result<(u64, Vec<(String, Tensor)>)> {
 /// an error on every rank naming it and the cause, not a wait for the timeout); none runs ahead of a
 /// checkpoint that might be needed to restart it.
 pub fn save(pg: &ProcessGroup, path: &Path, step: u64, tensors: &[(String, Tensor)]) -> Result<()> {
+    let _call = pg.enter_call("checkpoint::save");
     let local = if pg.rank() == 0 { write_atomic(path, step, tensors) } else { Ok(()) };
     pg.meta().outcome("checkpoint save", local)
 }
@@ -128,6 +129,7 @@ pub fn save(pg: &ProcessGroup, path: &Path, step: u64, tensors: &[(String, Tenso
 /// the targets (names, shapes, checksum), every rank learns the outcome, then every tensor is broadcast.
 /// Returns the saved step, or `None` (and changes nothing) when rank 0 finds no checkpoint.
 pub fn load(pg: &ProcessGroup, path: &Path, targets: &[(String, Tensor)]) -> Result<Option<u64>> {
+    let _call = pg.enter_call("checkpoint::load");
     let what = format!("checkpoint {}", path.display());
     let local = if pg.rank() == 0 && path.exists() {
         read(path).and_then(|(step, saved)| {

@@ -22,6 +22,7 @@ use crate::group::ProcessGroup;
 ///
 /// [`load_var_store`]: super::load_var_store
 pub fn save_full(pg: &Arc<ProcessGroup>, path: &Path, step: u64, vs: &nn::VarStore) -> Result<()> {
+    let _call = pg.enter_call("checkpoint::save_full");
     let parts = parts_dir(path);
     let mut ck = Checkpointer::new(pg.clone(), &parts)?;
     ck.save(step, StateDict::new().var_store(PREFIX, vs))?;

@@ -30,6 +30,7 @@ impl Checkpointer {
     pub fn load(&mut self, sd: &mut StateDict) -> Result<Option<u64>> {
         self.wait()?;
         let pg = self.pg_handle();
+        let _call = pg.enter_call("Checkpointer::load");
         let latest = if pg.rank() == 0 { committed_steps(self.root()).last().copied() } else { None };
         let head = pg.meta().broadcast("checkpoint load", &[latest.is_some() as i64, latest.unwrap_or(0) as i64], 0)?;
         if head[0] == 0 {

@@ -124,6 +124,7 @@ impl Checkpointer {
 
     /// Saves `sd` as the checkpoint of `step`; returns when it is committed on every rank. Collective.
     pub fn save(&mut self, step: u64, sd: &StateDict) -> Result<()> {
+        let _call = self.pg.enter_call("Checkpointer::save");
         self.start(step, sd, false)?;
         self.wait().map(|_| ())
     }

@@ -44,15 +44,84 @@ pub struct PeerProgress {
     /// It left the group for good (a fault-tolerant replica moving on to a new quorum).
     #[serde(default)]
     pub left: bool,
+    /// Its last collective's number among the group's collectives (point-to-point not counted), and
+    /// the collective call of the API it was made inside: the calls entered so far, and the name of the
+    /// one it is inside (empty outside one). Ranks whose collective of one number was made in different
+    /// calls pair up different operations (see [`GroupTrace::enter_call`]).
+    #[serde(default)]
+    pub coll: u64,
+    #[serde(default)]
+    pub calls: u64,
+    #[serde(default)]
+    pub call: String,
+    /// The same of the call it is in now (its next collectives are made there or later).
+    #[serde(default)]
+    pub now_calls: u64,
+    #[serde(default)]
+    pub now_call: String,
 }
+
+/// Which collective call of the API a collective was made inside: how many had been entered, and the
+/// name of the one it is inside (empty outside one).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+struct CallContext {
+    calls: u64,
+    name: String,
+}
+
+impl CallContext {
+    fn describe(&self) -> String {
+        if self.name.is_empty() {
+            format!("outside any collective call of the API ({} made before)", self.calls)
+        } else {
+            format!("inside {} (collective call #{})", self.name, self.calls)
+        }
+    }
+}
+
+/// This rank's call contexts by collective number: each change, from the collective it first applies to.
+/// The last [`CONTEXT_HISTORY`] changes are kept (a peer far behind is not judged).
+#[derive(Default)]
+struct Contexts {
+    changes: std::collections::VecDeque<(u64, CallContext)>,
+    now: CallContext,
+}
+
+const CONTEXT_HISTORY: usize = 64;
+
+impl Contexts {
+    fn change(&mut self, from_coll: u64, to: CallContext) {
+        self.now = to.clone();
+        self.changes.push_back((from_coll, to));
+        while self.changes.len() > CONTEXT_HISTORY {
+            self.changes.pop_front();
+        }
+    }
+
+    /// The context of collective `coll`, if still known.
+    fn at(&self, coll: u64) -> Option<&CallContext> {
+        match self.changes.iter().rev().find(|(from, _)| *from <= coll) {
+            Some((_, c)) => Some(c),
+            None if self.changes.len() < CONTEXT_HISTORY => Some(&DEFAULT_CONTEXT),
+            None => None,
+        }
+    }
+}
+
+static DEFAULT_CONTEXT: CallContext = CallContext { calls: 0, name: String::new() };
 
 impl PeerProgress {
     fn encode(&self) -> String {
         format!(
-            "{}\t{}\t{}\t{}\t{}",
+            "{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}",
             self.seq,
             self.entered,
             now(),
+            self.coll,
+            self.calls,
+            self.call.replace('\t', " "),
+            self.now_calls,
+            self.now_call.replace('\t', " "),
             self.op.replace('\t', " "),
             self.label.replace('\t', " ")
         )
@@ -62,15 +131,21 @@ impl PeerProgress {
         if text == LEFT {
             return PeerProgress { rank, op: LEFT.into(), seen: true, left: true, ..PeerProgress::default() };
         }
-        let f: Vec<&str> = text.splitn(5, '\t').collect();
+        let f: Vec<&str> = text.splitn(10, '\t').collect();
         let num = |i: usize| f.get(i).and_then(|s| s.parse::<f64>().ok()).unwrap_or(0.0);
+        let int = |i: usize| f.get(i).and_then(|s| s.parse::<u64>().ok()).unwrap_or(0);
         PeerProgress {
             rank,
-            seq: f.first().and_then(|s| s.parse().ok()).unwrap_or(0),
+            seq: int(0),
             entered: num(1),
             heartbeat: num(2),
-            op: f.get(3).unwrap_or(&"").to_string(),
-            label: f.get(4).unwrap_or(&"").to_string(),
+            coll: int(3),
+            calls: int(4),
+            call: f.get(5).unwrap_or(&"").to_string(),
+            now_calls: int(6),
+            now_call: f.get(7).unwrap_or(&"").to_string(),
+            op: f.get(8).unwrap_or(&"").to_string(),
+            label: f.get(9).unwrap_or(&"").to_string(),
             seen: true,
             left: false,
         }
@@ -106,6 +181,21 @@ pub(crate) struct GroupTrace {
     /// NCCL operations whose host wait returned (their stream waits on them) but whose end event may
     /// not have completed: recorded as complete only once it has.
     unfinished: Mutex<Vec<(Recording, EngineProbe)>>,
+    /// The collective calls of the API this rank made on the group, by collective number.
+    contexts: Mutex<Contexts>,
+}
+
+/// Inside a collective call of the API on a group (see [`GroupTrace::enter_call`]); leaves it when
+/// dropped.
+pub(crate) struct CallGuard(Option<(Arc<GroupTrace>, String)>);
+
+impl Drop for CallGuard {
+    fn drop(&mut self) {
+        if let Some((t, outer)) = self.0.take() {
+            // back in the call this one was made inside, if any
+            t.set_call(outer, false);
+        }
+    }
 }
 
 /// A second handle on an engine's work, to ask whether it finished (its end event, on NCCL).
@@ -177,6 +267,7 @@ impl GroupTrace {
             survivable: std::sync::atomic::AtomicBool::new(false),
             publishing: Mutex::new(()),
             unfinished: Mutex::new(Vec::new()),
+            contexts: Mutex::new(Contexts::default()),
         });
         if enabled() && size > 1 {
             register(&t);
@@ -193,6 +284,89 @@ impl GroupTrace {
             return;
         }
         self.unfinished.lock().unwrap_or_else(|e| e.into_inner()).push((r, probe));
+    }
+
+    /// This rank enters a collective call of the API on this group (`state_dict`, a checkpoint's save or
+    /// load): the collectives it makes until the guard drops carry the call's name and number in the
+    /// published progress. A peer whose collective of the same number was made in another call (or
+    /// outside one) pairs up a different operation: a wait in this group then ends within a heartbeat
+    /// check, on both ranks, naming the call made on one side only.
+    pub(crate) fn enter_call(self: &Arc<Self>, name: &str) -> CallGuard {
+        if !enabled() || self.size == 1 {
+            return CallGuard(None);
+        }
+        let outer = self.set_call(name.to_string(), true);
+        CallGuard(Some((self.clone(), outer)))
+    }
+
+    /// The context from the next collective on: inside `name` (empty: outside any call), a new call when
+    /// `new`. Returns the name it replaces.
+    fn set_call(&self, name: String, new: bool) -> String {
+        let next = self.collectives.load(Ordering::Relaxed) + 1;
+        let mut c = self.contexts.lock().unwrap_or_else(|e| e.into_inner());
+        let calls = c.now.calls + u64::from(new);
+        let outer = c.now.name.clone();
+        if let Ok(mut last) = self.last.lock() {
+            last.now_calls = calls;
+            last.now_call = name.clone();
+        }
+        c.change(next, CallContext { calls, name });
+        drop(c);
+        // the peers learn it at once: a rank waiting on this one may be waiting for nothing now
+        wake_publisher();
+        outer
+    }
+
+    /// A peer whose collective of a number this rank has reached was made in another call context: the
+    /// error naming both (the rank that made a call the other did not is the odd one out).
+    fn call_mismatch(&self, peers: &[PeerProgress], op: &str) -> Option<Error> {
+        let mine = self.collectives.load(Ordering::Relaxed);
+        let contexts = self.contexts.lock().unwrap_or_else(|e| e.into_inner());
+        for p in peers.iter().filter(|p| p.seen && !p.left) {
+            let theirs_then = CallContext { calls: p.calls, name: p.call.clone() };
+            let theirs_now = CallContext { calls: p.now_calls, name: p.now_call.clone() };
+            // the first collective number at which the two ranks' contexts certainly differ, with each
+            // side's context there (a rank's later collectives are made in its current call or later)
+            let differ = if p.coll > 0 && p.coll <= mine {
+                // both made it: compare; else the peer's next one, which this rank made already
+                match contexts.at(p.coll) {
+                    Some(me) if *me != theirs_then => Some((p.coll, me.clone(), theirs_then)),
+                    _ => match contexts.at(p.coll + 1).filter(|_| p.coll < mine) {
+                        Some(me) if theirs_now.calls > me.calls => Some((p.coll + 1, me.clone(), theirs_now)),
+                        _ => None,
+                    },
+                }
+            } else if p.coll > mine && theirs_then.calls < contexts.now.calls {
+                // the peer made this rank's next collective in fewer calls than this rank has made now
+                Some((mine + 1, contexts.now.clone(), theirs_then))
+            } else {
+                None
+            };
+            let Some((coll, me, theirs)) = differ else { continue };
+            // the one that has made more calls (or is inside one the other is not) made one alone
+            let (alone, call) = if (me.calls, !me.name.is_empty()) >= (theirs.calls, !theirs.name.is_empty()) {
+                (self.rank, me.name.clone())
+            } else {
+                (p.rank, theirs.name.clone())
+            };
+            let call = if call.is_empty() { "a collective call".to_string() } else { call };
+            return Some(Error::Mismatch {
+                op: op.to_string(),
+                msg: format!(
+                    "collective #{coll} of group {} is made {} on rank {} but {} on rank {} (its last operation: \
+                     {}): they would pair up different operations; the odd one out: rank {alone}, which called \
+                     {call} alone (a collective call of the API, e.g. state_dict or a checkpoint's save, must be \
+                     made on every rank of the group, in the same order)",
+                    self.name,
+                    me.describe(),
+                    self.rank,
+                    theirs.describe(),
+                    p.rank,
+                    p.op,
+                ),
+            });
+        }
+        None
     }
 
     /// Ends the recordings of operations that finished since.
@@ -230,6 +404,12 @@ impl GroupTrace {
             last.op = op.to_string();
             last.label = current_label();
             last.entered = now();
+            if numbers.p2p == 0 {
+                let ctx = self.contexts.lock().unwrap_or_else(|e| e.into_inner()).now.clone();
+                last.coll = numbers.collective;
+                last.calls = ctx.calls;
+                last.call = ctx.name;
+            }
         }
         wake_publisher();
         (seq, Recording::start(&self.name, self.rank, self.size, numbers, op, backend))
@@ -337,6 +517,10 @@ impl GroupTrace {
         let peers: Vec<PeerProgress> =
             peers.into_iter().filter(|p| among.is_none_or(|a| a.contains(&p.rank))).collect();
         let at = std::time::Instant::now();
+        if let Some(e) = self.call_mismatch(&peers, op) {
+            self.abandoned.store(true, Ordering::SeqCst);
+            return Some(e);
+        }
         if let Some(p) = peers.iter().find(|p| p.left) {
             self.abandoned.store(true, Ordering::SeqCst);
             return Some(Error::PeerGone {

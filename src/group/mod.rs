@@ -296,6 +296,13 @@ impl ProcessGroup {
         self.rank
     }
 
+    /// This rank enters the collective call `name` of the public API on this group (`state_dict`, a
+    /// checkpoint's save or load) until the guard drops: a rank that makes it while its peers do not is
+    /// found within a heartbeat check instead of the timeout (see the flight recorder's progress).
+    pub(crate) fn enter_call(&self, name: &str) -> crate::flight::CallGuard {
+        self.trace.enter_call(name)
+    }
+
     /// This rank leaves the group for good (its collectives are abandoned): the other ranks' host waits
     /// on it end within a heartbeat check instead of the timeout.
     pub(crate) fn leave(&self) {

@@ -280,6 +280,18 @@ fn a_forward_on_one_rank_only_is_named_by_the_loop_check_in_ddp_and_fsdp() {
     }
 }
 
+/// FSDP's `state_dict` (collective) called on rank 0 alone while rank 1 trains on: rank 1 finds it
+/// within seconds from the ranks' published call contexts, and the headline names rank 0, the rank that
+/// called it alone, not the timeout (600 s).
+#[test]
+fn a_state_dict_called_on_one_rank_alone_ends_the_job_naming_that_rank() {
+    let (o, secs) = drill_env(2, "fsdp", "statedict@0:3", &[], &[DEFAULT_TIMEOUT]);
+    let t = text(&o);
+    assert_failed_in_time(&o, secs, SLACK);
+    assert!(t.contains("tchrun: culprit: rank 0 "), "{t}");
+    assert!(t.contains("the odd one out: rank 0, which called FSDP state_dict alone"), "{t}");
+}
+
 #[test]
 fn uneven_steps_never_blame_the_rank_that_finished_and_suggest_join() {
     for mode in ["ddp", "fsdp"] {
