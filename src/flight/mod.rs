@@ -22,7 +22,9 @@ mod torch_format;
 pub use analyze::{analyze, Analysis};
 pub use record::{clear_dumps, dump, entries, label, probe, Dump, Entry, EntryState, LabelGuard, TORCH_DIR};
 
-pub(crate) use progress::{CallGuard, EngineProbe, GroupTrace, HeartbeatWatch, HEARTBEAT_CHECK_EVERY};
+pub(crate) use progress::{
+    describe_call, odd_one_out, CallGuard, EngineProbe, GroupTrace, HeartbeatWatch, HEARTBEAT_CHECK_EVERY,
+};
 pub(crate) use record::{current_label, enabled as recording, hostname, is_p2p, now, Recording};
 
 /// c10d's own NCCL flight recorder, as JSON (`torch.distributed` `_dump_nccl_trace_json`): its entries

@@ -71,12 +71,28 @@ struct CallContext {
 
 impl CallContext {
     fn describe(&self) -> String {
-        if self.name.is_empty() {
-            format!("outside any collective call of the API ({} made before)", self.calls)
-        } else {
-            format!("inside {} (collective call #{})", self.name, self.calls)
-        }
+        describe_call(self.calls, &self.name)
     }
+}
+
+/// Where a collective was made: inside call `name` (the `calls`-th entered), or outside any.
+pub(crate) fn describe_call(calls: u64, name: &str) -> String {
+    if name.is_empty() {
+        format!("outside any collective call of the API ({calls} made before)")
+    } else {
+        format!("inside {name} (collective call #{calls})")
+    }
+}
+
+/// Of two ranks whose collectives of one number were made in different calls: which one made a call
+/// alone (the one that has made more, or is inside one the other is not), and the sentence naming it.
+pub(crate) fn odd_one_out(a: (usize, u64, &str), b: (usize, u64, &str)) -> String {
+    let (alone, call) = if (a.1, !a.2.is_empty()) >= (b.1, !b.2.is_empty()) { (a.0, a.2) } else { (b.0, b.2) };
+    let call = if call.is_empty() { "a collective call" } else { call };
+    format!(
+        "the odd one out: rank {alone}, which called {call} alone (a collective call of the API, e.g. state_dict \
+         or a checkpoint's save, must be made on every rank of the group, in the same order)"
+    )
 }
 
 /// This rank's call contexts by collective number: each change, from the collective it first applies to.
@@ -286,6 +302,13 @@ impl GroupTrace {
         self.unfinished.lock().unwrap_or_else(|e| e.into_inner()).push((r, probe));
     }
 
+    /// The call this rank is in now: how many it has entered, and the name of the one it is in (empty
+    /// outside one).
+    pub(crate) fn call_now(&self) -> (u64, String) {
+        let c = self.contexts.lock().unwrap_or_else(|e| e.into_inner());
+        (c.now.calls, c.now.name.clone())
+    }
+
     /// This rank enters a collective call of the API on this group (`state_dict`, a checkpoint's save or
     /// load): the collectives it makes until the guard drops carry the call's name and number in the
     /// published progress. A peer whose collective of the same number was made in another call (or
@@ -343,20 +366,12 @@ impl GroupTrace {
                 None
             };
             let Some((coll, me, theirs)) = differ else { continue };
-            // the one that has made more calls (or is inside one the other is not) made one alone
-            let (alone, call) = if (me.calls, !me.name.is_empty()) >= (theirs.calls, !theirs.name.is_empty()) {
-                (self.rank, me.name.clone())
-            } else {
-                (p.rank, theirs.name.clone())
-            };
-            let call = if call.is_empty() { "a collective call".to_string() } else { call };
+            let odd = odd_one_out((self.rank, me.calls, &me.name), (p.rank, theirs.calls, &theirs.name));
             return Some(Error::Mismatch {
                 op: op.to_string(),
                 msg: format!(
                     "collective #{coll} of group {} is made {} on rank {} but {} on rank {} (its last operation: \
-                     {}): they would pair up different operations; the odd one out: rank {alone}, which called \
-                     {call} alone (a collective call of the API, e.g. state_dict or a checkpoint's save, must be \
-                     made on every rank of the group, in the same order)",
+                     {}): they would pair up different operations; {odd}",
                     self.name,
                     me.describe(),
                     self.rank,

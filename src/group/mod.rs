@@ -266,6 +266,7 @@ impl ProcessGroup {
                 store.prefixed("tdx-strict/")?,
                 opts.timeout,
                 bound || connect,
+                trace.clone(),
             )?),
             _ => None,
         };

@@ -73,6 +73,8 @@ struct Item {
 /// A unit's places in its group's order: for each peer, how many units the two ranks posted before it.
 struct Stamps {
     kind: String,
+    /// The collective call of the API it was posted in (see the flight recorder's `enter_call`).
+    call: (u64, String),
     places: Vec<(usize, u64)>,
 }
 
@@ -87,6 +89,8 @@ struct Order {
     posted: Mutex<HashMap<usize, u64>>,
     /// The communicator exists (a bound device, or the first unit met every rank).
     connected: AtomicBool,
+    /// The group's recorder: the call each unit is posted in.
+    trace: Arc<crate::flight::GroupTrace>,
 }
 
 /// The kind of a unit, from its description: `allreduce(Sum) of ..` is an `allreduce`.
@@ -126,11 +130,12 @@ impl Order {
                 })
                 .collect()
         };
-        let value = format!("{kind}\u{1}{what}");
+        let call = self.trace.call_now();
+        let value = format!("{kind}\u{1}{}\u{1}{}\u{1}{what}", call.0, call.1.replace('\u{1}', " "));
         for &(p, i) in &places {
             self.store.set(&self.key(p, i, self.rank), value.as_bytes())?;
         }
-        Ok(Stamps { kind, places })
+        Ok(Stamps { kind, call, places })
     }
 
     /// NCCL without a bound device creates the group's communicator at its first collective or batch, and
@@ -189,16 +194,35 @@ impl Order {
             let theirs = String::from_utf8_lossy(&self.store.get(&key)?).to_string();
             // read once, by this rank alone: the store must not grow with every collective
             self.store.delete(&key)?;
-            let (their_kind, their_what) = theirs.split_once('\u{1}').unwrap_or((&theirs, &theirs));
-            if their_kind != stamps.kind {
+            let f: Vec<&str> = theirs.splitn(4, '\u{1}').collect();
+            let (their_kind, their_calls, their_call, their_what) = match f[..] {
+                [k, n, c, w] => (k, n.parse::<u64>().unwrap_or(0), c, w),
+                _ => (theirs.as_str(), 0, "", theirs.as_str()),
+            };
+            let (my_calls, my_call) = (stamps.call.0, stamps.call.1.as_str());
+            let other_call = (their_calls, their_call) != (my_calls, my_call);
+            if their_kind != stamps.kind || other_call {
+                // made in different calls of the API: the one made alone is the cause, whatever the kinds
+                let why = if other_call {
+                    format!(
+                        "; it was posted {} on rank {} but {} on rank {p}: {}",
+                        crate::flight::describe_call(my_calls, my_call),
+                        self.rank,
+                        crate::flight::describe_call(their_calls, their_call),
+                        crate::flight::odd_one_out((self.rank, my_calls, my_call), (p, their_calls, their_call)),
+                    )
+                } else {
+                    String::new()
+                };
                 return Err(Error::mismatch(
                     what.to_string(),
                     format!(
-                        "strict NCCL mode: the {ordinal} collective or batch between ranks {} and {p} on {queue} \
+                        "strict NCCL mode: the {ordinal} collective or batch between ranks {} and {} on {queue} \
                         is {what} on rank {} but {their_what} on rank {p}; NCCL runs a group's collectives and \
                         batched point-to-point on one stream in posting order, so these ranks would hang: post \
-                        them in the same order on every rank",
+                        them in the same order on every rank{why}",
                         self.rank.min(p),
+                        self.rank.max(p),
                         self.rank,
                     ),
                 ));
@@ -294,12 +318,14 @@ impl Strict {
         store: Store,
         timeout: Duration,
         bound: bool,
+        trace: Arc<crate::flight::GroupTrace>,
     ) -> Result<Strict> {
         let order_store = store.prefixed("order/")?;
         let order = Arc::new(Order {
             rank,
             size,
             store: order_store.shared_connection()?,
+            trace,
             posted: Mutex::new(HashMap::new()),
             connected: AtomicBool::new(bound || size == 1),
         });
