@@ -709,14 +709,7 @@ fn tch_s_own_adamw_over_the_var_store_steps_the_shards_with_its_groups() {
         }
         model.state_dict().unwrap()
     });
-    for (rank, state) in got.iter().enumerate() {
-        assert_eq!(state.len(), want.len());
-        for ((n, g), (wn, w)) in state.iter().zip(&want) {
-            assert_eq!(n, wn);
-            let d = (g - w).abs().max().double_value(&[]);
-            assert!(d < 1e-5, "rank {rank}: {n} differs from one process by {d:e}");
-        }
-    }
+    equals_one_process(&got, &want);
 }
 
 /// HSDP's replicas must hold the same shards: a replicate group whose ranks sit at different places of
@@ -927,14 +920,7 @@ fn a_block_with_a_second_input_is_a_unit_through_forward_with() {
         }
         model.state_dict().unwrap()
     });
-    for (rank, state) in got.iter().enumerate() {
-        assert_eq!(state.len(), want.len());
-        for ((n, g), (wn, w)) in state.iter().zip(&want) {
-            assert_eq!(n, wn);
-            let d = (g - w).abs().max().double_value(&[]);
-            assert!(d < 1e-5, "rank {rank}: {n} differs from one process by {d:e}");
-        }
-    }
+    equals_one_process(&got, &want);
 }
 
 /// `state_dict` (collective: it gathers every parameter) called on rank 0 alone while rank 1 trains on:
@@ -978,4 +964,16 @@ fn a_state_dict_called_on_one_rank_alone_is_named_within_seconds() {
     assert!(e.contains("the odd one out: rank 0, which called FSDP state_dict alone"), "rank 1: {e}");
     assert!(*took < Duration::from_secs(8), "rank 1 took {took:?}");
     assert!(!errs[0].0.is_empty(), "rank 0's state_dict succeeded without rank 1");
+}
+
+/// Every rank's full state equals one process's, name by name (within float32 rounding).
+fn equals_one_process(got: &[Vec<(String, Tensor)>], want: &[(String, Tensor)]) {
+    for (rank, state) in got.iter().enumerate() {
+        assert_eq!(state.len(), want.len());
+        for ((n, g), (wn, w)) in state.iter().zip(want) {
+            assert_eq!(n, wn);
+            let d = (g - w).abs().max().double_value(&[]);
+            assert!(d < 1e-5, "rank {rank}: {n} differs from one process by {d:e}");
+        }
+    }
 }
