@@ -217,14 +217,9 @@ impl Store {
                 };
                 let fresh = Arc::new(Store::tcp(&opts.timeout(self.timeout))?);
                 let mut shared = SHARED.lock().unwrap_or_else(|e| e.into_inner());
-                shared.retain(|(_, w)| w.strong_count() > 0);
-                match live(&shared) {
-                    Some(r) => r,
-                    None => {
-                        shared.push((at.clone(), Arc::downgrade(&fresh)));
-                        fresh
-                    }
-                }
+                shared.retain(|(a, w)| w.strong_count() > 0 && a != at);
+                shared.push((at.clone(), Arc::downgrade(&fresh)));
+                fresh
             }
         };
         let mut s = (*root).clone();

@@ -185,12 +185,17 @@ pub fn var_store_tensors(vs: &nn::VarStore) -> Vec<(String, Tensor)> {
 /// variable a layout splits (FSDP's shards, a tensor-parallel slice) is refused by name, since the file
 /// would hold rank 0's part; [`save_full`](super::save_full) writes those whole.
 pub fn save_var_store(pg: &ProcessGroup, path: &Path, step: u64, vs: &nn::VarStore) -> Result<()> {
-    save(pg, path, step, &whole_variables("checkpoint::save_var_store", vs)?)
+    // agreed on first: a rank that refused alone would leave the others in the save
+    let what = "checkpoint::save_var_store";
+    let vars = pg.meta().outcome(what, whole_variables(what, vs))?;
+    save(pg, path, step, &vars)
 }
 
 /// [`load`] into every variable of `vs`, each held whole (as [`save_var_store`] requires).
 pub fn load_var_store(pg: &ProcessGroup, path: &Path, vs: &nn::VarStore) -> Result<Option<u64>> {
-    load(pg, path, &whole_variables("checkpoint::load_var_store", vs)?)
+    let what = "checkpoint::load_var_store";
+    let vars = pg.meta().outcome(what, whole_variables(what, vs))?;
+    load(pg, path, &vars)
 }
 
 /// The variables of `vs`, refusing one that is only this rank's part of a larger tensor.

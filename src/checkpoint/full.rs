@@ -24,14 +24,16 @@ use crate::group::ProcessGroup;
 pub fn save_full(pg: &Arc<ProcessGroup>, path: &Path, step: u64, vs: &nn::VarStore) -> Result<()> {
     let _call = pg.enter_call("checkpoint::save_full");
     let parts = parts_dir(path);
-    let mut ck = Checkpointer::new(pg.clone(), &parts)?;
-    ck.save(step, StateDict::new().var_store(PREFIX, vs))?;
-    let local = if pg.rank() == 0 { assemble(&step_dir(&parts, step), path, step) } else { Ok(()) };
-    let r = pg.meta().outcome("checkpoint save_full", local);
+    let saved = Checkpointer::new(pg.clone(), &parts).and_then(|mut ck| {
+        ck.save(step, StateDict::new().var_store(PREFIX, vs))?;
+        let local = if pg.rank() == 0 { assemble(&step_dir(&parts, step), path, step) } else { Ok(()) };
+        pg.meta().outcome("checkpoint save_full", local)
+    });
+    // the parts go whatever happened (a failed save leaves the previous file as it was)
     if pg.rank() == 0 {
         let _ = std::fs::remove_dir_all(&parts);
     }
-    r
+    saved
 }
 
 const PREFIX: &str = "model";

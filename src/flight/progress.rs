@@ -87,7 +87,15 @@ pub(crate) fn describe_call(calls: u64, name: &str) -> String {
 /// Of two ranks whose collectives of one number were made in different calls: which one made a call
 /// alone (the one that has made more, or is inside one the other is not), and the sentence naming it.
 pub(crate) fn odd_one_out(a: (usize, u64, &str), b: (usize, u64, &str)) -> String {
-    let (alone, call) = if (a.1, !a.2.is_empty()) >= (b.1, !b.2.is_empty()) { (a.0, a.2) } else { (b.0, b.2) };
+    if (a.1, !a.2.is_empty()) == (b.1, !b.2.is_empty()) {
+        // as many calls, inside different ones: neither is the odd one out
+        return format!(
+            "rank {} is inside {} where rank {} is inside {} (a collective call of the API must be made on \
+             every rank of the group, in the same order)",
+            a.0, a.2, b.0, b.2
+        );
+    }
+    let (alone, call) = if (a.1, !a.2.is_empty()) > (b.1, !b.2.is_empty()) { (a.0, a.2) } else { (b.0, b.2) };
     let call = if call.is_empty() { "a collective call" } else { call };
     format!(
         "the odd one out: rank {alone}, which called {call} alone (a collective call of the API, e.g. state_dict \
@@ -315,7 +323,8 @@ impl GroupTrace {
     /// outside one) pairs up a different operation: a wait in this group then ends within a heartbeat
     /// check, on both ranks, naming the call made on one side only.
     pub(crate) fn enter_call(self: &Arc<Self>, name: &str) -> CallGuard {
-        if !enabled() || self.size == 1 {
+        // tracked whether recording is on or not: the strict mode's stamps carry it on every rank alike
+        if self.size == 1 {
             return CallGuard(None);
         }
         let outer = self.set_call(name.to_string(), true);
@@ -329,12 +338,13 @@ impl GroupTrace {
         let mut c = self.contexts.lock().unwrap_or_else(|e| e.into_inner());
         let calls = c.now.calls + u64::from(new);
         let outer = c.now.name.clone();
+        c.change(next, CallContext { calls, name: name.clone() });
+        // one lock at a time: `enter` takes `last`, then `contexts`
+        drop(c);
         if let Ok(mut last) = self.last.lock() {
             last.now_calls = calls;
-            last.now_call = name.clone();
+            last.now_call = name;
         }
-        c.change(next, CallContext { calls, name });
-        drop(c);
         // the peers learn it at once: a rank waiting on this one may be waiting for nothing now
         wake_publisher();
         outer

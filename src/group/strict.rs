@@ -73,8 +73,10 @@ struct Item {
 /// A unit's places in its group's order: for each peer, how many units the two ranks posted before it.
 struct Stamps {
     kind: String,
-    /// The collective call of the API it was posted in (see the flight recorder's `enter_call`).
+    /// The collective call of the API it was posted in (see the flight recorder's `enter_call`), and
+    /// whether it is compared (a collective's; a batch's only explains a mismatch found otherwise).
     call: (u64, String),
+    compared: bool,
     places: Vec<(usize, u64)>,
 }
 
@@ -117,7 +119,7 @@ impl Order {
     }
 
     /// Stamps a unit with `peers` (every other rank for a collective), publishing its places.
-    fn stamp(&self, peers: &[usize], what: &str) -> Result<Stamps> {
+    fn stamp(&self, peers: &[usize], what: &str, collective: bool) -> Result<Stamps> {
         let kind = kind_of(what);
         let places: Vec<(usize, u64)> = {
             let mut posted = self.posted.lock().unwrap_or_else(|e| e.into_inner());
@@ -131,11 +133,12 @@ impl Order {
                 .collect()
         };
         let call = self.trace.call_now();
-        let value = format!("{kind}\u{1}{}\u{1}{}\u{1}{what}", call.0, call.1.replace('\u{1}', " "));
+        let mark = if collective { "" } else { "~" };
+        let value = format!("{kind}\u{1}{mark}{}\u{1}{}\u{1}{what}", call.0, call.1.replace('\u{1}', " "));
         for &(p, i) in &places {
             self.store.set(&self.key(p, i, self.rank), value.as_bytes())?;
         }
-        Ok(Stamps { kind, call, places })
+        Ok(Stamps { kind, call, compared: collective, places })
     }
 
     /// NCCL without a bound device creates the group's communicator at its first collective or batch, and
@@ -195,25 +198,44 @@ impl Order {
             // read once, by this rank alone: the store must not grow with every collective
             self.store.delete(&key)?;
             let f: Vec<&str> = theirs.splitn(4, '\u{1}').collect();
-            let (their_kind, their_calls, their_call, their_what) = match f[..] {
-                [k, n, c, w] => (k, n.parse::<u64>().unwrap_or(0), c, w),
-                _ => (theirs.as_str(), 0, "", theirs.as_str()),
+            let (their_kind, their_call, their_compared, their_what) = match f[..] {
+                [k, n, c, w] => {
+                    let compared = !n.starts_with('~');
+                    (k, n.trim_start_matches('~').parse::<u64>().ok().map(|n| (n, c)), compared, w)
+                }
+                _ => (theirs.as_str(), None, false, theirs.as_str()),
             };
-            let (my_calls, my_call) = (stamps.call.0, stamps.call.1.as_str());
-            let other_call = (their_calls, their_call) != (my_calls, my_call);
-            if their_kind != stamps.kind || other_call {
-                // made in different calls of the API: the one made alone is the cause, whatever the kinds
-                let why = if other_call {
+            let (n, c) = (stamps.call.0, stamps.call.1.as_str());
+            let other_call = their_call.filter(|&t| t != (n, c));
+            let pair = (self.rank.min(p), self.rank.max(p));
+            // two collectives made in different calls of the API: the one made alone is the cause
+            if let Some((tn, tc)) = other_call.filter(|_| stamps.compared && their_compared) {
+                return Err(Error::mismatch(
+                    what.to_string(),
+                    format!(
+                        "strict NCCL mode: the {ordinal} collective between ranks {} and {} on {queue} was posted \
+                        {} on rank {} ({what}) but {} on rank {p} ({their_what}): they pair up different operations; \
+                        {}",
+                        pair.0,
+                        pair.1,
+                        crate::flight::describe_call(n, c),
+                        self.rank,
+                        crate::flight::describe_call(tn, tc),
+                        crate::flight::odd_one_out((self.rank, n, c), (p, tn, tc)),
+                    ),
+                ));
+            }
+            if their_kind != stamps.kind {
+                // the calls they were posted in, when they differ, say which rank went its own way
+                let why = other_call.map_or(String::new(), |(tn, tc)| {
                     format!(
                         "; it was posted {} on rank {} but {} on rank {p}: {}",
-                        crate::flight::describe_call(my_calls, my_call),
+                        crate::flight::describe_call(n, c),
                         self.rank,
-                        crate::flight::describe_call(their_calls, their_call),
-                        crate::flight::odd_one_out((self.rank, my_calls, my_call), (p, their_calls, their_call)),
+                        crate::flight::describe_call(tn, tc),
+                        crate::flight::odd_one_out((self.rank, n, c), (p, tn, tc)),
                     )
-                } else {
-                    String::new()
-                };
+                });
                 return Err(Error::mismatch(
                     what.to_string(),
                     format!(
@@ -221,9 +243,7 @@ impl Order {
                         is {what} on rank {} but {their_what} on rank {p}; NCCL runs a group's collectives and \
                         batched point-to-point on one stream in posting order, so these ranks would hang: post \
                         them in the same order on every rank{why}",
-                        self.rank.min(p),
-                        self.rank.max(p),
-                        self.rank,
+                        pair.0, pair.1, self.rank,
                     ),
                 ));
             }
@@ -384,7 +404,8 @@ impl Strict {
         peers.dedup();
         self.order.connect(&what, self.timeout())?;
         let mut g = self.group.lock().unwrap_or_else(|e| e.into_inner());
-        let stamps = self.order.stamp(&peers, &what)?;
+        // a batch's two sides may lie either side of a call that makes no collective here: not compared
+        let stamps = self.order.stamp(&peers, &what, false)?;
         let (queue, seqs) = g.get_or_insert_with(|| self.group_queue());
         let ops = ops
             .into_iter()
@@ -405,7 +426,7 @@ impl Strict {
         let mut g = self.group.lock().unwrap_or_else(|e| e.into_inner());
         // a post that fails leaves no stamp behind (its place would shift every later unit's)
         let work = post()?;
-        let stamps = self.order.stamp(&peers, &what)?;
+        let stamps = self.order.stamp(&peers, &what, true)?;
         let (queue, _) = g.get_or_insert_with(|| self.group_queue());
         Ok(self.enqueue(queue, Unit { ops: Vec::new(), posted: Some(work), stamps: Some(stamps) }, what))
     }

@@ -279,7 +279,9 @@ fn others(store: &Store, me: &Launch, deadline: Instant, timeout: Duration) -> R
         if Instant::now() >= deadline {
             // rank 0 times out at about the same moment: its verdict names the missing ranks
             std::thread::sleep(Duration::from_secs(1));
-            verdict(store)?;
+            if verdict(store)? {
+                return Ok(());
+            }
             let word = waiting_word(store).map_or(String::new(), |w| format!(" (rank 0 said: {w})"));
             return Err(Error::Timeout {
                 op: "launch check at rendezvous".into(),

@@ -14,9 +14,15 @@ use crate::group::ProcessGroup;
 /// Compares every variable of `vs` that `pg` does not split across `pg`'s ranks: an error naming the first
 /// that differs and the ranks. Collective over `pg` (one all-gather of two integers per variable).
 pub(crate) fn check_agree(vs: &nn::VarStore, pg: &Arc<ProcessGroup>) -> Result<()> {
+    // what each rank holds: a variable FSDP shards is an empty placeholder in the VarStore, its values
+    // in the shard (the same range on the ranks of a tensor-parallel group, which share a shard group place)
     let vars: Vec<(String, Tensor)> = crate::var_store::sorted_variables(vs)
         .into_iter()
-        .filter(|(_, t)| !crate::placement::of(t).is_some_and(|l| l.is_partial_over(pg)))
+        .filter_map(|(name, t)| match crate::placement::of(&t) {
+            Some(l) if l.is_partial_over(pg) => None,
+            Some(l) => Some((name, l.local().map_or(t, |s| s.shallow_clone()))),
+            None => Some((name, t)),
+        })
         .collect();
     // every rank calls the collective, whatever it holds: a rank that skipped it would hang the others
     let _g = tch::no_grad_guard();
@@ -59,11 +65,24 @@ fn digest(t: &Tensor) -> Result<Tensor> {
         4 => flat.f_view_dtype(Kind::Int)?,
         2 => flat.f_view_dtype(Kind::Int16)?,
         _ => flat.f_view_dtype(Kind::Uint8)?,
-    }
-    .f_to_kind(Kind::Int64)?;
+    };
     let n = bits.size()[0];
-    let weights = Tensor::f_arange(n, (Kind::Int64, bits.device()))?.f_remainder(1021)?.f_add_scalar(1)?;
-    let plain = bits.f_sum(Kind::Int64)?;
-    let weighted = bits.f_mul(&weights)?.f_sum(Kind::Int64)?;
-    Ok(Tensor::f_stack(&[plain, weighted], 0)?)
+    let mut sums = Tensor::f_zeros([2], (Kind::Int64, bits.device()))?;
+    // in chunks: the integer copies of a large embedding must not need memory of their own
+    let mut start = 0;
+    while start < n {
+        let len = CHUNK.min(n - start);
+        let part = bits.f_narrow(0, start, len)?.f_to_kind(Kind::Int64)?;
+        let weights = Tensor::f_arange_start(start, start + len, (Kind::Int64, bits.device()))?
+            .f_remainder(1021)?
+            .f_add_scalar(1)?;
+        let plain = part.f_sum(Kind::Int64)?;
+        let weighted = part.f_mul(&weights)?.f_sum(Kind::Int64)?;
+        sums = sums.f_add(&Tensor::f_stack(&[plain, weighted], 0)?)?;
+        start += len;
+    }
+    Ok(sums)
 }
+
+/// Elements digested at a time.
+const CHUNK: i64 = 1 << 24;
