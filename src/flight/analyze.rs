@@ -91,7 +91,10 @@ pub(crate) fn merge(dumps: &BTreeMap<usize, Dump>, world: Option<usize>, exits: 
         for d in dumps.values() {
             let last = d.entries.iter().filter(|x| x.group == *group).max_by_key(|x| x.seq);
             if let Some(l) = last.filter(|l| l.seq < *seq) {
-                culprits.insert(d.rank);
+                // a rank that exited with code 0 finished its loop: the others ran more steps than it
+                if exits.get(&d.rank).is_none_or(|s| s != "exit code 0") {
+                    culprits.insert(d.rank);
+                }
                 a.findings.push(format!(
                     "rank {} never entered #{seq}: its last collective in {group} was {}",
                     d.rank,
