@@ -24,8 +24,9 @@
 //! steps: the baseline, whose only recovery is `tchrun --max-restarts` restarting every worker (there
 //! `--kill-at-step` kills the last rank).
 //!
-//! `--kill-at-step S` SIGKILLs this replica in the middle of the backward of step S (on its first start
-//! only; a restarted one goes on): some gradient buckets are already being reduced across replicas.
+//! `--kill-at-step S` SIGKILLs this replica in the middle of the backward of step S, or of the first step
+//! after S it runs when it joined later (on its first start only; a restarted one goes on): some gradient
+//! buckets are already being reduced across replicas.
 //!
 //! `--fsdp`: HSDP instead of DDP. Each replica shards the model with FSDP over its own ranks (a unit
 //! per layer), and the manager sums each reduce-scattered chunk across the replicas; healing sends each
@@ -196,7 +197,7 @@ impl CommHook for KillMidBackward {
     fn run(&self, pg: &Arc<ProcessGroup>, bucket: &GradBucket) -> tch_dist::Result<HookFuture> {
         let first_start = std::env::var("TORCHELASTIC_RESTART_COUNT").map_or(true, |c| c == "0");
         let step = self.step.load(Ordering::SeqCst);
-        if first_start && self.at == Some(step) && bucket.index() == 1.min(bucket_count(bucket) - 1) {
+        if first_start && self.at.is_some_and(|at| step >= at) && bucket.index() == 1.min(bucket_count(bucket) - 1) {
             if let Ok(mut l) = Log::open_any_rank(&self.log) {
                 l.event(serde_json::json!({"event": "kill", "step": step, "bucket": bucket.index()}));
             }
@@ -239,7 +240,7 @@ impl Replicas for KillMidSum {
             seen.1
         };
         let first_start = std::env::var("TORCHELASTIC_RESTART_COUNT").map_or(true, |c| c == "0");
-        if first_start && self.at == Some(step) && nth == 2 {
+        if first_start && self.at.is_some_and(|at| step >= at) && nth == 2 {
             if let Ok(mut l) = Log::open(&self.log) {
                 l.event(serde_json::json!({"event": "kill", "step": step, "unit": nth - 1}));
             }
