@@ -77,7 +77,9 @@ impl ProcessGroup {
     /// work on tensors of `device`, runs now (see the module docs and [`CheckPolicy`]). Decided by the
     /// engine that takes such tensors, which is the same on every rank.
     pub(crate) fn checks_now(&self, scope: Scope, kind: &str, device: Device) -> bool {
-        if !self.verify || self.size == 1 {
+        // a shut-down group refuses the collective itself, naming the shutdown; a check first would
+        // talk to peers that may be gone
+        if !self.verify || self.size == 1 || self.slot(device).is_some_and(|e| e.is_shut()) {
             return false;
         }
         let once = match self.checks {

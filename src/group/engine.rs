@@ -192,6 +192,11 @@ impl Engine {
         self.drains.lock().unwrap_or_else(|p| p.into_inner()).push(drain);
     }
 
+    /// Whether [`shutdown`](Self::shutdown) ran.
+    pub(crate) fn is_shut(&self) -> bool {
+        self.shut.load(Ordering::SeqCst)
+    }
+
     /// c10d's `shutdown()`: pending work completes, then the backend is destroyed. A group given up on
     /// (a frozen peer) is aborted instead, so that this never waits on that peer. Once only.
     pub(crate) fn shutdown(&self) -> Result<()> {

@@ -514,7 +514,7 @@ impl ProcessGroup {
         }
     }
 
-    fn slot(&self, device: Device) -> Option<&Engine> {
+    pub(crate) fn slot(&self, device: Device) -> Option<&Engine> {
         match device {
             Device::Cpu => self.cpu.as_deref(),
             Device::Cuda(_) => self.cuda.as_deref(),
@@ -787,8 +787,9 @@ impl ProcessGroup {
     }
 
     /// The strict mode, for operations on engine `e`.
+    /// Not once the engine is shut down: the engine then refuses the operation, naming the shutdown.
     fn strict_for(&self, e: &Engine) -> Option<&Strict> {
-        self.strict.as_ref().filter(|_| e.backend == Backend::Gloo)
+        self.strict.as_ref().filter(|_| e.backend == Backend::Gloo && !e.is_shut())
     }
 
     /// What Gloo's send or recv takes for `t`: the tensor itself, or a host copy (and for a receive, the
