@@ -43,6 +43,26 @@ impl Style {
     pub fn rowwise() -> Style {
         Style::Rowwise(Default::default())
     }
+
+    /// Column-wise, for a fused projection: the output features are `parts` equal blocks side by side
+    /// (a fused QKV: 3; SwiGLU's fused gate and up: 2), each split on its own as Megatron lays them out.
+    /// Each rank's output holds its slice of every block in order, so the model's own
+    /// `qkv.chunk(3, -1)` gives its queries, keys and values (with `-1` heads in their views).
+    pub fn colwise_fused(parts: usize) -> Style {
+        Style::Colwise(ColumnParallelConfig { parts, ..Default::default() })
+    }
+
+    /// Column-wise on a layer whose name looks fused (`qkv`, `c_attn`, ...) but is not: one block.
+    pub fn colwise_unfused() -> Style {
+        Style::Colwise(ColumnParallelConfig { parts: 1, ..Default::default() })
+    }
+}
+
+/// Names that fused projections go by (GPT-2's `c_attn`, `qkv`, `in_proj`, GPT-NeoX's
+/// `query_key_value`, `gate_up_proj`, `w13`): a plain column-wise split of one mixes its blocks.
+fn looks_fused(path: &str) -> bool {
+    let last = path.rsplit('.').next().unwrap_or(path).to_ascii_lowercase();
+    ["qkv", "c_attn", "in_proj", "query_key_value", "gate_up", "w13", "fused"].iter().any(|n| last.contains(n))
 }
 
 /// Which layer each path gets, and how the whole model is data-parallel (see the module docs). Cheap to
@@ -407,6 +427,18 @@ impl Plan {
     pub fn linear(&self, path: &nn::Path, in_dim: i64, out_dim: i64, config: nn::LinearConfig) -> Result<Linear> {
         Ok(match self.style_of(path) {
             None => Linear::Local(nn::linear(path, in_dim, out_dim, config)),
+            Some((Style::Colwise(c), _)) if c.parts == 0 && looks_fused(&dotted(path)) => {
+                return Err(Error::invalid(
+                    "Plan::linear",
+                    format!(
+                        "{}: the name says a fused projection, and a plain column-wise split would give each rank a \
+                         mix of its blocks (for a fused QKV: some rows of q, k and v, not its heads of each); use \
+                         Style::colwise_fused(3) for queries, keys and values side by side (2 for a fused gate and \
+                         up), or Style::colwise_unfused() if the layer is not fused",
+                        dotted(path)
+                    ),
+                ));
+            }
             Some((Style::Colwise(c), pg)) => Linear::Column(ColumnParallelLinear::new(
                 path,
                 in_dim,

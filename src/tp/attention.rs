@@ -9,7 +9,7 @@ use std::sync::Arc;
 use tch::{nn, Tensor};
 
 use super::init::{self, Part};
-use super::layers::{bias_init, ColumnParallelLinear, RowParallelConfig, RowParallelLinear};
+use super::layers::{bias_init, ColumnParallelConfig, ColumnParallelLinear, RowParallelConfig, RowParallelLinear};
 use crate::error::{Error, Result};
 use crate::group::ProcessGroup;
 
@@ -41,12 +41,6 @@ pub struct ParallelAttention {
     ranks: usize,
 }
 
-/// Rank `r`'s rows of each third of the QKV projection (queries, keys, values) as (start, length): its
-/// heads', rows `[r·d/t, (r+1)·d/t)` of each.
-fn head_rows(d: i64, r: i64, t: i64) -> Vec<(i64, i64)> {
-    (0..3).map(|p| (p * d + r * (d / t), d / t)).collect()
-}
-
 /// `heads` heads of `d` split over `t` ranks, or an error naming what does not divide.
 fn check_heads(d: i64, heads: i64, t: i64) -> Result<()> {
     let what = "ParallelAttention";
@@ -74,11 +68,12 @@ impl ParallelAttention {
         let (r, t) = (pg.rank() as i64, pg.size() as i64);
         check_heads(d, heads, t)?;
         let (c, opts) = (&config.linear, (path.kind(), path.device()));
-        let mine = head_rows(d, r, t);
+        // its heads' rows of each third (queries, keys, values)
+        let mine = super::layers::block_rows(3 * d, 3, r, t);
         // in nn::linear's order: the bias, then the weight
         let b_qkv = c.bias.then(|| init::rows(what, bias_init(c, d), &[3 * d], &mine, opts)).transpose()?;
         let w_qkv = init::rows(what, c.ws_init, &[3 * d, d], &mine, opts)?;
-        let qkv = Self::qkv_from_local(path, &w_qkv, b_qkv.as_ref(), d, &pg, c)?;
+        let qkv = ColumnParallelLinear::from_local(&(path / "qkv"), &w_qkv, b_qkv.as_ref(), pg.clone(), Self::qkv(c))?;
         let b_out = c
             .bias
             .then(|| init::slice(what, bias_init(c, d), &[d], Part { dim: 0, start: 0, len: d }, opts))
@@ -120,16 +115,14 @@ impl ParallelAttention {
                 ),
             ));
         }
-        // only this rank's rows are copied, never a reordered full matrix
         let r = pg.rank() as i64;
-        let mine = |x: &Tensor| -> Result<Tensor> {
-            let parts = head_rows(d, r, t)
-                .iter()
-                .map(|&(a, n)| x.f_narrow(0, a, n))
-                .collect::<std::result::Result<Vec<_>, _>>()?;
-            Ok(Tensor::f_cat(&parts, 0)?)
-        };
-        let qkv = Self::qkv_from_local(path, &mine(w_qkv)?, Some(&mine(b_qkv)?), d, &pg, &config.linear)?;
+        let qkv = ColumnParallelLinear::from_full(
+            &(path / "qkv"),
+            w_qkv,
+            Some(b_qkv),
+            pg.clone(),
+            Self::qkv(&config.linear),
+        )?;
         let out = RowParallelLinear::from_full(&(path / "out"), w_out, Some(b_out), pg, Self::row(&config.linear))?;
         Ok(Self::assemble(qkv, out, d, heads, config, (r, t)))
     }
@@ -151,29 +144,9 @@ impl ParallelAttention {
         RowParallelConfig { linear: *linear, ..Default::default() }
     }
 
-    /// The QKV projection from this rank's rows, with their placement: viewed as `[3, d, ...]` (queries,
-    /// keys, values; `in_proj_weight.view(3, d, d)` in PyTorch's terms), a slice along dimension 1.
-    fn qkv_from_local(
-        path: &nn::Path,
-        w: &Tensor,
-        b: Option<&Tensor>,
-        d: i64,
-        pg: &Arc<ProcessGroup>,
-        linear: &nn::LinearConfig,
-    ) -> Result<ColumnParallelLinear> {
-        let (r, t) = (pg.rank() as i64, pg.size() as i64);
-        let cfg = super::layers::ColumnParallelConfig { linear: *linear, ..Default::default() };
-        let qkv = ColumnParallelLinear::from_local(&(path / "qkv"), w, b, pg.clone(), cfg)?;
-        for x in std::iter::once(&qkv.ws).chain(qkv.bs.as_ref()) {
-            let size = x.size();
-            let lengths: Vec<i64> = [vec![3, d / t], size[1..].to_vec()].concat();
-            let mut global = lengths.clone();
-            global[1] = d;
-            let mut offsets = vec![0; lengths.len()];
-            offsets[1] = r * (d / t);
-            crate::placement::record_shard(x, pg, 1, &global, &offsets, &lengths)?;
-        }
-        Ok(qkv)
+    /// The QKV projection: three fused blocks (queries, keys, values), each split by heads.
+    fn qkv(linear: &nn::LinearConfig) -> ColumnParallelConfig {
+        ColumnParallelConfig { linear: *linear, parts: 3, ..Default::default() }
     }
 
     /// The attention's output `[batch, seq, d]`, the same on every rank, with dropout while `train`;

@@ -25,6 +25,25 @@ pub struct ColumnParallelConfig {
     /// The input is this rank's part of the sequence (`[s / t, b, in]`, Megatron's sequence
     /// parallelism): gathered along the sequence on entry, reduce-scattered in backward.
     pub sequence_parallel: bool,
+    /// The output features are this many equal blocks side by side, each split on its own (Megatron's
+    /// layout of a fused projection): 3 for a fused QKV (queries, keys, values), 2 for SwiGLU's fused
+    /// gate and up. Rank r holds its slice of every block, in block order, so `y.chunk(parts, -1)` gives
+    /// its part of each. 0 (the default) and 1: one block. See [`crate::parallelize::Style::colwise_fused`].
+    pub parts: usize,
+}
+
+impl ColumnParallelConfig {
+    /// The number of blocks (0 read as 1).
+    pub(crate) fn blocks(&self) -> i64 {
+        self.parts.max(1) as i64
+    }
+}
+
+/// This rank's rows of `out` output features made of `parts` equal blocks each split over `t` ranks:
+/// `(start, len)` per block.
+pub(crate) fn block_rows(out: i64, parts: i64, r: i64, t: i64) -> Vec<(i64, i64)> {
+    let block = out / parts;
+    (0..parts).map(|k| (k * block + r * (block / t), block / t)).collect()
 }
 
 /// A [`RowParallelLinear`]'s configuration, as [`ColumnParallelConfig`].
@@ -75,6 +94,44 @@ fn shard(what: &str, t: &Tensor, dim: i64, pg: &ProcessGroup) -> Result<Tensor> 
     Ok(t.f_narrow(dim, pg.rank() as i64 * (n / parts), n / parts)?.f_contiguous()?)
 }
 
+/// `out` output features in `config.parts` blocks split over `pg`, or an error naming what does not
+/// divide; a fused layer's output is not gathered (it would interleave the blocks rank by rank).
+fn check_blocks(what: &str, out: i64, config: &ColumnParallelConfig, pg: &ProcessGroup) -> Result<()> {
+    let (parts, t) = (config.blocks(), pg.size() as i64);
+    if parts == 1 {
+        return divisible(what, "out_dim", out, pg);
+    }
+    if out % (parts * t) != 0 {
+        return Err(Error::invalid(
+            what.to_string(),
+            format!(
+                "out_dim {out} is not {parts} equal blocks each divisible by the tensor-parallel size {t} \
+                 (ColumnParallelConfig::parts = {parts})"
+            ),
+        ));
+    }
+    if config.gather_output {
+        return Err(Error::invalid(
+            what.to_string(),
+            format!("gather_output with {parts} fused blocks: each rank's output holds its slice of every block"),
+        ));
+    }
+    Ok(())
+}
+
+/// Records the variable `t` (this rank's rows of `parts` fused blocks, [`block_rows`]) as a slice along
+/// dimension 1 of the layer viewed as `[parts, out / parts, ...]`: PyTorch's `in_proj_weight.view(3, d, d)`
+/// for a fused QKV.
+fn place_blocks(t: &Tensor, pg: &Arc<ProcessGroup>, parts: i64) -> Result<()> {
+    let size = t.size();
+    let lengths: Vec<i64> = [vec![parts, size[0] / parts], size[1..].to_vec()].concat();
+    let mut global = lengths.clone();
+    global[1] *= pg.size() as i64;
+    let mut offsets = vec![0; lengths.len()];
+    offsets[1] = pg.rank() as i64 * lengths[1];
+    crate::placement::record_shard(t, pg, 1, &global, &offsets, &lengths)
+}
+
 /// Records the variable `t` as this rank's slice along `dim` of a tensor `pg.size()` times as long there
 /// (in rank order), for the parts that read placements (clipping, checkpoints).
 pub(crate) fn place_slice(t: &Tensor, pg: &Arc<ProcessGroup>, dim: usize) -> Result<()> {
@@ -109,15 +166,12 @@ impl ColumnParallelLinear {
         config: ColumnParallelConfig,
     ) -> Result<Self> {
         let what = "ColumnParallelLinear";
-        divisible(what, "out_dim", out_dim, &pg)?;
-        let (rank, t, opts) = (pg.rank(), pg.size(), (path.kind(), path.device()));
-        let c = &config.linear;
+        check_blocks(what, out_dim, &config, &pg)?;
+        let (opts, c) = ((path.kind(), path.device()), &config.linear);
+        let mine = block_rows(out_dim, config.blocks(), pg.rank() as i64, pg.size() as i64);
         // in nn::linear's order: the bias, then the weight
-        let bs = c
-            .bias
-            .then(|| init::slice(what, bias_init(c, in_dim), &[out_dim], Part::even(0, out_dim, rank, t), opts))
-            .transpose()?;
-        let ws = init::slice(what, c.ws_init, &[out_dim, in_dim], Part::even(0, out_dim, rank, t), opts)?;
+        let bs = c.bias.then(|| init::rows(what, bias_init(c, in_dim), &[out_dim], &mine, opts)).transpose()?;
+        let ws = init::rows(what, c.ws_init, &[out_dim, in_dim], &mine, opts)?;
         Self::from_local(path, &ws, bs.as_ref(), pg, config)
     }
 
@@ -130,9 +184,20 @@ impl ColumnParallelLinear {
         config: ColumnParallelConfig,
     ) -> Result<Self> {
         let what = "ColumnParallelLinear";
-        let ws = shard(what, weight, 0, &pg)?;
-        let bs = bias.map(|b| shard(what, b, 0, &pg)).transpose()?;
-        Self::from_local(path, &ws, bs.as_ref(), pg, config)
+        if config.blocks() == 1 {
+            let ws = shard(what, weight, 0, &pg)?;
+            let bs = bias.map(|b| shard(what, b, 0, &pg)).transpose()?;
+            return Self::from_local(path, &ws, bs.as_ref(), pg, config);
+        }
+        check_blocks(what, weight.size()[0], &config, &pg)?;
+        let mine = block_rows(weight.size()[0], config.blocks(), pg.rank() as i64, pg.size() as i64);
+        // only this rank's rows are copied, never a reordered full matrix
+        let take = |x: &Tensor| -> Result<Tensor> {
+            let parts = mine.iter().map(|&(a, n)| x.f_narrow(0, a, n)).collect::<std::result::Result<Vec<_>, _>>()?;
+            Ok(Tensor::f_cat(&parts, 0)?)
+        };
+        let bs = bias.map(take).transpose()?;
+        Self::from_local(path, &take(weight)?, bs.as_ref(), pg, config)
     }
 
     /// From this rank's slices as they are (`[out / t, in]`, `[out / t]`).
@@ -146,7 +211,10 @@ impl ColumnParallelLinear {
         let bs = bs.map(|b| path.f_var_copy("bias", b)).transpose()?;
         let ws = path.f_var_copy("weight", ws)?;
         for t in std::iter::once(&ws).chain(bs.as_ref()) {
-            place_slice(t, &pg, 0)?;
+            match config.blocks() {
+                1 => place_slice(t, &pg, 0)?,
+                parts => place_blocks(t, &pg, parts)?,
+            }
         }
         Ok(ColumnParallelLinear { ws, bs, config, pg })
     }

@@ -154,6 +154,65 @@ fn replicated_variables_that_differ_between_tensor_parallel_ranks_are_named_at_f
     }
 }
 
+/// Attention with a fused QKV projection read by `chunk(3, -1)` (GPT-2's `c_attn`, tch-rs's Llama), heads
+/// viewed as `-1`: split by `Style::colwise_fused(3)` over 2 ranks, each rank holds its heads of q, k and v
+/// and the output and the input's gradient equal one process's. A plain column-wise style on that name is
+/// refused, naming the path and the fused style; `colwise_unfused` says it is not fused.
+fn fused_attention(plan: &Plan, x: &Tensor) -> tch_dist::Result<(Tensor, Tensor)> {
+    let vs = nn::VarStore::new(Device::Cpu);
+    let (d, heads) = (8i64, 4i64);
+    let (c_attn, c_proj) = {
+        let _g = GENERATOR.lock().unwrap_or_else(|e| e.into_inner());
+        tch::manual_seed(5);
+        let r = vs.root() / "attn";
+        (
+            plan.linear(&(&r / "c_attn"), d, 3 * d, Default::default())?,
+            plan.linear(&(&r / "c_proj"), d, d, Default::default())?,
+        )
+    };
+    let x = x.detach().set_requires_grad(true);
+    let (b, t, _) = x.size3()?;
+    let qkv = c_attn.forward(&x).chunk(3, -1);
+    let heads_of = |y: &Tensor| y.view([b, t, -1, d / heads]).transpose(1, 2);
+    let (q, k, v) = (heads_of(&qkv[0]), heads_of(&qkv[1]), heads_of(&qkv[2]));
+    let att = Tensor::scaled_dot_product_attention(&q, &k, &v, None::<Tensor>, 0.0, true, None, false);
+    let y = c_proj.forward(&att.transpose(1, 2).contiguous().view([b, t, -1]));
+    y.square().sum(Kind::Float).backward();
+    Ok((y.detach(), x.grad()))
+}
+
+#[test]
+fn a_fused_qkv_projection_splits_by_heads_with_the_fused_style() {
+    let _alone = common::alone();
+    let x = || Tensor::randn([2, 5, 8], (Kind::Float, Device::Cpu));
+    let x0 = {
+        let _g = GENERATOR.lock().unwrap_or_else(|e| e.into_inner());
+        tch::manual_seed(9);
+        x()
+    };
+    let (want_y, want_gx) = fused_attention(&Plan::new(), &x0).unwrap();
+    let data = Vec::<f32>::try_from(x0.view([-1])).unwrap();
+    let got = common::run_threads(2, Duration::from_secs(60), move |pg| {
+        let xs = Tensor::from_slice(&data).view([2, 5, 8]);
+        let pg = Arc::new(pg);
+        let styled = |s: Style| Plan::over_group(pg.clone()).style("*.c_attn", s).style("*.c_proj", Style::rowwise());
+        let fused = fused_attention(&styled(Style::colwise_fused(3)), &xs).unwrap();
+        let plain = fused_attention(&styled(Style::colwise()), &xs).err().map(|e| e.to_string()).unwrap_or_default();
+        let unfused = fused_attention(&styled(Style::colwise_unfused()), &xs).unwrap();
+        (fused, plain, unfused.0)
+    });
+    for (rank, ((y, gx), plain, unfused)) in got.into_iter().enumerate() {
+        for (what, got, want) in [("output", &y, &want_y), ("input gradient", &gx, &want_gx)] {
+            let (d, scale) = ((got - want).abs().max().double_value(&[]), want.abs().max().double_value(&[]));
+            assert!(d <= 1e-6 * scale.max(1.0), "rank {rank}: {what} differs by {d:e} (largest element {scale})");
+        }
+        assert!(plain.contains("attn.c_attn") && plain.contains("Style::colwise_fused(3)"), "rank {rank}: {plain}");
+        // declared unfused: split as one block, each rank a mix of q, k and v rows (what the fused style fixes)
+        let off = (&unfused - &want_y).abs().max().double_value(&[]);
+        assert!(off > 1e-3, "rank {rank}: a one-block split of a fused layer matched by chance ({off:e})");
+    }
+}
+
 #[test]
 fn an_embedding_split_column_wise_is_refused_with_its_path() {
     let _alone = common::alone();
