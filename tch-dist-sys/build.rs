@@ -24,6 +24,7 @@ const SOURCES: &[&str] = &[
     "csrc/storage.cpp",
     "csrc/identity.cpp",
     "csrc/optim.cpp",
+    "csrc/tch_optim.cpp",
     "csrc/adamw_single.cpp",
     "csrc/sync_debug.cpp",
     "csrc/stream.cpp",

@@ -53,7 +53,7 @@ impl Item {
 #[derive(Default)]
 pub struct StateDict<'a> {
     pub(crate) items: Vec<Item>,
-    pub(crate) optimizers: Vec<(String, &'a mut dyn Optimizer)>,
+    pub(crate) optimizers: Vec<(String, Held<'a>)>,
     pub(crate) layout: BTreeMap<String, i64>,
     /// The first variable that could not be added (see [`check`](Self::check)).
     error: Option<Error>,
@@ -179,7 +179,21 @@ impl<'a> StateDict<'a> {
     /// parameters must be in this state dict: add the model first). Loading fills it in the layout `opt`
     /// has now, whatever the layout it was saved from.
     pub fn optimizer(&mut self, prefix: &str, opt: &'a mut dyn Optimizer) -> &mut Self {
-        self.optimizers.push((prefix.to_string(), opt));
+        self.optimizers.push((prefix.to_string(), Held::Borrowed(opt)));
+        self
+    }
+
+    /// tch's own optimizer (`nn::AdamW`, `nn::Adam`, `nn::Sgd`, `nn::RmsProp`) built on `vs`, as
+    /// [`optimizer`](Self::optimizer) does for ours: its state (libtorch's, per parameter) is saved as
+    /// `{prefix}.state.{variable}.{field}` and loaded in whatever layout it has now
+    /// ([`TchOptimizer`](crate::optim::TchOptimizer)). Add the model first.
+    pub fn tch_optimizer(&mut self, prefix: &str, opt: &'a mut nn::Optimizer, vs: &nn::VarStore) -> &mut Self {
+        match crate::optim::TchOptimizer::new(opt, vs) {
+            Ok(t) => self.optimizers.push((prefix.to_string(), Held::Tch(t))),
+            Err(e) => {
+                self.error.get_or_insert(e.in_op(format!("checkpoint: optimizer {prefix:?}")));
+            }
+        }
         self
     }
 
@@ -249,6 +263,31 @@ impl<'a> StateDict<'a> {
             }
         }
         Ok(out)
+    }
+}
+
+/// An optimizer a state dict saves and loads: one of ours, borrowed, or tch's, seen through its state.
+pub(crate) enum Held<'a> {
+    Borrowed(&'a mut dyn Optimizer),
+    Tch(crate::optim::TchOptimizer<'a>),
+}
+
+impl<'a> std::ops::Deref for Held<'a> {
+    type Target = dyn Optimizer + 'a;
+    fn deref(&self) -> &Self::Target {
+        match self {
+            Held::Borrowed(o) => &**o,
+            Held::Tch(t) => t,
+        }
+    }
+}
+
+impl std::ops::DerefMut for Held<'_> {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        match self {
+            Held::Borrowed(o) => &mut **o,
+            Held::Tch(t) => t,
+        }
     }
 }
 

@@ -14,12 +14,14 @@
 mod adamw;
 mod clip;
 mod sgd;
+mod tch_optimizer;
 
 #[doc(hidden)]
 pub use adamw::two_pass_variant;
 pub use adamw::{AdamW, AdamWConfig};
 pub use clip::{clip_grad_norm, GradNorm};
 pub use sgd::{Sgd, SgdConfig};
+pub use tch_optimizer::TchOptimizer;
 
 use tch::Tensor;
 

@@ -215,6 +215,24 @@ int tdx_adamw_step(tdx_tensor param, tdx_tensor grad, tdx_tensor exp_avg, tdx_te
 // (or the CPU lacks AVX2 and FMA) and ATen's sequence runs.
 int tdx_adamw_two_pass_variant(void);
 
+// ---- tch_optim.cpp: the per-parameter state of a libtorch C++ optimizer (`opt`: a torch::optim::Optimizer*,
+// what tch's nn::Optimizer holds). Parameters are numbered across the param groups, in order.
+#define TDX_OPTIM_OTHER 0
+#define TDX_OPTIM_ADAM 1
+#define TDX_OPTIM_ADAMW 2
+#define TDX_OPTIM_SGD 3
+#define TDX_OPTIM_RMSPROP 4
+int tdx_optim_kind(void* opt, int* kind);
+// The parameters (at most `cap` of them into outs, new handles); `n`: how many it holds.
+int tdx_optim_params(void* opt, tdx_tensor* outs, size_t cap, size_t* n);
+// Parameter `index`'s state: `has` 0 where it has none yet; else its step count and up to three tensors
+// (new handles, null where unset): Adam and AdamW exp_avg, exp_avg_sq, max_exp_avg_sq; SGD momentum_buffer;
+// RMSprop square_avg, momentum_buffer, grad_avg.
+int tdx_optim_state_get(void* opt, size_t index, int* has, int64_t* step, tdx_tensor* outs);
+// Replaces parameter `index`'s state with `step` and the three tensors as above (null: unset); `has` 0
+// removes it. The tensors are held, not copied.
+int tdx_optim_state_set(void* opt, size_t index, int has, int64_t step, const tdx_tensor* ins);
+
 // ---- random.cpp: a permutation of 0..n from a CPU generator seeded with `seed` (the global one untouched).
 int tdx_randperm(int64_t n, uint64_t seed, tdx_tensor* out);
 // Tensors drawn in turn from one CPU generator seeded with `seed` (dtype: a c10::ScalarType code): standard

@@ -10,6 +10,13 @@ pub const TDX_ENETWORK: c_int = 3;
 pub const TDX_EINVALID: c_int = 4;
 pub const TDX_EUNAVAILABLE: c_int = 5;
 
+/// What `tdx_optim_kind` reports: which of libtorch's C++ optimizers tch built.
+pub const TDX_OPTIM_OTHER: c_int = 0;
+pub const TDX_OPTIM_ADAM: c_int = 1;
+pub const TDX_OPTIM_ADAMW: c_int = 2;
+pub const TDX_OPTIM_SGD: c_int = 3;
+pub const TDX_OPTIM_RMSPROP: c_int = 4;
+
 #[repr(C)]
 pub struct tdx_store {
     _p: [u8; 0],
@@ -311,6 +318,18 @@ extern "C" {
         chunk: i64,
     ) -> c_int;
     pub fn tdx_adamw_two_pass_variant() -> c_int;
+
+    pub fn tdx_optim_kind(opt: *mut c_void, kind: *mut c_int) -> c_int;
+    pub fn tdx_optim_params(opt: *mut c_void, outs: *mut tdx_tensor, cap: size_t, n: *mut size_t) -> c_int;
+    pub fn tdx_optim_state_get(
+        opt: *mut c_void,
+        index: size_t,
+        has: *mut c_int,
+        step: *mut i64,
+        outs: *mut tdx_tensor,
+    ) -> c_int;
+    pub fn tdx_optim_state_set(opt: *mut c_void, index: size_t, has: c_int, step: i64, ins: *const tdx_tensor)
+        -> c_int;
 
     pub fn tdx_randperm(n: i64, seed: u64, out: *mut tdx_tensor) -> c_int;
     pub fn tdx_draw_seq(

@@ -162,3 +162,80 @@ fn the_whole_model_is_saved_in_one_file_under_fsdp_and_shards_are_refused() {
     }
     let _ = std::fs::remove_dir_all(&d);
 }
+
+/// Each of tch's own optimizers (libtorch's C++ ones) resumes from a sharded checkpoint exactly: 3 steps,
+/// a save, a new model and optimizer that load it, 3 more steps equal 6 steps that never stopped. An
+/// optimizer built on another VarStore, or before the model's variables were all there, is refused.
+#[test]
+fn tch_s_own_optimizers_resume_exactly_from_a_sharded_checkpoint() {
+    use std::sync::Arc;
+    use tch::nn::{Module, OptimizerConfig};
+    use tch_dist::checkpoint::{Checkpointer, StateDict};
+    let pg = Arc::new(solo());
+    let build = |kind: &str| {
+        let vs = nn::VarStore::new(Device::Cpu);
+        let net = nn::seq()
+            .add(nn::linear(vs.root() / "l1", 3, 5, Default::default()))
+            .add_fn(|x| x.tanh())
+            .add(nn::linear(vs.root() / "l2", 5, 2, Default::default()));
+        tch::no_grad(|| {
+            for (i, (_, t)) in
+                vs.variables().into_iter().collect::<std::collections::BTreeMap<_, _>>().iter().enumerate()
+            {
+                let n = t.numel() as i64;
+                t.shallow_clone().copy_(
+                    &(Tensor::arange(n, (Kind::Float, Device::Cpu)) * 0.3 + i as f64).sin().view(t.size().as_slice()),
+                );
+            }
+        });
+        let opt = match kind {
+            "adamw" => nn::AdamW::default().build(&vs, 0.05),
+            "adam" => nn::Adam::default().build(&vs, 0.05),
+            "sgd" => nn::Sgd { momentum: 0.9, ..Default::default() }.build(&vs, 0.05),
+            _ => nn::RmsProp { momentum: 0.5, centered: true, ..Default::default() }.build(&vs, 0.01),
+        }
+        .unwrap();
+        (vs, net, opt)
+    };
+    let train = |net: &nn::Sequential, opt: &mut nn::Optimizer, steps: std::ops::Range<i64>| {
+        for s in steps {
+            let x = (Tensor::arange(12, (Kind::Float, Device::Cpu)).view([4, 3]) * 0.1 + s as f64).cos();
+            opt.zero_grad();
+            net.forward(&x).square().mean(Kind::Float).backward();
+            opt.step();
+        }
+    };
+    for kind in ["adamw", "adam", "sgd", "rmsprop"] {
+        let (vs, net, mut opt) = build(kind);
+        train(&net, &mut opt, 0..6);
+        let dir = tmp(&format!("tch-{kind}"));
+        let (vs1, net1, mut opt1) = build(kind);
+        train(&net1, &mut opt1, 0..3);
+        let mut ck = Checkpointer::new(pg.clone(), &dir).unwrap();
+        ck.save(3, StateDict::new().var_store("model", &vs1).tch_optimizer("optim", &mut opt1, &vs1)).unwrap();
+        let (vs2, net2, mut opt2) = build(kind);
+        let loaded = ck.load(StateDict::new().var_store("model", &vs2).tch_optimizer("optim", &mut opt2, &vs2));
+        assert_eq!(loaded.unwrap(), Some(3), "{kind}");
+        train(&net2, &mut opt2, 3..6);
+        for (name, want) in vs.variables() {
+            let got = &vs2.variables()[&name];
+            assert!(got.equal(&want), "{kind}: {name} differs from the run that never stopped");
+        }
+        // the state was there to restore: without it the run goes elsewhere
+        let (vs3, net3, mut opt3) = build(kind);
+        ck.load(StateDict::new().var_store("model", &vs3)).unwrap();
+        train(&net3, &mut opt3, 3..6);
+        assert!(vs3.variables().iter().any(|(n, t)| !t.equal(&vs.variables()[n])), "{kind}: state made no difference");
+    }
+    // another VarStore's optimizer, and one built before a variable was added
+    let (vs, _net, mut opt) = build("adamw");
+    let (other, _, _) = build("adamw");
+    let err = |sd: &mut StateDict| {
+        Checkpointer::new(pg.clone(), tmp("tch-bad")).unwrap().save(1, sd).unwrap_err().to_string()
+    };
+    let e = err(StateDict::new().var_store("model", &vs).tch_optimizer("optim", &mut opt, &other));
+    assert!(e.contains("not built on this VarStore"), "{e}");
+    let _late = vs.root().var("late", &[2], nn::Init::Const(1.0));
+    let e = err(StateDict::new().var_store("model", &vs).tch_optimizer("optim", &mut opt, &vs));
+    assert!(e.contains("holds 4 of the VarStore's 5 trainable variables"), "{e}");
+}

@@ -40,6 +40,10 @@ enum Layout {
     Pipe,
     /// the deep MLP unsplit (pipeline data)
     PipePlain,
+    /// one process with tch's own `nn::AdamW` (libtorch's C++ optimizer)
+    TchPlain,
+    /// ZeRO-3 with tch's own `nn::AdamW` over the VarStore (its shards)
+    TchZero3,
 }
 
 fn wave(shape: &[i64], seed: f64) -> Tensor {
@@ -105,6 +109,37 @@ impl Trainer for Plain {
         sd.var_store("model", &self.vs).optimizer("optim", &mut self.opt);
         sd
     }
+}
+
+/// A model trained by tch's own `nn::AdamW`, built on the VarStore after the model (under FSDP, after
+/// `finish`: over its shards); `ddp`: `(rank, world, fsdp)` where each rank takes its rows.
+struct TchAdamW {
+    vs: nn::VarStore,
+    net: Box<dyn Fn(&Tensor) -> Tensor>,
+    backward: Box<dyn Fn(&Tensor)>,
+    opt: nn::Optimizer,
+    rank: usize,
+    world: usize,
+}
+
+impl Trainer for TchAdamW {
+    fn step(&mut self, s: usize) {
+        let (x, y) = data(s);
+        let out = (self.net)(&rows(&x, self.rank, self.world));
+        (self.backward)(&out.mse_loss(&rows(&y, self.rank, self.world), tch::Reduction::Mean));
+        self.opt.step();
+        self.opt.zero_grad();
+    }
+    fn state(&mut self) -> StateDict<'_> {
+        let mut sd = StateDict::new();
+        sd.var_store("model", &self.vs).tch_optimizer("optim", &mut self.opt, &self.vs);
+        sd
+    }
+}
+
+fn tch_adamw(vs: &nn::VarStore) -> nn::Optimizer {
+    use tch::nn::OptimizerConfig;
+    nn::AdamW::default().build(vs, LR).unwrap()
 }
 
 struct Unsplit {
@@ -237,6 +272,31 @@ fn build(layout: Layout, pg: Arc<ProcessGroup>) -> Box<dyn Trainer> {
             let net = mlp(&vs);
             let opt = AdamW::new(vs.trainable_variables(), LR);
             Box::new(Plain { vs, net: Box::new(net), opt })
+        }
+        Layout::TchPlain => {
+            let vs = nn::VarStore::new(Device::Cpu);
+            let net = mlp(&vs);
+            let opt = tch_adamw(&vs);
+            let (net, backward) = (Box::new(move |x: &Tensor| net.forward(x)), Box::new(|l: &Tensor| l.backward()));
+            Box::new(TchAdamW { vs, net, backward, opt, rank: 0, world: 1 })
+        }
+        Layout::TchZero3 => {
+            let vs = nn::VarStore::new(Device::Cpu);
+            let r = vs.root();
+            let l1 = nn::linear(&r / "l1", D, H, Default::default());
+            let l2 = nn::linear(&r / "l2", H, D, Default::default());
+            init(&vs);
+            let f = FsdpBuilder::new(&vs, FsdpOptions::default().process_group(pg)).unwrap();
+            let net = nn::seq()
+                .add(f.fully_shard(&(&r / "l1"), l1).unwrap())
+                .add_fn(|x| x.tanh())
+                .add(f.fully_shard(&(&r / "l2"), l2).unwrap());
+            let model = std::rc::Rc::new(f.finish(net).unwrap());
+            let opt = tch_adamw(&vs);
+            let m = model.clone();
+            let net = Box::new(move |x: &Tensor| model.f_forward(x).unwrap());
+            let backward = Box::new(move |l: &Tensor| m.backward(l).unwrap());
+            Box::new(TchAdamW { vs, net, backward, opt, rank, world })
         }
         Layout::PipePlain => {
             let l = common::pipe::layers();
@@ -395,6 +455,20 @@ fn zero3_on_2_to_plain_on_1() {
 fn zero3_on_3_with_an_empty_shard_to_plain_on_1_and_back() {
     reshard(Layout::Zero3, 3, Layout::Plain, 1, Layout::Plain);
     reshard(Layout::Plain, 1, Layout::Zero3, 3, Layout::Plain);
+}
+
+/// tch's own `nn::AdamW` under FSDP on 2 ranks, its moments and step counts in the sharded checkpoint,
+/// resumed by tch's `nn::AdamW` in one process: as if it never stopped.
+#[test]
+fn tch_s_adamw_under_zero3_on_2_to_one_process_on_1() {
+    reshard(Layout::TchZero3, 2, Layout::TchPlain, 1, Layout::TchPlain);
+}
+
+/// Our AdamW's state loads into tch's (the same names and fields) and back.
+#[test]
+fn our_adamw_on_zero3_to_tch_s_adamw_and_back() {
+    reshard(Layout::Zero3, 2, Layout::TchPlain, 1, Layout::Plain);
+    reshard(Layout::TchPlain, 1, Layout::Zero3, 2, Layout::TchPlain);
 }
 
 #[test]
