@@ -124,8 +124,9 @@ impl std::fmt::Debug for Layout {
 }
 
 impl Layout {
-    /// The whole variable's shape (as a checkpoint names it; the attention's projection is viewed as
-    /// `[3, d, in]`, queries, keys and values).
+    /// The whole variable's shape; a fused projection split block by block (a fused QKV, or
+    /// [`crate::parallelize::Style::colwise_fused`]) is viewed as `[parts, out / parts, in]`, where this
+    /// rank's part is one box (a checkpoint names it by the layer's own shape, `[out, in]`).
     pub fn global_shape(&self) -> &[i64] {
         &self.global_shape
     }

@@ -52,6 +52,9 @@ pub(crate) enum Region {
     Box(Bx),
     /// The local tensor holds elements `start..start + len` of the global tensor's row-major flattening.
     Flat { start: i64, len: i64 },
+    /// The local tensor holds these boxes one after another in its flattening, each with where it starts
+    /// there (a fused projection's slice of each of its blocks).
+    Boxes(Vec<(Bx, i64)>),
 }
 
 impl Region {
@@ -62,7 +65,10 @@ impl Region {
             Region::Flat { start, .. } => Some(Region::Flat { start: start + lo, len }),
             Region::Box(b) if b == &Bx::whole(global) => Some(Region::Flat { start: lo, len }),
             Region::Box(b) if lo == 0 && len == b.volume() => Some(self.clone()),
-            Region::Box(_) => None,
+            Region::Boxes(bs) if lo == 0 && len == bs.iter().map(|(b, _)| b.volume()).sum::<i64>() => {
+                Some(self.clone())
+            }
+            Region::Box(_) | Region::Boxes(_) => None,
         }
     }
 
@@ -71,6 +77,7 @@ impl Region {
     pub(crate) fn boxes(&self, global: &[i64]) -> Vec<(Bx, i64)> {
         match self {
             Region::Box(b) => vec![(b.clone(), 0)],
+            Region::Boxes(bs) => bs.clone(),
             Region::Flat { start, len } => {
                 let mut out = Vec::new();
                 flat_boxes(global, *start, *start + len, &mut Vec::new(), &mut out);

@@ -28,7 +28,7 @@ impl Item {
     pub(crate) fn pieces(&self) -> Result<Vec<(Bx, Tensor)>> {
         match &self.region {
             Region::Box(b) => Ok(vec![(b.clone(), self.local.shallow_clone())]),
-            Region::Flat { .. } => {
+            Region::Flat { .. } | Region::Boxes(_) => {
                 let flat = self.local.f_reshape([-1])?;
                 self.region
                     .boxes(&self.global)
@@ -91,6 +91,21 @@ impl<'a> StateDict<'a> {
             Extent::Whole => {
                 let region = Region::Box(Bx::whole(&global));
                 self.items.push(Item { name: full, param: Some(name), global, region, local });
+            }
+            // a fused projection's slice, placed in its view `[parts, out / parts, ..]`: saved under the
+            // variable's own shape (what one process holds), as its slice of each block
+            Extent::Box { offsets, lengths } if global.len() == local.dim() + 1 => {
+                let (parts, block) = (global[0], global[1]);
+                let inner: i64 = lengths[2..].iter().product();
+                let boxes = (0..lengths[0])
+                    .map(|k| {
+                        let at = [vec![(offsets[0] + k) * block + offsets[1]], offsets[2..].to_vec()].concat();
+                        let bx = Bx { offsets: at, lengths: lengths[1..].to_vec() };
+                        (bx, k * lengths[1] * inner)
+                    })
+                    .collect();
+                let global = [vec![parts * block], global[2..].to_vec()].concat();
+                self.items.push(Item { name: full, param: Some(name), global, region: Region::Boxes(boxes), local });
             }
             Extent::Box { offsets, lengths } => {
                 let bx = Bx { offsets: offsets.clone(), lengths: lengths.clone() };

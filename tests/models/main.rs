@@ -8,5 +8,6 @@ mod forum;
 mod gpt;
 mod gpu_kit;
 mod layout;
+mod llama;
 mod min_gpt;
 mod train;
