@@ -101,6 +101,8 @@ mod docs_compile {
     struct Fsdp;
     #[doc = include_str!("../docs/parallelize.md")]
     struct Parallelize;
+    #[doc = include_str!("../docs/porting.md")]
+    struct Porting;
     #[doc = include_str!("../docs/pipeline.md")]
     struct Pipeline;
     #[doc = include_str!("../docs/process-groups.md")]
