@@ -10,6 +10,7 @@ use crate::error::{Error, Result};
 use crate::fsdp::{FsdpBuilder, FsdpOptions};
 use crate::group::ProcessGroup;
 use crate::mesh::DeviceMesh;
+use crate::tp::layers::dotted;
 use crate::tp::VocabParallelEmbedding;
 use crate::tp::{ColumnParallelConfig, ColumnParallelLinear, RowParallelConfig, RowParallelLinear};
 use crate::zero::ZeroStage;
@@ -172,11 +173,6 @@ fn closest(pattern: &str, built: &[String]) -> Vec<String> {
         }
     }
     out
-}
-
-/// The VarStore name prefix of `path` (`"block3.mlp.fc"`).
-fn dotted(path: &nn::Path) -> String {
-    path.components().collect::<Vec<_>>().join(".")
 }
 
 impl Plan {

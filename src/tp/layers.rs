@@ -64,6 +64,11 @@ impl Default for RowParallelConfig {
     }
 }
 
+/// The VarStore name prefix of `path` (`"block3.mlp.fc"`).
+pub(crate) fn dotted(path: &nn::Path) -> String {
+    path.components().collect::<Vec<_>>().join(".")
+}
+
 /// `n` split in `pg.size()` equal parts, or an error naming the layer.
 fn divisible(what: &str, name: &str, n: i64, pg: &ProcessGroup) -> Result<()> {
     if n % pg.size() as i64 != 0 {
@@ -153,6 +158,8 @@ pub struct ColumnParallelLinear {
     pub bs: Option<Tensor>,
     pub config: ColumnParallelConfig,
     pg: Arc<ProcessGroup>,
+    /// Its VarStore path, for errors.
+    name: String,
 }
 
 impl ColumnParallelLinear {
@@ -216,7 +223,7 @@ impl ColumnParallelLinear {
                 parts => place_blocks(t, &pg, parts)?,
             }
         }
-        Ok(ColumnParallelLinear { ws, bs, config, pg })
+        Ok(ColumnParallelLinear { ws, bs, config, pg, name: dotted(path) })
     }
 
     /// Output features of this rank (all of them with `gather_output`); errors returned.
@@ -226,6 +233,13 @@ impl ColumnParallelLinear {
         } else {
             copy_to_parallel_region(x, &self.pg)?
         };
+        let features = self.ws.size()[1];
+        if x.size().last() != Some(&features) {
+            return Err(Error::invalid(
+                format!("{} (column-wise over {} ranks)", self.name, self.pg.size()),
+                format!("input {:?}: its last dimension must be the layer's {features} input features", x.size()),
+            ));
+        }
         let y = x.f_linear(&self.ws, self.bs.as_ref())?;
         if self.config.gather_output {
             gather_from_parallel_region(&y, &self.pg)
@@ -245,6 +259,8 @@ pub struct RowParallelLinear {
     pub bs: Option<Tensor>,
     pub config: RowParallelConfig,
     pg: Arc<ProcessGroup>,
+    /// Its VarStore path, for errors.
+    name: String,
 }
 
 impl RowParallelLinear {
@@ -293,11 +309,28 @@ impl RowParallelLinear {
         if let Some(b) = &bs {
             crate::placement::record_along(b, &pg, crate::placement::Placement::Replicate)?;
         }
-        Ok(RowParallelLinear { ws, bs, config, pg })
+        Ok(RowParallelLinear { ws, bs, config, pg, name: dotted(path) })
     }
 
     /// The layer's output (the same on every rank); errors returned.
     pub fn f_forward(&self, x: &Tensor) -> Result<Tensor> {
+        let (mine, t) = (self.ws.size()[1], self.pg.size() as i64);
+        let want = if self.config.input_is_parallel { mine } else { mine * t };
+        if x.size().last() != Some(&want) {
+            let expected = if self.config.input_is_parallel {
+                format!(
+                    "this rank's {mine} of the layer's {} input features (the output of a column-wise layer \
+                     before it; a whole input needs input_is_parallel: false)",
+                    mine * t
+                )
+            } else {
+                format!("the layer's {want} input features")
+            };
+            return Err(Error::invalid(
+                format!("{} (row-wise over {t} ranks)", self.name),
+                format!("input {:?}: its last dimension must be {expected}", x.size()),
+            ));
+        }
         let x =
             if self.config.input_is_parallel { x.shallow_clone() } else { scatter_to_parallel_region(x, &self.pg)? };
         let partial = x.f_linear::<&Tensor>(&self.ws, None)?;

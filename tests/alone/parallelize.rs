@@ -213,6 +213,29 @@ fn a_fused_qkv_projection_splits_by_heads_with_the_fused_style() {
     }
 }
 
+/// A row-wise layer given the whole input (the column-wise style before it missing, as a typo leaves it)
+/// fails naming its path, its style and the features it expects, not with a bare matrix-shape error.
+#[test]
+fn a_split_layer_given_the_wrong_input_names_its_path_and_style() {
+    let _alone = common::alone();
+    let errs = common::run_threads(2, Duration::from_secs(30), |pg| {
+        let plan = Plan::over_group(Arc::new(pg)).style("*.proj", Style::rowwise()).style("*.fc", Style::colwise());
+        let vs = nn::VarStore::new(Device::Cpu);
+        let (fc, proj) = {
+            let _g = GENERATOR.lock().unwrap_or_else(|e| e.into_inner());
+            tch::manual_seed(1);
+            let fc = nn::linear(vs.root() / "mlp" / "fc", 8, 32, Default::default()); // not through the plan
+            (fc, plan.linear(&(vs.root() / "mlp" / "proj"), 32, 8, Default::default()).unwrap())
+        };
+        let x = Tensor::ones([2, 8], (Kind::Float, Device::Cpu));
+        proj.f_forward(&fc.forward(&x)).unwrap_err().to_string()
+    });
+    for (rank, e) in errs.into_iter().enumerate() {
+        assert!(e.contains("mlp.proj (row-wise over 2 ranks)"), "rank {rank}: {e}");
+        assert!(e.contains("input [2, 32]") && e.contains("this rank's 16 of the layer's 32"), "rank {rank}: {e}");
+    }
+}
+
 #[test]
 fn an_embedding_split_column_wise_is_refused_with_its_path() {
     let _alone = common::alone();
