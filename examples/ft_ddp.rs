@@ -355,9 +355,11 @@ fn train(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
         None => None,
     };
     if let Some(ck) = ckpt.as_mut() {
+        // when it looked for the newest: a save committed later (by a replica back first) is not seen
+        let looked = now();
         if let Some(step) = ck.load(StateDict::new().var_store("model", &vs).optimizer("optim", &mut opt))? {
             manager.resume(step);
-            log.event(serde_json::json!({"event": "resumed", "step": step}));
+            log.event(serde_json::json!({"event": "resumed", "step": step, "looked": looked}));
         }
     }
 

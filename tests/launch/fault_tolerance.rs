@@ -615,13 +615,18 @@ fn every_replica_lost(ranks: usize, extra: &[&str]) -> PathBuf {
         let restarted = pids(&ev)[1].clone();
         let resumed: Vec<&Value> = of(&ev, "resumed").into_iter().filter(|e| e["pid"] == restarted).collect();
         assert_eq!(resumed.len(), 1, "replica {id} resumed from the checkpoint: {ev:?}");
-        // the newest saved before it resumed (a replica restarted first may train alone and save again)
-        let newest = of(&all, "saved")
-            .into_iter()
-            .filter(|s| t(s) < t(resumed[0]))
-            .map(|s| s["step"].clone())
-            .max_by_key(|s| s.as_u64());
-        assert_eq!(Some(resumed[0]["step"].clone()), newest, "replica {id} resumed from the newest checkpoint");
+        // the newest saved before it looked for one (a replica restarted first may train alone and save
+        // again, and a save logged while it was loading committed after it looked)
+        // (logged just after its commit: one logged before it looked was there to be seen, one logged
+        // before it resumed may have been)
+        let newest_before =
+            |at: f64| of(&all, "saved").into_iter().filter(|s| t(s) < at).filter_map(|s| s["step"].as_u64()).max();
+        let (looked, step) = (resumed[0]["looked"].as_f64().unwrap(), resumed[0]["step"].as_u64());
+        let (seen, maybe) = (newest_before(looked), newest_before(t(resumed[0])));
+        assert!(
+            step >= seen && step <= maybe,
+            "replica {id} resumed from {step:?}, not the newest: {seen:?} ({maybe:?})"
+        );
         from.push(resumed[0]["step"].as_u64().unwrap());
     }
     assert_eq!(from.iter().min(), Some(&10), "the first back resumed from the last saved before the kill: {from:?}");
