@@ -24,8 +24,6 @@ use tch::data::TextData;
 use tch::nn::{self, Module, OptimizerConfig};
 use tch::{Device, Kind, Tensor};
 use tch_dist::checkpoint::{Checkpointer, StateDict};
-use tch_dist::ddp::DdpOptions;
-use tch_dist::fsdp::FsdpOptions;
 use tch_dist::mesh::DeviceMesh;
 use tch_dist::parallelize::{self, Linear, Plan, Style, Unit};
 use tch_dist::{DistModule, ProcessGroup, ReduceOp};
@@ -242,12 +240,7 @@ fn plan(mesh: &DeviceMesh, vs: &nn::VarStore, a: &Args) -> tch_dist::Result<Plan
         .style("*.attn.c_attn", Style::colwise_fused(3))
         .styles(&["*.c_fc1", "*.c_fc2"], Style::colwise())
         .style("*.c_proj", Style::rowwise());
-    Ok(match (a.layout.dp, a.layout.fsdp) {
-        (1, 1) => plan,
-        (_, 1) => plan.replicate(DdpOptions::default().mesh(mesh, "dp")?),
-        (1, _) => plan.fully_shard(vs, FsdpOptions::default().mesh(mesh, &["fsdp"])?)?,
-        _ => plan.fully_shard(vs, FsdpOptions::default().mesh(mesh, &["dp", "fsdp"])?)?,
-    })
+    a.layout.data_parallel(plan, mesh, vs)
 }
 
 fn main() -> Result<()> {

@@ -24,8 +24,6 @@ use layout::Layout;
 use tch::data::TextData;
 use tch::nn::{ModuleT, OptimizerConfig};
 use tch::{nn, Device, IndexOp, Kind, Tensor};
-use tch_dist::ddp::DdpOptions;
-use tch_dist::fsdp::FsdpOptions;
 use tch_dist::mesh::DeviceMesh;
 use tch_dist::parallelize::{self, Linear, Plan, Style};
 use tch_dist::{ProcessGroup, ReduceOp};
@@ -158,12 +156,7 @@ fn plan(mesh: &DeviceMesh, vs: &nn::VarStore, a: &Args) -> tch_dist::Result<Plan
     let plan = Plan::tensor_parallel(mesh, "tp")?
         .styles(&["*.key", "*.query", "*.value", "*.lin1"], Style::colwise())
         .styles(&["*.proj", "*.lin2"], Style::rowwise());
-    Ok(match (a.layout.dp, a.layout.fsdp) {
-        (1, 1) => plan,
-        (_, 1) => plan.replicate(DdpOptions::default().mesh(mesh, "dp")?),
-        (1, _) => plan.fully_shard(vs, FsdpOptions::default().mesh(mesh, &["fsdp"])?)?,
-        _ => plan.fully_shard(vs, FsdpOptions::default().mesh(mesh, &["dp", "fsdp"])?)?,
-    })
+    a.layout.data_parallel(plan, mesh, vs)
 }
 
 fn main() -> Result<()> {

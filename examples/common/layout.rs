@@ -33,4 +33,22 @@ impl Layout {
     pub fn replicas(&self) -> usize {
         self.dp * self.fsdp
     }
+
+    /// `plan` with the data parallelism of the flags over `mesh`'s `dp` and `fsdp` dimensions: DDP, FSDP
+    /// or HSDP (none for one replica).
+    #[allow(dead_code)] // not every example takes a plan
+    pub fn data_parallel(
+        &self,
+        plan: tch_dist::parallelize::Plan,
+        mesh: &tch_dist::mesh::DeviceMesh,
+        vs: &tch::nn::VarStore,
+    ) -> tch_dist::Result<tch_dist::parallelize::Plan> {
+        use tch_dist::{ddp::DdpOptions, fsdp::FsdpOptions};
+        Ok(match (self.dp, self.fsdp) {
+            (1, 1) => plan,
+            (_, 1) => plan.replicate(DdpOptions::default().mesh(mesh, "dp")?),
+            (1, _) => plan.fully_shard(vs, FsdpOptions::default().mesh(mesh, &["fsdp"])?)?,
+            _ => plan.fully_shard(vs, FsdpOptions::default().mesh(mesh, &["dp", "fsdp"])?)?,
+        })
+    }
 }

@@ -27,6 +27,11 @@ int kind_of(torch::optim::Optimizer* o) {
   return TDX_OPTIM_OTHER;
 }
 
+int out_of_range(size_t index, size_t n) {
+  return tdx::set_error(TDX_EINVALID,
+                        "parameter " + std::to_string(index) + " of an optimizer holding " + std::to_string(n));
+}
+
 tdx_tensor give(const at::Tensor& t) { return t.defined() ? new at::Tensor(t) : nullptr; }
 
 // Moments (Adam's and AdamW's state alike): step, exp_avg, exp_avg_sq, max_exp_avg_sq.
@@ -70,9 +75,7 @@ extern "C" int tdx_optim_state_get(void* opt, size_t index, int* has, int64_t* s
   TDX_TRY({
     auto* o = optimizer(opt);
     auto ps = params(o);
-    if (index >= ps.size())
-      return tdx::set_error(TDX_EINVALID, "parameter " + std::to_string(index) + " of an optimizer holding " +
-                                              std::to_string(ps.size()));
+    if (index >= ps.size()) return out_of_range(index, ps.size());
     for (int i = 0; i < 3; i++) outs[i] = nullptr;
     *step = 0;
     auto it = o->state().find(ps[index].unsafeGetTensorImpl());
@@ -102,9 +105,7 @@ extern "C" int tdx_optim_state_set(void* opt, size_t index, int has, int64_t ste
   TDX_TRY({
     auto* o = optimizer(opt);
     auto ps = params(o);
-    if (index >= ps.size())
-      return tdx::set_error(TDX_EINVALID, "parameter " + std::to_string(index) + " of an optimizer holding " +
-                                              std::to_string(ps.size()));
+    if (index >= ps.size()) return out_of_range(index, ps.size());
     void* key = ps[index].unsafeGetTensorImpl();
     if (!has) {
       o->state().erase(key);

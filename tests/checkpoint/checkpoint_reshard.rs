@@ -281,17 +281,8 @@ fn build(layout: Layout, pg: Arc<ProcessGroup>) -> Box<dyn Trainer> {
             Box::new(TchAdamW { vs, net, backward, opt, rank: 0, world: 1 })
         }
         Layout::TchZero3 => {
-            let vs = nn::VarStore::new(Device::Cpu);
-            let r = vs.root();
-            let l1 = nn::linear(&r / "l1", D, H, Default::default());
-            let l2 = nn::linear(&r / "l2", H, D, Default::default());
-            init(&vs);
-            let f = FsdpBuilder::new(&vs, FsdpOptions::default().process_group(pg)).unwrap();
-            let net = nn::seq()
-                .add(f.fully_shard(&(&r / "l1"), l1).unwrap())
-                .add_fn(|x| x.tanh())
-                .add(f.fully_shard(&(&r / "l2"), l2).unwrap());
-            let model = std::rc::Rc::new(f.finish(net).unwrap());
+            let (vs, model) = zero3_mlp(pg);
+            let model = std::rc::Rc::new(model);
             let opt = tch_adamw(&vs);
             let m = model.clone();
             let net = Box::new(move |x: &Tensor| model.f_forward(x).unwrap());
@@ -318,17 +309,7 @@ fn build(layout: Layout, pg: Arc<ProcessGroup>) -> Box<dyn Trainer> {
             Box::new(Ddp { vs, ddp, opt, rank, world, zero })
         }
         Layout::Zero3 => {
-            let vs = nn::VarStore::new(Device::Cpu);
-            let r = vs.root();
-            let l1 = nn::linear(&r / "l1", D, H, Default::default());
-            let l2 = nn::linear(&r / "l2", H, D, Default::default());
-            init(&vs);
-            let f = FsdpBuilder::new(&vs, FsdpOptions::default().process_group(pg)).unwrap();
-            let net = nn::seq()
-                .add(f.fully_shard(&(&r / "l1"), l1).unwrap())
-                .add_fn(|x| x.tanh())
-                .add(f.fully_shard(&(&r / "l2"), l2).unwrap());
-            let model = f.finish(net).unwrap();
+            let (vs, model) = zero3_mlp(pg);
             let opt = AdamW::new(model.parameters(), LR);
             Box::new(Fsdp { vs, model, opt, rank, world })
         }
@@ -354,6 +335,21 @@ fn build(layout: Layout, pg: Arc<ProcessGroup>) -> Box<dyn Trainer> {
             Box::new(Pipe { pipe, opt })
         }
     }
+}
+
+/// The MLP with each linear layer an FSDP unit over `pg`.
+fn zero3_mlp(pg: Arc<ProcessGroup>) -> (nn::VarStore, FullyShardedDataParallel<nn::Sequential>) {
+    let vs = nn::VarStore::new(Device::Cpu);
+    let r = vs.root();
+    let l1 = nn::linear(&r / "l1", D, H, Default::default());
+    let l2 = nn::linear(&r / "l2", H, D, Default::default());
+    init(&vs);
+    let f = FsdpBuilder::new(&vs, FsdpOptions::default().process_group(pg)).unwrap();
+    let net = nn::seq()
+        .add(f.fully_shard(&(&r / "l1"), l1).unwrap())
+        .add_fn(|x| x.tanh())
+        .add(f.fully_shard(&(&r / "l2"), l2).unwrap());
+    (vs, f.finish(net).unwrap())
 }
 
 /// As [`init`], for a stage holding part of the deep MLP: values by name, as the unsplit model gets them.
