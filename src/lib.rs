@@ -28,6 +28,7 @@ macro_rules! module {
 mod dtype;
 mod ffi;
 mod function;
+mod names;
 #[cfg(feature = "plot")]
 mod plot;
 mod random;

@@ -155,7 +155,12 @@ pub fn load_dir(dir: &Path, sd: &mut StateDict) -> Result<LoadedInfo> {
     // check everything before changing anything
     for t in &targets {
         let saved = meta.tensors.get(&t.source).ok_or_else(|| {
-            Error::invalid(format!("checkpoint {}", dir.display()), format!("has no tensor {}", t.source))
+            let names: Vec<String> = meta.tensors.keys().cloned().collect();
+            let near = crate::names::closest(&t.source, &names).join(", ");
+            Error::invalid(
+                format!("checkpoint {}", dir.display()),
+                format!("has no tensor {} (the closest it has: {near}; names are the VarStore's paths)", t.source),
+            )
         })?;
         if saved.shape != t.global {
             return Err(Error::mismatch(

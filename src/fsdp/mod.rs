@@ -431,6 +431,7 @@ impl FsdpBuilder {
         }
         self.publish_shards();
         self.rt.record_placements()?;
+        self.rt.mark_finished();
         Ok(FullyShardedDataParallel { _hooks: hooks, module, rt: self.rt, root, vars: self.vars })
     }
 

@@ -125,6 +125,8 @@ pub(crate) struct Runtime {
     st: Mutex<State>,
     /// Made with the first unit on CUDA; none off CUDA.
     streams: OnceLock<Streams>,
+    /// `FsdpBuilder::finish` ran: the root unit exists and the VarStore holds the shards.
+    finished: std::sync::atomic::AtomicBool,
 }
 
 enum Job {
@@ -171,7 +173,7 @@ impl Runtime {
             forwards: 0,
             backwards: 0,
         };
-        Runtime { pg, replicate, cfg, st: Mutex::new(st), streams: OnceLock::new() }
+        Runtime { pg, replicate, cfg, st: Mutex::new(st), streams: OnceLock::new(), finished: Default::default() }
     }
 
     /// The side streams for units computing on `device`: none off CUDA, or on another device than the
@@ -754,6 +756,24 @@ impl Runtime {
             }
         }
         Ok(())
+    }
+
+    pub(crate) fn mark_finished(&self) {
+        self.finished.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// An error naming unit `id` when the model it belongs to was never finished.
+    pub(crate) fn check_finished(&self, id: usize) -> Result<()> {
+        if self.finished.load(std::sync::atomic::Ordering::SeqCst) {
+            return Ok(());
+        }
+        let name = self.unit_names().get(id).cloned().unwrap_or_default();
+        Err(Error::invalid(
+            format!("FSDP unit {name:?}"),
+            "its model was never finished: call plan.finish(&vs, model) (plan.build does) or FsdpBuilder::finish \
+             before the first forward; without it the variables no unit took are never reduced and the \
+             VarStore does not hold the shards the optimizer must step",
+        ))
     }
 
     pub(crate) fn unit_names(&self) -> Vec<String> {

@@ -47,6 +47,7 @@ pub(crate) fn grad_hooks(rt: &Arc<Runtime>, id: usize, params: &[Tensor]) -> Res
 /// Unit `id`'s forward around `f`: gather (and prefetch), cast floating inputs to the compute dtype (as
 /// FSDP2's `cast_forward_inputs`), run, free, and mark the output for the pre-backward gather.
 pub(crate) fn forward(rt: &Arc<Runtime>, id: usize, x: &Tensor, f: impl FnOnce(&Tensor) -> Tensor) -> Result<Tensor> {
+    rt.check_finished(id)?;
     rt.begin_forward(id)?;
     let kind = rt.compute_kind(id);
     let x = if x.is_floating_point() && x.kind() != kind { x.f_to_kind(kind)? } else { x.shallow_clone() };

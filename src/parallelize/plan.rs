@@ -10,6 +10,7 @@ use crate::error::{Error, Result};
 use crate::fsdp::{FsdpBuilder, FsdpOptions};
 use crate::group::ProcessGroup;
 use crate::mesh::DeviceMesh;
+use crate::names::closest;
 use crate::tp::layers::dotted;
 use crate::tp::VocabParallelEmbedding;
 use crate::tp::{ColumnParallelConfig, ColumnParallelLinear, RowParallelConfig, RowParallelLinear};
@@ -59,6 +60,11 @@ impl Style {
     }
 }
 
+/// How layers come from a plan, for errors that found none built through it.
+const NOT_ENTERED: &str = "no layer was built through the plan: build the model inside plan.build(&vs, || ..), or \
+    while the plan is entered and its guard held (`let _plan = plan.enter();`; `let _ = plan.enter();` drops it at \
+    once), with parallelize::linear / batch_norm2d / embedding (or plan.linear ..), not tch's nn::linear";
+
 /// Names that fused projections go by (GPT-2's `c_attn`, `qkv`, `in_proj`, GPT-NeoX's
 /// `query_key_value`, `gate_up_proj`, `w13`): a plain column-wise split of one mixes its blocks.
 fn looks_fused(path: &str) -> bool {
@@ -78,8 +84,34 @@ pub struct Plan {
     /// The dotted paths of the layers built through the plan (shared by its clones): what `finish`
     /// checks every style pattern against.
     built: Arc<Mutex<Vec<String>>>,
+    /// Batch norms built through the plan (shared by its clones): `finish` refuses a `sync_batch_norm`
+    /// that none took.
+    batch_norms: Arc<std::sync::atomic::AtomicUsize>,
     /// A pattern that matches no layer is accepted (one plan for several models).
     unmatched_ok: bool,
+    /// Says so when the last clone of a data-parallel plan goes without `finish` having run.
+    watch: Arc<Unfinished>,
+}
+
+/// Whether a data-parallel plan was finished. A forgotten `finish` leaves DDP's model unwrapped (its
+/// gradients never averaged) with no error anywhere: the plan's end says it.
+#[derive(Default)]
+struct Unfinished {
+    data_parallel: std::sync::atomic::AtomicBool,
+    finished: std::sync::atomic::AtomicBool,
+}
+
+impl Drop for Unfinished {
+    fn drop(&mut self) {
+        use std::sync::atomic::Ordering::Relaxed;
+        if self.data_parallel.load(Relaxed) && !self.finished.load(Relaxed) && !std::thread::panicking() {
+            eprintln!(
+                "tch-dist: warning: a parallelize::Plan with data parallelism (replicate or fully_shard) ended \
+                 without plan.finish(&vs, model) (or plan.build): its model was never wrapped, so its gradients \
+                 were never averaged across ranks"
+            );
+        }
+    }
 }
 
 #[derive(Clone, Default)]
@@ -136,45 +168,6 @@ fn matches(pattern: &str, path: &str) -> bool {
     p[i..].iter().all(|&c| c == b'*')
 }
 
-/// Edit distance from `pattern` (its stars dropped) to `path`, where a leading star lets the pattern start
-/// anywhere in the path and a trailing one end anywhere.
-fn distance(pattern: &str, path: &str) -> usize {
-    let p: Vec<char> = pattern.chars().filter(|&c| c != '*').collect();
-    let s: Vec<char> = path.chars().collect();
-    let (free_start, free_end) = (pattern.starts_with('*'), pattern.ends_with('*'));
-    // row j: the cost of the pattern's first i characters against the path's first j
-    let mut row: Vec<usize> = (0..=s.len()).map(|j| if free_start { 0 } else { j }).collect();
-    for (i, &pc) in p.iter().enumerate() {
-        let mut next = vec![i + 1; s.len() + 1];
-        for (j, &sc) in s.iter().enumerate() {
-            next[j + 1] = (row[j] + usize::from(pc != sc)).min(row[j + 1] + 1).min(next[j] + 1);
-        }
-        row = next;
-    }
-    if free_end {
-        row.into_iter().min().unwrap_or(0)
-    } else {
-        row[s.len()]
-    }
-}
-
-/// The (at most 3) paths of `built` closest to `pattern`, one per last component.
-fn closest(pattern: &str, built: &[String]) -> Vec<String> {
-    let mut ranked: Vec<(usize, &String)> = built.iter().map(|b| (distance(pattern, b), b)).collect();
-    ranked.sort();
-    let mut out: Vec<String> = Vec::new();
-    for (_, b) in ranked {
-        let last = |x: &str| x.rsplit('.').next().unwrap_or(x).to_string();
-        if !out.iter().any(|o| last(o) == last(b)) {
-            out.push(b.clone());
-        }
-        if out.len() == 3 {
-            break;
-        }
-    }
-    out
-}
-
 impl Plan {
     /// No parallelism in the layers: every path gets tch's own layer.
     pub fn new() -> Plan {
@@ -200,6 +193,7 @@ impl Plan {
             _ => None,
         };
         self.dp = DataParallelism::Replicate(opts, zero);
+        self.watch.data_parallel.store(true, std::sync::atomic::Ordering::Relaxed);
         self
     }
 
@@ -245,6 +239,7 @@ impl Plan {
             ));
         }
         self.dp = DataParallelism::Shard(Arc::new(Mutex::new(Some(Arc::new(FsdpBuilder::new(vs, opts)?)))));
+        self.watch.data_parallel.store(true, std::sync::atomic::Ordering::Relaxed);
         Ok(self)
     }
 
@@ -273,7 +268,10 @@ impl Plan {
     /// ranks (built from one seed), or this is an error naming the first that differs: collective over
     /// that group.
     pub fn finish<M>(&self, vs: &nn::VarStore, model: M) -> Result<Parallel<M>> {
+        // finishing was asked for: whatever it says, the plan's end need not
+        self.watch.finished.store(true, std::sync::atomic::Ordering::Relaxed);
         self.check_styles_matched()?;
+        self.check_batch_norms_built()?;
         if let Some(pg) = self.tp_group() {
             super::replicas::check_agree(vs, pg)?;
         }
@@ -335,6 +333,7 @@ impl Plan {
         out_dim: i64,
         config: nn::BatchNormConfig,
     ) -> Result<BatchNorm> {
+        self.batch_norms.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Ok(match (&self.sync_bn, nd) {
             (_, 0 | 4..) => {
                 return Err(Error::invalid(
@@ -366,6 +365,21 @@ impl Plan {
     }
 
     /// Every style pattern matched a layer built through the plan (see [`finish`](Self::finish)).
+    /// A `sync_batch_norm` that no batch norm took: the model's would use each rank's own statistics.
+    fn check_batch_norms_built(&self) -> Result<()> {
+        let syncs = self.sync_bn.as_ref().is_some_and(|pg| pg.size() > 1);
+        if syncs && self.batch_norms.load(std::sync::atomic::Ordering::Relaxed) == 0 {
+            return Err(Error::invalid(
+                "Plan::finish",
+                format!(
+                    "the plan synchronises batch norms (sync_batch_norm), but no batch norm was built through it, so \
+                     the model's would normalise with each rank's own statistics; {NOT_ENTERED}"
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     fn check_styles_matched(&self) -> Result<()> {
         if self.unmatched_ok {
             return Ok(());
@@ -376,9 +390,7 @@ impl Plan {
                 continue;
             }
             let hint = if built.is_empty() {
-                "no layer was built through the plan: build them with plan.linear / plan.embedding (or \
-                 parallelize::linear inside plan.build), not tch's nn::linear"
-                    .to_string()
+                NOT_ENTERED.to_string()
             } else {
                 format!("the closest layer paths are {}", closest(pattern, &built).join(", "))
             };
@@ -494,7 +506,8 @@ fn finished(what: &str) -> Error {
 
 #[cfg(test)]
 mod tests {
-    use super::{closest, matches};
+    use super::matches;
+    use crate::names::closest;
 
     #[test]
     fn the_closest_paths_come_first() {

@@ -236,6 +236,42 @@ fn a_split_layer_given_the_wrong_input_names_its_path_and_style() {
     }
 }
 
+/// A plan that synchronises batch norms while the model's batch norms are built around it (`let _ =
+/// plan.enter()` drops the guard at once) would train with each rank's statistics: `finish` refuses it,
+/// naming the slip; with the guard held it finishes.
+#[test]
+fn a_sync_batch_norm_that_no_batch_norm_took_is_refused_at_finish() {
+    let _alone = common::alone();
+    let outs = common::run_threads(2, Duration::from_secs(30), |pg| {
+        let pg = Arc::new(pg);
+        let build = |hold: bool| {
+            let plan = Plan::over_group(pg.clone()).sync_batch_norm(pg.clone());
+            let vs = nn::VarStore::new(Device::Cpu);
+            let _g = GENERATOR.lock().unwrap_or_else(|e| e.into_inner());
+            tch::manual_seed(2);
+            let bn = if hold {
+                let _plan = plan.enter();
+                parallelize::batch_norm2d(&(vs.root() / "bn"), 4, Default::default()).map(|_| ())
+            } else {
+                let _ = plan.enter();
+                parallelize::batch_norm2d(&(vs.root() / "bn"), 4, Default::default()).map(|_| ())
+            };
+            bn.unwrap();
+            drop(_g);
+            plan.finish(&vs, ()).err().map(|e| e.to_string())
+        };
+        (build(false), build(true))
+    });
+    for (rank, (dropped, held)) in outs.into_iter().enumerate() {
+        let e = dropped.unwrap_or_default();
+        assert!(
+            e.contains("no batch norm was built through it") && e.contains("let _ = plan.enter()"),
+            "rank {rank}: {e}"
+        );
+        assert_eq!(held, None, "rank {rank}");
+    }
+}
+
 #[test]
 fn an_embedding_split_column_wise_is_refused_with_its_path() {
     let _alone = common::alone();

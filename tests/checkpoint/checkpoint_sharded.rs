@@ -61,6 +61,7 @@ fn a_missing_tensor_or_a_changed_shape_is_an_error_naming_it_on_every_rank() {
     });
     for (missing, shape) in errors {
         assert!(missing.contains("has no tensor model.extra."), "{missing}");
+        assert!(missing.contains("(the closest it has: model."), "{missing}");
         assert!(shape.contains("model.l1.bias: saved with shape [4], here it is [5]"), "{shape}");
     }
     let _ = std::fs::remove_dir_all(&root);

@@ -934,3 +934,25 @@ fn equals_one_process(got: &[Vec<(String, Tensor)>], want: &[(String, Tensor)]) 
         }
     }
 }
+
+/// A unit used before its model is finished (a plan never finished, as a forgotten `plan.finish` leaves
+/// it) would train only what no unit holds, unreduced: its forward is refused, naming the unit and the fix.
+#[test]
+fn a_unit_used_before_its_model_is_finished_is_refused() {
+    let errs = common::run_threads(2, Duration::from_secs(30), |pg| {
+        let vs = nn::VarStore::new(Device::Cpu);
+        let p = vs.root() / "l1";
+        let l1 = nn::linear(&p, 4, 3, Default::default());
+        let fsdp = FsdpBuilder::new(&vs, FsdpOptions::default().process_group(Arc::new(pg))).unwrap();
+        let unit = fsdp.fully_shard(&p, l1).unwrap();
+        let e = unit.f_forward(&Tensor::ones([2, 4], (Kind::Float, Device::Cpu))).unwrap_err().to_string();
+        let model = fsdp.finish(nn::seq()).unwrap();
+        let after = unit.f_forward(&Tensor::ones([2, 4], (Kind::Float, Device::Cpu))).map(|y| y.size());
+        drop(model);
+        (e, after.ok())
+    });
+    for (rank, (e, after)) in errs.into_iter().enumerate() {
+        assert!(e.contains("FSDP unit \"l1\"") && e.contains("never finished"), "rank {rank}: {e}");
+        assert_eq!(after, Some(vec![2, 3]), "rank {rank}: finished, the unit runs");
+    }
+}

@@ -31,7 +31,17 @@ pub(super) fn headline(
         let ended = exits.get(&r).map_or(String::new(), |how| format!("; it ended with {how}"));
         let error = tails.get(&r).and_then(|t| error_line(t));
         let error = error.unwrap_or_else(|| format!("no error line in its output{ended}"));
+        // the rank that found it says why (an agreement check's odd one out), where the culprit's own
+        // line is only what it met next (a peer gone)
+        let why_line = tails
+            .iter()
+            .filter(|(&k, _)| k != r)
+            .filter_map(|(&k, t)| error_line(t).map(|l| (k, l)))
+            .find(|(_, l)| l.contains(&format!("the odd one out: rank {r}")) && !error.contains("the odd one out"));
         lines.push(format!("culprit: rank {r} ({why}): {error}"));
+        if let Some((k, l)) = why_line {
+            lines.push(format!("why: rank {k} found it: {l}"));
+        }
     }
     if !done.is_empty() {
         let names: Vec<String> = done.iter().map(|r| format!("rank {r}")).collect();
@@ -133,6 +143,14 @@ mod tests {
         assert!(
             headline(0, None, &odd, &BTreeMap::new())[0].starts_with("culprit: rank 2 (named in the ranks' errors)")
         );
+        // the culprit's own line is what it met next; the finder's line, which says why, follows
+        let found = BTreeMap::from([
+            (0, lines(&["Error: recv: peer gone or unreachable: Connection closed by peer"])),
+            (1, lines(&["Error: y: mismatch: ...; the odd one out: rank 0, which called FSDP state_dict alone"])),
+        ]);
+        let h = headline(1, Some(&Analysis { findings: vec![], culprits: vec![0] }), &found, &BTreeMap::new());
+        assert!(h[0].starts_with("culprit: rank 0 (named by the flight recorder): Error: recv"), "{h:?}");
+        assert!(h[1].starts_with("why: rank 1 found it: Error: y") && h[1].contains("state_dict alone"), "{h:?}");
         let exits = BTreeMap::from([(0, "exit code 1".to_string()), (1, "signal 15 (SIGTERM)".to_string())]);
         let h = headline(1, Some(&a), &tails, &exits);
         assert_eq!(h, vec!["culprit: rank 0 (named by the flight recorder): no error line in its output; it ended with exit code 1"
