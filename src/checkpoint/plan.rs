@@ -1,7 +1,8 @@
 //! Who writes what. Every rank describes the chunks it holds; every rank then computes the same plan
 //! from all the descriptions: a chunk held by several ranks (replicated parameters, a TP shard repeated
 //! across data-parallel ranks) is written once, by the holder with the fewest bytes assigned so far, so
-//! the writing spreads over the ranks instead of piling onto rank 0.
+//! the writing spreads over the ranks instead of piling onto rank 0. A buffer (a variable nothing trains)
+//! is written by its lowest holder: ranks may have updated it apart.
 use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
@@ -17,6 +18,10 @@ pub(crate) struct Desc {
     pub dtype: String,
     pub bx: Bx,
     pub bytes: i64,
+    /// A model variable nothing trains (a buffer): written by its lowest holder, so that buffers the ranks
+    /// updated apart (batch norm's statistics under FSDP) come from one rank, not a mix of ranks.
+    #[serde(default)]
+    pub buffer: bool,
 }
 
 /// For each rank, the indices of its descriptions it writes. Fails, naming the tensor and the ranks, when
@@ -83,7 +88,12 @@ pub(crate) fn assign(all: &[Vec<Desc>]) -> Result<Vec<Vec<usize>>> {
     let mut load = vec![0i64; all.len()];
     let mut out = vec![Vec::new(); all.len()];
     for (_, hs) in chunks {
-        let &(rank, i) = hs.iter().min_by_key(|(r, _)| (load[*r], *r)).expect("a chunk has a holder");
+        let &(rank, i) = if all[hs[0].0][hs[0].1].buffer {
+            hs.iter().min_by_key(|(r, _)| *r)
+        } else {
+            hs.iter().min_by_key(|(r, _)| (load[*r], *r))
+        }
+        .expect("a chunk has a holder");
         load[rank] += all[rank][i].bytes;
         out[rank].push(i);
     }
@@ -96,7 +106,17 @@ mod tests {
 
     fn d(name: &str, shape: &[i64], bx: Bx) -> Desc {
         let bytes = bx.volume() * 4;
-        Desc { name: name.into(), shape: shape.to_vec(), dtype: "F32".into(), bx, bytes }
+        Desc { name: name.into(), shape: shape.to_vec(), dtype: "F32".into(), bx, bytes, buffer: false }
+    }
+
+    #[test]
+    fn buffers_come_from_their_lowest_holder() {
+        let buf = |n: &str| Desc { buffer: true, ..d(n, &[8], Bx::whole(&[8])) };
+        let all: Vec<Vec<Desc>> =
+            (0..2).map(|_| vec![buf("mean"), buf("var"), d("w", &[8], Bx::whole(&[8]))]).collect();
+        let plan = assign(&all).unwrap();
+        assert_eq!(plan[0].iter().filter(|&&i| i < 2).count(), 2, "{plan:?}");
+        assert_eq!(plan[1], vec![2], "the parameter goes to the least-loaded holder: {plan:?}");
     }
 
     #[test]

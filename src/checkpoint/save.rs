@@ -162,8 +162,10 @@ impl Checkpointer {
                 let dtype = format::dtype_name(item.local.kind())?;
                 for (bx, data) in item.pieces()? {
                     let bytes = bx.volume() * item.local.kind().elt_size_in_bytes() as i64;
-                    let d =
-                        Desc { name: item.name.clone(), shape: item.global.clone(), dtype: dtype.into(), bx, bytes };
+                    // a model variable nothing trains (batch norm's statistics): ranks may update it apart
+                    let buffer = item.param.is_some() && !item.local.requires_grad();
+                    let (name, shape) = (item.name.clone(), item.global.clone());
+                    let d = Desc { name, shape, dtype: dtype.into(), bx, bytes, buffer };
                     out.push((d, data));
                 }
             }
