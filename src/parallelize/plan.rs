@@ -381,6 +381,15 @@ impl Plan {
     }
 
     fn check_styles_matched(&self) -> Result<()> {
+        if let (Some((pattern, _)), None) = (self.styles.first(), &self.tp) {
+            return Err(Error::invalid(
+                "Plan::finish",
+                format!(
+                    "the plan has styles ({pattern:?}, ..) but no tensor-parallel group, so none would apply: build \
+                     it with Plan::tensor_parallel(&mesh, \"tp\") or Plan::over_group(pg), not Plan::new()"
+                ),
+            ));
+        }
         if self.unmatched_ok {
             return Ok(());
         }
