@@ -195,11 +195,17 @@ fn formed(store: &Store, (rank, size): (usize, usize), timeout: Duration) -> Res
     if size == 1 {
         return Ok(());
     }
-    if store.add("tdx-formed/count", 1)? == size as i64 {
-        store.set("tdx-formed/all", b"1")?;
+    // a formation again under the same prefix (a quorum group rebuilt under one id) counts on: each
+    // `size` arrivals are one formation's, which waits for its own key
+    let n = store.add("tdx-formed/count", 1)?;
+    let formation = (n - 1) / size as i64;
+    if n % size as i64 == 0 {
+        store.set(&format!("tdx-formed/{formation}"), b"1")?;
     }
-    store.wait("tdx-formed/all", timeout).map_err(|e| {
-        let arrived = store.add("tdx-formed/count", 0).map_or_else(|_| "?".to_string(), |n| n.to_string());
+    store.wait(&format!("tdx-formed/{formation}"), timeout).map_err(|e| {
+        let arrived = store
+            .add("tdx-formed/count", 0)
+            .map_or_else(|_| "?".to_string(), |n| (n - formation * size as i64).to_string());
         e.in_op(format!("group formation (rank {rank} of {size})")).with_note(&format!(
             "{arrived} of {size} ranks finished connecting; one that never arrived failed or is still building it"
         ))
@@ -289,7 +295,11 @@ impl ProcessGroup {
             )?),
             _ => None,
         };
-        formed(store, (rank, size), opts.timeout)?;
+        // beside PyTorch ranks (verification off: PyTorch's exact protocol) there is no barrier: they
+        // would never arrive at it
+        if opts.verify {
+            formed(store, (rank, size), opts.timeout)?;
+        }
         Ok(ProcessGroup {
             cpu,
             cuda,

@@ -89,11 +89,6 @@ impl<'o> TchOptimizer<'o> {
         Ok(TchOptimizer { opt, raw, kind, params })
     }
 
-    /// The tch optimizer itself (to set its learning rate, say).
-    pub fn inner(&mut self) -> &mut nn::Optimizer {
-        self.opt
-    }
-
     fn state_of(&self, i: usize) -> Result<Option<(i64, Vec<Option<Tensor>>)>> {
         let (mut has, mut step) = (0, 0i64);
         let mut outs: [ffi::tdx_tensor; 3] = [std::ptr::null_mut(); 3];
@@ -120,8 +115,10 @@ fn libtorch_optimizer(opt: &nn::Optimizer, vs: &nn::VarStore, trainable: usize) 
     if std::mem::size_of::<nn::Optimizer>() != WORDS * std::mem::size_of::<usize>() {
         return Err(layout_changed());
     }
-    // SAFETY: the size was checked; the words are read as integers, none is dereferenced here.
-    let words: [usize; WORDS] = unsafe { std::mem::transmute_copy(opt) };
+    // SAFETY: the size was checked; the words are read as pointers (keeping their provenance), none is
+    // dereferenced here.
+    let ptrs: [*mut c_void; WORDS] = unsafe { std::mem::transmute_copy(opt) };
+    let words = ptrs.map(|p| p as usize);
     let data = std::sync::Arc::as_ptr(&vs.variables_) as usize;
     let is_arc = |w: usize| w < data && data - w <= 64;
     let arcs = words.iter().filter(|&&w| is_arc(w)).count();
@@ -132,9 +129,9 @@ fn libtorch_optimizer(opt: &nn::Optimizer, vs: &nn::VarStore, trainable: usize) 
             "this optimizer was not built on this VarStore (give the VarStore it was built on)",
         ));
     }
-    match words.iter().find(|&&w| !is_arc(w) && w > trainable) {
-        Some(&p) if counts == 1 && p % std::mem::align_of::<usize>() == 0 => {
-            NonNull::new(p as *mut c_void).ok_or_else(layout_changed)
+    match ptrs.iter().zip(words).find(|(_, w)| !is_arc(*w) && *w > trainable) {
+        Some((&p, w)) if counts == 1 && w % std::mem::align_of::<usize>() == 0 => {
+            NonNull::new(p).ok_or_else(layout_changed)
         }
         _ => Err(layout_changed()),
     }
@@ -177,7 +174,8 @@ impl Optimizer for TchOptimizer<'_> {
         let (names, counts) = self.kind.fields();
         let mut out = Vec::new();
         for i in 0..self.params.len() {
-            // a parameter whose state cannot be read is left out, as one without state
+            // reading fails only for an index past the parameters or another optimizer kind, both ruled
+            // out by `new`: nothing is left out
             let Ok(Some((step, tensors))) = self.state_of(i) else { continue };
             if counts {
                 out.push((format!("tch.{i}.step"), Tensor::from_slice(&[step])));
@@ -208,7 +206,8 @@ impl Optimizer for TchOptimizer<'_> {
                     ));
                 }
                 let now = current.as_ref().and_then(|(_, ts)| ts[j].as_ref());
-                let t = super::restore(now, &saved.f_to_device(p.device())?)?;
+                // libtorch keeps state in the parameter's dtype and device
+                let t = super::restore(now, &saved.f_to_device(p.device())?.f_to_kind(p.kind())?)?;
                 ins[j] = t.as_ptr() as ffi::tdx_tensor;
                 kept.push(t);
             }

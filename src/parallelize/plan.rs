@@ -333,14 +333,14 @@ impl Plan {
         out_dim: i64,
         config: nn::BatchNormConfig,
     ) -> Result<BatchNorm> {
+        if !(1..=3).contains(&nd) {
+            return Err(Error::invalid(
+                "Plan::batch_norm",
+                format!("{}: {nd} spatial dimensions (batch norm has 1, 2 or 3)", dotted(path)),
+            ));
+        }
         self.batch_norms.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Ok(match (&self.sync_bn, nd) {
-            (_, 0 | 4..) => {
-                return Err(Error::invalid(
-                    "Plan::batch_norm",
-                    format!("{}: {nd} spatial dimensions (batch norm has 1, 2 or 3)", dotted(path)),
-                ))
-            }
             (Some(pg), _) if pg.size() > 1 => {
                 BatchNorm::Sync(crate::sync_batch_norm::SyncBatchNorm::new(path, nd, out_dim, config, pg.clone()))
             }
@@ -367,7 +367,8 @@ impl Plan {
     /// Every style pattern matched a layer built through the plan (see [`finish`](Self::finish)).
     /// A `sync_batch_norm` that no batch norm took: the model's would use each rank's own statistics.
     fn check_batch_norms_built(&self) -> Result<()> {
-        let syncs = self.sync_bn.as_ref().is_some_and(|pg| pg.size() > 1);
+        // one plan for several models (allow_unmatched_styles): some have no batch norm
+        let syncs = self.sync_bn.as_ref().is_some_and(|pg| pg.size() > 1) && !self.unmatched_ok;
         if syncs && self.batch_norms.load(std::sync::atomic::Ordering::Relaxed) == 0 {
             return Err(Error::invalid(
                 "Plan::finish",
@@ -381,15 +382,6 @@ impl Plan {
     }
 
     fn check_styles_matched(&self) -> Result<()> {
-        if let (Some((pattern, _)), None) = (self.styles.first(), &self.tp) {
-            return Err(Error::invalid(
-                "Plan::finish",
-                format!(
-                    "the plan has styles ({pattern:?}, ..) but no tensor-parallel group, so none would apply: build \
-                     it with Plan::tensor_parallel(&mesh, \"tp\") or Plan::over_group(pg), not Plan::new()"
-                ),
-            ));
-        }
         if self.unmatched_ok {
             return Ok(());
         }

@@ -215,6 +215,7 @@ impl ColumnParallelLinear {
         pg: Arc<ProcessGroup>,
         config: ColumnParallelConfig,
     ) -> Result<Self> {
+        check_blocks("ColumnParallelLinear", ws.size()[0] * pg.size() as i64, &config, &pg)?;
         let bs = bs.map(|b| path.f_var_copy("bias", b)).transpose()?;
         let ws = path.f_var_copy("weight", ws)?;
         for t in std::iter::once(&ws).chain(bs.as_ref()) {

@@ -12,6 +12,15 @@
 namespace {
 torch::optim::Optimizer* optimizer(void* p) { return static_cast<torch::optim::Optimizer*>(p); }
 
+// The options of the param group holding parameter `index` (numbered across the groups).
+torch::optim::OptimizerOptions& options_of(torch::optim::Optimizer* o, size_t index) {
+  for (auto& g : o->param_groups()) {
+    if (index < g.params().size()) return g.options();
+    index -= g.params().size();
+  }
+  return o->defaults();
+}
+
 std::vector<at::Tensor> params(torch::optim::Optimizer* o) {
   std::vector<at::Tensor> out;
   for (auto& g : o->param_groups())
@@ -44,13 +53,22 @@ void read_adam(torch::optim::OptimizerParamState& st, int64_t* step, tdx_tensor*
   outs[2] = give(s.max_exp_avg_sq());
 }
 
+// A state tensor given, else zeros like the parameter where the step reads it (what libtorch starts a
+// state with: an AMSGrad optimizer loading a checkpoint saved without it, say), else none.
+at::Tensor given_or_zeros(const tdx_tensor* ins, int i, const at::Tensor& p, bool read) {
+  if (ins[i]) return tdx::tensor(ins[i]);
+  return read ? at::zeros_like(p, at::MemoryFormat::Preserve) : at::Tensor();
+}
+
 template <typename S>
-std::unique_ptr<torch::optim::OptimizerParamState> make_adam(int64_t step, const tdx_tensor* ins) {
+std::unique_ptr<torch::optim::OptimizerParamState> make_adam(int64_t step, const tdx_tensor* ins,
+                                                             const at::Tensor& p, bool amsgrad) {
   auto s = std::make_unique<S>();
   s->step(step);
-  if (ins[0]) s->exp_avg(tdx::tensor(ins[0]));
-  if (ins[1]) s->exp_avg_sq(tdx::tensor(ins[1]));
-  if (ins[2]) s->max_exp_avg_sq(tdx::tensor(ins[2]));
+  s->exp_avg(given_or_zeros(ins, 0, p, true));
+  s->exp_avg_sq(given_or_zeros(ins, 1, p, true));
+  auto max = given_or_zeros(ins, 2, p, amsgrad);
+  if (max.defined()) s->max_exp_avg_sq(max);
   return s;
 }
 } // namespace
@@ -113,8 +131,16 @@ extern "C" int tdx_optim_state_set(void* opt, size_t index, int has, int64_t ste
     }
     std::unique_ptr<torch::optim::OptimizerParamState> s;
     switch (kind_of(o)) {
-      case TDX_OPTIM_ADAM: s = make_adam<torch::optim::AdamParamState>(step, ins); break;
-      case TDX_OPTIM_ADAMW: s = make_adam<torch::optim::AdamWParamState>(step, ins); break;
+      case TDX_OPTIM_ADAM: {
+        bool ams = static_cast<torch::optim::AdamOptions&>(options_of(o, index)).amsgrad();
+        s = make_adam<torch::optim::AdamParamState>(step, ins, ps[index], ams);
+        break;
+      }
+      case TDX_OPTIM_ADAMW: {
+        bool ams = static_cast<torch::optim::AdamWOptions&>(options_of(o, index)).amsgrad();
+        s = make_adam<torch::optim::AdamWParamState>(step, ins, ps[index], ams);
+        break;
+      }
       case TDX_OPTIM_SGD: {
         auto m = std::make_unique<torch::optim::SGDParamState>();
         if (ins[0]) m->momentum_buffer(tdx::tensor(ins[0]));
@@ -123,10 +149,13 @@ extern "C" int tdx_optim_state_set(void* opt, size_t index, int has, int64_t ste
       }
       case TDX_OPTIM_RMSPROP: {
         auto r = std::make_unique<torch::optim::RMSpropParamState>();
+        auto& opts = static_cast<torch::optim::RMSpropOptions&>(options_of(o, index));
         r->step(step);
-        if (ins[0]) r->square_avg(tdx::tensor(ins[0]));
-        if (ins[1]) r->momentum_buffer(tdx::tensor(ins[1]));
-        if (ins[2]) r->grad_avg(tdx::tensor(ins[2]));
+        r->square_avg(given_or_zeros(ins, 0, ps[index], true));
+        auto buf = given_or_zeros(ins, 1, ps[index], opts.momentum() > 0);
+        auto avg = given_or_zeros(ins, 2, ps[index], opts.centered());
+        if (buf.defined()) r->momentum_buffer(buf);
+        if (avg.defined()) r->grad_avg(avg);
         s = std::move(r);
         break;
       }

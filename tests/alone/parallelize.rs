@@ -110,8 +110,6 @@ fn a_style_pattern_that_matches_no_layer_is_an_error_naming_the_closest_paths() 
         let nothing = Plan::over_group(plan.tp_group().unwrap().clone()).style("*.attn.q", Style::colwise());
         let none_built = nothing.finish(&vs, ()).err().map(|e| e.to_string()).unwrap_or_default();
         let accepted = plan.clone().allow_unmatched_styles().finish(&vs, ()).is_ok();
-        let no_tp = Plan::new().style("*.attn.q", Style::colwise()).finish(&vs, ()).err().map(|e| e.to_string());
-        assert!(no_tp.unwrap_or_default().contains("no tensor-parallel group"), "a style on Plan::new() is refused");
         (q, o, err, none_built, accepted)
     });
     for (rank, (q, o, err, none_built, accepted)) in errs.into_iter().enumerate() {

@@ -191,6 +191,7 @@ fn tch_s_own_optimizers_resume_exactly_from_a_sharded_checkpoint() {
         let opt = match kind {
             "adamw" => nn::AdamW::default().build(&vs, 0.05),
             "adam" => nn::Adam::default().build(&vs, 0.05),
+            "amsgrad" => nn::AdamW { amsgrad: true, ..Default::default() }.build(&vs, 0.05),
             "sgd" => nn::Sgd { momentum: 0.9, ..Default::default() }.build(&vs, 0.05),
             _ => nn::RmsProp { momentum: 0.5, centered: true, ..Default::default() }.build(&vs, 0.01),
         }
@@ -205,7 +206,7 @@ fn tch_s_own_optimizers_resume_exactly_from_a_sharded_checkpoint() {
             opt.step();
         }
     };
-    for kind in ["adamw", "adam", "sgd", "rmsprop"] {
+    for kind in ["adamw", "amsgrad", "adam", "sgd", "rmsprop"] {
         let (vs, net, mut opt) = build(kind);
         train(&net, &mut opt, 0..6);
         let dir = tmp(&format!("tch-{kind}"));
@@ -227,6 +228,15 @@ fn tch_s_own_optimizers_resume_exactly_from_a_sharded_checkpoint() {
         train(&net3, &mut opt3, 3..6);
         assert!(vs3.variables().iter().any(|(n, t)| !t.equal(&vs.variables()[n])), "{kind}: state made no difference");
     }
+    // AdamW's state loaded into an AMSGrad AdamW: its missing max_exp_avg_sq starts at zeros, and it steps
+    let dir = tmp("tch-to-amsgrad");
+    let (vs1, net1, mut opt1) = build("adamw");
+    train(&net1, &mut opt1, 0..3);
+    let mut ck = Checkpointer::new(pg.clone(), &dir).unwrap();
+    ck.save(3, StateDict::new().var_store("model", &vs1).tch_optimizer("optim", &mut opt1, &vs1)).unwrap();
+    let (vs2, net2, mut opt2) = build("amsgrad");
+    ck.load(StateDict::new().var_store("model", &vs2).tch_optimizer("optim", &mut opt2, &vs2)).unwrap();
+    train(&net2, &mut opt2, 3..4);
     // another VarStore's optimizer, and one built before a variable was added
     let (vs, _net, mut opt) = build("adamw");
     let (other, _, _) = build("adamw");

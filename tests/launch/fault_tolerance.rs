@@ -623,9 +623,10 @@ fn every_replica_lost(ranks: usize, extra: &[&str]) -> PathBuf {
             |at: f64| of(&all, "saved").into_iter().filter(|s| t(s) < at).filter_map(|s| s["step"].as_u64()).max();
         let (looked, step) = (resumed[0]["looked"].as_f64().unwrap(), resumed[0]["step"].as_u64());
         let (seen, maybe) = (newest_before(looked), newest_before(t(resumed[0])));
+        let saved = of(&all, "saved").iter().any(|s| s["step"].as_u64() == step);
         assert!(
-            step >= seen && step <= maybe,
-            "replica {id} resumed from {step:?}, not the newest: {seen:?} ({maybe:?})"
+            saved && seen.is_some() && step >= seen && step <= maybe,
+            "replica {id} resumed from {step:?}, not the newest saved: {seen:?} (or up to {maybe:?})"
         );
         from.push(resumed[0]["step"].as_u64().unwrap());
     }

@@ -37,7 +37,7 @@ pub(super) fn headline(
             .iter()
             .filter(|(&k, _)| k != r)
             .filter_map(|(&k, t)| error_line(t).map(|l| (k, l)))
-            .find(|(_, l)| l.contains(&format!("the odd one out: rank {r}")) && !error.contains("the odd one out"));
+            .find(|(_, l)| names_odd_one(l, r) && !error.contains("the odd one out"));
         lines.push(format!("culprit: rank {r} ({why}): {error}"));
         if let Some((k, l)) = why_line {
             lines.push(format!("why: rank {k} found it: {l}"));
@@ -53,6 +53,12 @@ pub(super) fn headline(
         ));
     }
     lines
+}
+
+/// Whether `line` names rank `r` as an agreement check's odd one out (rank 1, not rank 12).
+fn names_odd_one(line: &str, r: usize) -> bool {
+    let marker = format!("the odd one out: rank {r}");
+    line.match_indices(&marker).any(|(at, m)| !line[at + m.len()..].starts_with(|c: char| c.is_ascii_digit()))
 }
 
 /// A rank the ranks' own error lines blame: the one a passed-on failure names (`rank 1 failed: ...`, a
@@ -151,6 +157,7 @@ mod tests {
         let h = headline(1, Some(&Analysis { findings: vec![], culprits: vec![0] }), &found, &BTreeMap::new());
         assert!(h[0].starts_with("culprit: rank 0 (named by the flight recorder): Error: recv"), "{h:?}");
         assert!(h[1].starts_with("why: rank 1 found it: Error: y") && h[1].contains("state_dict alone"), "{h:?}");
+        assert!(names_odd_one("x; the odd one out: rank 1, y", 1) && !names_odd_one("the odd one out: rank 12", 1));
         let exits = BTreeMap::from([(0, "exit code 1".to_string()), (1, "signal 15 (SIGTERM)".to_string())]);
         let h = headline(1, Some(&a), &tails, &exits);
         assert_eq!(h, vec!["culprit: rank 0 (named by the flight recorder): no error line in its output; it ended with exit code 1"
