@@ -767,20 +767,22 @@ fn hsdp_reduces_across_the_replicas_its_options_name() {
         let pg = Arc::new(
             tch_dist::ProcessGroup::new(&tch_dist::Store::hash().unwrap(), 0, 1, &Default::default()).unwrap(),
         );
-        tch::manual_seed(3);
+        // values of their own, not tch's generator, which the binary's other tests draw from meanwhile
         let vs = nn::VarStore::new(Device::Cpu);
         let mut opts = FsdpOptions::default().process_group(pg).gather_once_below(0);
         if let Some(r) = replicas {
             opts = opts.replicas(r);
         }
-        let fsdp = FsdpBuilder::new(&vs, opts).unwrap();
         let (a, b) = (vs.root() / "a", vs.root() / "b");
+        let (la, lb) = (nn::linear(&a, 8, 16, Default::default()), nn::linear(&b, 16, 1, Default::default()));
+        init(&vs, 0.0);
+        let fsdp = FsdpBuilder::new(&vs, opts).unwrap();
         let net = nn::seq()
-            .add(fsdp.fully_shard(&a, nn::linear(&a, 8, 16, Default::default())).unwrap())
+            .add(fsdp.fully_shard(&a, la).unwrap())
             .add_fn(|x| x.tanh())
-            .add(fsdp.fully_shard(&b, nn::linear(&b, 16, 1, Default::default())).unwrap());
+            .add(fsdp.fully_shard(&b, lb).unwrap());
         let model = fsdp.finish(net).unwrap();
-        let x = Tensor::randn([4, 8], (Kind::Float, Device::Cpu));
+        let x = (Tensor::arange(32, (Kind::Float, Device::Cpu)).view([4, 8]) * 0.3).sin();
         model.backward(&model.forward(&x).square().mean(Kind::Float)).unwrap();
         model.parameters().iter().map(|p| p.grad().copy()).collect::<Vec<_>>()
     };
