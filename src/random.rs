@@ -1,6 +1,9 @@
 //! Draws from a CPU generator of their own, seeded explicitly (through the shim, tch-dist-sys/csrc/random.cpp): the
 //! values PyTorch gives for `torch.Generator().manual_seed(seed)`, while the global generator the user's
 //! program draws from is left alone.
+use std::sync::{Condvar, Mutex};
+use std::thread::ThreadId;
+
 use tch::{Kind, Tensor};
 
 use crate::error::{check, Error, Result};
@@ -18,21 +21,61 @@ pub(crate) fn randperm(n: i64, seed: u64) -> Result<Vec<i64>> {
 
 /// The default generators' states (the CPU's and every CUDA device's), put back when dropped:
 /// `torch.random.fork_rng()`. Seeding inside leaves the program's draws where they were.
-pub(crate) struct Fork(*mut ffi::tdx_rng_saved);
+///
+/// The default generators are one per device for the whole process, so a Fork also holds them against
+/// other threads' Forks until it is dropped: two seeded builds at once (ranks or tests run as threads)
+/// would otherwise draw from each other's sequences, and each restore would rewind the other's.
+/// A thread may nest Forks; the hold is its own until the outermost one is dropped.
+pub(crate) struct Fork {
+    saved: *mut ffi::tdx_rng_saved,
+    // dropped after `saved` is restored (fields drop after `Drop::drop`)
+    _held: Held,
+}
 
 impl Fork {
     pub(crate) fn new() -> Result<Fork> {
+        let held = Held::take();
         let mut p = std::ptr::null_mut();
         // SAFETY: `p` is valid for the call; on success it owns the saved states until `Drop`.
         check(unsafe { ffi::tdx_rng_save(&mut p) }, std::time::Duration::ZERO, || "save the generators".into())?;
-        Ok(Fork(p))
+        Ok(Fork { saved: p, _held: held })
     }
 }
 
 impl Drop for Fork {
     fn drop(&mut self) {
         // SAFETY: the states the shim saved for this Fork, restored and freed once.
-        unsafe { ffi::tdx_rng_restore(self.0) }
+        unsafe { ffi::tdx_rng_restore(self.saved) }
+    }
+}
+
+/// Which thread holds the default generators, and how many of its Forks are open.
+static HOLDER: Mutex<(Option<ThreadId>, usize)> = Mutex::new((None, 0));
+static RELEASED: Condvar = Condvar::new();
+
+/// The hold a [`Fork`] keeps on the default generators (re-entrant per thread).
+struct Held;
+
+impl Held {
+    fn take() -> Held {
+        let me = std::thread::current().id();
+        // the guarded pair is updated in single assignments: a poisoned lock still holds a consistent one
+        let mut h = HOLDER.lock().unwrap_or_else(|e| e.into_inner());
+        while matches!(h.0, Some(other) if other != me) {
+            h = RELEASED.wait(h).unwrap_or_else(|e| e.into_inner());
+        }
+        *h = (Some(me), h.1 + 1);
+        Held
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        let mut h = HOLDER.lock().unwrap_or_else(|e| e.into_inner());
+        *h = if h.1 <= 1 { (None, 0) } else { (h.0, h.1 - 1) };
+        if h.0.is_none() {
+            RELEASED.notify_all();
+        }
     }
 }
 

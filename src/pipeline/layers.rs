@@ -29,8 +29,9 @@ type Builder = Arc<dyn Fn(&nn::Path) -> Box<dyn nn::Module> + Send + Sync>;
 
 /// An ordered list of named layer builders. Layer `i` is built right after `manual_seed(seed + i)`, so
 /// its initial values do not depend on how the list is cut (on one kind of device); the generators are
-/// put back where they were after a stage is built (`torch.random.fork_rng`), so the program's own
-/// draws do not depend on it either.
+/// put back where they were after each layer is built (`torch.random.fork_rng`), so the program's own
+/// draws do not depend on it either. A builder runs while this process's default generators are held
+/// (other threads' layer builds wait for it), so it must not wait on another rank.
 #[derive(Clone, Default)]
 pub struct LayerList {
     layers: Vec<(String, Builder)>,
@@ -229,13 +230,17 @@ impl LayerList {
             _ => None,
         };
         let mut layers = Vec::with_capacity(range.len());
-        let fork = crate::random::Fork::new()?;
         for i in range.clone() {
-            tch::manual_seed(self.seed + i as i64);
             let (name, build) = &self.layers[i];
             let path = vs.root() / name.as_str();
             let before = vs.trainable_variables().len();
-            let layer = build(&path);
+            let layer = {
+                // the process's generators, held from the seed to the last draw (no other thread's draws
+                // in between) and put back; sharding below may wait on other ranks, so it runs outside
+                let _fork = crate::random::Fork::new()?;
+                tch::manual_seed(self.seed + i as i64);
+                build(&path)
+            };
             layers.push(match &fsdp {
                 Some(f) if vs.trainable_variables().len() > before => {
                     Box::new(f.fully_shard(&path, Layer(layer))?) as Box<dyn nn::Module>
@@ -243,7 +248,6 @@ impl LayerList {
                 _ => layer,
             });
         }
-        drop(fork);
         // a chunk of parameter-free layers (activations) has nothing to reduce
         let sync = match (dp, fsdp) {
             _ if vs.trainable_variables().is_empty() => None,
