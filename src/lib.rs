@@ -52,6 +52,7 @@ pub mod memory;
 pub mod mesh;
 pub mod moe;
 pub mod optim;
+pub mod parallel_dims;
 pub mod parallelize;
 pub mod pipeline;
 pub mod placement;

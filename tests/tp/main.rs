@@ -7,6 +7,7 @@ mod context_parallel;
 mod mesh;
 mod mesh_3d;
 mod moe;
+mod parallel_dims;
 mod placement;
 mod tp;
 mod tp_attention;

@@ -1,0 +1,336 @@
+//! The parallel layout as one value of degrees (torchtitan's `ParallelDims`), and what every part of a
+//! training program derives from it: the mesh, the groups by purpose, which rows of the batch a rank
+//! reads, where the loss is averaged, which rank reports, and the data parallelism of a [`Plan`] or of a
+//! pipeline's stages.
+//!
+//! ```no_run
+//! use tch_dist::parallel_dims::{ParallelDims, REST};
+//! let world = tch_dist::ProcessGroup::from_env()?;
+//! // 8 ranks: 2 tensor-parallel, the rest (4) sharding the parameters (FSDP)
+//! let dims = ParallelDims { tp: 2, dp_shard: REST, ..Default::default() }.build(&world)?;
+//! let rows = dims.rows(32)?; // this rank's rows of a global batch of 32
+//! assert_eq!(rows.end - rows.start, 8);
+//! let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+//! let plan = dims.plan(&vs)?; // tensor parallel over "tp", FSDP over "dp_shard"; add the styles
+//! # Ok::<(), tch_dist::Error>(())
+//! ```
+use std::ops::Range;
+use std::sync::Arc;
+
+use tch::nn;
+
+use crate::ddp::DdpOptions;
+use crate::error::{Error, Result};
+use crate::fsdp::FsdpOptions;
+use crate::group::{ProcessGroup, ReduceOp};
+use crate::mesh::DeviceMesh;
+use crate::parallelize::Plan;
+use crate::pipeline::DataParallel;
+
+/// A degree meaning "whatever the world leaves" once the others are set (torchtitan's `-1`); at most
+/// one degree may be it.
+pub const REST: usize = 0;
+
+/// The parallel degrees of a layout. Each is 1 by default (that parallelism off); their product, `ep`
+/// aside, is the world size. The mesh is laid out outermost first as torchtitan's:
+/// `pp`, `dp_replicate`, `dp_shard`, `cp`, `tp` (tensor-parallel ranks adjacent, on one node).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ParallelDims {
+    /// Pipeline stages.
+    pub pp: usize,
+    /// Data-parallel replicas: DDP, or with `dp_shard` above 1 the replicas of HSDP.
+    pub dp_replicate: usize,
+    /// Ranks the parameters are sharded over (FSDP; with `dp_replicate`, HSDP).
+    pub dp_shard: usize,
+    /// Context-parallel ranks: each sequence split over them.
+    pub cp: usize,
+    /// Tensor-parallel ranks.
+    pub tp: usize,
+    /// Expert-parallel ranks, borrowed from the data-parallel ones (`dp_replicate` x `dp_shard`, which it
+    /// divides): consecutive ranks of the batch group each hold their share of the experts.
+    pub ep: usize,
+}
+
+impl Default for ParallelDims {
+    fn default() -> Self {
+        ParallelDims { pp: 1, dp_replicate: 1, dp_shard: 1, cp: 1, tp: 1, ep: 1 }
+    }
+}
+
+/// The mesh dimensions' names, outermost first.
+pub const DIMS: [&str; 5] = ["pp", "dp_replicate", "dp_shard", "cp", "tp"];
+
+impl ParallelDims {
+    /// The degrees with [`REST`] filled in for a world of `world` ranks, checked: they must multiply to
+    /// `world`, and `ep` must divide the data-parallel ranks.
+    pub fn resolve(&self, world: usize) -> Result<ParallelDims> {
+        let mut d = *self;
+        let fields =
+            [("pp", d.pp), ("dp_replicate", d.dp_replicate), ("dp_shard", d.dp_shard), ("cp", d.cp), ("tp", d.tp)];
+        let rest: Vec<&str> = fields.iter().filter(|(_, v)| *v == REST).map(|(n, _)| *n).collect();
+        let set: usize = fields.iter().map(|(_, v)| *v).filter(|&v| v != REST).product();
+        let bad = |why: String| Err(Error::invalid("ParallelDims", format!("{self:?} on {world} ranks: {why}")));
+        match rest[..] {
+            [] if set != world => return bad(format!("the degrees multiply to {set}, not the world size {world}")),
+            [] => {}
+            [one] => {
+                if world % set != 0 {
+                    return bad(format!("the set degrees multiply to {set}, which does not divide {world}: no {one}"));
+                }
+                let n = world / set;
+                match one {
+                    "pp" => d.pp = n,
+                    "dp_replicate" => d.dp_replicate = n,
+                    "dp_shard" => d.dp_shard = n,
+                    "cp" => d.cp = n,
+                    _ => d.tp = n,
+                }
+            }
+            _ => return bad(format!("{} are all REST; at most one degree may be", rest.join(" and "))),
+        }
+        let dp = d.dp_replicate * d.dp_shard;
+        if d.ep == REST || !dp.is_multiple_of(d.ep) {
+            return bad(format!("ep {} does not divide dp_replicate x dp_shard = {dp}", d.ep));
+        }
+        Ok(d)
+    }
+
+    /// Data-parallel ranks: replicas times shards (the ranks that read different rows of the batch).
+    pub fn dp(&self) -> usize {
+        self.dp_replicate * self.dp_shard
+    }
+
+    /// The mesh over `world` (every rank calls it with the same degrees) and this rank's groups, all
+    /// formed here, in one order on every rank.
+    pub fn build(&self, world: &ProcessGroup) -> Result<ParallelMesh> {
+        let d = self.resolve(world.size())?;
+        let degrees = [d.pp, d.dp_replicate, d.dp_shard, d.cp, d.tp];
+        let dims: Vec<(&str, usize)> = DIMS.iter().copied().zip(degrees).collect();
+        let mesh = DeviceMesh::new(world, &dims)?;
+        // torchtitan's flattened meshes: "dp" (the batch), "dp_cp" (the loss), "dp_shard_cp" (FSDP's
+        // shards: context-parallel ranks hold other tokens, so their gradients are averaged too)
+        let batch = mesh.flatten(world, &["dp_replicate", "dp_shard"])?;
+        let loss = mesh.flatten(world, &["dp_replicate", "dp_shard", "cp"])?;
+        let shard = mesh.flatten(world, &["dp_shard", "cp"])?;
+        let replicate_cp = mesh.flatten(world, &["dp_replicate", "cp"])?;
+        let (experts, expert_replicas) = expert_groups(&batch, d.ep)?;
+        Ok(ParallelMesh { dims: d, mesh, batch, loss, shard, replicate_cp, experts, expert_replicas })
+    }
+}
+
+/// The expert-parallel group (`ep` consecutive ranks of `batch`) and the group of the ranks at the same
+/// place in each (which hold the same experts); none where `ep` is 1 or the whole batch group.
+#[allow(clippy::type_complexity)]
+fn expert_groups(
+    batch: &Arc<ProcessGroup>,
+    ep: usize,
+) -> Result<(Option<Arc<ProcessGroup>>, Option<Arc<ProcessGroup>>)> {
+    let n = batch.size();
+    if ep == 1 {
+        return Ok((None, None));
+    }
+    if ep == n {
+        return Ok((Some(batch.clone()), None));
+    }
+    let r = batch.rank();
+    let own: Vec<usize> = (r / ep * ep..r / ep * ep + ep).collect();
+    let same: Vec<usize> = (r % ep..n).step_by(ep).collect();
+    let part = |ranks: &[usize], name: &str| -> Result<Arc<ProcessGroup>> {
+        let g = batch.new_partition_subgroup(ranks, name)?;
+        Ok(Arc::new(g.ok_or_else(|| Error::invalid("ParallelDims", "this rank is not in its own expert group"))?))
+    };
+    Ok((Some(part(&own, "ep")?), Some(part(&same, "ep_replicas")?)))
+}
+
+/// A layout built over the world: its mesh, this rank's groups by purpose, and the facts the training
+/// loop needs ([`ParallelDims::build`]).
+pub struct ParallelMesh {
+    dims: ParallelDims,
+    mesh: DeviceMesh,
+    batch: Arc<ProcessGroup>,
+    loss: Arc<ProcessGroup>,
+    shard: Arc<ProcessGroup>,
+    replicate_cp: Arc<ProcessGroup>,
+    experts: Option<Arc<ProcessGroup>>,
+    expert_replicas: Option<Arc<ProcessGroup>>,
+}
+
+impl ParallelMesh {
+    /// The degrees, [`REST`] filled in.
+    pub fn dims(&self) -> &ParallelDims {
+        &self.dims
+    }
+
+    /// The mesh, dimensions named as [`DIMS`].
+    pub fn mesh(&self) -> &DeviceMesh {
+        &self.mesh
+    }
+
+    fn dim(&self, name: &str) -> Arc<ProcessGroup> {
+        // DIMS are the mesh's own names
+        self.mesh.group(name).unwrap_or_else(|_| unreachable!("mesh dimension {name}"))
+    }
+
+    fn at(&self, name: &str) -> usize {
+        self.mesh.coordinate(name).unwrap_or_else(|_| unreachable!("mesh dimension {name}"))
+    }
+
+    /// The ranks holding the other pipeline stages of this rank's (the pipeline's group).
+    pub fn pp_group(&self) -> Arc<ProcessGroup> {
+        self.dim("pp")
+    }
+
+    /// The tensor-parallel group.
+    pub fn tp_group(&self) -> Arc<ProcessGroup> {
+        self.dim("tp")
+    }
+
+    /// The context-parallel group (the ranks splitting one sequence).
+    pub fn cp_group(&self) -> Arc<ProcessGroup> {
+        self.dim("cp")
+    }
+
+    /// The ranks reading different rows of the global batch: `dp_replicate` x `dp_shard`.
+    pub fn batch_group(&self) -> &Arc<ProcessGroup> {
+        &self.batch
+    }
+
+    /// This rank's place among the [`batch_group`](Self::batch_group)'s ranks.
+    pub fn batch_rank(&self) -> usize {
+        self.at("dp_replicate") * self.dims.dp_shard + self.at("dp_shard")
+    }
+
+    /// The rows of a global batch of `global_batch` rows this rank reads: an equal share for each
+    /// data-parallel rank, in batch-rank order (tensor-, context- and pipeline-parallel ranks read the
+    /// same rows as their peers).
+    pub fn rows(&self, global_batch: i64) -> Result<Range<i64>> {
+        let dp = self.dims.dp() as i64;
+        if global_batch <= 0 || global_batch % dp != 0 {
+            return Err(Error::invalid(
+                "ParallelMesh::rows",
+                format!(
+                    "a global batch of {global_batch} rows does not split over dp_replicate x dp_shard = {dp} ranks"
+                ),
+            ));
+        }
+        let per = global_batch / dp;
+        let first = self.batch_rank() as i64 * per;
+        Ok(first..first + per)
+    }
+
+    /// Where the loss is averaged: the data- and context-parallel ranks (`dp_replicate` x `dp_shard` x
+    /// `cp`), whose losses are over different tokens.
+    pub fn loss_group(&self) -> &Arc<ProcessGroup> {
+        &self.loss
+    }
+
+    /// The mean of `loss` over the [`loss_group`](Self::loss_group): every rank of it calls this (under a
+    /// pipeline, the last stage's ranks, which have the loss).
+    pub fn average_loss(&self, loss: f64) -> Result<f64> {
+        let mut t = tch::Tensor::from_slice(&[loss]);
+        self.loss.allreduce(&mut t, ReduceOp::Sum)?;
+        Ok(t.double_value(&[0]) / self.loss.size() as f64)
+    }
+
+    /// Whether this rank reports (prints, writes the loss): the last pipeline stage's first rank in every
+    /// other dimension.
+    pub fn is_reporter(&self) -> bool {
+        self.at("pp") + 1 == self.dims.pp && DIMS[1..].iter().all(|d| self.at(d) == 0)
+    }
+
+    /// The group FSDP shards over: `dp_shard` x `cp` (torchtitan's `dp_shard_cp`).
+    pub fn fsdp_group(&self) -> &Arc<ProcessGroup> {
+        &self.shard
+    }
+
+    /// The replicas of HSDP, or DDP's ranks without context parallelism: `dp_replicate`.
+    pub fn replicate_group(&self) -> Arc<ProcessGroup> {
+        self.dim("dp_replicate")
+    }
+
+    /// The expert-parallel group, when `ep` is above 1.
+    pub fn expert_group(&self) -> Option<&Arc<ProcessGroup>> {
+        self.experts.as_ref()
+    }
+
+    /// The ranks holding the same experts as this one (the same place in each expert-parallel group),
+    /// when `ep` is above 1 and below the data-parallel ranks.
+    pub fn expert_replica_group(&self) -> Option<&Arc<ProcessGroup>> {
+        self.expert_replicas.as_ref()
+    }
+
+    /// What the degrees make of the data parallelism: FSDP where `dp_shard` is above 1 (HSDP with
+    /// `dp_replicate` too), DDP where only `dp_replicate` (or `cp`) is, none otherwise.
+    fn kind(&self) -> DpKind {
+        match (self.dims.dp_replicate, self.dims.dp_shard, self.dims.cp) {
+            (1, 1, 1) => DpKind::None,
+            (_, 1, _) => DpKind::Ddp,
+            (1, _, _) => DpKind::Fsdp,
+            _ => DpKind::Hsdp,
+        }
+    }
+
+    /// `opts` over DDP's ranks here (`dp_replicate` x `cp`).
+    pub fn ddp(&self, opts: DdpOptions) -> DdpOptions {
+        opts.process_group(self.replicate_cp.clone())
+    }
+
+    /// `opts` over FSDP's ranks here (`dp_shard` x `cp`), replicated over `dp_replicate` (HSDP) when it
+    /// is above 1.
+    pub fn fsdp(&self, opts: FsdpOptions) -> FsdpOptions {
+        let opts = opts.process_group(self.shard.clone());
+        match self.kind() {
+            DpKind::Hsdp => opts.replicate_group(self.replicate_group()),
+            _ => opts,
+        }
+    }
+
+    /// A plan for a model built in `vs`: tensor parallel over "tp" (add its styles), and data parallel
+    /// as the degrees say, with default options (tune them with [`Plan::replicate`] or
+    /// [`Plan::fully_shard`] given [`ddp`](Self::ddp) or [`fsdp`](Self::fsdp)).
+    pub fn plan(&self, vs: &nn::VarStore) -> Result<Plan> {
+        let plan = Plan::over_group(self.tp_group());
+        match self.kind() {
+            DpKind::None => Ok(plan),
+            DpKind::Ddp => Ok(plan.replicate(self.ddp(DdpOptions::default()))),
+            DpKind::Fsdp | DpKind::Hsdp => plan.fully_shard(vs, self.fsdp(FsdpOptions::default())),
+        }
+    }
+
+    /// Each pipeline stage's data parallelism as the degrees say, `ddp` or `fsdp` tuned by the caller.
+    pub fn stage_data_parallel(&self, ddp: DdpOptions, fsdp: FsdpOptions) -> DataParallel {
+        match self.kind() {
+            DpKind::None => DataParallel::None,
+            DpKind::Ddp => DataParallel::Ddp(self.ddp(ddp)),
+            DpKind::Fsdp | DpKind::Hsdp => DataParallel::Fsdp(self.fsdp(fsdp)),
+        }
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum DpKind {
+    None,
+    Ddp,
+    Fsdp,
+    Hsdp,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{ParallelDims, REST};
+
+    #[test]
+    fn the_rest_is_what_the_world_leaves_and_wrong_degrees_are_named() {
+        let d = ParallelDims { tp: 2, dp_shard: REST, ..Default::default() }.resolve(8).unwrap();
+        assert_eq!((d.dp_shard, d.tp, d.dp()), (4, 2, 4));
+        let e = ParallelDims { tp: 3, dp_shard: REST, ..Default::default() }.resolve(8).unwrap_err().to_string();
+        assert!(e.contains("does not divide 8") && e.contains("dp_shard"), "{e}");
+        let e = ParallelDims { tp: 2, ..Default::default() }.resolve(4).unwrap_err().to_string();
+        assert!(e.contains("multiply to 2, not the world size 4"), "{e}");
+        let e = ParallelDims { tp: REST, pp: REST, ..Default::default() }.resolve(4).unwrap_err().to_string();
+        assert!(e.contains("pp and tp are all REST"), "{e}");
+        let e = ParallelDims { dp_replicate: 4, ep: 3, ..Default::default() }.resolve(4).unwrap_err().to_string();
+        assert!(e.contains("ep 3 does not divide dp_replicate x dp_shard = 4"), "{e}");
+        assert_eq!(ParallelDims::default().resolve(1).unwrap(), ParallelDims::default());
+    }
+}
