@@ -74,7 +74,7 @@ impl ParallelDims {
             [] if set != world => return bad(format!("the degrees multiply to {set}, not the world size {world}")),
             [] => {}
             [one] => {
-                if world % set != 0 {
+                if !world.is_multiple_of(set) {
                     return bad(format!("the set degrees multiply to {set}, which does not divide {world}: no {one}"));
                 }
                 let n = world / set;
