@@ -1,11 +1,13 @@
-//! A small GPT trained with any mix of parallelisms: pipeline stages over the mesh's "pp" dimension;
-//! tensor-parallel attention, MLPs, vocabulary-parallel embedding and cross-entropy over "tp"; each stage
-//! data-parallel with DDP over "dp", FSDP over "fsdp", or HSDP (shard over "fsdp", replicate over "dp");
-//! or all in one process; with `--experts N`, each block's MLP a mixture of experts spread over the "dp"
-//! ranks (expert parallelism borrowing the data-parallel ranks, as torchtitan's); with `--cp N`, each
-//! sequence split over "cp" ranks (context parallelism: ring attention, head-tail load balancing; the
-//! data parallelism then spans "dp" or "fsdp" times "cp"). Byte-level, on a real English text that ships with every CPython:
-//! `pydoc_data/topics.py` (Python's documentation topics, ~750 kB), found by scripts/gpt.sh.
+//! A small GPT trained with any mix of parallelisms, chosen by degrees alone (`ParallelDims`, as
+//! torchtitan's): pipeline stages (`--pp`); tensor-parallel attention, MLPs, vocabulary-parallel
+//! embedding and cross-entropy (`--tp`); each stage data-parallel with DDP (`--dp`), FSDP (`--fsdp`) or
+//! HSDP (both); with `--experts N`, each block's MLP a mixture of experts spread over the data-parallel
+//! ranks (or `--ep` of them: expert parallelism borrowing the data-parallel ranks); with `--cp N`, each
+//! sequence split over N ranks (context parallelism: ring attention, head-tail load balancing; their
+//! gradients and loss averaged with the data-parallel ones). Every group, the rows each rank reads, where
+//! the loss is averaged and which rank reports come from the degrees. Byte-level, on a real English text
+//! that ships with every CPython: `pydoc_data/topics.py` (Python's documentation topics, ~750 kB), found
+//! by scripts/gpt.sh.
 //!
 //!   tchrun --nproc-per-node 8 -- gpt --corpus FILE --pp 2 --dp 2 --tp 2 [--steps 200] [--losses FILE]
 //!   tchrun --nproc-per-node 4 -- gpt --corpus FILE --hsdp 2x2        # the same as --dp 2 --fsdp 2
@@ -24,19 +26,19 @@ use std::sync::Arc;
 
 use clap::Parser;
 
-#[path = "common/layout.rs"]
-mod layout;
-use layout::Layout;
+#[path = "common/degrees.rs"]
+mod degrees;
+use degrees::Degrees;
 use tch::{nn, nn::Module, Device, Kind, Tensor};
 use tch_dist::context_parallel::{ContextParallel, RingAttentionConfig};
 use tch_dist::ddp::DdpOptions;
 use tch_dist::fsdp::FsdpOptions;
-use tch_dist::mesh::DeviceMesh;
 use tch_dist::moe::{Moe, MoeConfig};
 use tch_dist::optim::{clip_grad_norm, AdamW, Optimizer};
+use tch_dist::parallel_dims::{ParallelDims, ParallelMesh};
 use tch_dist::parallelize::{Embedding, Linear, Plan, Style};
-use tch_dist::pipeline::{DataParallel, LayerList, Partition, PipelineConfig, PipelineRank};
-use tch_dist::{ProcessGroup, ReduceOp};
+use tch_dist::pipeline::{LayerList, Partition, PipelineConfig, PipelineRank};
+use tch_dist::ProcessGroup;
 
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
 
@@ -53,7 +55,7 @@ struct Args {
     #[arg(long, default_value_t = 1)]
     pp: usize,
     #[command(flatten)]
-    layout: Layout,
+    degrees: Degrees,
     /// Context-parallel ranks: each sequence split over them (`--context` divisible by 2 x cp).
     #[arg(long, default_value_t = 1)]
     cp: usize,
@@ -159,30 +161,6 @@ struct Experts {
     replicas: Option<Arc<ProcessGroup>>,
 }
 
-/// The expert-parallel groups of `ep` consecutive ranks of `dp`, and the groups of the ranks at the same
-/// place in each (which hold the same experts); `dp` itself when `ep` is its size.
-fn experts(dp: &Arc<ProcessGroup>, n: i64, ep: usize) -> Result<Experts, Box<dyn std::error::Error>> {
-    if ep == 0 || !dp.size().is_multiple_of(ep) {
-        return Err(format!("--ep {ep} does not divide --dp {}", dp.size()).into());
-    }
-    if n % ep as i64 != 0 {
-        return Err(format!("--experts {n} does not spread evenly over {ep} expert-parallel ranks").into());
-    }
-    if ep == dp.size() {
-        return Ok(Experts { group: dp.clone(), replicas: None });
-    }
-    let r = dp.rank();
-    let own: Vec<usize> = (r / ep * ep..r / ep * ep + ep).collect();
-    let same: Vec<usize> = (r % ep..dp.size()).step_by(ep).collect();
-    let sub = |ranks: &[usize], name: &str| -> Result<Arc<ProcessGroup>, Box<dyn std::error::Error>> {
-        Ok(Arc::new(dp.new_subgroup(ranks, name)?.ok_or("not in its own group")?))
-    };
-    // only a group's members form it: each rank forms its two
-    let group = sub(&own, &format!("ep{}", r / ep))?;
-    let replicas = sub(&same, &format!("ep-replicas{}", r % ep))?;
-    Ok(Experts { group, replicas: Some(replicas) })
-}
-
 /// A block's MLP: dense (split by the plan), or a mixture of experts spread over the expert-parallel
 /// group (its load-balancing loss left out here: the pipeline's loss sees only the logits).
 #[derive(Debug)]
@@ -230,8 +208,8 @@ impl Module for Head {
 }
 
 /// Where each layer's weights live under tensor parallelism (PyTorch's `parallelize_module` plan).
-fn plan(mesh: &DeviceMesh) -> tch_dist::Result<Plan> {
-    Ok(Plan::tensor_parallel(mesh, "tp")?
+fn plan(dims: &ParallelMesh) -> Plan {
+    Plan::over_group(dims.tp_group())
         .style("embed.tok", Style::rowwise())
         .style("*.attn.q", Style::colwise())
         .style("*.attn.k", Style::colwise())
@@ -239,7 +217,7 @@ fn plan(mesh: &DeviceMesh) -> tch_dist::Result<Plan> {
         .style("*.attn.proj", Style::rowwise())
         .style("*.mlp.fc", Style::colwise())
         .style("*.mlp.proj", Style::rowwise())
-        .style("head.out", Style::colwise()))
+        .style("head.out", Style::colwise())
 }
 
 /// The model as a list of layers (embedding, blocks, head) that a pipeline partitions, written once:
@@ -311,33 +289,26 @@ fn batch(corpus: &Tensor, step: usize, rows: i64, first: i64, n: i64, context: i
     (w.narrow(1, 0, context), w.narrow(1, 1, context))
 }
 
-/// Each stage's data parallelism over the mesh: DDP over "dp", FSDP over "fsdp", HSDP over both; the
-/// context-parallel ranks, whose tokens differ, average their gradients with the data-parallel ones
-/// (DDP over "dp" x "cp", or FSDP's shards over "fsdp" x "cp", as torchtitan's `dp_shard_cp`).
-fn data_parallel(world: &ProcessGroup, mesh: &DeviceMesh, a: &Args) -> tch_dist::Result<DataParallel> {
-    let (dp, fsdp) = (a.layout.dp, a.layout.fsdp);
-    let fsdp_opts = || -> tch_dist::Result<FsdpOptions> {
-        Ok(FsdpOptions::default().process_group(mesh.flatten(world, &["fsdp", "cp"])?))
-    };
-    Ok(match (dp, fsdp) {
-        (1, 1) if a.cp == 1 => DataParallel::None,
-        (_, 1) => DataParallel::Ddp(DdpOptions::default().process_group(mesh.flatten(world, &["dp", "cp"])?)),
-        (1, _) => DataParallel::Fsdp(fsdp_opts()?),
-        _ => DataParallel::Fsdp(fsdp_opts()?.replicate_group(mesh.group("dp")?)),
-    })
-}
-
 fn main() -> Res<()> {
-    let mut a = Args::parse();
-    a.layout = a.layout.resolve()?;
+    let a = Args::parse();
     tch::set_num_threads(1);
     if a.bench.is_some() {
         tch_dist::memory::install_cpu_counter()?;
     }
     let world = ProcessGroup::from_env()?;
-    let dims = [("pp", a.pp), ("dp", a.layout.dp), ("fsdp", a.layout.fsdp), ("cp", a.cp), ("tp", a.layout.tp)];
-    let mesh = DeviceMesh::new(&world, &dims)?;
-    let (dp, fsdp) = (mesh.group("dp")?, mesh.group("fsdp")?);
+    // experts spread over all the data-parallel ranks, or over --ep of them
+    let d = ParallelDims { pp: a.pp, cp: a.cp, ..a.degrees.dims()? };
+    let ep = match (a.experts, a.ep) {
+        (0, 0) => 1,
+        (0, ep) => return Err(format!("--ep {ep} needs --experts").into()),
+        (n, _) if d.dp_shard > 1 => return Err(format!("--experts {n} runs with DDP over --dp, not FSDP").into()),
+        (n, ep) if n % (if ep == 0 { d.dp() } else { ep }) as i64 != 0 => {
+            return Err(format!("--experts {n} does not spread evenly over the expert-parallel ranks").into())
+        }
+        (_, 0) => d.dp(),
+        (_, ep) => ep,
+    };
+    let dims = ParallelDims { ep, ..d }.build(&world)?;
     // each sequence split over the "cp" ranks (head and tail chunks)
     let cp = match a.cp {
         1 => None,
@@ -345,36 +316,35 @@ fn main() -> Res<()> {
             return Err(format!("--context {} does not split into 2 x --cp {n} chunks", a.context).into())
         }
         _ if a.experts > 0 => return Err("--experts runs without --cp".into()),
-        _ => Some(ContextParallel::new(mesh.group("cp")?, Default::default())),
+        _ => Some(ContextParallel::new(dims.cp_group(), Default::default())),
     };
     let bytes = std::fs::read(&a.corpus).map_err(|e| format!("--corpus {}: {e}", a.corpus))?;
     let corpus = Tensor::from_slice(&bytes).to_kind(Kind::Int64);
-    // every data-parallel rank (replica or shard) draws its own rows of the global batch
-    let replicas = a.layout.replicas();
-    if a.global_batch % replicas as i64 != 0 {
-        return Err(format!("--global-batch {} is not divisible by --dp x --fsdp = {replicas}", a.global_batch).into());
-    }
-    let per_dp = a.global_batch / replicas as i64;
-
-    // experts spread over the data-parallel ranks (or --ep of them), whose DDP leaves them out of its
-    // buckets (and sums them over the ranks holding the same experts)
-    let ep = match (a.experts, a.ep) {
-        (0, 0) => None,
-        (0, ep) => return Err(format!("--ep {ep} needs --experts").into()),
-        (n, _) if a.layout.fsdp > 1 => return Err(format!("--experts {n} runs with DDP over --dp, not FSDP").into()),
-        (n, ep) => Some(experts(&dp, n, if ep == 0 { a.layout.dp } else { ep })?),
+    // every data-parallel rank (replica or shard) reads its own rows of the global batch
+    let rows = dims.rows(a.global_batch)?;
+    // a mixture of experts' groups; DDP leaves the experts out of its buckets (and sums them over the
+    // ranks holding the same experts)
+    let ep = match (a.experts, dims.expert_group()) {
+        (0, _) => None,
+        (_, Some(g)) => Some(Experts { group: g.clone(), replicas: dims.expert_replica_group().cloned() }),
+        (_, None) if dims.batch_group().size() == 1 => {
+            Some(Experts { group: dims.batch_group().clone(), replicas: None })
+        }
+        (n, None) => {
+            return Err(format!("--experts {n} --ep 1 holds every expert on every rank: use --ep 2 or more").into())
+        }
     };
-    let plan = plan(&mesh)?;
+    let plan = plan(&dims);
     let layers = model(&a, &plan, ep, cp.clone());
     // stages balanced by parameter bytes
     let costs: Vec<f64> = layers.param_bytes()?.into_iter().map(|b| b as f64).collect();
     let part = Partition::balanced(&costs, a.pp)?;
     let cfg = PipelineConfig {
         microbatches: a.microbatches,
-        data_parallel: data_parallel(&world, &mesh, &a)?,
+        data_parallel: dims.stage_data_parallel(DdpOptions::default(), FsdpOptions::default()),
         ..Default::default()
     };
-    let mut stage = PipelineRank::build(mesh.group("pp")?, &layers, &part, cfg)?;
+    let mut stage = PipelineRank::build(dims.pp_group(), &layers, &part, cfg)?;
     // what the optimizer steps (FSDP's shards); each one's placement says how clipping sums it
     let params = stage.parameters();
     let mut opt = AdamW::new(params.iter().map(|p| p.shallow_clone()).collect(), a.lr);
@@ -382,20 +352,18 @@ fn main() -> Res<()> {
     let loss = move |logits: &Tensor, y: &Tensor| -> Tensor {
         loss_plan.cross_entropy(logits, y).unwrap_or_else(|e| panic!("{e}")).mean(Kind::Float)
     };
-    let at = |d: &str| mesh.coordinate(d);
-    let reporter = at("pp")? == a.pp - 1 && at("dp")? == 0 && at("fsdp")? == 0 && at("cp")? == 0 && at("tp")? == 0;
+    let reporter = dims.is_reporter();
     let mut out = match (&a.losses, reporter) {
         (Some(f), true) => Some(std::fs::File::create(f).map_err(|e| format!("--losses {f}: {e}"))?),
         _ => None,
     };
-    let first = (at("dp")? * a.layout.fsdp + at("fsdp")?) as i64 * per_dp;
     let mut started = std::time::Instant::now();
     for step in 0..a.steps {
         if a.bench == Some(step) {
             world.barrier()?;
             started = std::time::Instant::now();
         }
-        let (x, y) = batch(&corpus, step, a.global_batch, first, per_dp, a.context);
+        let (x, y) = batch(&corpus, step, a.global_batch, rows.start, rows.end - rows.start, a.context);
         let (x, y) = match &cp {
             None => (x, y),
             Some(cp) => (cp.shard(&x, 1)?, cp.shard(&y, 1)?),
@@ -407,11 +375,7 @@ fn main() -> Res<()> {
         stage.zero_grad()?;
         if let Some(l) = report.loss {
             // the mean over the data- and context-parallel ranks of the last stage
-            let mut l = Tensor::from_slice(&[l]);
-            for g in [&dp, &fsdp, &mesh.group("cp")?] {
-                g.allreduce(&mut l, ReduceOp::Sum)?;
-            }
-            let l = l.double_value(&[0]) / (replicas * a.cp) as f64;
+            let l = dims.average_loss(l)?;
             if reporter && (step % 20 == 0 || step + 1 == a.steps) {
                 println!("step {step}: loss {l:.4} ({:.1} s)", started.elapsed().as_secs_f64());
             }

@@ -17,16 +17,16 @@ use std::sync::Arc;
 
 use clap::Parser;
 
-#[path = "common/layout.rs"]
-mod layout;
-use layout::Layout;
+#[path = "common/degrees.rs"]
+mod degrees;
+use degrees::Degrees;
 use tch::data::TextData;
 use tch::nn::{self, Module, OptimizerConfig};
-use tch::{Device, Kind, Tensor};
+use tch::{Device, IndexOp, Kind, Tensor};
 use tch_dist::checkpoint::{Checkpointer, StateDict};
-use tch_dist::mesh::DeviceMesh;
+use tch_dist::parallel_dims::ParallelMesh;
 use tch_dist::parallelize::{self, Linear, Plan, Style, Unit};
-use tch_dist::{DistModule, ProcessGroup, ReduceOp};
+use tch_dist::{DistModule, ProcessGroup};
 
 type Result<T> = std::result::Result<T, Box<dyn std::error::Error>>;
 
@@ -37,7 +37,7 @@ struct Args {
     #[arg(long)]
     corpus: String,
     #[command(flatten)]
-    layout: Layout,
+    degrees: Degrees,
     #[arg(long, default_value_t = 4)]
     layers: i64,
     #[arg(long, default_value_t = 256)]
@@ -235,28 +235,24 @@ fn rope_table(head_dim: i64, context: i64) -> Tensor {
 
 /// Tensor parallelism by name (the fused projection split block by block), and the data parallelism
 /// of the flags.
-fn plan(mesh: &DeviceMesh, vs: &nn::VarStore, a: &Args) -> tch_dist::Result<Plan> {
-    let plan = Plan::tensor_parallel(mesh, "tp")?
+fn plan(dims: &ParallelMesh, vs: &nn::VarStore) -> tch_dist::Result<Plan> {
+    Ok(dims
+        .plan(vs)?
         .style("*.attn.c_attn", Style::colwise_fused(3))
         .styles(&["*.c_fc1", "*.c_fc2"], Style::colwise())
-        .style("*.c_proj", Style::rowwise());
-    a.layout.data_parallel(plan, mesh, vs)
+        .style("*.c_proj", Style::rowwise()))
 }
 
 fn main() -> Result<()> {
-    let mut a = Args::parse();
-    a.layout = a.layout.resolve()?;
+    let a = Args::parse();
     tch::set_num_threads(1);
     let world = Arc::new(ProcessGroup::from_env()?);
-    let mesh = DeviceMesh::new(&world, &[("dp", a.layout.dp), ("fsdp", a.layout.fsdp), ("tp", a.layout.tp)])?;
-    let replicas = a.layout.replicas() as i64;
-    if a.batch_size % replicas != 0 {
-        return Err(format!("--batch-size {} is not divisible by --dp x --fsdp = {replicas}", a.batch_size).into());
-    }
+    let dims = a.degrees.dims()?.build(&world)?;
+    let rows = dims.rows(a.batch_size)?; // this rank's rows of each batch
     let data = TextData::new(&a.corpus).map_err(|e| format!("--corpus {}: {e}", a.corpus))?;
     let cfg = Config { vocab_size: data.labels(), n_layer: a.layers, n_head: a.n_head, n_embd: a.n_embd };
     let vs = nn::VarStore::new(Device::Cpu);
-    let plan = plan(&mesh, &vs, &a)?;
+    let plan = plan(&dims, &vs)?;
     tch::manual_seed(42); // every rank and every layout: the same model
     let model = plan.build(&vs, || Llama::new(vs.root(), cfg, a.block_size))?;
     let mut opt = nn::AdamW::default().build(&vs, a.lr)?; // after the model: under FSDP, over its shards
@@ -271,15 +267,12 @@ fn main() -> Result<()> {
     // the same batches on every rank; each data-parallel rank trains on its rows
     tch::manual_seed(1);
     let batches = data.iter_shuffle(a.block_size + 1, a.batch_size);
-    let dp_rank = (mesh.coordinate("dp")? * a.layout.fsdp + mesh.coordinate("fsdp")?) as i64;
-    let rows = a.batch_size / replicas;
     let mut out = match (&a.losses, world.rank()) {
         (Some(f), 0) => Some(std::fs::OpenOptions::new().create(true).append(true).open(f)?),
         _ => None,
     };
-    let (dp, fsdp) = (mesh.group("dp")?, mesh.group("fsdp")?);
     for (step, batch) in batches.enumerate().take(a.steps).skip(start) {
-        let batch = batch.narrow(0, dp_rank * rows, rows);
+        let batch = batch.i(rows.clone());
         let xs = batch.narrow(1, 0, a.block_size).to_kind(Kind::Int64);
         let ys = batch.narrow(1, 1, a.block_size).to_kind(Kind::Int64);
         let logits = model.forward(&xs);
@@ -287,10 +280,7 @@ fn main() -> Result<()> {
         opt.zero_grad();
         model.backward(&loss)?; // DDP's and FSDP's reductions; plain autograd otherwise
         opt.step();
-        let mut l = loss.detach();
-        dp.allreduce(&mut l, ReduceOp::Sum)?;
-        fsdp.allreduce(&mut l, ReduceOp::Sum)?;
-        let l = l.double_value(&[]) / replicas as f64;
+        let l = dims.average_loss(loss.double_value(&[]))?;
         if world.rank() == 0 && (step % 20 == 0 || step + 1 == a.steps) {
             println!("step {step}: loss {l:.4}");
         }

@@ -18,15 +18,15 @@ use std::io::Write;
 
 use clap::Parser;
 
-#[path = "common/layout.rs"]
-mod layout;
-use layout::Layout;
+#[path = "common/degrees.rs"]
+mod degrees;
+use degrees::Degrees;
 use tch::data::TextData;
 use tch::nn::{ModuleT, OptimizerConfig};
 use tch::{nn, Device, IndexOp, Kind, Tensor};
-use tch_dist::mesh::DeviceMesh;
+use tch_dist::parallel_dims::ParallelMesh;
 use tch_dist::parallelize::{self, Linear, Plan, Style};
-use tch_dist::{ProcessGroup, ReduceOp};
+use tch_dist::ProcessGroup;
 
 type Result<T> = std::result::Result<T, Box<dyn std::error::Error>>;
 
@@ -37,7 +37,7 @@ struct Args {
     #[arg(long)]
     corpus: String,
     #[command(flatten)]
-    layout: Layout,
+    degrees: Degrees,
     #[arg(long, default_value_t = 8)]
     layers: i64,
     #[arg(long, default_value_t = 512)]
@@ -152,23 +152,19 @@ fn gpt(p: nn::Path, cfg: Config) -> impl ModuleT {
 // ---- the launch: a mesh and the plan for the layout ----
 
 /// Tensor parallelism as Megatron splits a block, and the data parallelism of the flags.
-fn plan(mesh: &DeviceMesh, vs: &nn::VarStore, a: &Args) -> tch_dist::Result<Plan> {
-    let plan = Plan::tensor_parallel(mesh, "tp")?
+fn plan(dims: &ParallelMesh, vs: &nn::VarStore) -> tch_dist::Result<Plan> {
+    Ok(dims
+        .plan(vs)?
         .styles(&["*.key", "*.query", "*.value", "*.lin1"], Style::colwise())
-        .styles(&["*.proj", "*.lin2"], Style::rowwise());
-    a.layout.data_parallel(plan, mesh, vs)
+        .styles(&["*.proj", "*.lin2"], Style::rowwise()))
 }
 
 fn main() -> Result<()> {
-    let mut a = Args::parse();
-    a.layout = a.layout.resolve()?;
+    let a = Args::parse();
     tch::set_num_threads(1);
     let world = ProcessGroup::from_env()?;
-    let mesh = DeviceMesh::new(&world, &[("dp", a.layout.dp), ("fsdp", a.layout.fsdp), ("tp", a.layout.tp)])?;
-    let replicas = a.layout.replicas();
-    if a.batch_size % replicas as i64 != 0 {
-        return Err(format!("--batch-size {} is not divisible by --dp x --fsdp = {replicas}", a.batch_size).into());
-    }
+    let dims = a.degrees.dims()?.build(&world)?;
+    let rows = dims.rows(a.batch_size)?; // this rank's rows of each batch
     let data = TextData::new(&a.corpus).map_err(|e| format!("--corpus {}: {e}", a.corpus))?;
     let cfg = Config {
         vocab_size: data.labels(),
@@ -182,7 +178,7 @@ fn main() -> Result<()> {
     };
     let device = Device::Cpu;
     let vs = nn::VarStore::new(device);
-    let plan = plan(&mesh, &vs, &a)?;
+    let plan = plan(&dims, &vs)?;
     tch::manual_seed(42); // every layout starts from the same model
     let gpt = plan.build(&vs, || gpt(vs.root() / "gpt", cfg))?; // the layers and units through the plan
     let mut opt = nn::AdamW::default().build(&vs, a.lr)?;
@@ -192,29 +188,21 @@ fn main() -> Result<()> {
     // the same batches on every rank; each data-parallel rank trains on its rows
     tch::manual_seed(1);
     let batches = data.iter_shuffle(a.block_size + 1, a.batch_size);
-    let dp_rank = mesh.coordinate("dp")? * a.layout.fsdp + mesh.coordinate("fsdp")?;
-    tch::manual_seed(100 + dp_rank as i64); // dropout differs across replicas, agrees across TP ranks
-    let rows = a.batch_size / replicas as i64;
+    tch::manual_seed(100 + dims.batch_rank() as i64); // dropout differs across replicas, agrees across TP ranks
     let mut out = match (&a.losses, world.rank()) {
         (Some(f), 0) => Some(std::fs::File::create(f).map_err(|e| format!("--losses {f}: {e}"))?),
         _ => None,
     };
-    let (dp, fsdp) = (mesh.group("dp")?, mesh.group("fsdp")?);
     let started = std::time::Instant::now();
     for (step, batch) in batches.take(a.steps).enumerate() {
-        let batch = batch.narrow(0, dp_rank as i64 * rows, rows);
+        let batch = batch.i(rows.clone());
         let xs = batch.narrow(1, 0, a.block_size).to_kind(Kind::Int64).to_device(device);
         let ys = batch.narrow(1, 1, a.block_size).to_kind(Kind::Int64).to_device(device);
         let logits = xs.apply_t(&gpt, true);
-        let loss = logits
-            .view([rows * a.block_size, cfg.vocab_size])
-            .cross_entropy_for_logits(&ys.view([rows * a.block_size]));
+        let loss = logits.view([-1, cfg.vocab_size]).cross_entropy_for_logits(&ys.view([-1]));
         opt.backward_step_clip(&loss, 0.5);
         // the loss of the global batch: the mean over the data-parallel ranks
-        let mut l = loss.detach();
-        dp.allreduce(&mut l, ReduceOp::Sum)?;
-        fsdp.allreduce(&mut l, ReduceOp::Sum)?;
-        let l = l.double_value(&[]) / replicas as f64;
+        let l = dims.average_loss(loss.double_value(&[]))?;
         if world.rank() == 0 && (step % 20 == 0 || step + 1 == a.steps) {
             println!("step {step}: loss {l:.4} ({:.1} s)", started.elapsed().as_secs_f64());
         }
