@@ -60,6 +60,7 @@ pub mod recompute;
 #[cfg(feature = "testing")]
 #[doc(hidden)] // libtorch's own bucket assignment and object layouts, for tests to compare with
 pub mod reference;
+mod settings;
 pub mod store;
 pub mod stream;
 pub mod sync_batch_norm;

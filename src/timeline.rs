@@ -57,9 +57,9 @@ struct State {
 fn timeline() -> Option<&'static Timeline> {
     static T: OnceLock<Option<Timeline>> = OnceLock::new();
     T.get_or_init(|| {
-        let dir = PathBuf::from(std::env::var_os("TCH_DIST_TIMELINE_DIR")?);
-        let rank = std::env::var("RANK").ok().and_then(|r| r.parse().ok()).unwrap_or(0);
-        let cap = std::env::var("TCH_DIST_TIMELINE_EVENTS").ok().and_then(|v| v.parse().ok()).unwrap_or(100_000);
+        let dir = crate::settings::timeline_dir()?;
+        let rank = crate::settings::launch_rank().unwrap_or(0) as u64;
+        let cap = crate::settings::timeline_events();
         // SAFETY: registers a plain extern "C" function with no arguments, run once at normal exit.
         unsafe { libc::atexit(write_at_exit) };
         Some(Timeline { dir, rank, cap, events: Mutex::new(State::default()) })

@@ -604,7 +604,7 @@ impl GroupTrace {
     /// that the merge sees a rank that is alive but elsewhere; waits a moment for those whose heartbeat is
     /// fresh (a stopped or dead one cannot answer).
     fn request_dumps(&self, reason: &str, peers: &[PeerProgress]) {
-        if std::env::var_os("TCH_DIST_TRACE_DIR").is_none() {
+        if crate::settings::trace_dir().is_none() {
             return;
         }
         // on a thread, bounded: the store's host may be the rank that is stopped

@@ -78,11 +78,7 @@ struct Ring {
 fn ring() -> &'static Ring {
     static RING: OnceLock<Ring> = OnceLock::new();
     RING.get_or_init(|| {
-        // ours, else PyTorch's names for it (TORCH_NCCL_TRACE_BUFFER_SIZE is the older one)
-        let capacity = ["TCH_DIST_TRACE_ENTRIES", "TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"]
-            .iter()
-            .find_map(|v| std::env::var(v).ok().and_then(|v| v.trim().parse().ok()))
-            .unwrap_or(2000);
+        let capacity = crate::settings::trace_entries();
         Ring { capacity, entries: Mutex::new(VecDeque::with_capacity(capacity.min(4096))), next_id: AtomicU64::new(1) }
     })
 }
@@ -213,11 +209,11 @@ pub fn dump(reason: &str) -> Option<PathBuf> {
 }
 
 pub(crate) fn dump_with(reason: &str, peers: Vec<PeerProgress>, group_rank: Option<usize>) -> Option<PathBuf> {
-    let dir = PathBuf::from(std::env::var_os("TCH_DIST_TRACE_DIR")?);
+    let dir = crate::settings::trace_dir()?;
     if !enabled() {
         return None;
     }
-    let rank = std::env::var("RANK").ok().and_then(|r| r.parse().ok()).or(group_rank).unwrap_or(0);
+    let rank = crate::settings::launch_rank().or(group_rank).unwrap_or(0);
     let d = Dump {
         rank,
         pid: std::process::id(),
@@ -235,8 +231,8 @@ pub(crate) fn dump_with(reason: &str, peers: Vec<PeerProgress>, group_rank: Opti
     // PyTorch's format beside it, in a directory of its own (its analyzer reads every file it finds)
     let torch = dir.join(TORCH_DIR);
     std::fs::create_dir_all(&torch).ok()?;
-    let timeout_ms = std::env::var("TCH_DIST_TIMEOUT_SECS").ok().and_then(|v| v.trim().parse::<f64>().ok());
-    let timeout_ms = timeout_ms.map_or(600_000, |s| (s * 1000.0) as i64);
+    let timeout = crate::settings::timeout(&crate::settings::lookup).ok().flatten();
+    let timeout_ms = timeout.map_or(600_000, |t| t.as_millis() as i64);
     write_whole(
         &torch.join(format!("{}{rank}", super::torch_format::PREFIX)),
         &super::torch_format::to_pickle(&d, timeout_ms),

@@ -137,8 +137,7 @@ fn receive(g: &ProcessGroup, src: usize) -> Result<(u64, Vec<(String, Tensor)>)>
 /// a worker's first start only.
 #[cfg(feature = "testing")]
 fn fault_point(name: &str) {
-    let first_start = std::env::var("TORCHELASTIC_RESTART_COUNT").map_or(true, |c| c == "0");
-    if first_start && std::env::var("TCH_DIST_FT_FAULT").is_ok_and(|f| f == name) {
+    if crate::settings::ft_fault().is_some_and(|f| f == name) {
         eprintln!("tch-dist: fault injected: {name}");
         // SAFETY: raising a signal on this process has no memory-safety preconditions.
         unsafe {

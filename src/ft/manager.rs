@@ -59,27 +59,13 @@ impl ManagerConfig {
     /// `TCH_DIST_FT_PEER_HEARTBEAT_SECS` (`peer_heartbeat_timeout`) and `TCH_DIST_HOSTNAME` (`hostname`,
     /// from `tchrun --local-addr`).
     pub fn from_env() -> Result<Self> {
-        let var = |v: &str| {
-            std::env::var(v).ok().filter(|s| !s.trim().is_empty()).ok_or_else(|| Error::Env {
-                var: v.into(),
-                msg: "is not set (tchrun --replica-id and --lighthouse set it)".into(),
-            })
-        };
-        let mut c = ManagerConfig::new(&var("TCH_DIST_REPLICA_ID")?, &var("TCH_DIST_LIGHTHOUSE")?);
-        let secs = |name: &str, into: &mut Duration| -> Result<()> {
-            if let Ok(v) = std::env::var(name) {
-                let s = v.trim().parse::<f64>().ok().filter(|s| *s > 0.0 && s.is_finite());
-                *into = Duration::from_secs_f64(s.ok_or_else(|| Error::Env {
-                    var: name.into(),
-                    msg: format!("{v:?} is not a positive number of seconds"),
-                })?);
-            }
-            Ok(())
-        };
-        secs("TCH_DIST_FT_TIMEOUT_SECS", &mut c.timeout)?;
-        secs("TCH_DIST_FT_QUORUM_TIMEOUT_SECS", &mut c.quorum_timeout)?;
-        secs("TCH_DIST_FT_PEER_HEARTBEAT_SECS", &mut c.peer_heartbeat_timeout)?;
-        c.hostname = std::env::var("TCH_DIST_HOSTNAME").ok().filter(|s| !s.trim().is_empty());
+        use crate::settings::ft_seconds;
+        let (replica, lighthouse) = crate::settings::replica()?;
+        let mut c = ManagerConfig::new(&replica, &lighthouse);
+        c.timeout = ft_seconds("TCH_DIST_FT_TIMEOUT_SECS")?.unwrap_or(c.timeout);
+        c.quorum_timeout = ft_seconds("TCH_DIST_FT_QUORUM_TIMEOUT_SECS")?.unwrap_or(c.quorum_timeout);
+        c.peer_heartbeat_timeout = ft_seconds("TCH_DIST_FT_PEER_HEARTBEAT_SECS")?.unwrap_or(c.peer_heartbeat_timeout);
+        c.hostname = crate::settings::hostname(&crate::settings::lookup);
         Ok(c)
     }
 }
@@ -387,7 +373,8 @@ impl Manager {
             timeout: self.cfg.timeout,
             hostname: self.cfg.hostname.clone(),
             heartbeat_timeout: Some(self.cfg.peer_heartbeat_timeout),
-            ..GroupOptions::default()
+            // the process's settings (verification, strict mode), as its other groups have them
+            ..GroupOptions::from_env()?
         };
         let prefixed = store.prefixed(&format!("ft/{}/{local}/", q.id))?;
         let g = ProcessGroup::new_named(&prefixed, (me, q.members.len()), &opts, "replicate", true)?;

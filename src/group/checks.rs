@@ -33,18 +33,6 @@ pub enum CheckPolicy {
     Once,
 }
 
-impl CheckPolicy {
-    /// The policy `TCH_DIST_VERIFY` names (`always`, `once`), else the default. Read per process: set it
-    /// alike on every rank, as every `TCH_DIST_` setting.
-    pub fn from_env() -> CheckPolicy {
-        match std::env::var("TCH_DIST_VERIFY").as_deref() {
-            Ok("always") => CheckPolicy::Always,
-            Ok("once") => CheckPolicy::Once,
-            _ => CheckPolicy::OnceOnNccl,
-        }
-    }
-}
-
 /// Which calls a check's set follows.
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) enum Scope {

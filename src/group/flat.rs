@@ -25,18 +25,6 @@ pub enum Collectives {
     Ring,
 }
 
-impl Collectives {
-    /// What `TCH_DIST_COLLECTIVES` names (`auto`, `native`, `ring`), else `Auto`. CI's production-like
-    /// leg sets `native`, so that Gloo runs the flat collectives as NCCL does (one collective per call).
-    pub fn from_env() -> Collectives {
-        match std::env::var("TCH_DIST_COLLECTIVES").as_deref() {
-            Ok("native") => Collectives::Native,
-            Ok("ring") => Collectives::Ring,
-            _ => Collectives::Auto,
-        }
-    }
-}
-
 impl ProcessGroup {
     /// Whether flat collectives on `device` run as rings.
     fn rings_on(&self, device: Device) -> bool {

@@ -26,7 +26,6 @@ pub(crate) use engine::shutdown_all;
 use engine::Engine;
 pub use flat::Collectives;
 pub use p2p::P2pOp;
-pub use strict::strict_default;
 use strict::Strict;
 
 use crate::error::{check, Error, Result};
@@ -74,28 +73,28 @@ pub struct GroupOptions {
     pub threads: usize,
     /// Before each collective, check that all ranks pass the same operation, dtype and shape (one small
     /// all_gather), and before each recv, that the sender's tensor matches. Gloo aborts the process on a
-    /// size mismatch, so this is on by default; turn it off (or set `TCH_DIST_VERIFY=0`) to save the round
+    /// size mismatch, so this is on by default; turn it off (`TCH_DIST_VERIFY=0` under `from_env`) to save the round
     /// trip once a program is known to be consistent. DDP's bucket collectives never pay it: their shapes
     /// are checked once, at construction.
     pub verify: bool,
     /// With `verify` on, when checks run: by default every time on Gloo and at each kind's first call on
     /// NCCL, where each is a host round trip in front of work that takes microseconds (see
     /// [`CheckPolicy`] and `src/group/checks.rs` for what that leaves unchecked). `TCH_DIST_VERIFY=always` or
-    /// `once` sets it for every group of the process.
+    /// `once` sets it for the groups built [`from_env`](Self::from_env).
     pub checks: CheckPolicy,
     /// The GPU this rank's NCCL engine uses (PyTorch's `device_id`); `None`: rank modulo the GPU count.
     pub cuda_device: Option<usize>,
     /// The strict NCCL mode of the Gloo engine (see the `strict` module): point-to-point follows NCCL's
     /// ordering rules, so that code which would hang on several GPUs fails here with an error. For tests;
-    /// `TCH_DIST_STRICT_NCCL=1` turns it on for every group of the process.
+    /// `TCH_DIST_STRICT_NCCL=1` turns it on for the groups built [`from_env`](Self::from_env).
     pub strict_nccl: bool,
     /// How flat all-gathers and reduce-scatters (ZeRO, FSDP) run; by default the engine's fastest
-    /// (`TCH_DIST_COLLECTIVES` sets it for every group of the process).
+    /// (`TCH_DIST_COLLECTIVES` sets it under [`from_env`](Self::from_env)).
     pub collectives: Collectives,
     /// A rank waiting on the host for a collective ends the wait when another rank's heartbeat (published
     /// every second by the flight recorder, whatever that rank computes) has not changed for this long:
     /// a stopped or cut-off rank is named within it, not after the collective timeout. A slow rank that is
-    /// alive is never named. `None` turns it off. Default 60 s, or `TCH_DIST_HEARTBEAT_TIMEOUT_SECS`
+    /// alive is never named. `None` turns it off. Default 60 s, or under [`from_env`](Self::from_env) `TCH_DIST_HEARTBEAT_TIMEOUT_SECS`
     /// (0 turns it off). On NCCL, and for plain Gloo send and recv, waits are not watched (NCCL's `wait`
     /// does not block the host): there the collective timeout applies.
     pub heartbeat_timeout: Option<Duration>,
@@ -104,19 +103,6 @@ pub struct GroupOptions {
 /// The heartbeat timeout when none is set: 60 s.
 pub const DEFAULT_HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(60);
 
-/// `TCH_DIST_HEARTBEAT_TIMEOUT_SECS` (seconds; 0 turns the heartbeat timeout off), else the default.
-pub fn heartbeat_timeout_from_env() -> Result<Option<Duration>> {
-    let Ok(v) = std::env::var("TCH_DIST_HEARTBEAT_TIMEOUT_SECS") else { return Ok(Some(DEFAULT_HEARTBEAT_TIMEOUT)) };
-    match v.trim().parse::<f64>() {
-        Ok(0.0) => Ok(None),
-        Ok(s) if s > 0.0 && s.is_finite() => Ok(Some(Duration::from_secs_f64(s))),
-        _ => Err(Error::Env {
-            var: "TCH_DIST_HEARTBEAT_TIMEOUT_SECS".into(),
-            msg: format!("{v:?} is not a number of seconds (0 turns the heartbeat timeout off)"),
-        }),
-    }
-}
-
 impl Default for GroupOptions {
     fn default() -> Self {
         GroupOptions {
@@ -124,19 +110,36 @@ impl Default for GroupOptions {
             timeout: DEFAULT_TIMEOUT,
             hostname: None,
             threads: 0,
-            verify: verify_default(),
-            checks: CheckPolicy::from_env(),
+            verify: true,
+            checks: CheckPolicy::OnceOnNccl,
             cuda_device: None,
-            strict_nccl: strict_default(),
-            collectives: Collectives::from_env(),
-            heartbeat_timeout: heartbeat_timeout_from_env().unwrap_or(Some(DEFAULT_HEARTBEAT_TIMEOUT)),
+            strict_nccl: false,
+            collectives: Collectives::Auto,
+            heartbeat_timeout: Some(DEFAULT_HEARTBEAT_TIMEOUT),
         }
     }
 }
 
-/// `TCH_DIST_VERIFY=0` turns agreement checks off by default.
-pub fn verify_default() -> bool {
-    !matches!(std::env::var("TCH_DIST_VERIFY").as_deref(), Ok("0") | Ok("false") | Ok("off"))
+impl GroupOptions {
+    /// The defaults with the process's settings applied: `TCH_DIST_VERIFY` (`verify`, `checks`),
+    /// `TCH_DIST_STRICT_NCCL`, `TCH_DIST_COLLECTIVES` and `TCH_DIST_HEARTBEAT_TIMEOUT_SECS`
+    /// (docs/process-groups.md lists them). A value that cannot be read is an error naming the variable.
+    /// [`ProcessGroup::from_env`] and [`ProcessGroup::init`] build with these; `Default` reads nothing.
+    pub fn from_env() -> Result<GroupOptions> {
+        GroupOptions::default().with_env()
+    }
+
+    /// These options with the process's settings applied over them (see [`from_env`](Self::from_env)).
+    pub fn with_env(mut self) -> Result<GroupOptions> {
+        if let Some((verify, checks)) = crate::settings::verify()? {
+            self.verify = verify;
+            self.checks = checks.unwrap_or(self.checks);
+        }
+        self.strict_nccl = crate::settings::strict_nccl()?.unwrap_or(self.strict_nccl);
+        self.collectives = crate::settings::collectives()?.unwrap_or(self.collectives);
+        self.heartbeat_timeout = crate::settings::heartbeat_timeout()?.unwrap_or(self.heartbeat_timeout);
+        Ok(self)
+    }
 }
 
 /// A group of `size` ranks that run collectives together; this process is `rank`.

@@ -34,11 +34,6 @@ use crate::ffi;
 use crate::store::Store;
 use crate::work::{Ticket, Work};
 
-/// `TCH_DIST_STRICT_NCCL=1` puts every group of the process in the strict mode.
-pub fn strict_default() -> bool {
-    matches!(std::env::var("TCH_DIST_STRICT_NCCL").as_deref(), Ok("1") | Ok("true") | Ok("on"))
-}
-
 /// What a queued unit runs: messages to post, or a collective already posted; and its places in the
 /// group's order.
 struct Unit {

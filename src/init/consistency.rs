@@ -71,15 +71,8 @@ struct Launch {
 
 impl Launch {
     fn of_this_process(rank: usize, world: usize) -> Launch {
-        let var = |v: &str| std::env::var(v).ok().and_then(|s| s.trim().parse().ok());
-        Launch {
-            rank,
-            world,
-            node: var("GROUP_RANK"),
-            per_node: var("LOCAL_WORLD_SIZE"),
-            host: crate::flight::hostname(),
-            pid: std::process::id(),
-        }
+        let (node, per_node) = crate::settings::node_and_per_node();
+        Launch { rank, world, node, per_node, host: crate::flight::hostname(), pid: std::process::id() }
     }
 
     fn encode(&self) -> String {

@@ -8,9 +8,9 @@ use crate::error::{Error, Result};
 /// A variable lookup: `std::env::var` in a process, a table in tests.
 pub type Vars<'a> = &'a dyn Fn(&str) -> Option<String>;
 
-/// The process's own environment.
+/// The process's own environment (read as every setting is, by `src/settings.rs`).
 pub fn process_vars(var: &str) -> Option<String> {
-    std::env::var(var).ok()
+    crate::settings::lookup(var)
 }
 
 /// The port Slurm jobs rendezvous on without `MASTER_PORT`: 15000 plus the last four digits of

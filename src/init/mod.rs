@@ -73,16 +73,8 @@ impl InitOptions {
         let p = launcher::placement(vars)?;
         let mut o = InitOptions::new(p.rank, p.world_size, &p.master_addr, p.master_port);
         o.device = launcher::device(vars, p.local_rank, visible_gpus)?;
-        if let Some(v) = vars("TCH_DIST_TIMEOUT_SECS") {
-            let secs: f64 = parse_num("TCH_DIST_TIMEOUT_SECS", &v)?;
-            o.timeout = Duration::try_from_secs_f64(secs).ok().filter(|_| secs > 0.0).ok_or_else(|| Error::Env {
-                var: "TCH_DIST_TIMEOUT_SECS".into(),
-                msg: format!("{v:?} is not a positive number of seconds"),
-            })?;
-        }
-        // a bad value is named here; groups read the variable again for their default
-        crate::group::heartbeat_timeout_from_env()?;
-        o.hostname = vars("TCH_DIST_HOSTNAME").filter(|h| !h.trim().is_empty());
+        o.timeout = crate::settings::timeout(vars)?.unwrap_or(o.timeout);
+        o.hostname = crate::settings::hostname(vars).filter(|h| !h.trim().is_empty());
         if let Some(v) = vars("TCH_DIST_BACKEND") {
             o.backend = Some(v.parse().map_err(|_| Error::Env {
                 var: "TCH_DIST_BACKEND".into(),
@@ -91,10 +83,6 @@ impl InitOptions {
         }
         Ok(o)
     }
-}
-
-fn parse_num<T: std::str::FromStr>(var: &str, v: &str) -> Result<T> {
-    v.trim().parse().map_err(|_| Error::Env { var: var.into(), msg: format!("{v:?} is not a valid number here") })
 }
 
 impl ProcessGroup {
@@ -116,7 +104,14 @@ impl ProcessGroup {
         // With agreement checks on (every rank is tch-dist's), the launch check below waits for the ranks
         // and names a world size or RANK that disagrees; the store's own wait for its workers would only
         // time out. PyTorch's ranks (checks off) expect PyTorch's store.
-        let checked = crate::group::verify_default();
+        let opts = GroupOptions {
+            backend,
+            timeout: o.timeout,
+            hostname: o.hostname.clone(),
+            cuda_device: None,
+            ..GroupOptions::from_env()?
+        };
+        let checked = opts.verify;
         let base = if o.rank == 0 {
             TcpStoreOptions {
                 wait_workers: !checked,
@@ -138,13 +133,7 @@ impl ProcessGroup {
             }
             _ => None,
         };
-        let opts = GroupOptions {
-            backend,
-            timeout: o.timeout,
-            hostname: o.hostname.clone(),
-            cuda_device,
-            ..GroupOptions::default()
-        };
+        let opts = GroupOptions { cuda_device, ..opts };
         ProcessGroup::on_default_store(&store, o.rank, o.world_size, &opts)
     }
 

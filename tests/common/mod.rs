@@ -61,7 +61,8 @@ pub fn gloo_opts(timeout: Duration) -> GroupOptions {
         backend: Backend::Gloo.into(),
         timeout,
         hostname: Some("127.0.0.1".into()),
-        ..GroupOptions::default()
+        // CI's legs set TCH_DIST_STRICT_NCCL, TCH_DIST_VERIFY and TCH_DIST_COLLECTIVES for every group
+        ..GroupOptions::from_env().expect("the TCH_DIST_ settings")
     }
 }
 
