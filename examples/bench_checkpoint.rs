@@ -18,6 +18,7 @@ use tch_dist::checkpoint::{Checkpointer, StateDict};
 use tch_dist::ddp::{DdpOptions, DistributedDataParallel};
 use tch_dist::fsdp::{FsdpBuilder, FsdpOptions, FullyShardedDataParallel};
 use tch_dist::optim::{AdamW, Optimizer};
+use tch_dist::DistModule;
 use tch_dist::{ProcessGroup, ReduceOp};
 
 const WIDTH: i64 = 1024;

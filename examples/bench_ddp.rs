@@ -7,6 +7,7 @@ use std::time::Instant;
 use clap::Parser;
 use tch::{nn, nn::Module, nn::OptimizerConfig, Device, Kind, Tensor};
 use tch_dist::ddp::{DdpOptions, DistributedDataParallel, PowerSgd, PowerSgdOptions};
+use tch_dist::DistModule;
 use tch_dist::{memory, ProcessGroup};
 
 #[derive(Parser)]

@@ -26,6 +26,7 @@ use tch_dist::ddp::{DdpOptions, DistributedDataParallel};
 use tch_dist::fsdp::FsdpOptions;
 use tch_dist::optim::{AdamW, Optimizer};
 use tch_dist::zero::{ShardedOptimizer, ZeroStage};
+use tch_dist::DistModule;
 use tch_dist::{memory, ProcessGroup};
 
 const WIDTH: i64 = 1024;

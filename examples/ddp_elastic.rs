@@ -13,6 +13,7 @@ use std::sync::Arc;
 use clap::Parser;
 use tch::{nn, nn::OptimizerConfig, Device, Kind, Tensor};
 use tch_dist::ddp::{DdpOptions, DistributedDataParallel};
+use tch_dist::DistModule;
 use tch_dist::{checkpoint, ProcessGroup};
 
 #[derive(Parser)]

@@ -18,6 +18,7 @@ use tch_dist::checkpoint::{self, Checkpointer, StateDict};
 use tch_dist::ddp::{DdpOptions, DistributedDataParallel};
 use tch_dist::optim::{AdamW, Optimizer};
 use tch_dist::zero::{ShardedOptimizer, ZeroStage};
+use tch_dist::DistModule;
 use tch_dist::ProcessGroup;
 
 /// Rows of the global batch (divisible by 1, 2, 3, 4 and 6 ranks).

@@ -24,6 +24,7 @@ use tch_dist::optim::{Optimizer, Sgd};
 use tch_dist::pipeline::schedule::Kind as Sched;
 use tch_dist::pipeline::{LayerList, Partition, PipelineRank};
 use tch_dist::zero::{ShardedOptimizer, ZeroStage};
+use tch_dist::DistModule;
 use tch_dist::{ProcessGroup, ReduceOp};
 
 #[derive(Parser)]

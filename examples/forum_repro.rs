@@ -10,6 +10,7 @@ use std::sync::Arc;
 use clap::Parser;
 use tch::{nn, nn::OptimizerConfig, Device, Kind, Tensor};
 use tch_dist::ddp::{DdpOptions, DistributedDataParallel};
+use tch_dist::DistModule;
 use tch_dist::{memory, Backend, InitOptions, ProcessGroup};
 
 #[derive(Parser)]

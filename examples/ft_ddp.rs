@@ -45,6 +45,7 @@ use tch_dist::ddp::{CommHook, DdpOptions, DistributedDataParallel, GradBucket, H
 use tch_dist::fsdp::{FsdpBuilder, FsdpOptions, FullyShardedDataParallel, Replicas};
 use tch_dist::ft::{Manager, ManagerConfig};
 use tch_dist::optim::{AdamW, Optimizer};
+use tch_dist::DistModule;
 use tch_dist::ProcessGroup;
 
 #[derive(Parser)]

@@ -297,7 +297,7 @@ fn main() -> Res<()> {
     }
     let world = ProcessGroup::from_env()?;
     // experts spread over all the data-parallel ranks, or over --ep of them
-    let d = ParallelDims { pp: a.pp, cp: a.cp, ..a.degrees.dims()? };
+    let d = ParallelDims { pp: a.pp, cp: a.cp, ..a.degrees.dims()? }.resolve(world.size())?;
     let ep = match (a.experts, a.ep) {
         (0, 0) => 1,
         (0, ep) => return Err(format!("--ep {ep} needs --experts").into()),

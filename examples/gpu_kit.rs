@@ -31,6 +31,7 @@ use tch_dist::pipeline::{LayerList, Partition, Pipeline, PipelineRank};
 use tch_dist::recompute::Checkpointed;
 use tch_dist::tp::{ParallelAttention, ParallelAttentionConfig, ParallelMlp};
 use tch_dist::zero::{ShardedOptimizer, ZeroStage};
+use tch_dist::DistModule;
 use tch_dist::P2pOp;
 use tch_dist::{checkpoint, memory, Backend, BackendConfig, GroupOptions, InitOptions, ProcessGroup, ReduceOp, Store};
 

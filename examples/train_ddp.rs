@@ -17,6 +17,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use tch::{nn, nn::Module, nn::OptimizerConfig, Device};
 use tch_dist::data::{Batches, DistributedSampler, SamplerOptions};
 use tch_dist::ddp::{DdpOptions, DistributedDataParallel};
+use tch_dist::DistModule;
 use tch_dist::ProcessGroup;
 
 const GLOBAL_BATCH: i64 = 64;

@@ -40,7 +40,7 @@ echo "== production runs on NCCL, modelled on Gloo: the strict mode, agreement c
 echo "   (TCH_DIST_VERIFY=once: checks never act as barriers that hide an order), NCCL's own flat collectives (no rings)"
 # the modules (files) that run again so, in their area's binaries: every rank must decide alike
 once_binaries=(collectives ddp sharding training pipeline tp)
-once_modules=(collectives:: ddp:: zero:: clip:: fsdp:: pipeline:: context_parallel::ring_attention mesh::)
+once_modules=(collectives:: ddp:: zero:: clip:: fsdp:: pipeline:: context_parallel::ring_attention mesh:: parallel_dims::)
 TCH_DIST_STRICT_NCCL=1 TCH_DIST_VERIFY=once TCH_DIST_COLLECTIVES=native \
   cargo test "${once_binaries[@]/#/--test=}" -- --skip cuda_ "${once_modules[@]}"
 

@@ -1,14 +1,17 @@
 //! What every distributed wrapper offers, as one trait: [`DistModule`]; and [`WithTrain`], which makes a
 //! model that is only an `nn::ModuleT` (dropout, batch norm) a `ModuleT` under DDP and FSDP too.
 //!
-//! The forward is tch's: a wrapper of an `nn::Module` is an `nn::Module` (so an `nn::ModuleT`), a
-//! wrapper of a [`WithTrain`] model an `nn::ModuleT`; the trait has their `f_forward` / `f_forward_t`
-//! twins, which return errors, so that code generic over a `DistModule` runs its forward too:
+//! The trait is what data parallelism adds (gradient synchronisation, the optimizer's parameters, the
+//! state, backward and clipping) and holds for every wrapper, whatever the model's forward takes. The
+//! forward is tch's: a wrapper of an `nn::Module` is an `nn::Module` (so an `nn::ModuleT`), a wrapper of
+//! a [`WithTrain`] model an `nn::ModuleT`, each with its `f_forward` / `f_forward_t` twin that returns
+//! errors; a model with another forward runs through the wrapper's `forward_with`. Generic code asks
+//! for `DistModule + nn::ModuleT`:
 //!
 //! ```no_run
 //! use tch::{nn, nn::ModuleT, Device, Kind, Tensor};
 //! use tch_dist::ddp::{DdpOptions, DistributedDataParallel};
-//! use tch_dist::{DistModule, WithTrain};
+//! use tch_dist::prelude::*;
 //! let pg = std::sync::Arc::new(tch_dist::ProcessGroup::from_env()?);
 //! let vs = nn::VarStore::new(Device::Cpu);
 //! let net = nn::seq_t()
@@ -26,24 +29,13 @@
 //! ```
 use tch::{nn, Tensor};
 
-use crate::ddp::DistributedDataParallel;
 use crate::error::Result;
-use crate::fsdp::{FsdpUnit, FullyShardedDataParallel};
-use crate::pipeline::{PipelineRank, Stage};
 
-/// One interface over DDP, FSDP (and HSDP), the plan's models (TP among them), pipeline stages and a
-/// rank's pipeline chunks.
+/// One interface over DDP, FSDP (and HSDP), the plan's models (TP among them) and pipeline stages,
+/// whatever their model's forward; each implements it in its own module (this one names none of them).
+/// `use tch_dist::prelude::*` brings it in. (A pipeline rank is not one: its forwards and backwards run
+/// inside `PipelineRank::step`.)
 pub trait DistModule {
-    /// The forward with tch's train flag, errors returned: the `f_` twin of `nn::ModuleT::forward_t`,
-    /// which the wrappers implement too (`xs.apply_t(&model, train)`).
-    fn f_forward_t(&self, xs: &Tensor, train: bool) -> Result<Tensor>;
-
-    /// The forward without a train flag (evaluation mode, for a model that has one): the `f_` twin of
-    /// `nn::Module::forward`.
-    fn f_forward(&self, xs: &Tensor) -> Result<Tensor> {
-        self.f_forward_t(xs, false)
-    }
-
     /// What the optimizer steps: the parameters, or this rank's shards of them under FSDP.
     fn parameters(&self) -> Vec<Tensor>;
 
@@ -115,50 +107,6 @@ impl<M: nn::ModuleT> nn::ModuleT for WithTrain<M> {
     }
 }
 
-impl<M: nn::ModuleT> nn::ModuleT for DistributedDataParallel<WithTrain<M>> {
-    fn forward_t(&self, xs: &Tensor, train: bool) -> Tensor {
-        self.f_forward_t(xs, train).unwrap_or_else(|e| panic!("{e}"))
-    }
-}
-
-impl<M: nn::ModuleT> nn::ModuleT for FullyShardedDataParallel<WithTrain<M>> {
-    fn forward_t(&self, xs: &Tensor, train: bool) -> Tensor {
-        self.f_forward_t(xs, train).unwrap_or_else(|e| panic!("{e}"))
-    }
-}
-
-impl<M: nn::ModuleT> nn::ModuleT for FsdpUnit<WithTrain<M>> {
-    fn forward_t(&self, xs: &Tensor, train: bool) -> Tensor {
-        self.f_forward_t(xs, train).unwrap_or_else(|e| panic!("{e}"))
-    }
-}
-
-impl<M: nn::ModuleT> DistModule for DistributedDataParallel<M> {
-    fn f_forward_t(&self, xs: &Tensor, train: bool) -> Result<Tensor> {
-        DistributedDataParallel::f_forward_t(self, xs, train)
-    }
-    fn parameters(&self) -> Vec<Tensor> {
-        DistributedDataParallel::parameters(self)
-    }
-    fn set_requires_gradient_sync(&self, on: bool) {
-        DistributedDataParallel::set_requires_gradient_sync(self, on)
-    }
-    fn requires_gradient_sync(&self) -> bool {
-        DistributedDataParallel::requires_gradient_sync(self)
-    }
-    fn state_dict(&self) -> Result<Vec<(String, Tensor)>> {
-        Ok(DistributedDataParallel::state_dict(self))
-    }
-    /// Refused once a [`ShardedOptimizer`](crate::zero::ShardedOptimizer) shards the model: it steps its
-    /// own gradients (DDP's buckets, or the shards), which need not be the parameters'.
-    fn clip_grad_norm(&self, max_norm: f64, norm_type: f64) -> Result<Tensor> {
-        if self.sharded() {
-            return Err(optimizer_clips("DistributedDataParallel::clip_grad_norm", "ZeRO"));
-        }
-        crate::optim::clip_grad_norm(&self.parameters(), max_norm, norm_type)
-    }
-}
-
 /// The error of a model's `clip_grad_norm` under ZeRO (`what`), whose optimizer holds the gradients it
 /// steps.
 pub(crate) fn optimizer_clips(op: &str, what: &str) -> crate::Error {
@@ -169,84 +117,4 @@ pub(crate) fn optimizer_clips(op: &str, what: &str) -> crate::Error {
              (Optimizer::clip_grad_norm)"
         ),
     )
-}
-
-impl<M: nn::ModuleT> DistModule for FullyShardedDataParallel<M> {
-    fn f_forward_t(&self, xs: &Tensor, train: bool) -> Result<Tensor> {
-        FullyShardedDataParallel::f_forward_t(self, xs, train)
-    }
-    fn parameters(&self) -> Vec<Tensor> {
-        FullyShardedDataParallel::parameters(self)
-    }
-    fn set_requires_gradient_sync(&self, on: bool) {
-        FullyShardedDataParallel::set_requires_gradient_sync(self, on)
-    }
-    fn requires_gradient_sync(&self) -> bool {
-        FullyShardedDataParallel::requires_gradient_sync(self)
-    }
-    fn state_dict(&self) -> Result<Vec<(String, Tensor)>> {
-        FullyShardedDataParallel::state_dict(self)
-    }
-    /// The shards' gradients and, after `no_sync`, the parameters' own.
-    fn zero_grad(&self) -> Result<()> {
-        FullyShardedDataParallel::zero_grad(self)
-    }
-}
-
-/// One pipeline chunk, on its own: [`PipelineRank`] drives its data-parallel sync per microbatch.
-impl DistModule for Stage {
-    /// A stage's layers are tch `Module`s: the train flag does not reach them.
-    fn f_forward_t(&self, xs: &Tensor, _train: bool) -> Result<Tensor> {
-        Stage::f_forward(self, xs)
-    }
-    fn parameters(&self) -> Vec<Tensor> {
-        Stage::parameters(self)
-    }
-    fn set_requires_gradient_sync(&self, on: bool) {
-        Stage::set_requires_gradient_sync(self, on)
-    }
-    fn requires_gradient_sync(&self) -> bool {
-        Stage::requires_gradient_sync(self)
-    }
-    fn state_dict(&self) -> Result<Vec<(String, Tensor)>> {
-        Stage::state_dict(self)
-    }
-    fn zero_grad(&self) -> Result<()> {
-        Stage::zero_grad(self)
-    }
-}
-
-/// A rank's pipeline chunks. Its backwards run inside [`PipelineRank::step`], by the schedule.
-impl DistModule for PipelineRank {
-    fn f_forward_t(&self, _xs: &Tensor, _train: bool) -> Result<Tensor> {
-        Err(crate::Error::invalid(
-            "PipelineRank::f_forward_t",
-            "a pipeline runs its forwards inside step(x, y, loss), microbatch by microbatch; call step",
-        ))
-    }
-    fn backward(&self, _loss: &Tensor) -> Result<()> {
-        Err(crate::Error::invalid(
-            "PipelineRank::backward",
-            "a pipeline runs its backwards inside step(x, y, loss), microbatch by microbatch; call step",
-        ))
-    }
-    fn parameters(&self) -> Vec<Tensor> {
-        PipelineRank::parameters(self)
-    }
-    fn set_requires_gradient_sync(&self, on: bool) {
-        self.chunks().iter().for_each(|c| c.set_requires_gradient_sync(on))
-    }
-    fn requires_gradient_sync(&self) -> bool {
-        self.chunks().iter().all(|c| c.requires_gradient_sync())
-    }
-    fn state_dict(&self) -> Result<Vec<(String, Tensor)>> {
-        let mut all = Vec::new();
-        for c in self.chunks() {
-            all.extend(c.state_dict()?);
-        }
-        Ok(all)
-    }
-    fn zero_grad(&self) -> Result<()> {
-        PipelineRank::zero_grad(self)
-    }
 }

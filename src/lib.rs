@@ -71,6 +71,16 @@ pub mod work;
 pub mod zero;
 
 pub use dist_module::{DistModule, WithTrain};
+
+/// What a training program names most: `use tch_dist::prelude::*;` brings in the [`DistModule`] trait (the
+/// wrappers' `backward`, `zero_grad`, `parameters`, `no_sync`, `state_dict`, `clip_grad_norm`), the layout
+/// from degrees, the plan and its styles, and process groups.
+pub mod prelude {
+    pub use crate::dist_module::{DistModule, WithTrain};
+    pub use crate::group::{ProcessGroup, ReduceOp};
+    pub use crate::parallel_dims::{ParallelDims, REST};
+    pub use crate::parallelize::{Plan, Style};
+}
 pub use error::{Error, Result};
 pub use group::{Backend, BackendConfig, CheckPolicy, Collectives, GroupOptions, P2pOp, ProcessGroup, ReduceOp};
 pub use init::{default_group, destroy_process_group, init_process_group, InitOptions};

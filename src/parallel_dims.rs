@@ -89,7 +89,10 @@ impl ParallelDims {
             _ => return bad(format!("{} are all REST; at most one degree may be", rest.join(" and "))),
         }
         let dp = d.dp_replicate * d.dp_shard;
-        if d.ep == REST || !dp.is_multiple_of(d.ep) {
+        if d.ep == REST {
+            return bad("ep borrows from the data-parallel ranks: give it a degree, not REST".into());
+        }
+        if !dp.is_multiple_of(d.ep) {
             return bad(format!("ep {} does not divide dp_replicate x dp_shard = {dp}", d.ep));
         }
         Ok(d)
@@ -109,12 +112,22 @@ impl ParallelDims {
         let mesh = DeviceMesh::new(world, &dims)?;
         // torchtitan's flattened meshes: "dp" (the batch), "dp_cp" (the loss), "dp_shard_cp" (FSDP's
         // shards: context-parallel ranks hold other tokens, so their gradients are averaged too)
-        let batch = mesh.flatten(world, &["dp_replicate", "dp_shard"])?;
-        let loss = mesh.flatten(world, &["dp_replicate", "dp_shard", "cp"])?;
-        let shard = mesh.flatten(world, &["dp_shard", "cp"])?;
-        let replicate_cp = mesh.flatten(world, &["dp_replicate", "cp"])?;
+        // a flattening whose dimensions above 1 are another's is that group: each set is formed once
+        let mut formed: Vec<(Vec<&str>, Arc<ProcessGroup>)> = Vec::new();
+        let mut flat = |names: &[&'static str]| -> Result<Arc<ProcessGroup>> {
+            let wide: Vec<&str> = names.iter().copied().filter(|n| mesh.size(n).is_ok_and(|s| s > 1)).collect();
+            if let Some((_, g)) = formed.iter().find(|(w, _)| *w == wide) {
+                return Ok(g.clone());
+            }
+            let g = mesh.flatten(world, names)?;
+            formed.push((wide, g.clone()));
+            Ok(g)
+        };
+        let batch = flat(&["dp_replicate", "dp_shard"])?;
+        let loss = flat(&["dp_replicate", "dp_shard", "cp"])?;
+        let shard = flat(&["dp_shard", "cp"])?;
         let (experts, expert_replicas) = expert_groups(&batch, d.ep)?;
-        Ok(ParallelMesh { dims: d, mesh, batch, loss, shard, replicate_cp, experts, expert_replicas })
+        Ok(ParallelMesh { dims: d, mesh, batch, loss, shard, experts, expert_replicas })
     }
 }
 
@@ -150,7 +163,6 @@ pub struct ParallelMesh {
     batch: Arc<ProcessGroup>,
     loss: Arc<ProcessGroup>,
     shard: Arc<ProcessGroup>,
-    replicate_cp: Arc<ProcessGroup>,
     experts: Option<Arc<ProcessGroup>>,
     expert_replicas: Option<Arc<ProcessGroup>>,
 }
@@ -270,9 +282,10 @@ impl ParallelMesh {
         }
     }
 
-    /// `opts` over DDP's ranks here (`dp_replicate` x `cp`).
+    /// `opts` over DDP's ranks: every data- and context-parallel rank (the [`loss_group`](Self::loss_group);
+    /// `dp_replicate` x `cp` in a layout that does not shard).
     pub fn ddp(&self, opts: DdpOptions) -> DdpOptions {
-        opts.process_group(self.replicate_cp.clone())
+        opts.process_group(self.loss.clone())
     }
 
     /// `opts` over FSDP's ranks here (`dp_shard` x `cp`), replicated over `dp_replicate` (HSDP) when it

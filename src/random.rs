@@ -26,6 +26,9 @@ pub(crate) fn randperm(n: i64, seed: u64) -> Result<Vec<i64>> {
 /// other threads' Forks until it is dropped: two seeded builds at once (ranks or tests run as threads)
 /// would otherwise draw from each other's sequences, and each restore would rewind the other's.
 /// A thread may nest Forks; the hold is its own until the outermost one is dropped.
+/// The hold orders Forks only: a draw outside one on another thread (tch's own `Tensor::randn`, an
+/// activation-checkpointing recompute putting the generators' state back) still moves the generator a
+/// Fork seeded. Programs that seed must not draw on other threads meanwhile, as in PyTorch.
 pub(crate) struct Fork {
     saved: *mut ffi::tdx_rng_saved,
     // dropped after `saved` is restored (fields drop after `Drop::drop`)

@@ -10,9 +10,20 @@ use std::time::Duration;
 use crate::error::{Error, Result};
 use crate::group::{CheckPolicy, Collectives};
 
-/// A variable as the process's environment has it: `None` when unset or blank.
+/// A variable as the process's environment has it: `None` when unset or blank (a value that is not
+/// UTF-8 is taken as written, its odd bytes replaced, so that a parser names it rather than skip it).
 pub(crate) fn lookup(name: &str) -> Option<String> {
-    std::env::var(name).ok().filter(|v| !v.trim().is_empty())
+    std::env::var_os(name).map(|v| v.to_string_lossy().into_owned()).filter(|v| !v.trim().is_empty())
+}
+
+/// A directory the environment names, as the OS gives it.
+fn dir(name: &str) -> Option<PathBuf> {
+    std::env::var_os(name).filter(|v| !v.is_empty()).map(PathBuf::from)
+}
+
+/// A word setting, trimmed and lowercased.
+fn word(var: &str) -> Option<String> {
+    lookup(var).map(|v| v.trim().to_ascii_lowercase())
 }
 
 fn bad(var: &str, msg: String) -> Error {
@@ -35,27 +46,27 @@ pub(crate) fn seconds(var: &str, v: Option<String>, zero: Option<&str>) -> Resul
     }
 }
 
-/// `1`/`true`/`on` or `0`/`false`/`off`; `None` when unset.
+/// `1`/`true`/`on`/`yes` or `0`/`false`/`off`/`no`, in any case; `None` when unset.
 fn switch(var: &str) -> Result<Option<bool>> {
-    match lookup(var).as_deref().map(str::trim) {
+    match word(var).as_deref() {
         None => Ok(None),
-        Some("1" | "true" | "on") => Ok(Some(true)),
-        Some("0" | "false" | "off") => Ok(Some(false)),
-        Some(v) => Err(bad(var, format!("{v:?} is not 1/true/on or 0/false/off"))),
+        Some("1" | "true" | "on" | "yes") => Ok(Some(true)),
+        Some("0" | "false" | "off" | "no") => Ok(Some(false)),
+        Some(v) => Err(bad(var, format!("{v:?} is not 1/true/on/yes or 0/false/off/no"))),
     }
 }
 
 /// `TCH_DIST_VERIFY`: agreement checks off (`0`, `false`, `off`), on (`1`, `true`, `on`), or on with a
-/// policy (`always`, `once`); `None` when unset.
+/// policy (`always`, `once`), in any case; `None` when unset.
 pub(crate) fn verify() -> Result<Option<(bool, Option<CheckPolicy>)>> {
     const VAR: &str = "TCH_DIST_VERIFY";
-    Ok(match lookup(VAR).as_deref().map(str::trim) {
+    Ok(match word(VAR).as_deref() {
         None => None,
-        Some("0" | "false" | "off") => Some((false, None)),
-        Some("1" | "true" | "on") => Some((true, None)),
+        Some("0" | "false" | "off" | "no") => Some((false, None)),
+        Some("1" | "true" | "on" | "yes") => Some((true, None)),
         Some("always") => Some((true, Some(CheckPolicy::Always))),
         Some("once") => Some((true, Some(CheckPolicy::Once))),
-        Some(v) => return Err(bad(VAR, format!("{v:?} is not 0/off, 1/on, always or once"))),
+        Some(v) => return Err(bad(VAR, format!("{v:?} is not 0/off/no, 1/on/yes, always or once"))),
     })
 }
 
@@ -67,7 +78,7 @@ pub(crate) fn strict_nccl() -> Result<Option<bool>> {
 /// `TCH_DIST_COLLECTIVES`: `auto`, `native` or `ring`.
 pub(crate) fn collectives() -> Result<Option<Collectives>> {
     const VAR: &str = "TCH_DIST_COLLECTIVES";
-    Ok(match lookup(VAR).as_deref().map(str::trim) {
+    Ok(match word(VAR).as_deref() {
         None => None,
         Some("auto") => Some(Collectives::Auto),
         Some("native") => Some(Collectives::Native),
@@ -95,19 +106,20 @@ pub(crate) fn hostname(vars: &dyn Fn(&str) -> Option<String>) -> Option<String> 
 
 /// `TCH_DIST_TRACE_DIR`: where the flight recorder dumps.
 pub(crate) fn trace_dir() -> Option<PathBuf> {
-    lookup("TCH_DIST_TRACE_DIR").map(PathBuf::from)
+    dir("TCH_DIST_TRACE_DIR")
 }
 
 /// The flight recorder's entries: `TCH_DIST_TRACE_ENTRIES`, else PyTorch's names for it
 /// (`TORCH_FR_BUFFER_SIZE`, the older `TORCH_NCCL_TRACE_BUFFER_SIZE`); 2000 by default, 0 turns it off.
-/// Read once, where the ring is made: a bad value there is reported and the default used.
+/// Read once, where the ring is made: the first one set decides; a bad value there is reported and the
+/// default used.
 pub(crate) fn trace_entries() -> usize {
     for var in ["TCH_DIST_TRACE_ENTRIES", "TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"] {
         if let Some(v) = lookup(var) {
-            match v.trim().parse() {
-                Ok(n) => return n,
-                Err(_) => eprintln!("tch-dist: {var}={v:?} is not a count of entries; the default 2000 is used"),
-            }
+            return v.trim().parse().unwrap_or_else(|_| {
+                eprintln!("tch-dist: {var}={v:?} is not a count of entries; the default 2000 is used");
+                2000
+            });
         }
     }
     2000
@@ -115,7 +127,7 @@ pub(crate) fn trace_entries() -> usize {
 
 /// `TCH_DIST_TIMELINE_DIR`: where each rank's timeline is written at exit.
 pub(crate) fn timeline_dir() -> Option<PathBuf> {
-    lookup("TCH_DIST_TIMELINE_DIR").map(PathBuf::from)
+    dir("TCH_DIST_TIMELINE_DIR")
 }
 
 /// `TCH_DIST_TIMELINE_EVENTS`: the most events a timeline keeps (100,000 by default). Read once, where the

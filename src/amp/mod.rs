@@ -7,6 +7,7 @@
 //! rank, the float32 copy and Adam's state sharded).
 //!
 //! ```no_run
+//! use tch_dist::prelude::*;
 //! use tch::{Device, Kind};
 //! use tch_dist::amp::{autocast, GradScaler};
 //! # fn f(ddp: &tch_dist::ddp::DistributedDataParallel<tch::nn::Linear>, opt: &mut tch_dist::optim::AdamW, x: &tch::Tensor) -> tch_dist::Result<()> {

@@ -7,6 +7,7 @@
 //! `_DDPJoinHook`), so a joined rank shadows PyTorch DDP ranks too.
 //!
 //! ```no_run
+//! use tch_dist::prelude::*;
 //! # use tch::nn::Module;
 //! # let (ddp, batches): (tch_dist::ddp::DistributedDataParallel<tch::nn::Sequential>, Vec<(tch::Tensor, tch::Tensor)>) = todo!();
 //! # let mut opt: tch::nn::Optimizer = todo!();

@@ -1,6 +1,7 @@
 //! DistributedDataParallel: data parallelism with gradient buckets reduced while backward runs.
 //!
 //! ```no_run
+//! use tch_dist::prelude::*;
 //! use tch::{nn, nn::Module, nn::OptimizerConfig, Device, Kind, Tensor};
 //! use tch_dist::ddp::{DdpOptions, DistributedDataParallel};
 //! use tch_dist::ProcessGroup;
@@ -47,9 +48,10 @@ pub use memory::DdpMemory;
 pub use powersgd::{PowerSgd, PowerSgdOptions};
 pub use reducer::ReducerEvent;
 
+use crate::dist_module::{DistModule, WithTrain};
 use crate::error::{Error, Result};
 use crate::group::{ProcessGroup, ReduceOp};
-use crate::hooks::{self, GradHook};
+use crate::hooks::GradHook;
 use reducer::{Config, Reducer};
 
 /// PyTorch's `_DEFAULT_FIRST_BUCKET_BYTES`.
@@ -372,42 +374,9 @@ impl<M> DistributedDataParallel<M> {
         self.module_states.first().map_or(tch::Device::Cpu, |t| t.device())
     }
 
-    /// Backward of `loss`, with the gradient reduction finished when it returns. (A plain
-    /// `loss.backward()` reduces too; this form returns errors instead of panicking.)
-    pub fn backward(&self, loss: &Tensor) -> Result<()> {
-        let _s = crate::timeline::span("backward", || "DDP backward".into());
-        loss.f_backward()?;
-        Ok(())
-    }
-
-    /// Drops the gradients (PyTorch's `zero_grad(set_to_none=True)`, as tch's `Optimizer::zero_grad`);
-    /// the next backward puts them back into the buckets.
-    pub fn zero_grad(&self) -> Result<()> {
-        hooks::drop_grads(&self.parameters())
-    }
-
-    /// Every variable (parameters and buffers) by its VarStore name, sorted; the same on every rank.
-    /// (Through [`from_parameters`](Self::from_parameters), buffers are named `buffer0`, `buffer1`, ...)
-    pub fn state_dict(&self) -> Vec<(String, Tensor)> {
-        self.named.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect()
-    }
-
-    /// Runs `f` without gradient synchronisation: gradients accumulate locally, and the next backward
-    /// outside `no_sync` reduces the accumulated sum (PyTorch's `no_sync()` context; the setting before
-    /// it comes back after, also if `f` panics).
-    pub fn no_sync<R>(&self, f: impl FnOnce(&Self) -> R) -> R {
-        crate::dist_module::without_sync(self, Self::requires_gradient_sync, Self::set_requires_gradient_sync, f)
-    }
-
-    /// Whether the next backwards reduce gradients (default true); false accumulates them locally, as
-    /// inside [`no_sync`](Self::no_sync) (PyTorch's `require_backward_grad_sync`).
-    pub fn set_requires_gradient_sync(&self, on: bool) {
+    /// Gradient synchronisation on or off ([`DistModule::set_requires_gradient_sync`]).
+    pub(crate) fn set_sync(&self, on: bool) {
         self.reducer.set_sync(on);
-    }
-
-    /// Whether the next backwards reduce gradients.
-    pub fn requires_gradient_sync(&self) -> bool {
-        self.reducer.sync()
     }
 
     pub fn module(&self) -> &M {
@@ -418,9 +387,8 @@ impl<M> DistributedDataParallel<M> {
         &self.reducer.pg
     }
 
-    /// The parameters, in the order DDP indexes them, then those spread over its group (experts), which it
-    /// does not bucket.
-    pub fn parameters(&self) -> Vec<Tensor> {
+    /// [`DistModule::parameters`].
+    pub(crate) fn params(&self) -> Vec<Tensor> {
         self.reducer
             .state
             .lock()
@@ -456,8 +424,9 @@ impl<M: nn::Module> DistributedDataParallel<M> {
 }
 
 impl<M: nn::ModuleT> DistributedDataParallel<M> {
-    /// The wrapped module's forward with a train flag, errors returned. Works for every model, also
-    /// those that are only `ModuleT` (dropout, batch norm); [`forward_t`](Self::forward_t) panics instead.
+    /// The wrapped module's forward with a train flag, DDP's bookkeeping first, errors returned. Works for
+    /// every model, also those that are only `ModuleT` (dropout, batch norm);
+    /// [`forward_t`](Self::forward_t) panics instead.
     pub fn f_forward_t(&self, xs: &Tensor, train: bool) -> Result<Tensor> {
         self.forward_with(|m| m.forward_t(xs, train))
     }
@@ -490,5 +459,46 @@ impl<M: std::fmt::Debug> std::fmt::Debug for DistributedDataParallel<M> {
             .field("find_unused_parameters", &self.reducer.cfg.find_unused)
             .field("module", &self.module)
             .finish()
+    }
+}
+
+impl<M: nn::ModuleT> nn::ModuleT for DistributedDataParallel<WithTrain<M>> {
+    fn forward_t(&self, xs: &Tensor, train: bool) -> Tensor {
+        self.f_forward_t(xs, train).unwrap_or_else(|e| panic!("{e}"))
+    }
+}
+
+impl<M> DistModule for DistributedDataParallel<M> {
+    /// The parameters, in the order DDP indexes them, then those spread over its group (experts), which
+    /// it does not bucket.
+    fn parameters(&self) -> Vec<Tensor> {
+        self.params()
+    }
+    /// Whether the next backwards reduce gradients (default true); false accumulates them locally
+    /// (PyTorch's `require_backward_grad_sync`).
+    fn set_requires_gradient_sync(&self, on: bool) {
+        self.set_sync(on)
+    }
+    fn requires_gradient_sync(&self) -> bool {
+        self.reducer.sync()
+    }
+    /// Every variable (parameters and buffers) by its VarStore name, sorted; the same on every rank.
+    /// (Through `from_parameters`, buffers are named `buffer0`, `buffer1`, ...)
+    fn state_dict(&self) -> Result<Vec<(String, Tensor)>> {
+        Ok(self.named.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect())
+    }
+    /// The gradient reduction is finished when it returns.
+    fn backward(&self, loss: &Tensor) -> Result<()> {
+        let _s = crate::timeline::span("backward", || "DDP backward".into());
+        loss.f_backward()?;
+        Ok(())
+    }
+    /// Refused once a [`ShardedOptimizer`](crate::zero::ShardedOptimizer) shards the model: it steps its
+    /// own gradients (DDP's buckets, or the shards), which need not be the parameters'.
+    fn clip_grad_norm(&self, max_norm: f64, norm_type: f64) -> Result<Tensor> {
+        if self.sharded() {
+            return Err(crate::dist_module::optimizer_clips("DistributedDataParallel::clip_grad_norm", "ZeRO"));
+        }
+        crate::optim::clip_grad_norm(&self.parameters(), max_norm, norm_type)
     }
 }

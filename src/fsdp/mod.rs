@@ -8,6 +8,7 @@
 //! are chosen by the [`nn::Path`] their variables were created under, the way tch names variables:
 //!
 //! ```no_run
+//! use tch_dist::prelude::*;
 //! use std::sync::Arc;
 //! use tch::{nn, nn::Module, Device, Kind, Tensor};
 //! use tch_dist::fsdp::{FsdpBuilder, FsdpOptions};
@@ -60,6 +61,7 @@ pub use memory::FsdpMemory;
 pub use replicas::Replicas;
 pub use unit::FsdpUnit;
 
+use crate::dist_module::{DistModule, WithTrain};
 use crate::error::{Error, Result};
 use crate::group::ProcessGroup;
 use crate::hooks::{self, GradHook};
@@ -558,21 +560,12 @@ impl<M> FullyShardedDataParallel<M> {
         Ok(y)
     }
 
-    /// Backward of `loss`; every gradient is reduce-scattered into its shard when it returns.
-    pub fn backward(&self, loss: &Tensor) -> Result<()> {
-        let _s = crate::timeline::span("backward", || "FSDP backward".into());
-        loss.f_backward()?;
-        Ok(())
-    }
-
-    /// This rank's shards of the parameters, unit by unit in the order units were built: what the
-    /// optimizer steps. Each is a flat tensor (this rank's 1/N of one parameter, possibly empty); after a
-    /// synchronised backward it has its `.grad`, this rank's part of the averaged gradient.
-    pub fn parameters(&self) -> Vec<Tensor> {
+    /// This rank's shards ([`DistModule::parameters`]).
+    pub(crate) fn shards(&self) -> Vec<Tensor> {
         self.rt.shards().into_iter().map(|(_, t)| t).collect()
     }
 
-    /// [`parameters`](Self::parameters) with their parameters' VarStore names (for per-parameter
+    /// [`DistModule::parameters`] with their parameters' VarStore names (for per-parameter
     /// optimizer options, e.g. no weight decay on biases).
     pub fn named_parameters(&self) -> Vec<(String, Tensor)> {
         self.rt.shards()
@@ -580,7 +573,7 @@ impl<M> FullyShardedDataParallel<M> {
 
     /// Drops the gradients (shards' and, after `no_sync`, the parameters' own): PyTorch's
     /// `zero_grad(set_to_none=True)`, the memory back until the next backward.
-    pub fn zero_grad(&self) -> Result<()> {
+    pub(crate) fn drop_grads(&self) -> Result<()> {
         self.rt.for_each(|_, _, fp| {
             for s in &fp.slots {
                 hooks::set_grad(&s.shard, None)?;
@@ -591,21 +584,9 @@ impl<M> FullyShardedDataParallel<M> {
         Ok(())
     }
 
-    /// Runs `f` without gradient reduction (FSDP2's `set_requires_gradient_sync(False)`): gradients
-    /// accumulate unsharded in the parameters, and the next synchronised backward reduces their sum.
-    pub fn no_sync<R>(&self, f: impl FnOnce(&Self) -> R) -> R {
-        crate::dist_module::without_sync(self, Self::requires_gradient_sync, Self::set_requires_gradient_sync, f)
-    }
-
-    /// Whether the next backwards reduce-scatter gradients (default true); false accumulates them
-    /// unsharded, as inside [`no_sync`](Self::no_sync) (FSDP2's `set_requires_gradient_sync`).
-    pub fn set_requires_gradient_sync(&self, on: bool) {
+    /// Gradient reduction on or off ([`DistModule::set_requires_gradient_sync`]).
+    pub(crate) fn set_sync(&self, on: bool) {
         self.rt.set_sync(on);
-    }
-
-    /// Whether the next backwards reduce-scatter gradients.
-    pub fn requires_gradient_sync(&self) -> bool {
-        self.rt.sync()
     }
 
     /// Whether a backward frees the units it gathered (default true). Off, they stay gathered for the
@@ -638,16 +619,8 @@ impl<M> FullyShardedDataParallel<M> {
         &self.rt.pg
     }
 
-    /// Clips the shards' gradients so that the whole model's gradient has at most `max_norm` (FSDP's
-    /// `clip_grad_norm_`; the shards' norms summed over the group, and over any other group their
-    /// placements name, see [`crate::optim::clip_grad_norm`]); returns the whole model's norm before
-    /// clipping. Collective; after backward, before the step.
-    pub fn clip_grad_norm(&self, max_norm: f64, norm_type: f64) -> Result<Tensor> {
-        crate::optim::clip_grad_norm(&self.parameters(), max_norm, norm_type)
-    }
-
     /// The units' names (their path prefixes; "root" for the rest), in the order of
-    /// [`parameters`](Self::parameters).
+    /// [`DistModule::parameters`].
     pub fn units(&self) -> Vec<String> {
         self.rt.unit_names()
     }
@@ -661,6 +634,7 @@ impl<M: nn::Module> FullyShardedDataParallel<M> {
 }
 
 impl<M: nn::ModuleT> FullyShardedDataParallel<M> {
+    /// The model's forward with a train flag, errors returned (tch's `f_` convention).
     pub fn f_forward_t(&self, x: &Tensor, train: bool) -> Result<Tensor> {
         self.forward_with(x, |m, x| m.forward_t(x, train))
     }
@@ -684,5 +658,41 @@ impl<M: std::fmt::Debug> std::fmt::Debug for FullyShardedDataParallel<M> {
             .field("units", &self.rt.unit_names())
             .field("module", &self.module)
             .finish()
+    }
+}
+
+impl<M: nn::ModuleT> nn::ModuleT for FullyShardedDataParallel<WithTrain<M>> {
+    fn forward_t(&self, xs: &Tensor, train: bool) -> Tensor {
+        self.f_forward_t(xs, train).unwrap_or_else(|e| panic!("{e}"))
+    }
+}
+
+impl<M> DistModule for FullyShardedDataParallel<M> {
+    /// This rank's shards of the parameters, unit by unit in the order units were built: what the
+    /// optimizer steps. Each is a flat tensor (this rank's 1/N of one parameter, possibly empty); after a
+    /// synchronised backward it has its `.grad`, this rank's part of the averaged gradient.
+    fn parameters(&self) -> Vec<Tensor> {
+        self.shards()
+    }
+    /// Whether the next backwards reduce-scatter gradients (default true); false accumulates them
+    /// unsharded (FSDP2's `set_requires_gradient_sync`).
+    fn set_requires_gradient_sync(&self, on: bool) {
+        self.set_sync(on)
+    }
+    fn requires_gradient_sync(&self) -> bool {
+        self.rt.sync()
+    }
+    fn state_dict(&self) -> Result<Vec<(String, Tensor)>> {
+        self.gathered_state_dict()
+    }
+    /// The shards' gradients and, after `no_sync`, the parameters' own.
+    fn zero_grad(&self) -> Result<()> {
+        self.drop_grads()
+    }
+    /// Every gradient is reduce-scattered into its shard when it returns.
+    fn backward(&self, loss: &Tensor) -> Result<()> {
+        let _s = crate::timeline::span("backward", || "FSDP backward".into());
+        loss.f_backward()?;
+        Ok(())
     }
 }

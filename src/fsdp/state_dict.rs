@@ -12,7 +12,7 @@ use crate::group::flat;
 impl<M> FullyShardedDataParallel<M> {
     /// The full parameters by their VarStore names, gathered one at a time and moved to the CPU, plus the
     /// buffers: what `vs.save` of the unsharded model holds. Every rank gets it (every rank must call it).
-    pub fn state_dict(&self) -> Result<Vec<(String, Tensor)>> {
+    pub(crate) fn gathered_state_dict(&self) -> Result<Vec<(String, Tensor)>> {
         let _call = self.rt.pg.enter_call("FSDP state_dict");
         let _g = tch::no_grad_guard();
         let pg = self.rt.pg.clone();

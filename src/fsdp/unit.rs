@@ -6,6 +6,7 @@ use std::sync::Arc;
 use tch::{nn, Tensor};
 
 use super::runtime::Runtime;
+use crate::dist_module::WithTrain;
 use crate::error::Result;
 use crate::hooks::{self, GradHook};
 
@@ -115,5 +116,11 @@ impl<M: nn::Module> nn::Module for FsdpUnit<M> {
 impl<M: std::fmt::Debug> std::fmt::Debug for FsdpUnit<M> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("FsdpUnit").field("unit", &self.id).field("module", &self.module).finish()
+    }
+}
+
+impl<M: nn::ModuleT> nn::ModuleT for FsdpUnit<WithTrain<M>> {
+    fn forward_t(&self, xs: &Tensor, train: bool) -> Tensor {
+        self.f_forward_t(xs, train).unwrap_or_else(|e| panic!("{e}"))
     }
 }

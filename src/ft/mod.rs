@@ -22,6 +22,7 @@
 //!   samples rather than re-sharding the data.
 //!
 //! ```no_run
+//! use tch_dist::prelude::*;
 //! use std::sync::Arc;
 //! use tch::{nn, nn::Module, Device, Kind, Tensor};
 //! use tch_dist::ddp::{DdpOptions, DistributedDataParallel};

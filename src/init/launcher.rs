@@ -5,7 +5,7 @@ use tch::Device;
 
 use crate::error::{Error, Result};
 
-/// A variable lookup: `std::env::var` in a process, a table in tests.
+/// A variable lookup: the process's environment ([`process_vars`]) in a process, a table in tests.
 pub type Vars<'a> = &'a dyn Fn(&str) -> Option<String>;
 
 /// The process's own environment (read as every setting is, by `src/settings.rs`).

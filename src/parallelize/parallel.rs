@@ -107,9 +107,9 @@ impl<M> Parallel<M> {
     ) -> Result<Box<dyn Optimizer + Send>> {
         Ok(match self {
             Parallel::Local { trainable, .. } => make(trainable.iter().map(|t| t.shallow_clone()).collect()),
-            Parallel::Ddp(d) => make(d.parameters()),
+            Parallel::Ddp(d) => make(d.params()),
             Parallel::Zero { ddp, stage } => Box::new(ShardedOptimizer::new(ddp, *stage, make)?),
-            Parallel::Fsdp(f) => make(f.parameters()),
+            Parallel::Fsdp(f) => make(f.shards()),
         })
     }
 
@@ -172,9 +172,6 @@ impl<M: nn::Module> Parallel<M> {
 }
 
 impl<M: nn::ModuleT> DistModule for Parallel<M> {
-    fn f_forward_t(&self, xs: &Tensor, train: bool) -> Result<Tensor> {
-        Parallel::f_forward_t(self, xs, train)
-    }
     fn parameters(&self) -> Vec<Tensor> {
         match self {
             Parallel::Local { trainable, .. } => trainable.iter().map(|t| t.shallow_clone()).collect(),

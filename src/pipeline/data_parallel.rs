@@ -50,8 +50,8 @@ impl ChunkSync {
 
     pub(crate) fn set_requires_gradient_sync(&self, on: bool) {
         match self {
-            ChunkSync::Ddp(d) => d.set_requires_gradient_sync(on),
-            ChunkSync::Fsdp(m) => m.set_requires_gradient_sync(on),
+            ChunkSync::Ddp(d) => d.set_sync(on),
+            ChunkSync::Fsdp(m) => m.set_sync(on),
         }
     }
 

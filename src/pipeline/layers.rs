@@ -22,6 +22,7 @@ use tch::{nn, Device, Kind, Tensor};
 
 use super::data_parallel::{ChunkSync, DataParallel};
 use super::partition::Partition;
+use crate::dist_module::DistModule;
 use crate::error::{Error, Result};
 use crate::fsdp::FsdpBuilder;
 
@@ -107,24 +108,6 @@ impl Stage {
         }
     }
 
-    /// What the optimizer steps: the trainable variables, which are this rank's shards under FSDP.
-    pub fn parameters(&self) -> Vec<Tensor> {
-        self.vs.trainable_variables()
-    }
-
-    /// Whether the steps reduce gradients across the stage's data-parallel group, in the last backward
-    /// of each (default true; false accumulates them over steps). Nothing to reduce without one.
-    pub fn set_requires_gradient_sync(&self, on: bool) {
-        self.requires_sync.store(on, Ordering::Relaxed);
-        if let Some(s) = &self.sync {
-            s.set_requires_gradient_sync(on);
-        }
-    }
-
-    pub fn requires_gradient_sync(&self) -> bool {
-        self.requires_sync.load(Ordering::Relaxed)
-    }
-
     /// For one of the step's backwards: it reduces if it is the `last` and the user allows it; the
     /// user's setting comes back when the guard goes (also when the backward fails).
     pub(crate) fn backward_sync(&self, last: bool) -> BackwardSync<'_> {
@@ -146,23 +129,6 @@ impl Stage {
             s.begin_step()?;
         }
         Ok(keep)
-    }
-
-    /// The stage's values by VarStore name, sorted; gathered from the shards under FSDP (collective
-    /// then).
-    pub fn state_dict(&self) -> Result<Vec<(String, Tensor)>> {
-        if let Some(ChunkSync::Fsdp(m)) = &self.sync {
-            return m.state_dict();
-        }
-        Ok(crate::var_store::sorted_variables(&self.vs))
-    }
-
-    /// Drops the gradients (set to none), the shards' and the parameters' own under FSDP.
-    pub fn zero_grad(&self) -> Result<()> {
-        if let Some(ChunkSync::Fsdp(m)) = &self.sync {
-            return m.zero_grad();
-        }
-        crate::hooks::drop_grads(&self.vs.trainable_variables())
     }
 
     pub fn names(&self) -> Vec<&str> {
@@ -305,5 +271,39 @@ impl LayerList {
             x = out.detach();
         }
         Ok(times)
+    }
+}
+
+/// One pipeline chunk, on its own: [`PipelineRank`] drives its data-parallel sync per microbatch.
+impl DistModule for Stage {
+    /// What the optimizer steps: the trainable variables, which are this rank's shards under FSDP.
+    fn parameters(&self) -> Vec<Tensor> {
+        self.vs.trainable_variables()
+    }
+    /// Whether the steps reduce gradients across the stage's data-parallel group, in the last backward
+    /// of each (default true; false accumulates them over steps). Nothing to reduce without one.
+    fn set_requires_gradient_sync(&self, on: bool) {
+        self.requires_sync.store(on, Ordering::Relaxed);
+        if let Some(s) = &self.sync {
+            s.set_requires_gradient_sync(on);
+        }
+    }
+    fn requires_gradient_sync(&self) -> bool {
+        self.requires_sync.load(Ordering::Relaxed)
+    }
+    /// The stage's values by VarStore name, sorted; gathered from the shards under FSDP (collective
+    /// then).
+    fn state_dict(&self) -> Result<Vec<(String, Tensor)>> {
+        if let Some(ChunkSync::Fsdp(m)) = &self.sync {
+            return m.gathered_state_dict();
+        }
+        Ok(crate::var_store::sorted_variables(&self.vs))
+    }
+    /// Drops the gradients (set to none), the shards' and the parameters' own under FSDP.
+    fn zero_grad(&self) -> Result<()> {
+        if let Some(ChunkSync::Fsdp(m)) = &self.sync {
+            return m.drop_grads();
+        }
+        crate::hooks::drop_grads(&self.vs.trainable_variables())
     }
 }

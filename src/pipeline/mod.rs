@@ -45,6 +45,7 @@ pub use runtime::{LossFn, RankReport};
 use schedule::Schedule;
 pub use trace::Span;
 
+use crate::dist_module::DistModule;
 use crate::error::{Error, Result};
 use crate::group::ProcessGroup;
 
@@ -294,6 +295,22 @@ impl PipelineRank {
     /// Drops this rank's gradients, as [`Pipeline::zero_grad`].
     pub fn zero_grad(&self) -> Result<()> {
         zero_grads(&self.chunks.iter().collect::<Vec<_>>())
+    }
+
+    /// This rank's chunks' values by VarStore name (FSDP's gathered: a collective over each chunk's
+    /// data-parallel ranks). A pipeline rank is not a [`DistModule`](crate::DistModule): its forwards and
+    /// backwards run inside [`step`](Self::step), microbatch by microbatch.
+    pub fn state_dict(&self) -> Result<Vec<(String, Tensor)>> {
+        let mut all = Vec::new();
+        for c in &self.chunks {
+            all.extend(c.state_dict()?);
+        }
+        Ok(all)
+    }
+
+    /// Gradient synchronisation of every chunk on or off ([`DistModule::set_requires_gradient_sync`](crate::DistModule::set_requires_gradient_sync)).
+    pub fn set_requires_gradient_sync(&self, on: bool) {
+        self.chunks.iter().for_each(|c| c.set_requires_gradient_sync(on))
     }
 
     /// One training step. Every rank passes the same full batch (only the first stage reads `x`, only the

@@ -78,7 +78,7 @@ impl ShardedOptimizer {
         let pg = ddp.process_group().clone();
         let (rank, world) = (pg.rank(), pg.size());
         let layout = ddp.fix_layout()?;
-        let params = ddp.parameters();
+        let params = ddp.params();
         // Everything that can fail comes before DDP hands its gradients over (stage 2's route_to, whose
         // sink is built last): a failed setup leaves the model as plain DDP, free for another try.
         let mut built = Vec::with_capacity(layout.len());

@@ -9,6 +9,7 @@ use std::time::Duration;
 use tch::{nn, nn::Module, Device, Kind, Tensor};
 use tch_dist::fsdp::{FsdpBuilder, FsdpOptions};
 use tch_dist::memory;
+use tch_dist::DistModule;
 
 const WIDTH: i64 = 512;
 

@@ -12,6 +12,7 @@ use tch_dist::ddp::{DdpOptions, DistributedDataParallel};
 use tch_dist::optim::{AdamW, Optimizer};
 use tch_dist::recompute::{checkpoint_with, Checkpointed};
 use tch_dist::zero::{ShardedOptimizer, ZeroStage};
+use tch_dist::DistModule;
 use tch_dist::{amp, memory};
 
 const D: i64 = 12;

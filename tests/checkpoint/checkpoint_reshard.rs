@@ -19,6 +19,7 @@ use tch_dist::pipeline::schedule::Kind as Sched;
 use tch_dist::pipeline::{Partition, PipelineRank};
 use tch_dist::tp::ParallelMlp;
 use tch_dist::zero::{ShardedOptimizer, ZeroStage};
+use tch_dist::DistModule;
 use tch_dist::{ProcessGroup, ReduceOp};
 
 const D: i64 = 4;

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use tch::{nn, Device, Kind, Tensor};
 use tch_dist::checkpoint::{self, Checkpointer, StateDict};
+use tch_dist::DistModule;
 use tch_dist::{Error, ProcessGroup, ReduceOp};
 
 fn tmp(name: &str) -> PathBuf {

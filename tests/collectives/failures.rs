@@ -5,6 +5,7 @@ use crate::common;
 use std::time::{Duration, Instant};
 
 use tch::{Device, Kind, Tensor};
+use tch_dist::DistModule;
 use tch_dist::{Error, ProcessGroup, ReduceOp, Store};
 
 #[test]

@@ -9,6 +9,7 @@ use std::time::Duration;
 use common::model::{self, batch, init, mlp};
 use tch::{nn, nn::Module, nn::OptimizerConfig, Device, Kind, Tensor};
 use tch_dist::ddp::{comm_hook, DdpOptions, DistributedDataParallel, ReducerEvent};
+use tch_dist::DistModule;
 use tch_dist::{CheckPolicy, Error, GroupOptions};
 
 const T: Duration = Duration::from_secs(60);

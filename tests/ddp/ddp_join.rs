@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use common::model::{self, batch, init, mlp};
 use tch::{nn, nn::OptimizerConfig, Device, Tensor};
 use tch_dist::ddp::{DdpOptions, DistributedDataParallel, JoinOptions};
+use tch_dist::DistModule;
 use tch_dist::{Error, ProcessGroup};
 
 const PER: i64 = 5;

@@ -8,6 +8,7 @@ use std::sync::Arc;
 
 use tch::{nn, Device, Kind, Tensor};
 use tch_dist::ddp::{DdpOptions, DistributedDataParallel};
+use tch_dist::DistModule;
 use tch_dist::{memory, ProcessGroup, Store};
 
 #[test]

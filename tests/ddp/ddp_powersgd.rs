@@ -16,6 +16,7 @@ use std::time::Duration;
 use common::model::{self, batch, init, mlp};
 use tch::{nn, nn::OptimizerConfig, Device, Tensor};
 use tch_dist::ddp::{DdpOptions, DistributedDataParallel, PowerSgd, PowerSgdOptions};
+use tch_dist::DistModule;
 
 const STEPS: usize = 6;
 const PER: i64 = 5;

@@ -8,6 +8,7 @@ use std::time::Duration;
 use tch::{nn, nn::Module, Device, Kind, Tensor};
 use tch_dist::ddp::{CommHook, DdpOptions, DistributedDataParallel, GradBucket, HookFuture};
 use tch_dist::fsdp::{FsdpBuilder, FsdpOptions, Replicas};
+use tch_dist::DistModule;
 use tch_dist::{Error, ProcessGroup, Store};
 
 /// Makes one error afresh for each use.

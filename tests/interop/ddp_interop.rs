@@ -9,6 +9,7 @@ use std::time::Duration;
 use common::model::{self, batch, init, mlp};
 use tch::{nn, nn::OptimizerConfig, Device, Tensor};
 use tch_dist::ddp::{DdpOptions, DistributedDataParallel};
+use tch_dist::DistModule;
 use tch_dist::ProcessGroup;
 
 const STEPS: usize = 5;

@@ -13,6 +13,7 @@ use std::time::Duration;
 use tch::{nn, nn::ModuleT, Device, Kind, Tensor};
 use tch_dist::ddp::{DdpOptions, DistributedDataParallel};
 use tch_dist::sync_batch_norm::sync_batch_norm2d;
+use tch_dist::DistModule;
 use tch_dist::ProcessGroup;
 
 const SPATIAL: [i64; 2] = [3, 2];

@@ -55,7 +55,7 @@ fn bad_environment_names_the_variable() {
         (with("MASTER_PORT", Some("99999")), "environment variable MASTER_PORT"),
         // the library's own settings: a value none of its parsers reads is named, never silently the default
         (with("TCH_DIST_VERIFY", Some("sometimes")), "environment variable TCH_DIST_VERIFY: \"sometimes\""),
-        (with("TCH_DIST_STRICT_NCCL", Some("yes")), "environment variable TCH_DIST_STRICT_NCCL: \"yes\""),
+        (with("TCH_DIST_STRICT_NCCL", Some("maybe")), "environment variable TCH_DIST_STRICT_NCCL: \"maybe\""),
         (with("TCH_DIST_COLLECTIVES", Some("tree")), "environment variable TCH_DIST_COLLECTIVES: \"tree\""),
         (with("TCH_DIST_HEARTBEAT_TIMEOUT_SECS", Some("soon")), "environment variable TCH_DIST_HEARTBEAT_TIMEOUT_SECS"),
         (with("TCH_DIST_TIMEOUT_SECS", Some("-1")), "environment variable TCH_DIST_TIMEOUT_SECS"),

@@ -203,7 +203,6 @@ fn accumulating_over_steps_under_no_sync() {
     };
     let before = last_entry();
     let got = common::run_threads(4, Duration::from_secs(60), move |world| {
-        use tch_dist::DistModule;
         let mesh = DeviceMesh::new(&world, &[("pp", 2), ("dp", 2)]).unwrap();
         let dp = mesh.group("dp").unwrap();
         let data_parallel = DataParallel::Ddp(DdpOptions::default().process_group(dp.clone()));

@@ -14,6 +14,7 @@ use tch_dist::fsdp::{FsdpBuilder, FsdpMemory, FsdpOptions, FullyShardedDataParal
 use tch_dist::mesh::DeviceMesh;
 use tch_dist::optim::{AdamW, Optimizer, Sgd};
 use tch_dist::recompute::Checkpointed;
+use tch_dist::DistModule;
 
 const LR: f64 = 0.05;
 const STEPS: usize = 4;

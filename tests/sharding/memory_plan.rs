@@ -13,6 +13,7 @@ use tch_dist::fsdp::{FsdpBuilder, FsdpOptions};
 use tch_dist::memory::plan::{model_elements, model_states, ModelStates, Precision, Stage};
 use tch_dist::optim::{AdamW, Optimizer};
 use tch_dist::zero::{ShardedOptimizer, ZeroStage};
+use tch_dist::DistModule;
 
 const T: Duration = Duration::from_secs(60);
 /// Layer widths: 3 Linear layers, 4,000-odd parameters that no world size here divides.

@@ -12,6 +12,7 @@ use std::time::Duration;
 use tch::{nn, Device, Kind, Tensor};
 use tch_dist::ddp::{DdpOptions, DistributedDataParallel};
 use tch_dist::moe::{self, Moe, MoeConfig};
+use tch_dist::DistModule;
 use tch_dist::{Error, ProcessGroup, Store};
 
 const T: Duration = Duration::from_secs(60);

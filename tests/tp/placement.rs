@@ -11,6 +11,7 @@ use tch_dist::ddp::{DdpOptions, DistributedDataParallel};
 use tch_dist::fsdp::{FsdpBuilder, FsdpOptions};
 use tch_dist::placement::{self, Extent, Placement};
 use tch_dist::tp::{ParallelAttention, ParallelAttentionConfig, ParallelMlp, VocabParallelEmbedding};
+use tch_dist::DistModule;
 
 const T: Duration = Duration::from_secs(60);
 

@@ -10,6 +10,7 @@ use tch::{nn, nn::OptimizerConfig, Device, Kind, Tensor};
 use tch_dist::ddp::{DdpOptions, DistributedDataParallel};
 use tch_dist::mesh::DeviceMesh;
 use tch_dist::tp::{ColumnParallelConfig, ColumnParallelLinear, ParallelMlp, RowParallelConfig, RowParallelLinear};
+use tch_dist::DistModule;
 
 const T: Duration = Duration::from_secs(60);
 /// float32, partial products summed in another order: observed ~1e-7.

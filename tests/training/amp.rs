@@ -12,6 +12,7 @@ use tch_dist::ddp::{DdpOptions, DistributedDataParallel};
 use tch_dist::hooks;
 use tch_dist::optim::{AdamW, Optimizer, Sgd};
 use tch_dist::zero::{ShardedOptimizer, ZeroStage};
+use tch_dist::DistModule;
 
 fn pytorch(mode: &str) -> Vec<String> {
     let o = Command::new(common::python()).arg(common::repo_path("tests/py/amp_ref.py")).arg(mode).output().unwrap();

@@ -10,6 +10,7 @@ use tch::{nn, Device, Kind, Tensor};
 use tch_dist::ddp::{DdpOptions, DistributedDataParallel};
 use tch_dist::hooks;
 use tch_dist::optim::{AdamW, AdamWConfig, Optimizer, SgdConfig};
+use tch_dist::DistModule;
 
 // the last one larger than AdamW's CPU chunk (2^16), so chunks are compared with PyTorch too
 const SHAPES: [&[i64]; 4] = [&[4, 3], &[5], &[2, 2, 2], &[300, 500]];
