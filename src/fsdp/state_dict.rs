@@ -63,7 +63,7 @@ impl<M> FullyShardedDataParallel<M> {
         out
     }
 
-    /// Loads full parameters by name (as [`state_dict`](Self::state_dict) gives them, from any world
+    /// Loads full parameters by name (as [`DistModule::state_dict`](crate::DistModule::state_dict) gives them, from any world
     /// size): each rank keeps its shard. Buffers present in `state` are loaded too. Errors name a missing
     /// or mis-shaped entry; nothing is changed then.
     pub fn load_state_dict(&self, state: &[(String, Tensor)]) -> Result<()> {

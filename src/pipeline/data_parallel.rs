@@ -24,7 +24,7 @@ pub enum DataParallel {
     /// backward.
     Ddp(DdpOptions),
     /// FSDP over the options' group, or HSDP with a replicate group: each layer of the chunk that has
-    /// parameters is a unit; the optimizer steps the shards ([`Stage::parameters`](super::Stage::parameters)).
+    /// parameters is a unit; the optimizer steps the shards ([`DistModule::parameters`](crate::DistModule::parameters) of the stage).
     Fsdp(FsdpOptions),
 }
 

@@ -274,7 +274,7 @@ impl LayerList {
     }
 }
 
-/// One pipeline chunk, on its own: [`PipelineRank`] drives its data-parallel sync per microbatch.
+/// One pipeline chunk, on its own: [`PipelineRank`](super::PipelineRank) drives its data-parallel sync per microbatch.
 impl DistModule for Stage {
     /// What the optimizer steps: the trainable variables, which are this rank's shards under FSDP.
     fn parameters(&self) -> Vec<Tensor> {

@@ -298,7 +298,7 @@ impl PipelineRank {
     }
 
     /// This rank's chunks' values by VarStore name (FSDP's gathered: a collective over each chunk's
-    /// data-parallel ranks). A pipeline rank is not a [`DistModule`](crate::DistModule): its forwards and
+    /// data-parallel ranks). A pipeline rank is not a [`DistModule`]: its forwards and
     /// backwards run inside [`step`](Self::step), microbatch by microbatch.
     pub fn state_dict(&self) -> Result<Vec<(String, Tensor)>> {
         let mut all = Vec::new();
@@ -308,7 +308,7 @@ impl PipelineRank {
         Ok(all)
     }
 
-    /// Gradient synchronisation of every chunk on or off ([`DistModule::set_requires_gradient_sync`](crate::DistModule::set_requires_gradient_sync)).
+    /// Gradient synchronisation of every chunk on or off ([`DistModule::set_requires_gradient_sync`]).
     pub fn set_requires_gradient_sync(&self, on: bool) {
         self.chunks.iter().for_each(|c| c.set_requires_gradient_sync(on))
     }
