@@ -132,7 +132,8 @@ impl ParallelDims {
 }
 
 /// The expert-parallel group (`ep` consecutive ranks of `batch`) and the group of the ranks at the same
-/// place in each (which hold the same experts); none where `ep` is 1 or the whole batch group.
+/// place in each (which hold the same experts): none where `ep` is 1; the batch group itself, with no
+/// replicas, where `ep` is all of it.
 #[allow(clippy::type_complexity)]
 fn expert_groups(
     batch: &Arc<ProcessGroup>,
