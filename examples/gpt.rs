@@ -31,8 +31,6 @@ mod degrees;
 use degrees::Degrees;
 use tch::{nn, nn::Module, Device, Kind, Tensor};
 use tch_dist::context_parallel::{ContextParallel, RingAttentionConfig};
-use tch_dist::ddp::DdpOptions;
-use tch_dist::fsdp::FsdpOptions;
 use tch_dist::moe::{Moe, MoeConfig};
 use tch_dist::optim::{clip_grad_norm, AdamW, Optimizer};
 use tch_dist::parallel_dims::{ParallelDims, ParallelMesh};
@@ -207,9 +205,10 @@ impl Module for Head {
     }
 }
 
-/// Where each layer's weights live under tensor parallelism (PyTorch's `parallelize_module` plan).
+/// Where each layer's weights live under tensor parallelism (PyTorch's `parallelize_module` plan), and
+/// each stage's data parallelism, as the degrees say.
 fn plan(dims: &ParallelMesh) -> Plan {
-    Plan::over_group(dims.tp_group())
+    dims.plan()
         .style("embed.tok", Style::rowwise())
         .style("*.attn.q", Style::colwise())
         .style("*.attn.k", Style::colwise())
@@ -339,11 +338,7 @@ fn main() -> Res<()> {
     // stages balanced by parameter bytes
     let costs: Vec<f64> = layers.param_bytes()?.into_iter().map(|b| b as f64).collect();
     let part = Partition::balanced(&costs, a.pp)?;
-    let cfg = PipelineConfig {
-        microbatches: a.microbatches,
-        data_parallel: dims.stage_data_parallel(DdpOptions::default(), FsdpOptions::default()),
-        ..Default::default()
-    };
+    let cfg = PipelineConfig { microbatches: a.microbatches, plan: plan.clone(), ..Default::default() };
     let mut stage = PipelineRank::build(dims.pp_group(), &layers, &part, cfg)?;
     // what the optimizer steps (FSDP's shards); each one's placement says how clipping sums it
     let params = stage.parameters();

@@ -235,12 +235,11 @@ fn rope_table(head_dim: i64, context: i64) -> Tensor {
 
 /// Tensor parallelism by name (the fused projection split block by block), and the data parallelism
 /// of the flags.
-fn plan(dims: &ParallelMesh, vs: &nn::VarStore) -> tch_dist::Result<Plan> {
-    Ok(dims
-        .plan(vs)?
+fn plan(dims: &ParallelMesh) -> Plan {
+    dims.plan()
         .style("*.attn.c_attn", Style::colwise_fused(3))
         .styles(&["*.c_fc1", "*.c_fc2"], Style::colwise())
-        .style("*.c_proj", Style::rowwise()))
+        .style("*.c_proj", Style::rowwise())
 }
 
 fn main() -> Result<()> {
@@ -252,7 +251,7 @@ fn main() -> Result<()> {
     let data = TextData::new(&a.corpus).map_err(|e| format!("--corpus {}: {e}", a.corpus))?;
     let cfg = Config { vocab_size: data.labels(), n_layer: a.layers, n_head: a.n_head, n_embd: a.n_embd };
     let vs = nn::VarStore::new(Device::Cpu);
-    let plan = plan(&dims, &vs)?;
+    let plan = plan(&dims);
     tch::manual_seed(42); // every rank and every layout: the same model
     let model = plan.build(&vs, || Llama::new(vs.root(), cfg, a.block_size))?;
     let mut opt = nn::AdamW::default().build(&vs, a.lr)?; // after the model: under FSDP, over its shards

@@ -1,7 +1,8 @@
 //! Per-rank model-state bytes by ZeRO stage, before running anything (`tch_dist::memory::plan`).
 //!   cargo run --example memory_plan                      # the ZeRO paper's 7.5B parameters on 64 ranks
 //!   cargo run --example memory_plan -- 1300000000 8 fp32 # Ψ, ranks, precision (mixed | fp32)
-use tch_dist::memory::plan::{model_states, Precision, Stage};
+use tch_dist::memory::plan::{model_states, Precision};
+use tch_dist::zero::ZeroStage;
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -15,10 +16,10 @@ fn main() {
     println!("| stage | parameters | gradients | optimizer | total |");
     println!("|---|---:|---:|---:|---:|");
     for (s, name) in [
-        (Stage::Replicated, "DDP (baseline)"),
-        (Stage::One, "ZeRO-1 (P_os)"),
-        (Stage::Two, "ZeRO-2 (P_os+g)"),
-        (Stage::Three, "ZeRO-3 / FSDP (P_os+g+p)"),
+        (None, "DDP (baseline)"),
+        (Some(ZeroStage::One), "ZeRO-1 (P_os)"),
+        (Some(ZeroStage::Two), "ZeRO-2 (P_os+g)"),
+        (Some(ZeroStage::Three), "ZeRO-3 / FSDP (P_os+g+p)"),
     ] {
         let m = model_states(params, world, s, precision);
         let gb = |b: u64| b as f64 / 1e9;

@@ -152,11 +152,10 @@ fn gpt(p: nn::Path, cfg: Config) -> impl ModuleT {
 // ---- the launch: a mesh and the plan for the layout ----
 
 /// Tensor parallelism as Megatron splits a block, and the data parallelism of the flags.
-fn plan(dims: &ParallelMesh, vs: &nn::VarStore) -> tch_dist::Result<Plan> {
-    Ok(dims
-        .plan(vs)?
+fn plan(dims: &ParallelMesh) -> Plan {
+    dims.plan()
         .styles(&["*.key", "*.query", "*.value", "*.lin1"], Style::colwise())
-        .styles(&["*.proj", "*.lin2"], Style::rowwise()))
+        .styles(&["*.proj", "*.lin2"], Style::rowwise())
 }
 
 fn main() -> Result<()> {
@@ -178,7 +177,7 @@ fn main() -> Result<()> {
     };
     let device = Device::Cpu;
     let vs = nn::VarStore::new(device);
-    let plan = plan(&dims, &vs)?;
+    let plan = plan(&dims);
     tch::manual_seed(42); // every layout starts from the same model
     let gpt = plan.build(&vs, || gpt(vs.root() / "gpt", cfg))?; // the layers and units through the plan
     let mut opt = nn::AdamW::default().build(&vs, a.lr)?;

@@ -16,7 +16,7 @@ use std::time::Instant;
 
 use tch::{nn, nn::Module, nn::OptimizerConfig, Device, Kind, Tensor};
 use tch_dist::pipeline::schedule::{Kind as Sched, Schedule};
-use tch_dist::pipeline::{trace, LayerList, Partition, Pipeline, PipelineRank, Span};
+use tch_dist::pipeline::{trace, LayerList, Partition, Pipeline, PipelineConfig, PipelineRank, Span};
 use tch_dist::{memory, ProcessGroup};
 
 const WIDTH: i64 = 1024;
@@ -134,13 +134,23 @@ fn partition(a: &Args) -> Result<Partition, Box<dyn std::error::Error>> {
     Ok(Partition::balanced(&bytes, a.stages * a.v)?)
 }
 
+/// The schedule, microbatches, chunks per rank and recomputation the flags ask for.
+fn config(a: &Args) -> PipelineConfig {
+    PipelineConfig {
+        schedule: a.schedule,
+        microbatches: a.m,
+        chunks: a.v,
+        recompute: a.recompute,
+        ..Default::default()
+    }
+}
+
 /// (losses, spans of the last step, seconds, microbatches in flight per stage)
 type ThreadsRun = (Vec<f64>, Vec<Span>, f64, Vec<usize>);
 
 /// Runs the steps in one process.
 fn run_threads(a: &Args) -> Result<ThreadsRun, Box<dyn std::error::Error>> {
-    let mut pipe = Pipeline::new(&layers(), &partition(a)?, &vec![Device::Cpu; a.stages], a.schedule, a.m, a.v)?
-        .recompute(a.recompute);
+    let mut pipe = Pipeline::new(&layers(), &partition(a)?, &vec![Device::Cpu; a.stages], config(a))?;
     let mut opts =
         pipe.var_stores().iter().map(|vs| nn::Sgd::default().build(vs, LR)).collect::<Result<Vec<_>, _>>()?;
     let (mut losses, mut spans, mut inflight) = (Vec::new(), Vec::new(), vec![0; a.stages]);
@@ -164,8 +174,7 @@ fn worker(a: &Args) -> Result<(), Box<dyn std::error::Error>> {
     tch::set_num_threads(1); // stages share the machine's cores
     memory::install_cpu_counter()?;
     let pg = Arc::new(ProcessGroup::from_env()?);
-    let mut st = PipelineRank::new(pg.clone(), &layers(), &partition(a)?, Device::Cpu, a.schedule, a.m, a.v)?
-        .recompute(a.recompute);
+    let mut st = PipelineRank::build(pg.clone(), &layers(), &partition(a)?, config(a))?;
     let mut opts = st.var_stores().iter().map(|vs| nn::Sgd::default().build(vs, LR)).collect::<Result<Vec<_>, _>>()?;
     let base = memory::allocated(Device::Cpu)?;
     memory::reset_peak(Device::Cpu)?;

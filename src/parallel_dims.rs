@@ -10,22 +10,19 @@
 //! let dims = ParallelDims { tp: 2, dp_shard: REST, ..Default::default() }.build(&world)?;
 //! let rows = dims.rows(32)?; // this rank's rows of a global batch of 32
 //! assert_eq!(rows.end - rows.start, 8);
-//! let vs = tch::nn::VarStore::new(tch::Device::Cpu);
-//! let plan = dims.plan(&vs)?; // tensor parallel over "tp", FSDP over "dp_shard"; add the styles
+//! let plan = dims.plan(); // tensor parallel over "tp", FSDP over "dp_shard"; add the styles
 //! # Ok::<(), tch_dist::Error>(())
 //! ```
 use std::ops::Range;
 use std::sync::Arc;
-
-use tch::nn;
 
 use crate::ddp::DdpOptions;
 use crate::error::{Error, Result};
 use crate::fsdp::FsdpOptions;
 use crate::group::{ProcessGroup, ReduceOp};
 use crate::mesh::DeviceMesh;
+use crate::parallelize::data_parallelism::DataParallelism;
 use crate::parallelize::Plan;
-use crate::pipeline::DataParallel;
 
 /// A degree meaning "whatever the world leaves" once the others are set (torchtitan's `-1`); at most
 /// one degree may be it.
@@ -299,25 +296,24 @@ impl ParallelMesh {
         }
     }
 
-    /// A plan for a model built in `vs`: tensor parallel over "tp" (add its styles), and data parallel
-    /// as the degrees say, with default options (tune them with [`Plan::replicate`] or
-    /// [`Plan::fully_shard`] given [`ddp`](Self::ddp) or [`fsdp`](Self::fsdp)).
-    pub fn plan(&self, vs: &nn::VarStore) -> Result<Plan> {
-        let plan = Plan::over_group(self.tp_group());
-        match self.kind() {
-            DpKind::None => Ok(plan),
-            DpKind::Ddp => Ok(plan.replicate(self.ddp(DdpOptions::default()))),
-            DpKind::Fsdp | DpKind::Hsdp => plan.fully_shard(vs, self.fsdp(FsdpOptions::default())),
-        }
+    /// The plan: tensor parallel over "tp" (add its styles), data parallel as the degrees say (DDP over
+    /// the [`loss_group`](Self::loss_group), FSDP over the [`fsdp_group`](Self::fsdp_group), HSDP across
+    /// `dp_replicate`), with default options. The same plan builds a model
+    /// ([`Plan::build`]) or each chunk of a pipeline
+    /// ([`PipelineConfig::plan`](crate::pipeline::PipelineConfig::plan)).
+    pub fn plan(&self) -> Plan {
+        self.plan_with(DdpOptions::default(), FsdpOptions::default())
     }
 
-    /// Each pipeline stage's data parallelism as the degrees say, `ddp` or `fsdp` tuned by the caller.
-    pub fn stage_data_parallel(&self, ddp: DdpOptions, fsdp: FsdpOptions) -> DataParallel {
-        match self.kind() {
-            DpKind::None => DataParallel::None,
-            DpKind::Ddp => DataParallel::Ddp(self.ddp(ddp)),
-            DpKind::Fsdp | DpKind::Hsdp => DataParallel::Fsdp(self.fsdp(fsdp)),
-        }
+    /// [`plan`](Self::plan), DDP or FSDP with the caller's options, whichever the degrees choose (their
+    /// groups are the mesh's).
+    pub fn plan_with(&self, ddp: DdpOptions, fsdp: FsdpOptions) -> Plan {
+        let dp = match self.kind() {
+            DpKind::None => DataParallelism::None,
+            DpKind::Ddp => DataParallelism::Replicate(self.ddp(ddp), None),
+            DpKind::Fsdp | DpKind::Hsdp => DataParallelism::Shard(self.fsdp(fsdp)),
+        };
+        Plan::over_group(self.tp_group()).with_data_parallelism(dp)
     }
 }
 

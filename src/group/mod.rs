@@ -374,6 +374,12 @@ impl ProcessGroup {
     pub fn cuda_device(&self) -> Option<usize> {
         self.cuda_device
     }
+    /// This rank's device, where its model and batches belong: the GPU its NCCL engine binds
+    /// ([`ProcessGroup::from_env`] picks `cuda:LOCAL_RANK`, or the one GPU a task sees), else the CPU
+    /// (torchtitan's `torch.device(f"cuda:{LOCAL_RANK}")`).
+    pub fn device(&self) -> Device {
+        self.cuda_device.map_or(Device::Cpu, Device::Cuda)
+    }
     pub fn timeout(&self) -> Duration {
         self.timeout
     }
@@ -994,6 +1000,14 @@ mod tests {
         pg.config = BackendConfig::NCCL;
         pg.cuda_device = Some(0);
         pg
+    }
+
+    #[test]
+    fn a_groups_device_is_its_nccl_engines_gpu_or_the_cpu() {
+        let store = Store::hash().unwrap();
+        let gloo = ProcessGroup::new(&store.prefixed("gloo").unwrap(), 0, 1, &GroupOptions::default()).unwrap();
+        assert_eq!(gloo.device(), Device::Cpu);
+        assert_eq!(nccl_only_routing().device(), Device::Cuda(0));
     }
 
     #[test]

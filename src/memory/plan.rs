@@ -10,12 +10,15 @@
 //! small model), so a plan made here predicts what a real run holds, activations and buffers aside.
 //!
 //! ```
-//! use tch_dist::memory::plan::{model_states, Precision, Stage};
+//! use tch_dist::memory::plan::{model_states, Precision};
+//! use tch_dist::zero::ZeroStage;
 //! // the paper's Figure 1: 7.5B parameters, 64 ranks, mixed-precision Adam
 //! let gb = |s| model_states(7_500_000_000, 64, s, Precision::MIXED_ADAM).total() as f64 / 1e9;
-//! assert_eq!(format!("{:.1}", gb(Stage::Replicated)), "120.0");
-//! assert_eq!(format!("{:.1}", gb(Stage::Three)), "1.9");
+//! assert_eq!(format!("{:.1}", gb(None)), "120.0"); // DDP: nothing sharded
+//! assert_eq!(format!("{:.1}", gb(Some(ZeroStage::Three))), "1.9");
 //! ```
+
+use crate::zero::ZeroStage;
 
 /// Bytes per parameter element, by role.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -32,19 +35,6 @@ impl Precision {
     pub const FP32_ADAM: Precision = Precision { param: 4, grad: 4, optimizer: 8 };
     /// Float32 parameters and gradients, SGD without momentum (no state).
     pub const FP32_SGD: Precision = Precision { param: 4, grad: 4, optimizer: 0 };
-}
-
-/// What is sharded across the data-parallel ranks: a ZeRO stage (`Stage::from(ZeroStage::Two)`), or nothing.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Stage {
-    /// Nothing (DDP): every rank holds everything.
-    Replicated,
-    /// The optimizer state (ZeRO-1, P_os).
-    One,
-    /// The optimizer state and the gradients (ZeRO-2, P_os+g).
-    Two,
-    /// Those and the parameters (ZeRO-3 / FSDP, P_os+g+p).
-    Three,
 }
 
 /// Per-rank bytes of the model states.
@@ -64,7 +54,7 @@ impl ModelStates {
 /// The whole model's trainable elements (the paper's Ψ) from a rank that may hold only part of it: each
 /// trainable variable of `vs` counts the elements of its global shape as its placement
 /// ([`crate::placement`]) records it (FSDP's shard and a tensor-parallel slice count the whole
-/// parameter), so that `model_states(model_elements(&vs), world, stage, p)` plans another layout of the
+/// parameter), so that `model_states(model_elements(&vs), world, zero, p)` plans another layout of the
 /// same model. A pipeline stage's VarStore counts that stage's variables.
 pub fn model_elements(vs: &tch::nn::VarStore) -> u64 {
     vs.trainable_variables()
@@ -76,14 +66,15 @@ pub fn model_elements(vs: &tch::nn::VarStore) -> u64 {
         .sum()
 }
 
-/// Per-rank model-state bytes of `params` parameters on `world` ranks at `stage`.
-pub fn model_states(params: u64, world: u64, stage: Stage, p: Precision) -> ModelStates {
+/// Per-rank model-state bytes of `params` parameters on `world` ranks, sharded by the ZeRO stage `zero`
+/// (stage 3 is FSDP's), or replicated (DDP) with `None`.
+pub fn model_states(params: u64, world: u64, zero: Option<ZeroStage>, p: Precision) -> ModelStates {
     let shard = params.div_ceil(world.max(1));
-    let (ps, gs, os) = match stage {
-        Stage::Replicated => (params, params, params),
-        Stage::One => (params, params, shard),
-        Stage::Two => (params, shard, shard),
-        Stage::Three => (shard, shard, shard),
+    let (ps, gs, os) = match zero {
+        None => (params, params, params),
+        Some(ZeroStage::One) => (params, params, shard),
+        Some(ZeroStage::Two) => (params, shard, shard),
+        Some(ZeroStage::Three) => (shard, shard, shard),
     };
     ModelStates { parameters: ps * p.param, gradients: gs * p.grad, optimizer: os * p.optimizer }
 }

@@ -69,6 +69,7 @@ impl Plan {
     /// Builds the model with `build` while this plan is entered, then [`finish`](Plan::finish)es it: the
     /// enter-build-finish of the module docs in one call.
     pub fn build<M>(&self, vs: &nn::VarStore, build: impl FnOnce() -> M) -> Result<Parallel<M>> {
+        self.bind(vs)?;
         let model = {
             let _plan = self.enter();
             build()

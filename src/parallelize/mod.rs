@@ -21,6 +21,7 @@
 //! # Ok::<(), tch_dist::Error>(())
 //! ```
 mod current;
+pub(crate) mod data_parallelism;
 mod layers;
 mod parallel;
 mod plan;

@@ -224,3 +224,50 @@ impl<M: nn::ModuleT> DistModule for Parallel<M> {
         crate::optim::clip_grad_norm(&self.parameters(), max_norm, norm_type)
     }
 }
+
+/// A pipeline chunk's data parallelism, its layers kept by the chunk: what the pipeline drives per
+/// microbatch (the plan's ZeRO-1/2 is refused for chunks before one is built).
+impl Parallel<()> {
+    /// `f`, the chunk's layers, on `x` inside this wrapper's forward.
+    pub(crate) fn chunk_forward(&self, x: &Tensor, f: impl FnOnce(&Tensor) -> Tensor) -> Result<Tensor> {
+        match self {
+            Parallel::Local { .. } => Ok(f(x)),
+            Parallel::Ddp(d) | Parallel::Zero { ddp: d, .. } => d.forward_with(|_| f(x)),
+            Parallel::Fsdp(m) => m.forward_with(x, |_, x| f(x)),
+        }
+    }
+
+    /// Whether the next backward reduces the gradients.
+    pub(crate) fn set_sync(&self, on: bool) {
+        match self {
+            Parallel::Local { .. } => {}
+            Parallel::Ddp(d) | Parallel::Zero { ddp: d, .. } => d.set_sync(on),
+            Parallel::Fsdp(m) => m.set_sync(on),
+        }
+    }
+
+    /// FSDP's units stay gathered after a backward (off) or are freed (on); nothing to keep otherwise.
+    pub(crate) fn set_reshard_after_backward(&self, on: bool) {
+        if let Parallel::Fsdp(m) = self {
+            m.set_reshard_after_backward(on);
+        }
+    }
+
+    /// A step begins: FSDP frees what an earlier forward left gathered (the optimizer may have stepped
+    /// since), then keeps what the step's backwards gather.
+    pub(crate) fn begin_step(&self) -> Result<()> {
+        if let Parallel::Fsdp(m) = self {
+            m.reshard()?;
+            m.set_reshard_after_backward(false);
+        }
+        Ok(())
+    }
+
+    /// The chunk's FSDP, when it shards.
+    pub(crate) fn sharded(&self) -> Option<&FullyShardedDataParallel<()>> {
+        match self {
+            Parallel::Fsdp(m) => Some(m),
+            _ => None,
+        }
+    }
+}

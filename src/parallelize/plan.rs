@@ -3,6 +3,7 @@ use std::sync::{Arc, Mutex};
 
 use tch::nn;
 
+use super::data_parallelism::DataParallelism;
 use super::layers::{BatchNorm, Embedding, Linear};
 use super::parallel::{Parallel, Unit};
 use crate::ddp::{DdpOptions, DistributedDataParallel};
@@ -79,6 +80,8 @@ pub struct Plan {
     tp: Option<Arc<ProcessGroup>>,
     styles: Vec<(String, Style)>,
     dp: DataParallelism,
+    /// Under FSDP, the units being built (shared by the plan's clones).
+    units: Arc<Mutex<Units>>,
     /// The group batch-normalization layers take their statistics over, when they synchronise.
     sync_bn: Option<Arc<ProcessGroup>>,
     /// The dotted paths of the layers built through the plan (shared by its clones): what `finish`
@@ -114,26 +117,20 @@ impl Drop for Unfinished {
     }
 }
 
-#[derive(Clone, Default)]
-enum DataParallelism {
+/// FSDP's units of the plan's model: the builder, made when the plan meets the model's VarStore
+/// ([`Plan::fully_shard`], [`Plan::build`], [`Plan::finish`]) and taken by `finish`. The lock is held only
+/// to take a handle: never across the builder's collectives.
+#[derive(Default)]
+enum Units {
     #[default]
-    None,
-    /// DDP, with ZeRO-1 or ZeRO-2 sharding the optimizer over its buckets.
-    Replicate(DdpOptions, Option<ZeroStage>),
-    /// The builder of the model's units, taken by `finish`. The lock is held only to take a handle:
-    /// never across the builder's collectives.
-    Shard(Arc<Mutex<Option<Arc<FsdpBuilder>>>>),
+    Unbound,
+    Building(Arc<FsdpBuilder>),
+    Finished,
 }
 
 impl std::fmt::Debug for Plan {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let dp = match &self.dp {
-            DataParallelism::None => "none",
-            DataParallelism::Replicate(_, None) => "DDP",
-            DataParallelism::Replicate(_, Some(ZeroStage::One)) => "DDP + ZeRO-1",
-            DataParallelism::Replicate(_, Some(_)) => "DDP + ZeRO-2",
-            DataParallelism::Shard(_) => "FSDP",
-        };
+        let dp = self.dp.name();
         f.debug_struct("Plan")
             .field("tp", &self.tp)
             .field("styles", &self.styles)
@@ -209,7 +206,7 @@ impl Plan {
                 "choose the data parallelism first: Plan::replicate (stages 1 and 2) or Plan::fully_shard (stage 3)",
             ),
             (DataParallelism::Replicate(..), ZeroStage::Three) => {
-                return refuse("stage 3 shards the parameters: Plan::fully_shard(&vs, FsdpOptions), not replicate")
+                return refuse("stage 3 shards the parameters: Plan::fully_shard(FsdpOptions), not replicate")
             }
             (DataParallelism::Replicate(_, zero), _) => *zero = Some(stage),
             (DataParallelism::Shard(_), ZeroStage::Three) => {}
@@ -224,11 +221,13 @@ impl Plan {
     }
 
     /// Data parallelism by FSDP, or HSDP with a replicate group (PyTorch's `fully_shard`, e.g. with
-    /// [`FsdpOptions::mesh`]), over the variables of `vs`, which the model is then built in: each block
-    /// the model passes to [`unit`](Self::unit) is sharded as soon as it is built, and
-    /// [`finish`](Self::finish) makes the rest the root. The VarStore's trainable variables become this
-    /// rank's shards, so tch's optimizers built over it after `finish` step them.
-    pub fn fully_shard(mut self, vs: &nn::VarStore, opts: FsdpOptions) -> Result<Plan> {
+    /// [`FsdpOptions::mesh`]), over the variables of the VarStore the model is built in
+    /// ([`build`](Self::build) gives it; spelled out, [`bind`](Self::bind)): each block the model passes
+    /// to [`unit`](Self::unit) is sharded as soon as it is built, and [`finish`](Self::finish) makes the
+    /// rest the root. The VarStore's trainable variables become this rank's shards, so tch's optimizers
+    /// built over it after `finish` step them. Given to a pipeline
+    /// ([`PipelineConfig::plan`](crate::pipeline::PipelineConfig::plan)), each chunk is sharded so.
+    pub fn fully_shard(self, opts: FsdpOptions) -> Result<Plan> {
         if let DataParallelism::Replicate(_, Some(stage)) = &self.dp {
             return Err(Error::invalid(
                 "Plan::fully_shard",
@@ -238,23 +237,90 @@ impl Plan {
                 ),
             ));
         }
-        self.dp = DataParallelism::Shard(Arc::new(Mutex::new(Some(Arc::new(FsdpBuilder::new(vs, opts)?)))));
-        self.watch.data_parallel.store(true, std::sync::atomic::Ordering::Relaxed);
-        Ok(self)
+        Ok(self.with_data_parallelism(DataParallelism::Shard(opts)))
+    }
+
+    /// The plan with `dp` as its data parallelism, nothing of the model built yet.
+    pub(crate) fn with_data_parallelism(mut self, dp: DataParallelism) -> Plan {
+        if dp.is_some() {
+            self.watch.data_parallel.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
+        self.dp = dp;
+        self.units = Arc::default();
+        self
+    }
+
+    /// The plan's data parallelism, as a pipeline applies it to each of its chunks.
+    pub(crate) fn data_parallelism(&self) -> &DataParallelism {
+        &self.dp
+    }
+
+    /// The plan was applied (to a pipeline's chunks, each through a plan of its own): its end need not
+    /// warn that it was never finished.
+    pub(crate) fn mark_applied(&self) {
+        self.watch.finished.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// The same plan for one more model (a pipeline chunk, in its own VarStore): its styles, groups and
+    /// data parallelism, nothing built yet. A style may match layers of other chunks only.
+    pub(crate) fn for_another_model(&self) -> Plan {
+        Plan {
+            tp: self.tp.clone(),
+            styles: self.styles.clone(),
+            dp: self.dp.clone(),
+            sync_bn: self.sync_bn.clone(),
+            unmatched_ok: true,
+            ..Plan::default()
+        }
+    }
+
+    /// The VarStore the model is built in, for a plan that shards: [`build`](Self::build) and
+    /// [`finish`](Self::finish) give it themselves, and a model built under [`enter`](Self::enter) with
+    /// [`unit`](Self::unit)s needs it first. Once per plan (the same VarStore again is no-op); nothing to
+    /// do for other plans. With HSDP, a collective over the replicate group.
+    pub fn bind(&self, vs: &nn::VarStore) -> Result<()> {
+        let DataParallelism::Shard(opts) = &self.dp else { return Ok(()) };
+        let held = |units: &Units| match units {
+            Units::Unbound => Ok(false),
+            Units::Building(b) if b.shards(vs) => Ok(true),
+            Units::Building(_) => Err(Error::invalid(
+                "Plan",
+                "the VarStore is not the one the plan's FSDP shards (the first given to Plan::bind, build or \
+                 finish): the model's variables must live there",
+            )),
+            Units::Finished => Err(finished("Plan::finish")),
+        };
+        if held(&self.units.lock().unwrap_or_else(|e| e.into_inner()))? {
+            return Ok(());
+        }
+        // made without the lock: with HSDP, FsdpBuilder::new agrees with the replicas (a collective)
+        let builder = FsdpBuilder::new(vs, opts.clone())?;
+        let mut units = self.units.lock().unwrap_or_else(|e| e.into_inner());
+        if !held(&units)? {
+            *units = Units::Building(Arc::new(builder));
+        }
+        Ok(())
     }
 
     /// A block of the model (a transformer block, as torchtitan shards each): an FSDP unit of the
     /// variables under `path` when the plan shards, else `module` as it is. Call it right after
     /// building the block, so that the whole model never exists on one rank.
     pub fn unit<M>(&self, path: &nn::Path, module: M) -> Result<Unit<M>> {
-        match &self.dp {
-            DataParallelism::Shard(b) => {
-                let builder =
-                    b.lock().unwrap_or_else(|e| e.into_inner()).clone().ok_or_else(|| finished("Plan::unit"))?;
-                Ok(Unit::Sharded(builder.fully_shard(path, module)?))
-            }
-            _ => Ok(Unit::Local(module)),
+        if !matches!(self.dp, DataParallelism::Shard(_)) {
+            return Ok(Unit::Local(module));
         }
+        let builder = match &*self.units.lock().unwrap_or_else(|e| e.into_inner()) {
+            Units::Building(b) => b.clone(),
+            Units::Finished => return Err(finished("Plan::unit")),
+            Units::Unbound => {
+                return Err(Error::invalid(
+                    "Plan::unit",
+                    "the plan shards, but was given no VarStore yet: build the model with plan.build(&vs, || ..), \
+                     or call plan.bind(&vs) before entering the plan",
+                ))
+            }
+        };
+        Ok(Unit::Sharded(builder.fully_shard(path, module)?))
     }
 
     /// The model, built in `vs` through this plan, as it trains: under DDP, FSDP or HSDP, as the plan
@@ -287,28 +353,34 @@ impl Plan {
                     Some(stage) => Parallel::Zero { ddp, stage: *stage },
                 })
             }
-            DataParallelism::Shard(b) => {
+            DataParallelism::Shard(_) => {
+                self.bind(vs)?;
                 let builder = {
                     // checked before it is taken: a refused call leaves the plan as it was
-                    let mut slot = b.lock().unwrap_or_else(|e| e.into_inner());
-                    let held = slot.as_ref().ok_or_else(|| finished("Plan::finish"))?;
-                    if !held.shards(vs) {
-                        return Err(Error::invalid(
-                            "Plan::finish",
-                            "the VarStore is not the one given to Plan::fully_shard: the model's variables must live there",
-                        ));
+                    let mut units = self.units.lock().unwrap_or_else(|e| e.into_inner());
+                    let held = match std::mem::take(&mut *units) {
+                        Units::Building(held) => held,
+                        other => {
+                            *units = other;
+                            return Err(finished("Plan::finish"));
+                        }
+                    };
+                    if let Err(e) = held.check_no_optimizer_yet("Plan::finish") {
+                        *units = Units::Building(held);
+                        return Err(e);
                     }
-                    held.check_no_optimizer_yet("Plan::finish")?;
-                    match slot.take().map(Arc::try_unwrap) {
-                        Some(Ok(builder)) => builder,
-                        Some(Err(shared)) => {
-                            *slot = Some(shared);
+                    match Arc::try_unwrap(held) {
+                        Ok(builder) => {
+                            *units = Units::Finished;
+                            builder
+                        }
+                        Err(shared) => {
+                            *units = Units::Building(shared);
                             return Err(Error::invalid(
                                 "Plan::finish",
                                 "another thread is building a unit of this plan's model",
                             ));
                         }
-                        None => return Err(finished("Plan::finish")),
                     }
                 };
                 Ok(Parallel::Fsdp(builder.finish(model)?))

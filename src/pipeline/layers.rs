@@ -20,11 +20,10 @@ use std::time::Instant;
 
 use tch::{nn, Device, Kind, Tensor};
 
-use super::data_parallel::{ChunkSync, DataParallel};
 use super::partition::Partition;
 use crate::dist_module::DistModule;
 use crate::error::{Error, Result};
-use crate::fsdp::FsdpBuilder;
+use crate::parallelize::{Parallel, Plan, Unit};
 
 type Builder = Arc<dyn Fn(&nn::Path) -> Box<dyn nn::Module> + Send + Sync>;
 
@@ -47,8 +46,9 @@ pub struct Stage {
     pub range: Range<usize>,
     names: Vec<String>,
     layers: Vec<Box<dyn nn::Module>>,
-    /// DDP or FSDP across the ranks holding the same stage, if any.
-    sync: Option<ChunkSync>,
+    /// The plan's data parallelism across the ranks holding the same stage (none for a chunk without
+    /// parameters).
+    sync: Option<Parallel<()>>,
     /// The user's setting ([`Stage::set_requires_gradient_sync`]): off, no backward of a step reduces.
     requires_sync: AtomicBool,
 }
@@ -70,7 +70,7 @@ impl Drop for KeepGathered<'_> {
 impl Drop for BackwardSync<'_> {
     fn drop(&mut self) {
         if let Some(s) = &self.0.sync {
-            s.set_requires_gradient_sync(self.0.requires_gradient_sync());
+            s.set_sync(self.0.requires_gradient_sync());
         }
     }
 }
@@ -103,7 +103,7 @@ impl Stage {
     pub fn f_forward(&self, xs: &Tensor) -> Result<Tensor> {
         let run = |x: &Tensor| self.layers.iter().fold(x.shallow_clone(), |x, l| l.forward(&x));
         match &self.sync {
-            Some(s) => s.forward(xs, run),
+            Some(s) => s.chunk_forward(xs, run),
             None => Ok(run(xs)),
         }
     }
@@ -112,7 +112,7 @@ impl Stage {
     /// user's setting comes back when the guard goes (also when the backward fails).
     pub(crate) fn backward_sync(&self, last: bool) -> BackwardSync<'_> {
         if let Some(s) = &self.sync {
-            s.set_requires_gradient_sync(last && self.requires_gradient_sync());
+            s.set_sync(last && self.requires_gradient_sync());
             if last {
                 s.set_reshard_after_backward(true);
             }
@@ -181,20 +181,20 @@ impl LayerList {
 
     /// Builds layers `range` on `device`.
     pub fn build_stage(&self, range: Range<usize>, device: Device) -> Result<Stage> {
-        self.build_stage_with(range, device, &DataParallel::None)
+        self.build_stage_with(range, device, &Plan::new())
     }
 
-    /// [`build_stage`](Self::build_stage), data-parallel as `dp` says. Under FSDP each layer with
-    /// parameters is sharded as soon as it is built (a unit), so the whole stage never exists at once.
-    pub(crate) fn build_stage_with(&self, range: Range<usize>, device: Device, dp: &DataParallel) -> Result<Stage> {
+    /// [`build_stage`](Self::build_stage) through `plan`: its data parallelism across the ranks holding
+    /// the same stage, and its tensor-parallel styles for layers built with `parallelize::linear` (and
+    /// the rest). Under FSDP each layer with parameters is sharded as soon as it is built (a unit), so the
+    /// whole stage never exists at once.
+    pub(crate) fn build_stage_with(&self, range: Range<usize>, device: Device, plan: &Plan) -> Result<Stage> {
         if range.end > self.len() || range.is_empty() {
             return Err(Error::invalid("build_stage", format!("layers {range:?} of a list of {}", self.len())));
         }
         let vs = nn::VarStore::new(device);
-        let fsdp = match dp {
-            DataParallel::Fsdp(o) => Some(FsdpBuilder::new(&vs, o.clone())?),
-            _ => None,
-        };
+        let plan = plan.for_another_model();
+        plan.bind(&vs)?;
         let mut layers = Vec::with_capacity(range.len());
         for i in range.clone() {
             let (name, build) = &self.layers[i];
@@ -205,21 +205,22 @@ impl LayerList {
                 // in between) and put back; sharding below may wait on other ranks, so it runs outside
                 let _fork = crate::random::Fork::new()?;
                 tch::manual_seed(self.seed + i as i64);
+                let _plan = plan.enter();
                 build(&path)
             };
-            layers.push(match &fsdp {
-                Some(f) if vs.trainable_variables().len() > before => {
-                    Box::new(f.fully_shard(&path, Layer(layer))?) as Box<dyn nn::Module>
+            layers.push(if vs.trainable_variables().len() > before {
+                match plan.unit(&path, Layer(layer))? {
+                    Unit::Sharded(u) => Box::new(u) as Box<dyn nn::Module>,
+                    Unit::Local(Layer(l)) => l,
                 }
-                _ => layer,
+            } else {
+                layer
             });
         }
         // a chunk of parameter-free layers (activations) has nothing to reduce
-        let sync = match (dp, fsdp) {
-            _ if vs.trainable_variables().is_empty() => None,
-            (DataParallel::Ddp(o), _) => Some(ChunkSync::ddp(&vs, o)?),
-            (_, Some(f)) => Some(ChunkSync::Fsdp(f.finish(())?)),
-            _ => None,
+        let sync = match vs.trainable_variables().is_empty() {
+            true => None,
+            false => Some(plan.finish(&vs, ())?),
         };
         let names = self.layers[range.clone()].iter().map(|(n, _)| n.clone()).collect();
         Ok(Stage { vs, device, range, names, layers, sync, requires_sync: AtomicBool::new(true) })
@@ -285,7 +286,7 @@ impl DistModule for Stage {
     fn set_requires_gradient_sync(&self, on: bool) {
         self.requires_sync.store(on, Ordering::Relaxed);
         if let Some(s) = &self.sync {
-            s.set_requires_gradient_sync(on);
+            s.set_sync(on);
         }
     }
     fn requires_gradient_sync(&self) -> bool {
@@ -294,14 +295,14 @@ impl DistModule for Stage {
     /// The stage's values by VarStore name, sorted; gathered from the shards under FSDP (collective
     /// then).
     fn state_dict(&self) -> Result<Vec<(String, Tensor)>> {
-        if let Some(ChunkSync::Fsdp(m)) = &self.sync {
+        if let Some(m) = self.sync.as_ref().and_then(Parallel::sharded) {
             return m.gathered_state_dict();
         }
         Ok(crate::var_store::sorted_variables(&self.vs))
     }
     /// Drops the gradients (set to none), the shards' and the parameters' own under FSDP.
     fn zero_grad(&self) -> Result<()> {
-        if let Some(ChunkSync::Fsdp(m)) = &self.sync {
+        if let Some(m) = self.sync.as_ref().and_then(Parallel::sharded) {
             return m.drop_grads();
         }
         crate::hooks::drop_grads(&self.vs.trainable_variables())

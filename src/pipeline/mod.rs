@@ -8,12 +8,13 @@
 //!
 //! ```
 //! use tch::{nn, nn::OptimizerConfig, Device, Kind, Tensor};
-//! use tch_dist::pipeline::{LayerList, Partition, Pipeline, schedule::Kind as Sched};
+//! use tch_dist::pipeline::{LayerList, Partition, Pipeline, PipelineConfig, schedule::Kind as Sched};
 //! let layers = LayerList::new()
 //!     .add("fc1", |p| nn::linear(p, 8, 16, Default::default()))
 //!     .add_fn("tanh", |x| x.tanh())
 //!     .add("fc2", |p| nn::linear(p, 16, 4, Default::default()));
-//! let mut pipe = Pipeline::new(&layers, &Partition::sizes(&[2, 1], 3)?, &[Device::Cpu, Device::Cpu], Sched::OneFOneB, 4, 1)?;
+//! let cfg = PipelineConfig { schedule: Sched::OneFOneB, microbatches: 4, ..Default::default() };
+//! let mut pipe = Pipeline::new(&layers, &Partition::sizes(&[2, 1], 3)?, &[Device::Cpu, Device::Cpu], cfg)?;
 //! let mut opts: Vec<_> = pipe.var_stores().iter().map(|vs| nn::Sgd::default().build(vs, 0.1).unwrap()).collect();
 //! let (x, y) = (Tensor::randn([8, 8], (Kind::Float, Device::Cpu)), Tensor::zeros([8, 4], (Kind::Float, Device::Cpu)));
 //! let report = pipe.step(&x, &y, &|out, y| out.mse_loss(y, tch::Reduction::Mean))?;
@@ -22,7 +23,6 @@
 //! println!("loss {:.4}, bubble {:.2}", report.loss, report.bubble_fraction);
 //! # Ok::<(), tch_dist::Error>(())
 //! ```
-pub mod data_parallel;
 pub mod layers;
 pub(crate) mod microbatch;
 pub mod partition;
@@ -38,7 +38,6 @@ use std::time::{Duration, Instant};
 
 use tch::{nn, Device, Tensor};
 
-pub use data_parallel::DataParallel;
 pub use layers::{LayerList, Stage};
 pub use partition::Partition;
 pub use runtime::{LossFn, RankReport};
@@ -48,6 +47,8 @@ pub use trace::Span;
 use crate::dist_module::DistModule;
 use crate::error::{Error, Result};
 use crate::group::ProcessGroup;
+use crate::parallelize::data_parallelism::DataParallelism;
+use crate::parallelize::Plan;
 
 /// A step's outcome.
 #[derive(Clone, Debug)]
@@ -72,30 +73,28 @@ pub struct Pipeline {
 }
 
 impl Pipeline {
-    /// Builds all stages in this process. `partition` has `p * v` parts, in virtual-stage order;
-    /// `devices[s]` is stage `s`'s device.
-    pub fn new(
-        layers: &LayerList,
-        partition: &Partition,
-        devices: &[Device],
-        kind: schedule::Kind,
-        microbatches: usize,
-        chunks: usize,
-    ) -> Result<Pipeline> {
-        let p = devices.len();
-        let schedule = plan("Pipeline::new", partition, kind, p, microbatches, chunks)?;
+    /// Builds all stages in this process. `partition` has `p * v` parts (`v` = `cfg.chunks`), in
+    /// virtual-stage order; `devices[s]` is stage `s`'s device (`cfg.device` is a [`PipelineRank`]'s).
+    /// The stages are whole: data and tensor parallelism across processes are [`PipelineRank`]'s.
+    pub fn new(layers: &LayerList, partition: &Partition, devices: &[Device], cfg: PipelineConfig) -> Result<Pipeline> {
+        if cfg.plan.data_parallelism().is_some() || cfg.plan.tp_group().is_some() {
+            return Err(Error::invalid(
+                "Pipeline::new",
+                format!(
+                    "the config's plan is parallel ({:?}), but a Pipeline runs its stages as threads of this \
+                     process, each whole: build one PipelineRank per process with it",
+                    cfg.plan
+                ),
+            ));
+        }
+        let (p, chunks) = (devices.len(), cfg.chunks);
+        let schedule = plan("Pipeline::new", partition, cfg.schedule, p, cfg.microbatches, chunks)?;
         let vdevices: Vec<Device> = (0..p * chunks).map(|k| devices[k % p]).collect();
         let mut built: Vec<Option<Stage>> = layers.build(partition, &vdevices)?.into_iter().map(Some).collect();
         let ranks = (0..p)
             .map(|s| (0..chunks).map(|c| built[c * p + s].take().expect("each virtual stage once")).collect())
             .collect();
-        Ok(Pipeline { ranks, schedule, recompute: false, timeout: crate::group::DEFAULT_TIMEOUT })
-    }
-
-    /// Keep only each stage's input per microbatch in flight and recompute its forward during backward.
-    pub fn recompute(mut self, on: bool) -> Self {
-        self.recompute = on;
-        self
+        Ok(Pipeline { ranks, schedule, recompute: cfg.recompute, timeout: crate::group::DEFAULT_TIMEOUT })
     }
 
     /// How long a stage waits for a tensor before failing.
@@ -185,8 +184,11 @@ pub struct PipelineConfig {
     pub chunks: usize,
     /// Keep only each chunk's input per microbatch and recompute its forward in backward.
     pub recompute: bool,
-    /// DDP or FSDP of each chunk across the ranks that hold the same stage.
-    pub data_parallel: DataParallel,
+    /// Each chunk built through this plan ([`PipelineRank`] only): its data parallelism across the ranks
+    /// that hold the same stage (DDP, FSDP or HSDP; [`ParallelMesh::plan`](crate::parallel_dims::ParallelMesh::plan)
+    /// derives it from the degrees) and its tensor-parallel styles for layers built with
+    /// `parallelize::linear` and the rest. The plan's ZeRO-1/2 is refused: shard with FSDP.
+    pub plan: Plan,
 }
 
 impl Default for PipelineConfig {
@@ -197,7 +199,7 @@ impl Default for PipelineConfig {
             microbatches: 1,
             chunks: 1,
             recompute: false,
-            data_parallel: DataParallel::None,
+            plan: Plan::new(),
         }
     }
 }
@@ -207,21 +209,17 @@ impl Default for PipelineConfig {
 ///
 /// ```no_run
 /// use tch::nn;
-/// use tch_dist::ddp::DdpOptions;
-/// use tch_dist::mesh::DeviceMesh;
-/// use tch_dist::pipeline::{DataParallel, LayerList, Partition, PipelineConfig, PipelineRank};
+/// use tch_dist::pipeline::{LayerList, Partition, PipelineConfig, PipelineRank};
+/// use tch_dist::prelude::*;
 /// let world = tch_dist::ProcessGroup::from_env()?;
-/// let mesh = DeviceMesh::new(&world, &[("pp", 2), ("dp", 2)])?;
+/// let mesh = ParallelDims { pp: 2, dp_replicate: 2, ..Default::default() }.build(&world)?;
 /// let layers = LayerList::new()
 ///     .add("fc1", |p| nn::linear(p, 8, 16, Default::default()))
 ///     .add_fn("tanh", |x| x.tanh())
 ///     .add("fc2", |p| nn::linear(p, 16, 4, Default::default()));
-/// let cfg = PipelineConfig {
-///     microbatches: 4,
-///     data_parallel: DataParallel::Ddp(DdpOptions::default().process_group(mesh.group("dp")?)),
-///     ..Default::default()
-/// };
-/// let stage = PipelineRank::build(mesh.group("pp")?, &layers, &Partition::sizes(&[2, 1], 3)?, cfg)?;
+/// // each chunk under DDP across the two ranks holding its stage, as the degrees say
+/// let cfg = PipelineConfig { microbatches: 4, plan: mesh.plan(), ..Default::default() };
+/// let stage = PipelineRank::build(mesh.pp_group(), &layers, &Partition::sizes(&[2, 1], 3)?, cfg)?;
 /// # Ok::<(), tch_dist::Error>(())
 /// ```
 pub struct PipelineRank {
@@ -234,19 +232,31 @@ pub struct PipelineRank {
 }
 
 impl PipelineRank {
-    /// Builds this rank's chunks only (virtual stages `c * p + rank`, `cfg.chunks` of them), each
-    /// data-parallel as `cfg.data_parallel` says. `partition` has `p * v` parts.
+    /// Builds this rank's chunks only (virtual stages `c * p + rank`, `cfg.chunks` of them), each through
+    /// `cfg.plan`. `partition` has `p * v` parts.
     pub fn build(
         pg: Arc<ProcessGroup>,
         layers: &LayerList,
         partition: &Partition,
         cfg: PipelineConfig,
     ) -> Result<PipelineRank> {
+        cfg.plan.mark_applied();
         let p = pg.size();
         let schedule = plan("PipelineRank::build", partition, cfg.schedule, p, cfg.microbatches, cfg.chunks)?;
+        if let DataParallelism::Replicate(_, Some(stage)) = cfg.plan.data_parallelism() {
+            // ZeRO's optimizer steps DDP's buckets: one model's, not a rank's several chunks
+            return Err(Error::invalid(
+                "PipelineRank::build",
+                format!(
+                    "the plan runs ZeRO-{} over DDP, which pipeline chunks do not take: shard them with FSDP \
+                     (dp_shard), or replicate without ZeRO",
+                    stage.number()
+                ),
+            ));
+        }
         let ranges = partition.ranges();
         let chunks = (0..cfg.chunks)
-            .map(|c| layers.build_stage_with(ranges[c * p + pg.rank()].clone(), cfg.device, &cfg.data_parallel))
+            .map(|c| layers.build_stage_with(ranges[c * p + pg.rank()].clone(), cfg.device, &cfg.plan))
             .collect::<Result<Vec<_>>>()?;
         // the other ranks hold the other stages' variables: a norm over the model sums over the group
         // (the modules' variables and what the optimizer steps, which are FSDP's shards)
@@ -257,25 +267,6 @@ impl PipelineRank {
         }
         let net = transport::GroupTransport::new(pg.clone(), cfg.device);
         Ok(PipelineRank { chunks, schedule, pg, recompute: cfg.recompute, net })
-    }
-
-    /// [`build`](Self::build) without data parallelism.
-    pub fn new(
-        pg: Arc<ProcessGroup>,
-        layers: &LayerList,
-        partition: &Partition,
-        device: Device,
-        kind: schedule::Kind,
-        microbatches: usize,
-        chunks: usize,
-    ) -> Result<PipelineRank> {
-        let cfg = PipelineConfig { device, schedule: kind, microbatches, chunks, ..Default::default() };
-        Self::build(pg, layers, partition, cfg)
-    }
-
-    pub fn recompute(mut self, on: bool) -> Self {
-        self.recompute = on;
-        self
     }
 
     pub fn var_stores(&self) -> Vec<&nn::VarStore> {

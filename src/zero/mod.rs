@@ -90,15 +90,3 @@ impl ZeroStage {
         }
     }
 }
-
-/// The memory plan's name for the same stage ([`crate::memory::plan::model_states`]).
-impl From<ZeroStage> for crate::memory::plan::Stage {
-    fn from(s: ZeroStage) -> Self {
-        use crate::memory::plan::Stage;
-        match s {
-            ZeroStage::One => Stage::One,
-            ZeroStage::Two => Stage::Two,
-            ZeroStage::Three => Stage::Three,
-        }
-    }
-}

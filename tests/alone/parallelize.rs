@@ -293,7 +293,10 @@ fn the_plans_fsdp_refuses_a_second_model_and_another_var_store() {
     let pg = Arc::new(tch_dist::ProcessGroup::new(&store, 0, 1, &Default::default()).unwrap());
     let opts = || FsdpOptions::default().process_group(pg.clone());
     let vs = nn::VarStore::new(Device::Cpu);
-    let plan = Plan::new().fully_shard(&vs, opts()).unwrap();
+    let plan = Plan::new().fully_shard(opts()).unwrap();
+    let err = plan.unit(&(vs.root() / "b"), ()).map(|_| ()).unwrap_err().to_string();
+    assert!(err.contains("plan.bind(&vs)"), "a unit before the plan has its VarStore: {err}");
+    plan.bind(&vs).unwrap();
     let block = plan.unit(&(vs.root() / "b"), nn::linear(vs.root() / "b", 4, 4, Default::default())).unwrap();
     let err = plan.unit(&(vs.root() / "none"), nn::func(|x| x.shallow_clone())).unwrap_err().to_string();
     assert!(err.contains("no parameters under none"), "{err}");
@@ -303,10 +306,11 @@ fn the_plans_fsdp_refuses_a_second_model_and_another_var_store() {
     assert!(err.contains("finished already"), "{err}");
 
     let other = nn::VarStore::new(Device::Cpu);
-    let plan = Plan::new().fully_shard(&vs, opts()).unwrap();
+    let plan = Plan::new().fully_shard(opts()).unwrap();
+    plan.bind(&vs).unwrap();
     let _ = nn::linear(other.root() / "l", 4, 4, Default::default());
     let err = plan.finish(&other, ()).unwrap_err().to_string();
-    assert!(err.contains("not the one given to Plan::fully_shard"), "{err}");
+    assert!(err.contains("not the one the plan's FSDP shards"), "{err}");
 }
 
 #[test]

@@ -16,7 +16,7 @@ use tch_dist::fsdp::{FsdpBuilder, FsdpOptions, FullyShardedDataParallel};
 use tch_dist::mesh::DeviceMesh;
 use tch_dist::optim::{AdamW, Optimizer};
 use tch_dist::pipeline::schedule::Kind as Sched;
-use tch_dist::pipeline::{Partition, PipelineRank};
+use tch_dist::pipeline::{Partition, PipelineConfig, PipelineRank};
 use tch_dist::tp::ParallelMlp;
 use tch_dist::zero::{ShardedOptimizer, ZeroStage};
 use tch_dist::DistModule;
@@ -327,7 +327,13 @@ fn build(layout: Layout, pg: Arc<ProcessGroup>) -> Box<dyn Trainer> {
         Layout::Pipe => {
             let l = common::pipe::layers();
             let part = Partition::sizes(&[4, 4], l.len()).unwrap();
-            let pipe = PipelineRank::new(pg, &l, &part, Device::Cpu, Sched::OneFOneB, 4, 1).unwrap();
+            let pipe = PipelineRank::build(
+                pg,
+                &l,
+                &part,
+                PipelineConfig { schedule: Sched::OneFOneB, microbatches: 4, chunks: 1, ..Default::default() },
+            )
+            .unwrap();
             for vs in pipe.var_stores() {
                 init_named(vs);
             }

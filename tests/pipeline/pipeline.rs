@@ -11,7 +11,7 @@ use common::pipe::{self, data, data_rows, layers, BATCH, STEPS};
 use tch::{nn, nn::Module, nn::OptimizerConfig, Device, Kind, Tensor};
 use tch_dist::pipeline::schedule::Kind as Sched;
 use tch_dist::pipeline::split::SplitModel;
-use tch_dist::pipeline::{Partition, Pipeline, PipelineRank};
+use tch_dist::pipeline::{Partition, Pipeline, PipelineConfig, PipelineRank};
 use tch_dist::ProcessGroup;
 
 /// float32 sums in another order (per-microbatch gradients added up): observed ~1e-8.
@@ -38,7 +38,13 @@ fn train_threads(
 ) -> (Vec<f64>, BTreeMap<String, Tensor>) {
     let l = layers();
     let part = Partition::sizes(sizes, l.len()).unwrap();
-    let mut pipe = Pipeline::new(&l, &part, &vec![Device::Cpu; p], kind, m, v).unwrap().recompute(recompute);
+    let mut pipe = Pipeline::new(
+        &l,
+        &part,
+        &vec![Device::Cpu; p],
+        PipelineConfig { schedule: kind, microbatches: m, chunks: v, recompute, ..Default::default() },
+    )
+    .unwrap();
     let mut opts: Vec<_> = pipe.var_stores().iter().map(|vs| nn::Sgd::default().build(vs, pipe::LR).unwrap()).collect();
     let mut losses = Vec::new();
     for s in 0..STEPS {
@@ -81,7 +87,13 @@ fn worker_pipeline_stage() {
     let sizes: Vec<usize> = std::env::var("PIPE_SIZES").unwrap().split(',').map(|s| s.parse().unwrap()).collect();
     let l = layers();
     let part = Partition::sizes(&sizes, l.len()).unwrap();
-    let mut stage = PipelineRank::new(pg.clone(), &l, &part, Device::Cpu, kind, m, v).unwrap().recompute(recompute);
+    let mut stage = PipelineRank::build(
+        pg.clone(),
+        &l,
+        &part,
+        PipelineConfig { schedule: kind, microbatches: m, chunks: v, recompute, ..Default::default() },
+    )
+    .unwrap();
     let mut opts: Vec<_> =
         stage.var_stores().iter().map(|vs| nn::Sgd::default().build(vs, pipe::LR).unwrap()).collect();
     let rows =
@@ -223,17 +235,45 @@ fn partitions_by_hand_and_balanced() {
 fn bad_settings_give_clear_errors() {
     let l = layers();
     let part = Partition::sizes(&[4, 4], l.len()).unwrap();
-    let e = Pipeline::new(&l, &part, &[Device::Cpu; 2], Sched::OneFOneB, 1, 1).err().unwrap().to_string();
+    let e = Pipeline::new(
+        &l,
+        &part,
+        &[Device::Cpu; 2],
+        PipelineConfig { schedule: Sched::OneFOneB, microbatches: 1, chunks: 1, ..Default::default() },
+    )
+    .err()
+    .unwrap()
+    .to_string();
     assert!(e.contains("1 < 2"), "{e}");
-    let e = Pipeline::new(&l, &part, &[Device::Cpu; 2], Sched::Interleaved1F1B, 4, 2).err().unwrap().to_string();
+    let e = Pipeline::new(
+        &l,
+        &part,
+        &[Device::Cpu; 2],
+        PipelineConfig { schedule: Sched::Interleaved1F1B, microbatches: 4, chunks: 2, ..Default::default() },
+    )
+    .err()
+    .unwrap()
+    .to_string();
     assert!(e.contains("2 parts for 2 stages x 2 chunks (need 4)"), "{e}");
-    let mut pipe = Pipeline::new(&l, &part, &[Device::Cpu; 2], Sched::GPipe, 3, 1).unwrap();
+    let mut pipe = Pipeline::new(
+        &l,
+        &part,
+        &[Device::Cpu; 2],
+        PipelineConfig { schedule: Sched::GPipe, microbatches: 3, chunks: 1, ..Default::default() },
+    )
+    .unwrap();
     let (x, y) = data(0);
     let e = pipe.step(&x, &y, &pipe::loss).unwrap_err().to_string();
     assert!(e.contains("batch of 8 does not split into 3 equal microbatches"), "{e}");
     // a failing stage stops the others instead of leaving them waiting
-    let mut pipe =
-        Pipeline::new(&l, &part, &[Device::Cpu; 2], Sched::GPipe, 2, 1).unwrap().timeout(Duration::from_secs(20));
+    let mut pipe = Pipeline::new(
+        &l,
+        &part,
+        &[Device::Cpu; 2],
+        PipelineConfig { schedule: Sched::GPipe, microbatches: 2, chunks: 1, ..Default::default() },
+    )
+    .unwrap()
+    .timeout(Duration::from_secs(20));
     let bad_target = Tensor::zeros([8, 7], (Kind::Float, Device::Cpu));
     let start = std::time::Instant::now();
     let e = pipe.step(&x, &bad_target, &pipe::loss).unwrap_err().to_string();
@@ -245,7 +285,13 @@ fn bad_settings_give_clear_errors() {
 fn trace_is_chrome_json_and_timeline_is_a_png() {
     let l = layers();
     let part = Partition::sizes(&[4, 4], l.len()).unwrap();
-    let mut pipe = Pipeline::new(&l, &part, &[Device::Cpu; 2], Sched::OneFOneB, 4, 1).unwrap();
+    let mut pipe = Pipeline::new(
+        &l,
+        &part,
+        &[Device::Cpu; 2],
+        PipelineConfig { schedule: Sched::OneFOneB, microbatches: 4, chunks: 1, ..Default::default() },
+    )
+    .unwrap();
     let (x, y) = data(0);
     let r = pipe.step(&x, &y, &pipe::loss).unwrap();
     assert!(r.bubble_fraction > 0.0 && r.bubble_fraction < 1.0);

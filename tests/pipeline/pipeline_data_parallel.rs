@@ -1,5 +1,5 @@
-//! Pipeline stages that are data-parallel (pp 2 × dp 2, four ranks): each stage's DDP or FSDP, chosen in
-//! `PipelineConfig::data_parallel`, reduces its gradients during the last microbatch's backward only
+//! Pipeline stages that are data-parallel (pp 2 × dp 2, four ranks): each stage's DDP or FSDP, chosen by
+//! the plan in `PipelineConfig::plan` (by hand, or from the degrees with tensor parallelism too), reduces its gradients during the last microbatch's backward only
 //! (counted in the flight recorder), and the losses of every step equal the unsplit model's on the full
 //! batch; with GPipe, 1F1B and interleaved 1F1B (two chunks per rank), FSDP with units of small
 //! parameters (gathered again for each microbatch's backward), and with tch's own SGD built over each
@@ -14,8 +14,10 @@ use tch::{nn, nn::Module, nn::OptimizerConfig, Device, Kind, Tensor};
 use tch_dist::ddp::DdpOptions;
 use tch_dist::fsdp::FsdpOptions;
 use tch_dist::mesh::DeviceMesh;
+use tch_dist::parallel_dims::ParallelDims;
+use tch_dist::parallelize::{Plan, Style};
 use tch_dist::pipeline::schedule::Kind as Sched;
-use tch_dist::pipeline::{DataParallel, LayerList, Partition, PipelineConfig, PipelineRank};
+use tch_dist::pipeline::{LayerList, Partition, PipelineConfig, PipelineRank};
 use tch_dist::ReduceOp;
 
 const STEPS: usize = 4;
@@ -89,6 +91,11 @@ fn loss(out: &Tensor, y: &Tensor) -> Tensor {
 
 /// The unsplit model on the full batch: the loss of each step.
 fn reference() -> Vec<f64> {
+    reference_of(layers)
+}
+
+/// [`reference`] of another layer list.
+fn reference_of(layers: fn() -> LayerList) -> Vec<f64> {
     let l = layers();
     let stage = l.build_stage(0..l.len(), Device::Cpu).unwrap();
     let mut opt = nn::Sgd::default().build(&stage.vs, LR).unwrap();
@@ -127,16 +134,17 @@ fn train(dp_kind: Dp, schedule: Sched, chunks: usize, sizes: &'static [usize]) -
     let outs = common::run_threads(4, Duration::from_secs(60), move |world| {
         let mesh = DeviceMesh::new(&world, &[("pp", 2), ("dp", 2)]).unwrap();
         let (pp, dp) = (mesh.group("pp").unwrap(), mesh.group("dp").unwrap());
-        let data_parallel = match dp_kind {
-            Dp::Ddp => DataParallel::Ddp(DdpOptions::default().process_group(dp.clone())),
-            Dp::Fsdp => DataParallel::Fsdp(FsdpOptions::default().mesh(&mesh, &["dp"]).unwrap()),
+        let plan = match dp_kind {
+            Dp::Ddp => Plan::new().replicate(DdpOptions::default().process_group(dp.clone())),
+            Dp::Fsdp => Plan::new().fully_shard(FsdpOptions::default().mesh(&mesh, &["dp"]).unwrap()).unwrap(),
             Dp::FsdpSmall => {
-                DataParallel::Fsdp(FsdpOptions::default().mesh(&mesh, &["dp"]).unwrap().gather_once_below(100))
+                let opts = FsdpOptions::default().mesh(&mesh, &["dp"]).unwrap().gather_once_below(100);
+                Plan::new().fully_shard(opts).unwrap()
             }
         };
         let l = layers();
         let part = Partition::sizes(sizes, l.len()).unwrap();
-        let cfg = PipelineConfig { schedule, microbatches: 2, chunks, data_parallel, ..Default::default() };
+        let cfg = PipelineConfig { schedule, microbatches: 2, chunks, plan, ..Default::default() };
         let mut stage = PipelineRank::build(pp, &l, &part, cfg).unwrap();
         let mut opts: Vec<_> = stage.var_stores().iter().map(|vs| nn::Sgd::default().build(vs, LR).unwrap()).collect();
         let half = BATCH / 2;
@@ -205,9 +213,9 @@ fn accumulating_over_steps_under_no_sync() {
     let got = common::run_threads(4, Duration::from_secs(60), move |world| {
         let mesh = DeviceMesh::new(&world, &[("pp", 2), ("dp", 2)]).unwrap();
         let dp = mesh.group("dp").unwrap();
-        let data_parallel = DataParallel::Ddp(DdpOptions::default().process_group(dp.clone()));
+        let plan = Plan::new().replicate(DdpOptions::default().process_group(dp.clone()));
         let l = layers();
-        let cfg = PipelineConfig { microbatches: 2, data_parallel, ..Default::default() };
+        let cfg = PipelineConfig { microbatches: 2, plan, ..Default::default() };
         let mut stage =
             PipelineRank::build(mesh.group("pp").unwrap(), &l, &Partition::sizes(&[3, 3], 6).unwrap(), cfg).unwrap();
         let mut opts: Vec<_> = stage.var_stores().iter().map(|vs| nn::Sgd::default().build(vs, LR).unwrap()).collect();
@@ -298,8 +306,8 @@ fn step_gathers(schedule: Sched, microbatches: usize, want: &[f64]) -> usize {
             let opts = FsdpOptions::default().mesh(&mesh, &["keep"]).unwrap().reshard_after_forward(false);
             let l = layers();
             let part = Partition::sizes(&[3, 3], l.len()).unwrap();
-            let data_parallel = DataParallel::Fsdp(opts);
-            let cfg = PipelineConfig { schedule, microbatches, data_parallel, ..Default::default() };
+            let plan = Plan::new().fully_shard(opts).unwrap();
+            let cfg = PipelineConfig { schedule, microbatches, plan, ..Default::default() };
             let mut stage = PipelineRank::build(mesh.group("pp").unwrap(), &l, &part, cfg).unwrap();
             let mut opts: Vec<_> =
                 stage.var_stores().iter().map(|vs| nn::Sgd::default().build(vs, LR).unwrap()).collect();
@@ -338,4 +346,100 @@ fn step_gathers(schedule: Sched, microbatches: usize, want: &[f64]) -> usize {
             .count();
     }
     panic!("the flight recorder dropped this test's entries in each of 5 runs");
+}
+
+/// Layers split by the plan when it has a tensor-parallel group (`parallelize::linear`: the column-wise
+/// `l0` and the row-wise `l1` after it, each rank's slice of what the list's seed draws), tch's otherwise.
+fn tp_layers() -> LayerList {
+    let split = |i, o| move |p: &nn::Path| tch_dist::parallelize::linear(p, i, o, Default::default()).unwrap();
+    LayerList::new()
+        .seed(11)
+        .add("l0", split(6, 16))
+        .add_fn("a0", |x| x.tanh())
+        .add("l1", split(16, 12))
+        .add("l2", |p| nn::linear(p, 12, 12, Default::default()))
+        .add_fn("a2", |x| x.tanh())
+        .add("l3", |p| nn::linear(p, 12, 3, Default::default()))
+}
+
+/// pp 2 with the other degrees `dims` on 4 threads, each stage built through the plan the degrees give
+/// (`ParallelMesh::plan`, its styles for `tp_layers`): the losses the last stage's ranks report, each
+/// reading its rows of the batch (`rows`) and averaging over the loss group (`average_loss`); and the
+/// shapes of `l0.weight` on the ranks that hold it.
+fn train_dims(dims: ParallelDims, layers: fn() -> LayerList) -> (Vec<f64>, Vec<Vec<i64>>) {
+    let outs = common::run_threads(4, Duration::from_secs(60), move |world| {
+        let mesh = dims.build(&world).unwrap();
+        let plan = mesh.plan().style("l0", Style::colwise()).style("l1", Style::rowwise()).allow_unmatched_styles();
+        let l = layers();
+        let part = Partition::sizes(&[3, 3], l.len()).unwrap();
+        let cfg = PipelineConfig { microbatches: 2, plan, ..Default::default() };
+        let mut stage = PipelineRank::build(mesh.pp_group(), &l, &part, cfg).unwrap();
+        let l0 = stage.var_stores()[0].variables().get("l0.weight").map(|t| t.size());
+        let mut opts: Vec<_> = stage.var_stores().iter().map(|vs| nn::Sgd::default().build(vs, LR).unwrap()).collect();
+        let rows = mesh.rows(BATCH).unwrap();
+        let mut losses = Vec::new();
+        for s in 0..STEPS {
+            let (x, y) = data(s);
+            let (x, y) =
+                (x.narrow(0, rows.start, rows.end - rows.start), y.narrow(0, rows.start, rows.end - rows.start));
+            let r = stage.step(&x, &y, &loss).unwrap();
+            opts.iter_mut().for_each(|o| o.step());
+            stage.zero_grad().unwrap();
+            if let Some(l) = r.loss {
+                losses.push(mesh.average_loss(l).unwrap());
+            }
+        }
+        (losses, l0)
+    });
+    let reported: Vec<&Vec<f64>> = outs.iter().map(|o| &o.0).filter(|l| !l.is_empty()).collect();
+    assert_eq!(reported.len(), 2, "the two ranks of the last stage report");
+    assert_eq!(reported[0], reported[1]);
+    (reported[0].clone(), outs.into_iter().filter_map(|o| o.1).collect())
+}
+
+/// One plan for a pipeline: the degrees choose each stage's DDP, FSDP or tensor parallelism, and every
+/// layout trains as the unsplit model. A plan with ZeRO-1/2, or a parallel plan given to the in-process
+/// `Pipeline`, is refused by name.
+#[test]
+fn the_degrees_plan_every_stage() {
+    let (want, want_tp) = (reference(), reference_of(tp_layers));
+    // l0.weight is [16, 6]: whole under DDP, freed between steps under FSDP (its shards apart), 8 rows
+    // under TP
+    for (name, dims, layers, want, l0) in [
+        (
+            "DDP",
+            ParallelDims { pp: 2, dp_replicate: 2, ..Default::default() },
+            layers as fn() -> LayerList,
+            &want,
+            &[16, 6][..],
+        ),
+        ("FSDP", ParallelDims { pp: 2, dp_shard: 2, ..Default::default() }, layers, &want, &[0][..]),
+        ("TP", ParallelDims { pp: 2, tp: 2, ..Default::default() }, tp_layers, &want_tp, &[8, 6][..]),
+    ] {
+        let (got, shapes) = train_dims(dims, layers);
+        assert_eq!(shapes.len(), 2, "{name}: the first stage's two ranks hold l0");
+        assert!(shapes.iter().all(|s| s == l0), "{name}: l0.weight {shapes:?}, not {l0:?}");
+        assert_eq!(got.len(), STEPS);
+        for (s, (a, b)) in want.iter().zip(&got).enumerate() {
+            assert!((a - b).abs() < TOL, "{name}: step {s}: unsplit {a}, pipeline {b}");
+        }
+    }
+    let refused = common::run_threads(2, Duration::from_secs(30), |world| {
+        let world = std::sync::Arc::new(world);
+        let zero = Plan::new()
+            .replicate(DdpOptions::default().process_group(world.clone()))
+            .zero(tch_dist::zero::ZeroStage::One)
+            .unwrap();
+        let cfg = PipelineConfig { microbatches: 2, plan: zero, ..Default::default() };
+        let l = layers();
+        let rank = PipelineRank::build(world.clone(), &l, &Partition::sizes(&[3, 3], 6).unwrap(), cfg);
+        let threads = PipelineConfig { microbatches: 2, plan: Plan::over_group(world), ..Default::default() };
+        let cpu = [Device::Cpu, Device::Cpu];
+        let local = tch_dist::pipeline::Pipeline::new(&l, &Partition::sizes(&[3, 3], 6).unwrap(), &cpu, threads);
+        (rank.map(|_| ()).unwrap_err().to_string(), local.map(|_| ()).unwrap_err().to_string())
+    });
+    for (rank, local) in refused {
+        assert!(rank.contains("ZeRO-1") && rank.contains("FSDP"), "{rank}");
+        assert!(local.contains("PipelineRank"), "{local}");
+    }
 }

@@ -138,7 +138,17 @@ fn the_runtime_refuses_zero_bubble_schedules_by_name() {
         .add("b", |p| tch::nn::linear(p, 2, 2, Default::default()));
     let part = tch_dist::pipeline::Partition::sizes(&[1, 1], 2).unwrap();
     let cpu = [tch::Device::Cpu, tch::Device::Cpu];
-    let Err(e) = tch_dist::pipeline::Pipeline::new(&layers, &part, &cpu, Kind::ZeroBubbleH1, 4, 1) else {
+    let Err(e) = tch_dist::pipeline::Pipeline::new(
+        &layers,
+        &part,
+        &cpu,
+        tch_dist::pipeline::PipelineConfig {
+            schedule: Kind::ZeroBubbleH1,
+            microbatches: 4,
+            chunks: 1,
+            ..Default::default()
+        },
+    ) else {
         panic!("ZB-H1 accepted by the runtime")
     };
     let e = e.to_string();

@@ -818,8 +818,7 @@ fn a_tch_optimizer_built_before_finish_is_refused() {
         drop(early);
         // the plan: refused while the optimizer lives, finished once it is gone
         let vs = nn::VarStore::new(Device::Cpu);
-        let plan =
-            tch_dist::parallelize::Plan::new().fully_shard(&vs, FsdpOptions::default().process_group(pg)).unwrap();
+        let plan = tch_dist::parallelize::Plan::new().fully_shard(FsdpOptions::default().process_group(pg)).unwrap();
         let l = nn::linear(vs.root() / "l", 4, 2, Default::default());
         let early = nn::AdamW::default().build(&vs, LR).unwrap();
         let planned = plan.finish(&vs, l).map(|_| ()).unwrap_err().to_string();

@@ -563,12 +563,12 @@ fn the_plans_zero_refuses_what_it_cannot_give_by_name() {
         let e = Plan::new().replicate(ddp_opts()).zero(ZeroStage::Three).unwrap_err().to_string();
         assert!(e.contains("Plan::fully_shard"), "{e}");
         let vs = nn::VarStore::new(Device::Cpu);
-        let fsdp = || Plan::new().fully_shard(&vs, FsdpOptions::default().process_group(pg.clone())).unwrap();
+        let fsdp = || Plan::new().fully_shard(FsdpOptions::default().process_group(pg.clone())).unwrap();
         let e = fsdp().zero(ZeroStage::Two).unwrap_err().to_string();
         assert!(e.contains("Plan::replicate"), "{e}");
         assert!(fsdp().zero(ZeroStage::Three).is_ok(), "stage 3 is what fully_shard does");
         let zero1 = Plan::new().replicate(ddp_opts()).zero(ZeroStage::One).unwrap();
-        let e = zero1.clone().fully_shard(&vs, FsdpOptions::default()).unwrap_err().to_string();
+        let e = zero1.clone().fully_shard(FsdpOptions::default()).unwrap_err().to_string();
         assert!(e.contains("ZeRO-1") && e.contains("ZeRO-3"), "{e}");
         assert!(format!("{:?}", zero1.replicate(ddp_opts())).contains("ZeRO-1"), "a new replicate keeps the stage");
 

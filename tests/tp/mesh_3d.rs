@@ -12,7 +12,7 @@ use tch::{nn, Device, Kind, Tensor};
 use tch_dist::mesh::DeviceMesh;
 use tch_dist::optim::{clip_grad_norm, Optimizer, Sgd};
 use tch_dist::pipeline::schedule::Kind as Sched;
-use tch_dist::pipeline::{LayerList, Partition, PipelineRank};
+use tch_dist::pipeline::{LayerList, Partition, PipelineConfig, PipelineRank};
 use tch_dist::tp::ParallelMlp;
 use tch_dist::ReduceOp;
 
@@ -94,7 +94,13 @@ fn pp_dp_tp_on_8_ranks_trains_like_one_process() {
             }
         });
         let part = Partition::sizes(&[2, 1], layers.len()).unwrap();
-        let mut stage = PipelineRank::new(pp.clone(), &layers, &part, Device::Cpu, Sched::OneFOneB, 2, 1).unwrap();
+        let mut stage = PipelineRank::build(
+            pp.clone(),
+            &layers,
+            &part,
+            PipelineConfig { schedule: Sched::OneFOneB, microbatches: 2, chunks: 1, ..Default::default() },
+        )
+        .unwrap();
         // by name: every rank of a group must reduce the same tensors in the same order
         let mut params: Vec<(String, Tensor)> = stage.var_stores().iter().flat_map(|vs| vs.variables()).collect();
         params.sort_by(|a, b| a.0.cmp(&b.0));
