@@ -76,7 +76,7 @@ pub trait Optimizer {
     }
 }
 
-/// A boxed optimizer (what [`crate::parallelize::Parallel::optimizer`] returns) is one, so that it goes
+/// A boxed optimizer (what [`crate::parallelize::Plan::build_with_optimizer`] returns) is one, so that it goes
 /// wherever `&mut dyn Optimizer` is taken (`GradScaler::unscale`, `StateDict::optimizer`).
 impl<O: Optimizer + ?Sized> Optimizer for Box<O> {
     fn step(&mut self) -> Result<()> {

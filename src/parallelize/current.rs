@@ -33,6 +33,7 @@ use super::layers::{BatchNorm, Embedding, Linear};
 use super::parallel::{Parallel, Unit};
 use super::plan::Plan;
 use crate::error::Result;
+use crate::optim::Optimizer;
 
 thread_local! {
     /// The plans entered on this thread, innermost last.
@@ -69,12 +70,38 @@ impl Plan {
     /// Builds the model with `build` while this plan is entered, then [`finish`](Plan::finish)es it: the
     /// enter-build-finish of the module docs in one call.
     pub fn build<M>(&self, vs: &nn::VarStore, build: impl FnOnce() -> M) -> Result<Parallel<M>> {
+        self.check_optimizer_apart("Plan::build")?;
         self.bind(vs)?;
         let model = {
             let _plan = self.enter();
             build()
         };
         self.finish(vs, model)
+    }
+
+    /// [`build`](Plan::build), then [`finish_with_optimizer`](Plan::finish_with_optimizer): the model
+    /// and the optimizer its layout needs, together (the only way under ZeRO-1/2, where the optimizer
+    /// is part of the layout).
+    ///
+    /// ```no_run
+    /// # fn f(plan: tch_dist::parallelize::Plan, vs: tch::nn::VarStore) -> tch_dist::Result<()> {
+    /// use tch_dist::optim::{AdamW, Optimizer};
+    /// let (model, mut opt) = plan.build_with_optimizer(&vs, || tch::nn::linear(vs.root() / "fc", 4, 4, Default::default()),
+    ///     |params| Box::new(AdamW::new(params, 1e-3)))?;
+    /// # Ok(()) }
+    /// ```
+    pub fn build_with_optimizer<M>(
+        &self,
+        vs: &nn::VarStore,
+        build: impl FnOnce() -> M,
+        make: impl Fn(Vec<tch::Tensor>) -> Box<dyn Optimizer + Send>,
+    ) -> Result<(Parallel<M>, Box<dyn Optimizer + Send>)> {
+        self.bind(vs)?;
+        let model = {
+            let _plan = self.enter();
+            build()
+        };
+        self.finish_with_optimizer(vs, model, make)
     }
 }
 

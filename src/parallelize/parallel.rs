@@ -6,7 +6,7 @@ use tch::{nn, Tensor};
 
 use crate::ddp::DistributedDataParallel;
 use crate::dist_module::DistModule;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::fsdp::{FsdpUnit, FullyShardedDataParallel};
 use crate::optim::Optimizer;
 use crate::zero::{ShardedOptimizer, ZeroStage};
@@ -79,7 +79,9 @@ pub enum Parallel<M> {
         named: Vec<(String, Tensor)>,
     },
     Ddp(DistributedDataParallel<M>),
-    /// DDP whose optimizer [`optimizer`](Parallel::optimizer) shards over its buckets (ZeRO-1 or 2).
+    /// DDP whose optimizer, built with the model
+    /// ([`Plan::build_with_optimizer`](super::Plan::build_with_optimizer)), shards over its buckets
+    /// (ZeRO-1 or 2).
     Zero {
         ddp: DistributedDataParallel<M>,
         stage: ZeroStage,
@@ -90,18 +92,9 @@ pub enum Parallel<M> {
 impl<M> Parallel<M> {
     /// The optimizer for this layout, `make` building it over the tensors it updates: the parameters
     /// (no data parallelism, DDP), this rank's shard of each of DDP's buckets (the plan's ZeRO-1 or 2,
-    /// one inner optimizer per shard, inside a [`ShardedOptimizer`]), or FSDP's shards (ZeRO-3). Under
-    /// ZeRO-1/2, once per model and before the first forward; there, clip with the optimizer's
-    /// [`clip_grad_norm`](Optimizer::clip_grad_norm) and end each step with its
-    /// [`zero_grad`](Optimizer::zero_grad), which also resets what it keeps for the shards.
-    ///
-    /// ```no_run
-    /// # fn f(model: &tch_dist::parallelize::Parallel<tch::nn::Linear>) -> tch_dist::Result<()> {
-    /// use tch_dist::optim::{AdamW, Optimizer};
-    /// let mut opt = model.optimizer(|params| Box::new(AdamW::new(params, 1e-3)))?;
-    /// # Ok(()) }
-    /// ```
-    pub fn optimizer(
+    /// one inner optimizer per shard, inside a [`ShardedOptimizer`]), or FSDP's shards (ZeRO-3); what
+    /// [`Plan::build_with_optimizer`](super::Plan::build_with_optimizer) returns beside the model.
+    pub(crate) fn optimizer(
         &self,
         make: impl Fn(Vec<Tensor>) -> Box<dyn Optimizer + Send>,
     ) -> Result<Box<dyn Optimizer + Send>> {
@@ -112,22 +105,6 @@ impl<M> Parallel<M> {
             Parallel::Fsdp(f) => make(f.shards()),
         })
     }
-
-    /// Under the plan's ZeRO-1/2, the optimizer must exist before the model runs: without it the model
-    /// would train as plain DDP, unsharded, and say nothing.
-    fn check_sharded(&self, op: &str) -> Result<()> {
-        match self {
-            Parallel::Zero { ddp, stage } if !ddp.sharded() => Err(Error::invalid(
-                op,
-                format!(
-                    "the plan shards the optimizer (ZeRO-{}), but none was built: call optimizer(make) on \
-                     the model before its first forward",
-                    stage.number()
-                ),
-            )),
-            _ => Ok(()),
-        }
-    }
 }
 
 impl<M: nn::ModuleT> Parallel<M> {
@@ -136,10 +113,7 @@ impl<M: nn::ModuleT> Parallel<M> {
         match self {
             Parallel::Local { module, .. } => Ok(module.forward_t(xs, train)),
             Parallel::Ddp(d) => d.f_forward_t(xs, train),
-            Parallel::Zero { ddp, .. } => {
-                self.check_sharded("Parallel::forward_t")?;
-                ddp.f_forward_t(xs, train)
-            }
+            Parallel::Zero { ddp, .. } => ddp.f_forward_t(xs, train),
             Parallel::Fsdp(f) => f.f_forward_t(xs, train),
         }
     }
@@ -157,10 +131,7 @@ impl<M: nn::Module> Parallel<M> {
         match self {
             Parallel::Local { module, .. } => Ok(module.forward(xs)),
             Parallel::Ddp(d) => d.f_forward(xs),
-            Parallel::Zero { ddp, .. } => {
-                self.check_sharded("Parallel::forward")?;
-                ddp.f_forward(xs)
-            }
+            Parallel::Zero { ddp, .. } => ddp.f_forward(xs),
             Parallel::Fsdp(f) => f.f_forward(xs),
         }
     }

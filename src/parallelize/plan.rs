@@ -12,6 +12,7 @@ use crate::fsdp::{FsdpBuilder, FsdpOptions};
 use crate::group::ProcessGroup;
 use crate::mesh::DeviceMesh;
 use crate::names::closest;
+use crate::optim::Optimizer;
 use crate::tp::layers::dotted;
 use crate::tp::VocabParallelEmbedding;
 use crate::tp::{ColumnParallelConfig, ColumnParallelLinear, RowParallelConfig, RowParallelLinear};
@@ -195,9 +196,9 @@ impl Plan {
     }
 
     /// ZeRO over the data-parallel ranks (DeepSpeed's `zero_optimization.stage`; see [`ZeroStage`]):
-    /// after [`replicate`](Self::replicate), stage 1 or 2 shard the optimizer over DDP's buckets, and the
-    /// model [`finish`](Self::finish) builds gives that optimizer ([`Parallel::optimizer`], before the
-    /// first forward); stage 3 is [`fully_shard`](Self::fully_shard), which this names after it. A stage
+    /// after [`replicate`](Self::replicate), stage 1 or 2 shard the optimizer over DDP's buckets, so the
+    /// model is built with its optimizer ([`build_with_optimizer`](Self::build_with_optimizer)); stage 3
+    /// is [`fully_shard`](Self::fully_shard), which this names after it. A stage
     /// the chosen data parallelism cannot give is refused, naming the call that gives it.
     pub fn zero(mut self, stage: ZeroStage) -> Result<Plan> {
         let refuse = |why: &str| Err(Error::invalid("Plan::zero", format!("ZeRO-{}: {why}", stage.number())));
@@ -333,9 +334,52 @@ impl Plan {
     /// With a tensor-parallel group, the variables it does not split must hold the same values on its
     /// ranks (built from one seed), or this is an error naming the first that differs: collective over
     /// that group.
+    ///
+    /// A plan with ZeRO-1/2 is refused: its optimizer is part of the layout, so the model comes with it
+    /// from [`finish_with_optimizer`](Self::finish_with_optimizer).
     pub fn finish<M>(&self, vs: &nn::VarStore, model: M) -> Result<Parallel<M>> {
-        // finishing was asked for: whatever it says, the plan's end need not
         self.watch.finished.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.check_optimizer_apart("Plan::finish")?;
+        self.wrap(vs, model)
+    }
+
+    /// [`finish`](Self::finish), and the optimizer for the layout, `make` building it over what it
+    /// updates: the parameters (none, DDP), this rank's shard of each of DDP's buckets (ZeRO-1/2: one
+    /// optimizer per shard inside a [`ShardedOptimizer`](crate::zero::ShardedOptimizer), sharding
+    /// from the first step), or FSDP's shards. Whatever the layout, clip with the optimizer's
+    /// [`clip_grad_norm`](crate::optim::Optimizer::clip_grad_norm) and end each step with its
+    /// [`zero_grad`](crate::optim::Optimizer::zero_grad).
+    pub fn finish_with_optimizer<M>(
+        &self,
+        vs: &nn::VarStore,
+        model: M,
+        make: impl Fn(Vec<tch::Tensor>) -> Box<dyn Optimizer + Send>,
+    ) -> Result<(Parallel<M>, Box<dyn Optimizer + Send>)> {
+        self.watch.finished.store(true, std::sync::atomic::Ordering::Relaxed);
+        let model = self.wrap(vs, model)?;
+        let opt = model.optimizer(make)?;
+        Ok((model, opt))
+    }
+
+    /// Under ZeRO-1/2 the optimizer is built with the model: a model wrapped alone would train as
+    /// unsharded DDP until one was, and say nothing.
+    pub(super) fn check_optimizer_apart(&self, op: &str) -> Result<()> {
+        match &self.dp {
+            DataParallelism::Replicate(_, Some(stage)) => Err(Error::invalid(
+                op,
+                format!(
+                    "the plan shards the optimizer (ZeRO-{}), which is part of the layout: build the model with \
+                     it, plan.build_with_optimizer(&vs, || model, |params| Box::new(AdamW::new(params, lr))) \
+                     (or finish_with_optimizer)",
+                    stage.number()
+                ),
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    /// The model under the plan's data parallelism (see [`finish`](Self::finish)).
+    fn wrap<M>(&self, vs: &nn::VarStore, model: M) -> Result<Parallel<M>> {
         self.check_styles_matched()?;
         self.check_batch_norms_built()?;
         if let Some(pg) = self.tp_group() {

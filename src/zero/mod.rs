@@ -23,8 +23,8 @@
 //! 4Ψ + 12Ψ/N stage 2; with 16-bit parameters and float32 master weights, the paper's 4Ψ + 12Ψ/N and
 //! 2Ψ + 14Ψ/N. `scripts/bench-memory.sh` measures them.
 //!
-//! Through the plan, one knob picks the stage (stage 3 is the plan's FSDP), and the model gives the
-//! optimizer for it:
+//! Through the plan, one knob picks the stage (stage 3 is the plan's FSDP), and the model is built with
+//! the optimizer for it:
 //!
 //! ```no_run
 //! use tch_dist::ddp::DdpOptions;
@@ -33,8 +33,8 @@
 //! use tch_dist::zero::ZeroStage;
 //! # let vs = tch::nn::VarStore::new(tch::Device::Cpu);
 //! let plan = Plan::new().replicate(DdpOptions::default()).zero(ZeroStage::Two)?;
-//! let model = plan.build(&vs, || tch::nn::linear(vs.root(), 4, 4, Default::default()))?;
-//! let mut opt = model.optimizer(|params| Box::new(AdamW::new(params, 1e-3)))?;
+//! let linear = || tch::nn::linear(vs.root(), 4, 4, Default::default());
+//! let (model, mut opt) = plan.build_with_optimizer(&vs, linear, |params| Box::new(AdamW::new(params, 1e-3)))?;
 //! // loop: forward, model.backward(&loss)?, opt.clip_grad_norm(1.0, 2.0)?, opt.step()?, opt.zero_grad()?
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
@@ -64,8 +64,8 @@ pub use optimizer::ShardedOptimizer;
 /// Which ZeRO stage shards what over the data-parallel ranks (DeepSpeed's `zero_optimization.stage`),
 /// each a policy over the same placements: a stage's shards are recorded in [`crate::placement`], where
 /// clipping, checkpoints and `memory_breakdown` read them. The plan applies any of them
-/// ([`Plan::zero`](crate::parallelize::Plan::zero)) and the model it builds gives the matching optimizer
-/// ([`Parallel::optimizer`](crate::parallelize::Parallel::optimizer)).
+/// ([`Plan::zero`](crate::parallelize::Plan::zero)) and builds the model with the matching optimizer
+/// ([`Plan::build_with_optimizer`](crate::parallelize::Plan::build_with_optimizer)).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ZeroStage {
     /// Optimizer state sharded: DDP's allreduce, then each rank steps its shard of every bucket

@@ -572,15 +572,18 @@ fn the_plans_zero_refuses_what_it_cannot_give_by_name() {
         assert!(e.contains("ZeRO-1") && e.contains("ZeRO-3"), "{e}");
         assert!(format!("{:?}", zero1.replicate(ddp_opts())).contains("ZeRO-1"), "a new replicate keeps the stage");
 
+        // under ZeRO the optimizer is part of the layout: the model alone is refused, naming the call
+        // that builds both
         let plan = Plan::new().replicate(ddp_opts()).zero(ZeroStage::Two).unwrap();
-        let net = plan.finish(&vs, model(&vs)).unwrap();
-        let x = batch(0, 0, 0);
-        let e = net.f_forward(&x).unwrap_err().to_string();
-        assert!(e.contains("optimizer(make)") && e.contains("ZeRO-2"), "{e}");
+        let alone = nn::VarStore::new(Device::Cpu);
+        let e = plan.finish(&alone, model(&alone)).map(|_| ()).unwrap_err().to_string();
+        assert!(e.contains("build_with_optimizer") && e.contains("ZeRO-2"), "{e}");
+        let e = plan.build(&alone, || ()).map(|_| ()).unwrap_err().to_string();
+        assert!(e.contains("build_with_optimizer"), "{e}");
         let make = |p: Vec<Tensor>| -> Box<dyn Optimizer + Send> { Box::new(Sgd::new(p, 0.1)) };
-        let mut opt = net.optimizer(make).unwrap();
-        let e = net.optimizer(make).err().map(|e| e.to_string()).unwrap_or_default();
-        assert!(e.contains("another ShardedOptimizer"), "{e}");
+        let (net, mut opt) = plan.finish_with_optimizer(&vs, model(&vs), make).unwrap();
+        assert!(opt.memory().gradient_shards > 0, "ZeRO-2's optimizer holds gradient shards");
+        let x = batch(0, 0, 0);
         net.backward(&net.f_forward(&x).unwrap().square().mean(Kind::Float)).unwrap();
         opt.step().unwrap();
 
@@ -593,6 +596,8 @@ fn the_plans_zero_refuses_what_it_cannot_give_by_name() {
         let _opt = ShardedOptimizer::new(&ddp, ZeroStage::One, make).unwrap();
         let e = ddp.clip_grad_norm(1.0, 2.0).unwrap_err().to_string();
         assert!(e.contains("Optimizer::clip_grad_norm"), "{e}");
+        let e = ShardedOptimizer::new(&ddp, ZeroStage::One, make).map(|_| ()).unwrap_err().to_string();
+        assert!(e.contains("another ShardedOptimizer"), "{e}");
         vs.trainable_variables().len()
     });
     assert_eq!(out, vec![5]);

@@ -208,8 +208,7 @@ fn data_parallel(kind: Dp, p: f64) -> Vec<Got> {
         let m = model_a(&vs, None);
         if let Dp::PlanZero(stage) = kind {
             let plan = Plan::new().replicate(DdpOptions::default().process_group(Arc::new(pg))).zero(stage).unwrap();
-            let model = plan.finish(&vs, m).unwrap();
-            let mut opt = model.optimizer(|ps| Box::new(Sgd::new(ps, 1.0))).unwrap();
+            let (model, mut opt) = plan.finish_with_optimizer(&vs, m, |ps| Box::new(Sgd::new(ps, 1.0))).unwrap();
             let (x, y) = batch(rank, 3);
             model.backward(&loss(&model.f_forward(&x).unwrap(), &y)).unwrap();
             let e = model.clip_grad_norm(MAX_NORM, p).unwrap_err().to_string();
