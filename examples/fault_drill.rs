@@ -21,7 +21,7 @@ use tch::{nn, Device, Kind, Tensor};
 use tch_dist::ddp::{DdpOptions, DistributedDataParallel};
 use tch_dist::fsdp::{FsdpBuilder, FsdpOptions};
 use tch_dist::optim::{Optimizer, Sgd};
-use tch_dist::pipeline::schedule::Kind as Sched;
+use tch_dist::pipeline::schedule::ScheduleKind;
 use tch_dist::pipeline::{LayerList, Partition, PipelineConfig, PipelineRank};
 use tch_dist::zero::{ShardedOptimizer, ZeroStage};
 use tch_dist::DistModule;
@@ -211,7 +211,7 @@ fn pipeline(args: &Args, pg: Arc<ProcessGroup>, f: &Option<Fault>) -> Result<(),
         .add("l1", |p| nn::linear(p, 32, 64, Default::default()))
         .add_fn("relu", |x| x.relu())
         .add("l2", |p| nn::linear(p, 64, 4, Default::default()));
-    let cfg = PipelineConfig { schedule: Sched::OneFOneB, microbatches: 4, ..Default::default() };
+    let cfg = PipelineConfig { schedule: ScheduleKind::OneFOneB, microbatches: 4, ..Default::default() };
     let mut st = PipelineRank::build(pg.clone(), &layers, &Partition::sizes(&[2, 1], 3)?, cfg)?;
     let mut opts: Vec<Sgd> = st.var_stores().iter().map(|vs| Sgd::new(vs.trainable_variables(), 0.05)).collect();
     let loss = |out: &Tensor, y: &Tensor| out.mse_loss(y, tch::Reduction::Mean);

@@ -25,7 +25,7 @@ use tch_dist::ddp::{DdpOptions, DistributedDataParallel};
 use tch_dist::fsdp::{FsdpBuilder, FsdpOptions, FullyShardedDataParallel};
 use tch_dist::moe::{Moe, MoeConfig};
 use tch_dist::optim::{clip_grad_norm, AdamW, Optimizer, Sgd};
-use tch_dist::pipeline::schedule::Kind as Sched;
+use tch_dist::pipeline::schedule::ScheduleKind;
 use tch_dist::pipeline::split::SplitModel;
 use tch_dist::pipeline::{LayerList, Partition, Pipeline, PipelineConfig, PipelineRank};
 use tch_dist::recompute::Checkpointed;
@@ -745,7 +745,7 @@ fn split(device: Device) -> Res<Outcome> {
 fn pipeline_1f1b(device: Device) -> Res<Outcome> {
     let layers = split_layers();
     let cpu_ref = layers.build_stage(0..layers.len(), Device::Cpu)?;
-    let cfg = PipelineConfig { schedule: Sched::OneFOneB, microbatches: 4, ..Default::default() };
+    let cfg = PipelineConfig { schedule: ScheduleKind::OneFOneB, microbatches: 4, ..Default::default() };
     let mut pipe = Pipeline::new(&layers, &Partition::sizes(&[2, 1], 3)?, &[device, device], cfg)?;
     for vs in pipe.var_stores() {
         copy_vars(vs, &cpu_ref.vs)?;
@@ -1276,7 +1276,8 @@ fn rank_check(what: &str, device: Device) -> Res<Outcome> {
             let layers = split_layers();
             let cpu_ref = layers.build_stage(0..layers.len(), Device::Cpu)?;
             let part = Partition::sizes(&[2, 1], 3)?;
-            let cfg = PipelineConfig { device, schedule: Sched::OneFOneB, microbatches: 4, ..Default::default() };
+            let cfg =
+                PipelineConfig { device, schedule: ScheduleKind::OneFOneB, microbatches: 4, ..Default::default() };
             let mut stage = PipelineRank::build(pg.clone(), &layers, &part, cfg)?;
             for vs in stage.var_stores() {
                 copy_vars(vs, &cpu_ref.vs)?;

@@ -15,8 +15,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use tch::{nn, nn::Module, nn::OptimizerConfig, Device, Kind, Tensor};
-use tch_dist::pipeline::schedule::{Kind as Sched, Schedule};
-use tch_dist::pipeline::{trace, LayerList, Partition, Pipeline, PipelineConfig, PipelineRank, Span};
+use tch_dist::pipeline::schedule::{Schedule, ScheduleKind};
+use tch_dist::pipeline::{trace, ActionSpan, LayerList, Partition, Pipeline, PipelineConfig, PipelineRank};
 use tch_dist::{memory, ProcessGroup};
 
 const WIDTH: i64 = 1024;
@@ -69,7 +69,7 @@ struct Cli {
 
 struct Args {
     stages: usize,
-    schedule: Sched,
+    schedule: ScheduleKind,
     m: usize,
     v: usize,
     steps: usize,
@@ -81,8 +81,8 @@ struct Args {
 }
 
 fn parse(c: &Cli) -> Result<Args, Box<dyn std::error::Error>> {
-    let schedule: Sched = c.schedule.parse()?;
-    let v = c.chunks.unwrap_or(if schedule == Sched::Interleaved1F1B { 2 } else { 1 });
+    let schedule: ScheduleKind = c.schedule.parse()?;
+    let v = c.chunks.unwrap_or(if schedule == ScheduleKind::Interleaved1F1B { 2 } else { 1 });
     Ok(Args {
         stages: c.stages,
         schedule,
@@ -146,7 +146,7 @@ fn config(a: &Args) -> PipelineConfig {
 }
 
 /// (losses, spans of the last step, seconds, microbatches in flight per stage)
-type ThreadsRun = (Vec<f64>, Vec<Span>, f64, Vec<usize>);
+type ThreadsRun = (Vec<f64>, Vec<ActionSpan>, f64, Vec<usize>);
 
 /// Runs the steps in one process.
 fn run_threads(a: &Args) -> Result<ThreadsRun, Box<dyn std::error::Error>> {
@@ -218,7 +218,7 @@ fn cpu_seconds() -> f64 {
 
 struct Outcome {
     losses: Vec<f64>,
-    spans: Vec<Span>,
+    spans: Vec<ActionSpan>,
     seconds: f64,
     per_stage: Vec<(i64, i64, usize)>, // base, peak, in flight
     /// Each stage's idle fraction, 1 - CPU time / wall time (processes only).
@@ -259,7 +259,7 @@ fn run_processes(a: &Args) -> Result<Outcome, Box<dyn std::error::Error>> {
         let w: Vec<&str> = line.split_whitespace().collect();
         match w.first() {
             Some(&"loss") => out.losses.push(w[2].parse()?),
-            Some(&"span") => out.spans.push(Span {
+            Some(&"span") => out.spans.push(ActionSpan {
                 stage: w[1].parse()?,
                 forward: w[2] == "1",
                 mb: w[3].parse()?,
@@ -279,12 +279,12 @@ fn run_processes(a: &Args) -> Result<Outcome, Box<dyn std::error::Error>> {
     Ok(out)
 }
 
-fn sched_name(k: Sched) -> &'static str {
+fn sched_name(k: ScheduleKind) -> &'static str {
     match k {
-        Sched::GPipe => "gpipe",
-        Sched::OneFOneB => "1f1b",
-        Sched::Interleaved1F1B => "interleaved",
-        Sched::ZeroBubbleH1 => "zb-h1",
+        ScheduleKind::GPipe => "gpipe",
+        ScheduleKind::OneFOneB => "1f1b",
+        ScheduleKind::Interleaved1F1B => "interleaved",
+        ScheduleKind::ZeroBubbleH1 => "zb-h1",
     }
 }
 
@@ -369,7 +369,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     if cli.all {
         for p in [2, 4] {
-            for (k, v) in [(Sched::GPipe, 1), (Sched::OneFOneB, 1), (Sched::Interleaved1F1B, 2)] {
+            for (k, v) in [(ScheduleKind::GPipe, 1), (ScheduleKind::OneFOneB, 1), (ScheduleKind::Interleaved1F1B, 2)] {
                 let b = Args { stages: p, schedule: k, v, trace: None, png: None, ..parse(&cli)? };
                 report(&b, &run(&b)?)?;
             }

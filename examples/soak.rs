@@ -10,7 +10,7 @@ use tch::{nn, Device, Kind, Tensor};
 use tch_dist::amp::autocast;
 use tch_dist::ddp::{DdpOptions, DistributedDataParallel};
 use tch_dist::optim::{AdamW, Optimizer, Sgd};
-use tch_dist::pipeline::schedule::Kind as Sched;
+use tch_dist::pipeline::schedule::ScheduleKind;
 use tch_dist::pipeline::{LayerList, Partition, PipelineConfig, PipelineRank};
 use tch_dist::zero::{ShardedOptimizer, ZeroStage};
 use tch_dist::DistModule;
@@ -64,7 +64,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             .add("l1", |p| nn::linear(p, 64, 128, Default::default()))
             .add_fn("tanh", |x| x.tanh())
             .add("l2", |p| nn::linear(p, 128, 8, Default::default()));
-        let cfg = PipelineConfig { schedule: Sched::OneFOneB, microbatches: 4, ..Default::default() };
+        let cfg = PipelineConfig { schedule: ScheduleKind::OneFOneB, microbatches: 4, ..Default::default() };
         let mut st = PipelineRank::build(pg.clone(), &layers, &Partition::sizes(&[2, 1], 3)?, cfg)?;
         let mut opts: Vec<Sgd> = st.var_stores().iter().map(|vs| Sgd::new(vs.trainable_variables(), 0.01)).collect();
         let loss = |o: &Tensor, y: &Tensor| o.mse_loss(y, tch::Reduction::Mean);

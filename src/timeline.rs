@@ -21,7 +21,7 @@ use crate::error::{Error, Result};
 
 /// One complete event (Chrome's `"ph": "X"`).
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
-pub struct Event {
+pub struct TraceEvent {
     pub name: String,
     pub cat: String,
     pub ph: String,
@@ -46,7 +46,7 @@ struct Timeline {
 
 #[derive(Default)]
 struct State {
-    events: Vec<Event>,
+    events: Vec<TraceEvent>,
     dropped: u64,
     /// Collective lanes by group name: the group's number, and when each of its rows is free again
     /// (collectives in flight together overlap, and a track shows nested spans only).
@@ -85,7 +85,7 @@ fn lock(t: &Timeline) -> std::sync::MutexGuard<'_, State> {
     t.events.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-fn push(t: &Timeline, mut e: Event, lane: Option<&str>) {
+fn push(t: &Timeline, mut e: TraceEvent, lane: Option<&str>) {
     let mut s = lock(t);
     if s.events.len() >= t.cap {
         s.dropped += 1;
@@ -116,11 +116,11 @@ fn push(t: &Timeline, mut e: Event, lane: Option<&str>) {
 
 /// A span on this thread's track, recorded when dropped (nothing when the timeline is off).
 #[must_use = "the span ends when the guard drops"]
-pub struct Span {
+pub struct SpanGuard {
     open: Option<(String, &'static str, f64)>,
 }
 
-impl Drop for Span {
+impl Drop for SpanGuard {
     fn drop(&mut self) {
         if let Some((name, cat, start)) = self.open.take() {
             completed(cat, || name, start, crate::flight::now());
@@ -130,11 +130,11 @@ impl Drop for Span {
 
 /// Opens a span named `name()` (called only when the timeline is on) in category `cat` (`forward`,
 /// `backward`, `optimizer`, `pipeline`...).
-pub fn span(cat: &'static str, name: impl FnOnce() -> String) -> Span {
+pub fn span(cat: &'static str, name: impl FnOnce() -> String) -> SpanGuard {
     if timeline().is_none() {
-        return Span { open: None };
+        return SpanGuard { open: None };
     }
-    Span { open: Some((name(), cat, crate::flight::now())) }
+    SpanGuard { open: Some((name(), cat, crate::flight::now())) }
 }
 
 /// Events recorded so far by this process (0 when off), those past the cap included.
@@ -164,8 +164,8 @@ pub(crate) fn completed(cat: &'static str, name: impl FnOnce() -> String, start:
 
 /// A complete event of this rank from `start` to `end` (seconds since the Unix epoch); its track is set
 /// by `push`.
-fn event(t: &Timeline, name: String, cat: &str, start: f64, end: f64, args: HashMap<String, String>) -> Event {
-    Event {
+fn event(t: &Timeline, name: String, cat: &str, start: f64, end: f64, args: HashMap<String, String>) -> TraceEvent {
+    TraceEvent {
         name,
         cat: cat.to_string(),
         ph: "X".into(),
@@ -301,7 +301,7 @@ pub fn write_png(trace: &Path, png: &Path) -> Result<usize> {
         std::fs::read(trace).map_err(|e| Error::invalid(format!("timeline {}", trace.display()), e.to_string()))?;
     let t: Trace = serde_json::from_slice(&text)
         .map_err(|e| Error::invalid(format!("timeline {}", trace.display()), e.to_string()))?;
-    let spans: Vec<Event> =
+    let spans: Vec<TraceEvent> =
         t.events.iter().filter(|e| e["ph"] == "X").filter_map(|e| serde_json::from_value(e.clone()).ok()).collect();
     let mut tracks: Vec<(u64, u64)> = spans.iter().map(|e| (e.pid, e.tid)).collect();
     tracks.sort();

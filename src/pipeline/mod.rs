@@ -8,12 +8,12 @@
 //!
 //! ```
 //! use tch::{nn, nn::OptimizerConfig, Device, Kind, Tensor};
-//! use tch_dist::pipeline::{LayerList, Partition, Pipeline, PipelineConfig, schedule::Kind as Sched};
+//! use tch_dist::pipeline::{LayerList, Partition, Pipeline, PipelineConfig, schedule::ScheduleKind as ScheduleKind};
 //! let layers = LayerList::new()
 //!     .add("fc1", |p| nn::linear(p, 8, 16, Default::default()))
 //!     .add_fn("tanh", |x| x.tanh())
 //!     .add("fc2", |p| nn::linear(p, 16, 4, Default::default()));
-//! let cfg = PipelineConfig { schedule: Sched::OneFOneB, microbatches: 4, ..Default::default() };
+//! let cfg = PipelineConfig { schedule: ScheduleKind::OneFOneB, microbatches: 4, ..Default::default() };
 //! let mut pipe = Pipeline::new(&layers, &Partition::sizes(&[2, 1], 3)?, &[Device::Cpu, Device::Cpu], cfg)?;
 //! let mut opts: Vec<_> = pipe.var_stores().iter().map(|vs| nn::Sgd::default().build(vs, 0.1).unwrap()).collect();
 //! let (x, y) = (Tensor::randn([8, 8], (Kind::Float, Device::Cpu)), Tensor::zeros([8, 4], (Kind::Float, Device::Cpu)));
@@ -42,7 +42,8 @@ pub use layers::{LayerList, Stage};
 pub use partition::Partition;
 pub use runtime::{LossFn, RankReport};
 use schedule::Schedule;
-pub use trace::Span;
+pub use schedule::ScheduleKind;
+pub use trace::ActionSpan;
 
 use crate::dist_module::DistModule;
 use crate::error::{Error, Result};
@@ -55,7 +56,7 @@ use crate::parallelize::Plan;
 pub struct StepReport {
     /// Mean loss over the batch (the microbatch losses' mean).
     pub loss: f64,
-    pub spans: Vec<Span>,
+    pub spans: Vec<ActionSpan>,
     /// Measured idle share of the stages between the first start and the last end.
     pub bubble_fraction: f64,
     /// Per stage, most microbatch-chunks held at once.
@@ -143,7 +144,14 @@ impl Pipeline {
 }
 
 /// The schedule for `p` stages, checking that the partition has one part per virtual stage.
-fn plan(what: &str, partition: &Partition, kind: schedule::Kind, p: usize, m: usize, v: usize) -> Result<Schedule> {
+fn plan(
+    what: &str,
+    partition: &Partition,
+    kind: schedule::ScheduleKind,
+    p: usize,
+    m: usize,
+    v: usize,
+) -> Result<Schedule> {
     let schedule = Schedule::new(kind, p, m, v)?;
     if schedule.splits_backward() {
         return Err(Error::invalid(
@@ -167,7 +175,7 @@ fn zero_grads(stages: &[&Stage]) -> Result<()> {
 fn summarise(schedule: &Schedule, reports: Vec<runtime::RankReport>, seconds: f64) -> StepReport {
     let loss = reports.iter().filter_map(|r| r.loss).sum();
     let max_in_flight = reports.iter().map(|r| r.max_in_flight).collect();
-    let spans: Vec<Span> = reports.into_iter().flat_map(|r| r.spans).collect();
+    let spans: Vec<ActionSpan> = reports.into_iter().flat_map(|r| r.spans).collect();
     let bubble_fraction = trace::bubble_fraction(&spans, schedule.stages);
     StepReport { loss, spans, bubble_fraction, max_in_flight, seconds }
 }
@@ -177,7 +185,7 @@ fn summarise(schedule: &Schedule, reports: Vec<runtime::RankReport>, seconds: f6
 pub struct PipelineConfig {
     /// Where this rank's chunks live and compute.
     pub device: Device,
-    pub schedule: schedule::Kind,
+    pub schedule: schedule::ScheduleKind,
     /// Microbatches per step (the batch is split into this many).
     pub microbatches: usize,
     /// Chunks (virtual stages) per rank: more than one for interleaved schedules.
@@ -195,7 +203,7 @@ impl Default for PipelineConfig {
     fn default() -> Self {
         PipelineConfig {
             device: Device::Cpu,
-            schedule: schedule::Kind::OneFOneB,
+            schedule: schedule::ScheduleKind::OneFOneB,
             microbatches: 1,
             chunks: 1,
             recompute: false,

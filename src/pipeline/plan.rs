@@ -96,7 +96,7 @@ pub(crate) fn plan(sch: &Schedule) -> Result<Vec<Vec<Step>>> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::pipeline::schedule::Kind;
+    use crate::pipeline::schedule::ScheduleKind;
 
     /// Runs the plans as NCCL would: each rank's batches in its order, a batch done once every rank it
     /// shares it with reached it; a compute waits for the batch that brought what it needs.
@@ -192,13 +192,13 @@ mod tests {
     #[test]
     fn every_schedule_runs_to_the_end_under_nccls_ordering() {
         for (kind, p, m, v) in [
-            (Kind::GPipe, 2, 4, 1),
-            (Kind::GPipe, 4, 8, 1),
-            (Kind::OneFOneB, 2, 4, 1),
-            (Kind::OneFOneB, 3, 3, 1),
-            (Kind::OneFOneB, 4, 8, 1),
-            (Kind::Interleaved1F1B, 2, 4, 2),
-            (Kind::Interleaved1F1B, 4, 8, 3),
+            (ScheduleKind::GPipe, 2, 4, 1),
+            (ScheduleKind::GPipe, 4, 8, 1),
+            (ScheduleKind::OneFOneB, 2, 4, 1),
+            (ScheduleKind::OneFOneB, 3, 3, 1),
+            (ScheduleKind::OneFOneB, 4, 8, 1),
+            (ScheduleKind::Interleaved1F1B, 2, 4, 2),
+            (ScheduleKind::Interleaved1F1B, 4, 8, 3),
         ] {
             let sch = Schedule::new(kind, p, m, v).unwrap();
             let plans = plan(&sch).unwrap();
@@ -222,7 +222,7 @@ mod tests {
     #[test]
     fn a_schedule_posting_sends_before_its_receives_one_by_one_would_not() {
         // the check above can fail: 1F1B with each transfer in a batch of its own, in action order
-        let sch = Schedule::new(Kind::OneFOneB, 3, 3, 1).unwrap();
+        let sch = Schedule::new(ScheduleKind::OneFOneB, 3, 3, 1).unwrap();
         let plans: Vec<Vec<Step>> = (0..3)
             .map(|s| {
                 sch.actions[s]

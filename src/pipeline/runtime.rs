@@ -11,7 +11,7 @@ use tch::Tensor;
 use super::layers::Stage;
 use super::plan::{self, Step};
 use super::schedule::{Action, Schedule};
-use super::trace::Span;
+use super::trace::ActionSpan;
 use super::transport::{self, Outgoing, Payload, Transport};
 use crate::error::{panic_message, Error, Result};
 
@@ -23,7 +23,7 @@ pub type LossFn = dyn Fn(&Tensor, &Tensor) -> Tensor + Send + Sync;
 pub struct RankReport {
     /// Sum of this rank's microbatch losses divided by m (only the last virtual stage has any).
     pub loss: Option<f64>,
-    pub spans: Vec<Span>,
+    pub spans: Vec<ActionSpan>,
     /// Most microbatch-chunks whose activations this rank held at once.
     pub max_in_flight: usize,
 }
@@ -139,7 +139,7 @@ pub(crate) fn run_rank(step: &RankStep, net: &mut dyn Transport) -> Result<RankR
                     report.max_in_flight = report.max_in_flight.max(saved.len());
                     let end = now();
                     crate::timeline::completed("forward", || format!("F{mb}.{chunk}"), start, end);
-                    report.spans.push(Span { stage: rank, forward: true, mb, chunk, start, end });
+                    report.spans.push(ActionSpan { stage: rank, forward: true, mb, chunk, start, end });
                 }
                 Action::Backward { mb, chunk } => {
                     let stage = &step.chunks[chunk];
@@ -180,7 +180,7 @@ pub(crate) fn run_rank(step: &RankStep, net: &mut dyn Transport) -> Result<RankR
                     }
                     let end = now();
                     crate::timeline::completed("backward", || format!("B{mb}.{chunk}"), start, end);
-                    report.spans.push(Span { stage: rank, forward: false, mb, chunk, start, end });
+                    report.spans.push(ActionSpan { stage: rank, forward: false, mb, chunk, start, end });
                 }
                 Action::BackwardWeight { .. } => {
                     return Err(Error::invalid(

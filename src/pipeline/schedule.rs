@@ -6,8 +6,8 @@
 //! is virtual stage `c * p + s`, so activations go 0 → 1 → … → p-1 → (chunk 1 of stage 0) → ….
 //!
 //! ```
-//! use tch_dist::pipeline::schedule::{Schedule, Kind};
-//! let s = Schedule::new(Kind::OneFOneB, 2, 4, 1)?;
+//! use tch_dist::pipeline::schedule::{Schedule, ScheduleKind};
+//! let s = Schedule::new(ScheduleKind::OneFOneB, 2, 4, 1)?;
 //! let sim = s.simulate()?;
 //! assert!((sim.bubble_fraction - 1.0 / 5.0).abs() < 1e-12); // (p-1)/(m+p-1)
 //! # Ok::<(), tch_dist::Error>(())
@@ -16,7 +16,7 @@ use crate::error::{Error, Result};
 
 /// Which schedule.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Kind {
+pub enum ScheduleKind {
     /// All forwards, then all backwards (GPipe): m activations in flight per stage.
     GPipe,
     /// One forward, one backward (PipeDream-Flush): at most p activations in flight.
@@ -30,14 +30,14 @@ pub enum Kind {
     ZeroBubbleH1,
 }
 
-impl std::str::FromStr for Kind {
+impl std::str::FromStr for ScheduleKind {
     type Err = Error;
-    fn from_str(s: &str) -> Result<Kind> {
+    fn from_str(s: &str) -> Result<ScheduleKind> {
         match s.to_ascii_lowercase().as_str() {
-            "gpipe" => Ok(Kind::GPipe),
-            "1f1b" => Ok(Kind::OneFOneB),
-            "interleaved" | "interleaved1f1b" | "interleaved-1f1b" => Ok(Kind::Interleaved1F1B),
-            "zbh1" | "zb-h1" | "zerobubble" => Ok(Kind::ZeroBubbleH1),
+            "gpipe" => Ok(ScheduleKind::GPipe),
+            "1f1b" => Ok(ScheduleKind::OneFOneB),
+            "interleaved" | "interleaved1f1b" | "interleaved-1f1b" => Ok(ScheduleKind::Interleaved1F1B),
+            "zbh1" | "zb-h1" | "zerobubble" => Ok(ScheduleKind::ZeroBubbleH1),
             _ => Err(Error::invalid("schedule", format!("unknown schedule {s:?} (gpipe, 1f1b, interleaved, zb-h1)"))),
         }
     }
@@ -85,7 +85,7 @@ pub enum Action {
 /// Per-stage action lists for one training step.
 #[derive(Clone, Debug)]
 pub struct Schedule {
-    pub kind: Kind,
+    pub kind: ScheduleKind,
     pub stages: usize,
     pub microbatches: usize,
     pub chunks: usize,
@@ -117,25 +117,25 @@ pub struct Simulation {
 impl Schedule {
     /// Builds the schedule for `p` stages, `m` microbatches and `v` chunks per stage (1 except for
     /// interleaving). Errors name the setting that cannot work.
-    pub fn new(kind: Kind, p: usize, m: usize, v: usize) -> Result<Schedule> {
+    pub fn new(kind: ScheduleKind, p: usize, m: usize, v: usize) -> Result<Schedule> {
         let what = format!("{kind:?} schedule with {p} stages, {m} microbatches, {v} chunks");
         if p == 0 || m == 0 || v == 0 {
             return Err(Error::invalid(what, "stages, microbatches and chunks must all be at least 1"));
         }
         match kind {
-            Kind::GPipe | Kind::OneFOneB | Kind::ZeroBubbleH1 if v != 1 => {
+            ScheduleKind::GPipe | ScheduleKind::OneFOneB | ScheduleKind::ZeroBubbleH1 if v != 1 => {
                 return Err(Error::invalid(what, "only the interleaved schedule takes more than one chunk per stage"))
             }
-            Kind::Interleaved1F1B if v < 2 => {
+            ScheduleKind::Interleaved1F1B if v < 2 => {
                 return Err(Error::invalid(what, "interleaving needs at least 2 chunks per stage (use 1F1B for 1)"))
             }
-            Kind::Interleaved1F1B if !m.is_multiple_of(p) => {
+            ScheduleKind::Interleaved1F1B if !m.is_multiple_of(p) => {
                 return Err(Error::invalid(
                     what,
                     format!("interleaving needs microbatches divisible by stages ({m} % {p} != 0)"),
                 ))
             }
-            Kind::OneFOneB if m < p => {
+            ScheduleKind::OneFOneB if m < p => {
                 return Err(Error::invalid(
                     what,
                     format!("1F1B needs at least as many microbatches as stages ({m} < {p})"),
@@ -144,11 +144,11 @@ impl Schedule {
             _ => {}
         }
         let compute: Vec<Vec<Action>> = match kind {
-            Kind::ZeroBubbleH1 => zb_h1(p, m),
+            ScheduleKind::ZeroBubbleH1 => zb_h1(p, m),
             _ => (0..p)
                 .map(|s| match kind {
-                    Kind::GPipe => gpipe(m),
-                    Kind::OneFOneB => one_f_one_b(p, m, s),
+                    ScheduleKind::GPipe => gpipe(m),
+                    ScheduleKind::OneFOneB => one_f_one_b(p, m, s),
                     _ => interleaved(p, m, v, s),
                 })
                 .collect(),
@@ -165,11 +165,11 @@ impl Schedule {
     /// The most activations a stage of this schedule keeps (microbatch-chunks in flight).
     pub fn in_flight_bound(&self) -> usize {
         match self.kind {
-            Kind::GPipe => self.microbatches,
+            ScheduleKind::GPipe => self.microbatches,
             // ZB-H1: every stage up to 1F1B's first stage (activations held until the weight gradient)
-            Kind::OneFOneB | Kind::ZeroBubbleH1 => self.stages.min(self.microbatches),
+            ScheduleKind::OneFOneB | ScheduleKind::ZeroBubbleH1 => self.stages.min(self.microbatches),
             // Megatron's warm-up: (p - 1) * 2 + (v - 1) * p forwards, plus the one in the steady state.
-            Kind::Interleaved1F1B => {
+            ScheduleKind::Interleaved1F1B => {
                 ((self.stages - 1) * 2 + (self.chunks - 1) * self.stages + 1).min(self.microbatches * self.chunks)
             }
         }
@@ -181,7 +181,7 @@ impl Schedule {
     pub fn ideal_bubble_fraction(&self) -> f64 {
         let (p, m, v) = (self.stages as f64, self.microbatches as f64, self.chunks as f64);
         match self.kind {
-            Kind::ZeroBubbleH1 => (p - 1.0) / (3.0 * m + p - 1.0),
+            ScheduleKind::ZeroBubbleH1 => (p - 1.0) / (3.0 * m + p - 1.0),
             _ => (p - 1.0) / (v * m + p - 1.0),
         }
     }
@@ -201,7 +201,7 @@ impl Schedule {
 
     /// Whether backward is split into input and weight gradients.
     pub fn splits_backward(&self) -> bool {
-        self.kind == Kind::ZeroBubbleH1
+        self.kind == ScheduleKind::ZeroBubbleH1
     }
 }
 

@@ -7,7 +7,7 @@ use crate::error::{Error, Result};
 
 /// One forward or backward of one microbatch-chunk on one stage; times in seconds (wall clock).
 #[derive(Clone, Debug, PartialEq)]
-pub struct Span {
+pub struct ActionSpan {
     pub stage: usize,
     pub forward: bool,
     pub mb: usize,
@@ -17,7 +17,7 @@ pub struct Span {
 }
 
 /// Idle share of the stages' time between the first start and the last end.
-pub fn bubble_fraction(spans: &[Span], stages: usize) -> f64 {
+pub fn bubble_fraction(spans: &[ActionSpan], stages: usize) -> f64 {
     if spans.is_empty() || stages == 0 {
         return 0.0;
     }
@@ -28,7 +28,7 @@ pub fn bubble_fraction(spans: &[Span], stages: usize) -> f64 {
 }
 
 /// Writes `spans` as Chrome trace events: one row (thread) per stage, one complete event per span.
-pub fn write_chrome_trace(path: &Path, spans: &[Span]) -> Result<()> {
+pub fn write_chrome_trace(path: &Path, spans: &[ActionSpan]) -> Result<()> {
     let io = |e: std::io::Error| Error::invalid(format!("write trace {}", path.display()), e.to_string());
     let mut f = std::io::BufWriter::new(std::fs::File::create(path).map_err(io)?);
     let t0 = spans.iter().map(|s| s.start).fold(f64::INFINITY, f64::min);
@@ -60,7 +60,7 @@ pub fn write_chrome_trace(path: &Path, spans: &[Span]) -> Result<()> {
 /// Draws the timeline: one row per stage, forwards in blue, backwards in green (darker for later
 /// chunks), idle time white. With the `plot` feature (plotters).
 #[cfg(feature = "plot")]
-pub fn write_png(path: &Path, spans: &[Span], stages: usize) -> Result<()> {
+pub fn write_png(path: &Path, spans: &[ActionSpan], stages: usize) -> Result<()> {
     let bars: Vec<crate::plot::Bar> = spans
         .iter()
         .map(|sp| {

@@ -15,7 +15,7 @@ use tch_dist::ddp::{DdpOptions, DistributedDataParallel};
 use tch_dist::fsdp::{FsdpBuilder, FsdpOptions, FullyShardedDataParallel};
 use tch_dist::mesh::DeviceMesh;
 use tch_dist::optim::{AdamW, Optimizer};
-use tch_dist::pipeline::schedule::Kind as Sched;
+use tch_dist::pipeline::schedule::ScheduleKind;
 use tch_dist::pipeline::{Partition, PipelineConfig, PipelineRank};
 use tch_dist::tp::ParallelMlp;
 use tch_dist::zero::{ShardedOptimizer, ZeroStage};
@@ -331,7 +331,7 @@ fn build(layout: Layout, pg: Arc<ProcessGroup>) -> Box<dyn Trainer> {
                 pg,
                 &l,
                 &part,
-                PipelineConfig { schedule: Sched::OneFOneB, microbatches: 4, chunks: 1, ..Default::default() },
+                PipelineConfig { schedule: ScheduleKind::OneFOneB, microbatches: 4, chunks: 1, ..Default::default() },
             )
             .unwrap();
             for vs in pipe.var_stores() {

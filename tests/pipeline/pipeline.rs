@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use common::pipe::{self, data, data_rows, layers, BATCH, STEPS};
 use tch::{nn, nn::Module, nn::OptimizerConfig, Device, Kind, Tensor};
-use tch_dist::pipeline::schedule::Kind as Sched;
+use tch_dist::pipeline::schedule::ScheduleKind;
 use tch_dist::pipeline::split::SplitModel;
 use tch_dist::pipeline::{Partition, Pipeline, PipelineConfig, PipelineRank};
 use tch_dist::ProcessGroup;
@@ -20,16 +20,16 @@ const TOL: f64 = 1e-6;
 /// (schedule, stages, microbatches, chunks, partition sizes over p*v parts)
 fn settings() -> Vec<Setting> {
     vec![
-        (Sched::GPipe, 2, 4, 1, vec![4, 4]),
-        (Sched::OneFOneB, 2, 4, 1, vec![3, 5]),
-        (Sched::OneFOneB, 3, 4, 1, vec![3, 3, 2]),
-        (Sched::GPipe, 4, 2, 1, vec![2, 2, 2, 2]),
-        (Sched::Interleaved1F1B, 2, 4, 2, vec![2, 2, 2, 2]),
+        (ScheduleKind::GPipe, 2, 4, 1, vec![4, 4]),
+        (ScheduleKind::OneFOneB, 2, 4, 1, vec![3, 5]),
+        (ScheduleKind::OneFOneB, 3, 4, 1, vec![3, 3, 2]),
+        (ScheduleKind::GPipe, 4, 2, 1, vec![2, 2, 2, 2]),
+        (ScheduleKind::Interleaved1F1B, 2, 4, 2, vec![2, 2, 2, 2]),
     ]
 }
 
 fn train_threads(
-    kind: Sched,
+    kind: ScheduleKind,
     p: usize,
     m: usize,
     v: usize,
@@ -80,7 +80,7 @@ fn threads_match_the_unsplit_model_for_every_schedule() {
 #[ignore = "stage process spawned by processes_match_the_unsplit_model"]
 fn worker_pipeline_stage() {
     let pg = Arc::new(ProcessGroup::from_env().unwrap());
-    let kind: Sched = std::env::var("PIPE_SCHEDULE").unwrap().parse().unwrap();
+    let kind: ScheduleKind = std::env::var("PIPE_SCHEDULE").unwrap().parse().unwrap();
     let m: usize = std::env::var("PIPE_M").unwrap().parse().unwrap();
     let v: usize = std::env::var("PIPE_V").unwrap().parse().unwrap();
     let recompute = std::env::var("PIPE_RECOMPUTE").unwrap() == "1";
@@ -131,13 +131,13 @@ fn processes_match_the_unsplit_model() {
 fn processes_carry_shapes_that_change_between_steps() {
     let rows = [BATCH, BATCH / 2, BATCH];
     let reference = pipe::reference_rows(&rows);
-    for setting in [(Sched::OneFOneB, 2, 2, 1, vec![3, 5]), (Sched::GPipe, 2, 2, 1, vec![4, 4])] {
+    for setting in [(ScheduleKind::OneFOneB, 2, 2, 1, vec![3, 5]), (ScheduleKind::GPipe, 2, 2, 1, vec![4, 4])] {
         check_processes(&setting, false, Some(&rows), &reference);
     }
 }
 
 /// (schedule, stages, microbatches, chunks, partition sizes), as `settings` gives them.
-type Setting = (Sched, usize, usize, usize, Vec<usize>);
+type Setting = (ScheduleKind, usize, usize, usize, Vec<usize>);
 
 /// Stage processes train `setting` on batches of `rows[s]` rows (8 each by default) and must end as the
 /// unsplit model did (`reference`: its losses and parameters).
@@ -239,7 +239,7 @@ fn bad_settings_give_clear_errors() {
         &l,
         &part,
         &[Device::Cpu; 2],
-        PipelineConfig { schedule: Sched::OneFOneB, microbatches: 1, chunks: 1, ..Default::default() },
+        PipelineConfig { schedule: ScheduleKind::OneFOneB, microbatches: 1, chunks: 1, ..Default::default() },
     )
     .err()
     .unwrap()
@@ -249,7 +249,7 @@ fn bad_settings_give_clear_errors() {
         &l,
         &part,
         &[Device::Cpu; 2],
-        PipelineConfig { schedule: Sched::Interleaved1F1B, microbatches: 4, chunks: 2, ..Default::default() },
+        PipelineConfig { schedule: ScheduleKind::Interleaved1F1B, microbatches: 4, chunks: 2, ..Default::default() },
     )
     .err()
     .unwrap()
@@ -259,7 +259,7 @@ fn bad_settings_give_clear_errors() {
         &l,
         &part,
         &[Device::Cpu; 2],
-        PipelineConfig { schedule: Sched::GPipe, microbatches: 3, chunks: 1, ..Default::default() },
+        PipelineConfig { schedule: ScheduleKind::GPipe, microbatches: 3, chunks: 1, ..Default::default() },
     )
     .unwrap();
     let (x, y) = data(0);
@@ -270,7 +270,7 @@ fn bad_settings_give_clear_errors() {
         &l,
         &part,
         &[Device::Cpu; 2],
-        PipelineConfig { schedule: Sched::GPipe, microbatches: 2, chunks: 1, ..Default::default() },
+        PipelineConfig { schedule: ScheduleKind::GPipe, microbatches: 2, chunks: 1, ..Default::default() },
     )
     .unwrap()
     .timeout(Duration::from_secs(20));
@@ -289,7 +289,7 @@ fn trace_is_chrome_json_and_timeline_is_a_png() {
         &l,
         &part,
         &[Device::Cpu; 2],
-        PipelineConfig { schedule: Sched::OneFOneB, microbatches: 4, chunks: 1, ..Default::default() },
+        PipelineConfig { schedule: ScheduleKind::OneFOneB, microbatches: 4, chunks: 1, ..Default::default() },
     )
     .unwrap();
     let (x, y) = data(0);

@@ -16,7 +16,7 @@ use tch_dist::fsdp::FsdpOptions;
 use tch_dist::mesh::DeviceMesh;
 use tch_dist::parallel_dims::ParallelDims;
 use tch_dist::parallelize::{Plan, Style};
-use tch_dist::pipeline::schedule::Kind as Sched;
+use tch_dist::pipeline::schedule::ScheduleKind;
 use tch_dist::pipeline::{LayerList, Partition, PipelineConfig, PipelineRank};
 use tch_dist::ReduceOp;
 
@@ -130,7 +130,7 @@ fn last_entry() -> u64 {
 }
 
 /// pp 2 × dp 2 on threads: the losses the last stage reports, averaged over dp (rank 0's view).
-fn train(dp_kind: Dp, schedule: Sched, chunks: usize, sizes: &'static [usize]) -> Vec<f64> {
+fn train(dp_kind: Dp, schedule: ScheduleKind, chunks: usize, sizes: &'static [usize]) -> Vec<f64> {
     let outs = common::run_threads(4, Duration::from_secs(60), move |world| {
         let mesh = DeviceMesh::new(&world, &[("pp", 2), ("dp", 2)]).unwrap();
         let (pp, dp) = (mesh.group("pp").unwrap(), mesh.group("dp").unwrap());
@@ -175,9 +175,9 @@ fn ddp_and_fsdp_stages_train_as_the_unsplit_model() {
     let want = reference();
     for dp in [Dp::Ddp, Dp::Fsdp, Dp::FsdpSmall] {
         for (schedule, chunks, sizes) in [
-            (Sched::GPipe, 1, &[3, 3][..]),
-            (Sched::OneFOneB, 1, &[3, 3][..]),
-            (Sched::Interleaved1F1B, 2, &[2, 2, 1, 1][..]),
+            (ScheduleKind::GPipe, 1, &[3, 3][..]),
+            (ScheduleKind::OneFOneB, 1, &[3, 3][..]),
+            (ScheduleKind::Interleaved1F1B, 2, &[2, 2, 1, 1][..]),
         ] {
             let before = last_entry();
             let got = train(dp, schedule, chunks, sizes);
@@ -288,7 +288,7 @@ fn without_data_parallelism_the_replicas_differ() {
 #[test]
 fn fsdp_stages_keep_their_units_gathered_through_a_step() {
     let want = reference();
-    for schedule in [Sched::GPipe, Sched::OneFOneB] {
+    for schedule in [ScheduleKind::GPipe, ScheduleKind::OneFOneB] {
         let gathers: Vec<usize> = [2usize, 4].into_iter().map(|m| step_gathers(schedule, m, &want)).collect();
         assert!(gathers[0] > 0, "{schedule:?}: no gather was recorded");
         assert_eq!(gathers[0], gathers[1], "{schedule:?}: gathers with 2 and 4 microbatches");
@@ -298,7 +298,7 @@ fn fsdp_stages_keep_their_units_gathered_through_a_step() {
 /// The parameters' gathers on the stages' data-parallel groups over `STEPS` steps of `microbatches`,
 /// checking the losses on the way. The recorder keeps its last entries only: a run whose first entry
 /// was dropped before it was counted (other tests record too) runs again.
-fn step_gathers(schedule: Sched, microbatches: usize, want: &[f64]) -> usize {
+fn step_gathers(schedule: ScheduleKind, microbatches: usize, want: &[f64]) -> usize {
     for _ in 0..5 {
         let outs = common::run_threads(4, Duration::from_secs(60), move |world| {
             // a dimension name of its own: its groups' entries are this test's

@@ -3,9 +3,9 @@
 //! the bubble the formulas predict. Impossible settings are refused with a clear error.
 use std::collections::HashMap;
 
-use tch_dist::pipeline::schedule::{Action, Costs, Kind, Schedule};
+use tch_dist::pipeline::schedule::{Action, Costs, Schedule, ScheduleKind};
 
-fn check(kind: Kind, p: usize, m: usize, v: usize) {
+fn check(kind: ScheduleKind, p: usize, m: usize, v: usize) {
     let s = Schedule::new(kind, p, m, v).unwrap_or_else(|e| panic!("{kind:?} p={p} m={m} v={v}: {e}"));
     let sim = s.simulate().unwrap_or_else(|e| panic!("{kind:?} p={p} m={m} v={v}: {e}"));
     // exactly once each
@@ -31,10 +31,10 @@ fn check(kind: Kind, p: usize, m: usize, v: usize) {
             s.in_flight_bound()
         );
     }
-    if kind == Kind::OneFOneB {
+    if kind == ScheduleKind::OneFOneB {
         assert_eq!(sim.max_in_flight[0], p.min(m), "1F1B's first stage holds p activations");
     }
-    if kind == Kind::GPipe {
+    if kind == ScheduleKind::GPipe {
         assert_eq!(sim.max_in_flight[0], m);
     }
     // bubble
@@ -51,7 +51,7 @@ fn check(kind: Kind, p: usize, m: usize, v: usize) {
 fn gpipe_for_many_settings() {
     for p in 1..=8 {
         for m in 1..=16 {
-            check(Kind::GPipe, p, m, 1);
+            check(ScheduleKind::GPipe, p, m, 1);
         }
     }
 }
@@ -60,7 +60,7 @@ fn gpipe_for_many_settings() {
 fn one_f_one_b_for_many_settings() {
     for p in 1..=8 {
         for m in p..=20 {
-            check(Kind::OneFOneB, p, m, 1);
+            check(ScheduleKind::OneFOneB, p, m, 1);
         }
     }
 }
@@ -70,7 +70,7 @@ fn interleaved_for_many_settings() {
     for p in 1..=6 {
         for v in 2..=4 {
             for k in 1..=4 {
-                check(Kind::Interleaved1F1B, p, k * p, v);
+                check(ScheduleKind::Interleaved1F1B, p, k * p, v);
             }
         }
     }
@@ -78,8 +78,8 @@ fn interleaved_for_many_settings() {
 
 #[test]
 fn interleaving_shrinks_the_bubble() {
-    let plain = Schedule::new(Kind::OneFOneB, 4, 8, 1).unwrap().simulate().unwrap();
-    let inter = Schedule::new(Kind::Interleaved1F1B, 4, 8, 2).unwrap().simulate().unwrap();
+    let plain = Schedule::new(ScheduleKind::OneFOneB, 4, 8, 1).unwrap().simulate().unwrap();
+    let inter = Schedule::new(ScheduleKind::Interleaved1F1B, 4, 8, 2).unwrap().simulate().unwrap();
     assert!(inter.bubble_fraction < plain.bubble_fraction);
 }
 
@@ -87,7 +87,7 @@ fn interleaving_shrinks_the_bubble() {
 fn zero_bubble_h1_for_many_settings() {
     for p in 1..=8 {
         for m in p..=24 {
-            check(Kind::ZeroBubbleH1, p, m, 1);
+            check(ScheduleKind::ZeroBubbleH1, p, m, 1);
         }
     }
 }
@@ -99,8 +99,8 @@ fn zero_bubble_h1_has_a_third_of_the_1f1b_bubble_in_its_memory() {
     let costs = Costs { forward: 1, input_grad: 1, weight_grad: 1 };
     for p in 2..=8 {
         for m in p..=24 {
-            let zb = Schedule::new(Kind::ZeroBubbleH1, p, m, 1).unwrap().simulate_with(costs).unwrap();
-            let base = Schedule::new(Kind::OneFOneB, p, m, 1).unwrap().simulate_with(costs).unwrap();
+            let zb = Schedule::new(ScheduleKind::ZeroBubbleH1, p, m, 1).unwrap().simulate_with(costs).unwrap();
+            let base = Schedule::new(ScheduleKind::OneFOneB, p, m, 1).unwrap().simulate_with(costs).unwrap();
             let (idle_zb, idle_base) = (zb.makespan - 3 * m, base.makespan - 3 * m);
             assert_eq!(3 * idle_zb, idle_base, "p={p} m={m}: idle {idle_zb} vs 1F1B's {idle_base}");
             let most = |v: &[usize]| v.iter().copied().max().unwrap_or(0);
@@ -112,19 +112,19 @@ fn zero_bubble_h1_has_a_third_of_the_1f1b_bubble_in_its_memory() {
 #[test]
 fn impossible_settings_are_refused() {
     let e = |k, p, m, v| Schedule::new(k, p, m, v).unwrap_err().to_string();
-    assert!(e(Kind::OneFOneB, 4, 2, 1).contains("at least as many microbatches as stages (2 < 4)"));
-    assert!(e(Kind::Interleaved1F1B, 4, 6, 2).contains("divisible by stages (6 % 4 != 0)"));
-    assert!(e(Kind::Interleaved1F1B, 4, 8, 1).contains("at least 2 chunks"));
-    assert!(e(Kind::GPipe, 2, 4, 2).contains("only the interleaved schedule"));
-    assert!(e(Kind::GPipe, 0, 4, 1).contains("at least 1"));
-    assert!("zigzag".parse::<Kind>().unwrap_err().to_string().contains("unknown schedule"));
+    assert!(e(ScheduleKind::OneFOneB, 4, 2, 1).contains("at least as many microbatches as stages (2 < 4)"));
+    assert!(e(ScheduleKind::Interleaved1F1B, 4, 6, 2).contains("divisible by stages (6 % 4 != 0)"));
+    assert!(e(ScheduleKind::Interleaved1F1B, 4, 8, 1).contains("at least 2 chunks"));
+    assert!(e(ScheduleKind::GPipe, 2, 4, 2).contains("only the interleaved schedule"));
+    assert!(e(ScheduleKind::GPipe, 0, 4, 1).contains("at least 1"));
+    assert!("zigzag".parse::<ScheduleKind>().unwrap_err().to_string().contains("unknown schedule"));
 }
 
 #[test]
 fn a_schedule_that_deadlocks_is_caught() {
     // Stage 1 wants microbatch 1's activation before microbatch 0's backward can flow: fine. But a stage 0
     // that waits for a gradient before sending any activation can never proceed.
-    let mut s = Schedule::new(Kind::GPipe, 2, 2, 1).unwrap();
+    let mut s = Schedule::new(ScheduleKind::GPipe, 2, 2, 1).unwrap();
     s.actions[0].retain(|a| !matches!(a, Action::Forward { .. } | Action::SendActivation { .. }));
     s.actions[0].push(Action::Forward { mb: 0, chunk: 0 });
     let e = s.simulate().unwrap_err().to_string();
@@ -143,7 +143,7 @@ fn the_runtime_refuses_zero_bubble_schedules_by_name() {
         &part,
         &cpu,
         tch_dist::pipeline::PipelineConfig {
-            schedule: Kind::ZeroBubbleH1,
+            schedule: ScheduleKind::ZeroBubbleH1,
             microbatches: 4,
             chunks: 1,
             ..Default::default()

@@ -11,7 +11,7 @@ use std::time::Duration;
 use tch::{nn, Device, Kind, Tensor};
 use tch_dist::mesh::DeviceMesh;
 use tch_dist::optim::{clip_grad_norm, Optimizer, Sgd};
-use tch_dist::pipeline::schedule::Kind as Sched;
+use tch_dist::pipeline::schedule::ScheduleKind;
 use tch_dist::pipeline::{LayerList, Partition, PipelineConfig, PipelineRank};
 use tch_dist::tp::ParallelMlp;
 use tch_dist::ReduceOp;
@@ -98,7 +98,7 @@ fn pp_dp_tp_on_8_ranks_trains_like_one_process() {
             pp.clone(),
             &layers,
             &part,
-            PipelineConfig { schedule: Sched::OneFOneB, microbatches: 2, chunks: 1, ..Default::default() },
+            PipelineConfig { schedule: ScheduleKind::OneFOneB, microbatches: 2, chunks: 1, ..Default::default() },
         )
         .unwrap();
         // by name: every rank of a group must reduce the same tensors in the same order
