@@ -132,7 +132,7 @@ type EndCallback = Option<Box<dyn FnOnce() -> Result<()> + Send>>;
 /// Backward callbacks queued and not yet freed (to test that none leaks).
 static LIVE_CALLBACKS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
-#[doc(hidden)]
+#[cfg(feature = "testing")]
 pub fn live_backward_callbacks() -> usize {
     LIVE_CALLBACKS.load(std::sync::atomic::Ordering::SeqCst)
 }

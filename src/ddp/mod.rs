@@ -46,6 +46,7 @@ pub(crate) use grad_sink::{BackwardCount, GradSink};
 pub use join::JoinOptions;
 pub use memory::DdpMemory;
 pub use powersgd::{PowerSgd, PowerSgdOptions};
+#[cfg(feature = "testing")]
 pub use reducer::ReducerEvent;
 
 use crate::dist_module::{DistModule, WithTrain};
@@ -404,12 +405,14 @@ impl<M> DistributedDataParallel<M> {
         }
     }
 
-    /// What the reducer did during the last synchronised backward, in order.
+    /// What the reducer did during the last synchronised backward, in order (for tests).
+    #[cfg(feature = "testing")]
     pub fn last_events(&self) -> Vec<ReducerEvent> {
         self.reducer.state.lock().map(|s| s.events.clone()).unwrap_or_default()
     }
 
-    /// Whether buckets were rebuilt from the observed gradient order.
+    /// Whether buckets were rebuilt from the observed gradient order (for tests).
+    #[cfg(feature = "testing")]
     pub fn buckets_rebuilt(&self) -> bool {
         self.reducer.state.lock().map(|s| s.rebuilt).unwrap_or(false)
     }

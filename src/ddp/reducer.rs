@@ -19,6 +19,7 @@ const UNEVEN_HINT: &str =
 
 /// What the reducer did during the last backward, in order (to see communication overlap backward).
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[cfg_attr(not(feature = "testing"), allow(unreachable_pub))]
 pub enum ReducerEvent {
     /// The gradient of parameter `param` became ready.
     GradReady { param: usize },
