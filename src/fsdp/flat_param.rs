@@ -340,13 +340,15 @@ impl FlatParam {
     fn post_gathers(&self, pg: &ProcessGroup, index: usize, pending: &mut VecDeque<Vec<Work>>) -> Result<()> {
         let label = format!("FSDP all-gather, unit {index}");
         if self.coalesced {
-            let (per, at) = self.rows();
+            // copy-in: this rank's chunk of every parameter (its padding too) side by side, one kernel
+            let (per, _) = self.rows();
             let row = self.stage.f_narrow(0, self.rank * per, per)?;
-            for (s, &a) in self.slots.iter().zip(&at) {
-                if s.own > 0 {
-                    row.f_narrow(0, a, s.own)?.f_copy_(&self.own_chunk(s)?)?;
-                }
-            }
+            let chunks = self
+                .slots
+                .iter()
+                .map(|s| self.full.f_narrow(0, s.offset + self.rank * s.chunk, s.chunk))
+                .collect::<std::result::Result<Vec<_>, _>>()?;
+            let _ = Tensor::f_cat_out(&row, &chunks, 0)?;
             flat::all_gather(pg, &self.stage, per, &label, pending, usize::MAX)?;
         } else if self.world > 1 {
             for s in &self.slots {
@@ -363,11 +365,13 @@ impl FlatParam {
             return Ok(());
         }
         let _g = tch::no_grad_guard();
-        let (per, at) = self.rows();
+        // copy-out: each rank's chunks into every parameter's region, one kernel (FSDP2's
+        // split_with_sizes_copy)
+        let (per, _) = self.rows();
         let rows = self.stage.f_view([self.world, per])?;
-        for (s, &a) in self.slots.iter().zip(&at) {
-            self.by_rank(&self.full, s)?.f_copy_(&rows.f_narrow(1, a, s.chunk)?)?;
-        }
+        let regions = self.slots.iter().map(|s| self.by_rank(&self.full, s)).collect::<Result<Vec<_>>>()?;
+        let sizes: Vec<i64> = self.slots.iter().map(|s| s.chunk).collect();
+        rows.f_split_with_sizes_copy_out(&regions, sizes.as_slice(), 1)?;
         storage::free(&self.stage)
     }
 
@@ -452,7 +456,8 @@ impl FlatParam {
         let _g = tch::no_grad_guard();
         let plan = self.plan_reduce(reduce, divisor, in_full, side)?;
         if self.coalesced {
-            return self.reduce_coalesced(pg, index, reduce, &plan);
+            let (ring, out) = self.start_coalesced(pg, index, reduce, &plan)?;
+            return self.finish_coalesced(pg, ring, &out, &plan);
         }
         // one parameter at a time: each gradient is gone before the next reduction starts
         for s in &self.slots {
@@ -462,8 +467,8 @@ impl FlatParam {
         Ok(())
     }
 
-    /// [`reduce_grads`](Self::reduce_grads) left running: every parameter's reduction is posted, and
-    /// [`finish_reduce`](Self::finish_reduce) completes them. Not for a coalesced unit.
+    /// [`reduce_grads`](Self::reduce_grads) left running: every parameter's reduction is posted (a
+    /// coalesced unit's one), and [`finish_reduce`](Self::finish_reduce) completes them.
     pub(crate) fn start_reduce(
         &self,
         pg: &ProcessGroup,
@@ -475,6 +480,10 @@ impl FlatParam {
     ) -> Result<ReduceInFlight> {
         let _g = tch::no_grad_guard();
         let plan = self.plan_reduce(reduce, divisor, in_full, side)?;
+        if self.coalesced {
+            let part = self.start_coalesced(pg, index, reduce, &plan)?;
+            return Ok(ReduceInFlight { parts: vec![part], plan });
+        }
         let mut parts = Vec::with_capacity(self.slots.len());
         for s in &self.slots {
             match self.start_slot(pg, index, s, reduce, &plan) {
@@ -495,6 +504,10 @@ impl FlatParam {
     /// Completes what [`start_reduce`](Self::start_reduce) posted.
     pub(crate) fn finish_reduce(&self, pg: &ProcessGroup, r: ReduceInFlight) -> Result<()> {
         let _g = tch::no_grad_guard();
+        if self.coalesced {
+            let Some((ring, out)) = r.parts.into_iter().next() else { return Ok(()) };
+            return self.finish_coalesced(pg, ring, &out, &r.plan);
+        }
         for (s, (ring, out)) in self.slots.iter().zip(r.parts) {
             self.finish_slot(pg, s, ring, &out, &r.plan)?;
         }
@@ -569,24 +582,33 @@ impl FlatParam {
         self.set_shard_grad(s, &out.f_narrow(0, 0, s.own)?, plan.in_full, &plan.scale)
     }
 
-    /// [`reduce_grads`](Self::reduce_grads) of a coalesced unit: every gradient into one rank-major
-    /// buffer, one reduction, each shard's part out of its result.
-    fn reduce_coalesced(&self, pg: &ProcessGroup, index: usize, reduce: Kind, plan: &Plan) -> Result<()> {
+    /// Posts a coalesced unit's reduction: every gradient into one rank-major buffer (FSDP2's copy-in),
+    /// one reduce-scatter into this rank's row; returns it and the row.
+    fn start_coalesced(
+        &self,
+        pg: &ProcessGroup,
+        index: usize,
+        reduce: Kind,
+        plan: &Plan,
+    ) -> Result<(Reduction, Tensor)> {
         let (scale, side) = (&plan.scale, plan.side.as_ref());
-        let (per, at) = self.rows();
-        let buf = Tensor::f_zeros([self.world * per], (reduce, self.full.device()))?;
-        let rows = buf.f_view([self.world, per])?;
-        for (s, &a) in self.slots.iter().zip(&at) {
-            let g = s.param.grad();
-            if g.defined() {
-                let g = g.f_reshape([-1])?;
-                for r in 0..self.world {
-                    let n = (s.numel - r * s.chunk).clamp(0, s.chunk);
-                    if n > 0 {
-                        rows.f_select(0, r)?.f_narrow(0, a, n)?.f_copy_(&g.f_narrow(0, r * s.chunk, n)?)?;
-                    }
-                }
-            }
+        let (per, _) = self.rows();
+        let device = self.full.device();
+        // every gradient (zeros where a parameter has none), padded to its chunks and laid out
+        // rank-major, in one kernel (FSDP2's _chunk_cat)
+        let grads = self
+            .slots
+            .iter()
+            .map(|s| {
+                let g = s.param.grad();
+                let g = if g.defined() { g.f_reshape([-1])? } else { Tensor::f_zeros([s.numel], (reduce, device))? };
+                Ok(if g.kind() == reduce { g } else { g.f_to_kind(reduce)? })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let buf = Tensor::f_empty([self.world * per], (reduce, device))?;
+        let _ = Tensor::f_internal_chunk_cat_out(&buf.f_view([self.world, per])?, &grads, 0, self.world)?;
+        drop(grads);
+        for s in &self.slots {
             hooks::set_grad(&s.param, None)?;
         }
         scale.before(&buf)?;
@@ -594,12 +616,41 @@ impl FlatParam {
         if let Some(side) = side {
             stream::record_stream(&buf, side)?;
         }
-        let out = Tensor::f_empty([per], (reduce, self.full.device()))?;
-        flat::reduce_scatter(pg, buf, out.shallow_clone(), None, reduce_label(index))?.finish(pg)?;
-        self.across_replicas(&out)?;
-        for (s, &a) in self.slots.iter().zip(&at) {
-            // views of one buffer would keep all of it while any lives
-            self.set_shard_grad(s, &out.f_narrow(0, a, s.own)?, true, scale)?;
+        let out = Tensor::f_empty([per], (reduce, device))?;
+        let ring = flat::reduce_scatter(pg, buf, out.shallow_clone(), None, reduce_label(index))?;
+        Ok((ring, out))
+    }
+
+    /// Completes a coalesced unit's reduction: summed across the replicas (HSDP), divided, and each
+    /// shard's part made its gradient.
+    fn finish_coalesced(&self, pg: &ProcessGroup, ring: Reduction, out: &Tensor, plan: &Plan) -> Result<()> {
+        let _on = plan.side.as_ref().map(StreamGuard::new).transpose()?;
+        ring.finish(pg)?;
+        self.across_replicas(out)?;
+        let (per, at) = self.rows();
+        let fresh = self.slots.iter().all(|s| !s.shard.grad().defined());
+        if !(fresh && !self.offloaded && self.slots.iter().all(|s| s.shard.kind() == out.kind())) {
+            // accumulating, or into another dtype or device: each shard's gradient on its own
+            for (s, &a) in self.slots.iter().zip(&at) {
+                self.set_shard_grad(s, &out.f_narrow(0, a, s.own)?, true, &plan.scale)?;
+            }
+            return Ok(());
+        }
+        // divided once, and split into the shards' gradients by one copy (FSDP2's); each a tensor of its
+        // own (tch's optimizers detach gradients in place, which views forbid); a rank's padding goes to
+        // a scratch chunk, copied short after
+        plan.scale.after_in_place(out)?;
+        let device = out.device();
+        let chunks = self
+            .slots
+            .iter()
+            .map(|s| Tensor::f_empty([s.chunk], (out.kind(), device)))
+            .collect::<std::result::Result<Vec<_>, _>>()?;
+        let sizes: Vec<i64> = self.slots.iter().map(|s| s.chunk).collect();
+        out.f_narrow(0, 0, per)?.f_split_with_sizes_copy_out(&chunks, sizes.as_slice(), 0)?;
+        for (s, g) in self.slots.iter().zip(chunks) {
+            let g = if s.own == s.chunk { g } else { copied(&g.f_narrow(0, 0, s.own)?)? };
+            hooks::set_grad(&s.shard, Some(&g))?;
         }
         Ok(())
     }

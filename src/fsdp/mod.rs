@@ -326,7 +326,10 @@ impl FsdpBuilder {
             compute: self.opts.param_dtype,
             shard_device: self.opts.offload,
             sync: self.opts.sync_module_states,
-            coalesced: role == Role::Small,
+            // one all-gather and one reduce-scatter per unit under NCCL (FSDP2's), where a collective's
+            // fixed cost dominates; on Gloo one per parameter unless the parameters are small (rings of
+            // sends straight into place, without the copies in and out of one buffer)
+            coalesced: role == Role::Small || named.first().is_some_and(|(_, t)| pg.nccl_rules(t.device())),
             replicate: self.rt.replicate.clone(),
         };
         let flat = FlatParam::new(pg, name, named, settings)?;

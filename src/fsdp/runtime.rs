@@ -595,7 +595,7 @@ impl Runtime {
             // With resharding off no gather follows in backward, so the unit's buffers may stay while the
             // next unit's backward computes (4 MB more in the benchmark, far under FSDP2's peak there);
             // with it on, they would add to the peak at every unit.
-            if gathered && !force && !self.cfg.reshard_after_forward && !flat.coalesced {
+            if gathered && !force && !self.cfg.reshard_after_forward {
                 match flat.start_reduce(&self.pg, u, reduce, divisor, true, side) {
                     Ok(r) => {
                         self.lock().in_flight = Some(InFlight { unit: u, flat, reduce: r });

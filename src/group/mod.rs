@@ -507,6 +507,13 @@ impl ProcessGroup {
         self.strict.is_some()
     }
 
+    /// Whether collectives on `device` follow NCCL's cost model and rules: the NCCL engine, or the strict
+    /// mode that runs Gloo under them (so that the path NCCL takes is the one the CPU tests run). A
+    /// collective then has a fixed launch cost, and layers above issue few, large ones.
+    pub(crate) fn nccl_rules(&self, device: Device) -> bool {
+        self.is_strict_nccl() || self.backend_for(device) == Some(Backend::Nccl)
+    }
+
     /// Whether collectives check agreement across ranks first (see [`GroupOptions::verify`]).
     pub fn verifies(&self) -> bool {
         self.verify

@@ -80,6 +80,9 @@ struct Setup {
     auto_wrap: bool,
     /// the biases (5 elements) gathered once per iteration, in a unit of their own
     small: bool,
+    /// the group under NCCL's rules (the strict mode): one all-gather and one reduce-scatter per unit,
+    /// whatever the environment says
+    nccl_rules: bool,
 }
 
 /// The model, its layers wrapped as units when `fsdp` is given: l1 (25 parameters), l2 (6→5: 35),
@@ -208,7 +211,9 @@ struct Out {
 }
 
 fn train(s: Setup) -> Vec<Out> {
-    common::run_threads(s.world * s.replicas.max(1), Duration::from_secs(60), move |pg| {
+    let mut group = common::gloo_opts(Duration::from_secs(60));
+    group.strict_nccl |= s.nccl_rules;
+    common::run_threads_with(s.world * s.replicas.max(1), group, move |pg| {
         let rank = pg.rank();
         let vs = nn::VarStore::new(Device::Cpu);
         let mut opts = if s.replicas > 1 {
@@ -383,6 +388,69 @@ fn every_unit_checkpointed_around_with_a_root_without_parameters() {
 fn auto_wrap_by_size() {
     let outs = check(Setup { world: 2, auto_wrap: true, ..Default::default() }, TOL);
     assert_eq!(outs[0].units, ["l1+l2", "unused", "scale", "root"]);
+}
+
+/// Under NCCL's rules a unit is gathered in one all-gather and reduced in one reduce-scatter (FSDP2's
+/// copy-in, collective, copy-out), whatever the environment chooses for the tests above: every setup
+/// still equals one process.
+#[test]
+fn one_collective_per_unit_equals_single_process() {
+    let one = Setup { nccl_rules: true, ..Default::default() };
+    for world in [2, 3] {
+        check(Setup { world, ..one }, TOL);
+    }
+    check(Setup { world: 2, replicas: 2, ..one }, TOL);
+    check(Setup { world: 2, bf16: true, reduce_f32: true, ..one }, TOL);
+    check(Setup { world: 3, bf16: true, ..one }, 2e-2);
+    check(Setup { world: 2, accumulate: 3, ..one }, TOL);
+    check(Setup { world: 2, keep_after_forward: true, no_prefetch: true, ..one }, TOL);
+    check(Setup { world: 3, offload: true, unused: true, ..one }, TOL);
+    check(Setup { world: 2, checkpointed: true, small: true, ..one }, TOL);
+}
+
+/// The collectives of one step, counted in the flight recorder on a group of the test's own name with
+/// native collectives (one entry per call): in a first step each unit, l1 and l2 (4 parameters) and l3
+/// (2), is gathered in forward and again in backward, and reduced once: one collective per unit under
+/// NCCL's rules, one per parameter on Gloo.
+#[test]
+fn under_nccl_rules_a_unit_is_one_all_gather_and_one_reduce_scatter() {
+    let count = |nccl_rules: bool| -> (usize, usize) {
+        let name = if nccl_rules { "one-per-unit" } else { "one-per-parameter" };
+        let mut group = common::gloo_opts(Duration::from_secs(60));
+        group.strict_nccl = nccl_rules;
+        group.collectives = tch_dist::Collectives::Native;
+        let counts = common::run_threads_with(2, group, move |world| {
+            let pg = Arc::new(world.new_subgroup(&[0, 1], name).unwrap().unwrap());
+            let vs = nn::VarStore::new(Device::Cpu);
+            let opts = FsdpOptions::default().process_group(pg.clone()).gather_once_below(0);
+            let fsdp = FsdpBuilder::new(&vs, opts).unwrap();
+            let r = vs.root();
+            let (p1, p2, p3) = (&r / "l1", &r / "l2", &r / "l3");
+            let l1 = nn::linear(&p1, 4, 5, Default::default());
+            let l2 = nn::linear(&p2, 5, 5, Default::default());
+            let l3 = nn::linear(&p3, 5, 1, Default::default());
+            init(&vs, 0.0);
+            let a = fsdp.fully_shard_paths(&["l1".into(), "l2".into()], nn::seq().add(l1).add(l2)).unwrap();
+            let b = fsdp.fully_shard(&p3, l3).unwrap();
+            let model = fsdp.finish(nn::seq().add(a).add(b)).unwrap();
+            let (x, y) = batch(0, pg.rank(), 0);
+            let after = tch_dist::flight::entries().last().map_or(0, |e| e.id);
+            world.barrier().unwrap();
+            model.backward(&model.f_forward(&x).unwrap().mse_loss(&y, tch::Reduction::Mean)).unwrap();
+            world.barrier().unwrap();
+            let mine = |what: &str| {
+                tch_dist::flight::entries()
+                    .iter()
+                    .filter(|e| e.id > after && e.group.contains(name) && e.group_rank == pg.rank())
+                    .filter(|e| e.label.starts_with(what))
+                    .count()
+            };
+            (mine("FSDP all-gather"), mine("FSDP reduce-scatter"))
+        });
+        counts[0]
+    };
+    assert_eq!(count(true), (2 + 2, 1 + 1), "under NCCL's rules");
+    assert_eq!(count(false), (2 * 4 + 2 * 2, 4 + 2), "on Gloo");
 }
 
 #[test]
