@@ -148,6 +148,13 @@ impl Checkpointer {
 
     fn start(&mut self, step: u64, sd: &StateDict, background: bool) -> Result<()> {
         self.wait()?;
+        // every rank saves, the same step: a rank that saves alone meets the others' next collective
+        // (or its agreement check) here, and every rank fails at once naming both, instead of waiting
+        // in the store for parts that never come
+        self.pg.meta().agree("checkpoint save", &[SAVE_TAG, step as i64], |rows| {
+            let listing = crate::group::meta::by_rank(rows, describe_save, "; ");
+            format!("the ranks are not all saving the same step ({listing}): every rank calls save, with one step")
+        })?;
         let seq = self.seq;
         self.seq += 1;
         let (rank, world) = (self.pg.rank(), self.pg.size());
@@ -278,6 +285,18 @@ impl Drop for Checkpointer {
     fn drop(&mut self) {
         // a save in flight finishes (or fails) before its buffers and store go
         let _ = self.wait();
+    }
+}
+
+/// The first value a save's agreement sends, which another rank's collective does not (an operation
+/// code or a shape), so that a save is told from it.
+const SAVE_TAG: i64 = 0x5A7E_C4EC;
+
+/// One rank's row in a save's agreement: the step, or what else it was at.
+fn describe_save(r: &[i64]) -> String {
+    match r {
+        [SAVE_TAG, step] => format!("saving step {step}"),
+        _ => "in another collective, not saving".to_string(),
     }
 }
 

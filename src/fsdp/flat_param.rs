@@ -12,10 +12,13 @@
 //! full size, not full size plus shards. Not with mixed precision or offload, where shard and buffer
 //! differ in dtype or device.
 //!
-//! A unit of small parameters (FsdpOptions::gather_once_below) is gathered and reduced in one message,
-//! not one per parameter: its rank-major copy (`stage`: rank 0's chunks of every parameter, then rank
-//! 1's, ...) travels, and is copied into place after. The copies cost little where every parameter is
-//! small; the messages saved are round trips.
+//! A coalesced unit is gathered and reduced in one message, not one per parameter: its rank-major copy
+//! (`stage`: rank 0's chunks of every parameter, then rank 1's, ...) travels, copied in and out by one
+//! kernel each (FSDP2's foreach_all_gather / foreach_reduce). Every unit is coalesced under NCCL's rules
+//! (the NCCL engine, or the strict mode standing in for it), where a collective's fixed cost dominates;
+//! on Gloo only a unit of small parameters (FsdpOptions::gather_once_below) is, where the copies cost
+//! little and the messages saved are round trips. `stage` costs one unit's gathered size while a gather
+//! is in flight, as FSDP2's all-gather output does.
 //!
 //! HSDP (a replicate group beside the shard group): a unit is sharded within the shard group and the
 //! same shards are held by every replica; a reduce-scattered chunk is then summed across the replicas
@@ -596,9 +599,11 @@ impl FlatParam {
         let device = self.full.device();
         // every gradient (zeros where a parameter has none), padded to its chunks and laid out
         // rank-major, in one kernel (FSDP2's _chunk_cat)
+        // a parameter of no elements adds no column (and _chunk_cat refuses empty tensors)
         let grads = self
             .slots
             .iter()
+            .filter(|s| s.chunk > 0)
             .map(|s| {
                 let g = s.param.grad();
                 let g = if g.defined() { g.f_reshape([-1])? } else { Tensor::f_zeros([s.numel], (reduce, device))? };

@@ -313,12 +313,19 @@ impl FsdpBuilder {
     fn add_unit(&self, name: &str, named: Vec<(String, Tensor)>, role: Role) -> Result<(usize, Vec<GradHook>)> {
         let pg = &self.rt.pg;
         let numel: i64 = named.iter().map(|(_, t)| t.numel() as i64).sum();
-        let mine = [named.len() as i64, numel];
-        // over the replicas too (HSDP): their reductions pair chunk by chunk
+        // one collective per unit under NCCL's rules (FSDP2's), else one per parameter unless they are
+        // small (rings of sends straight into place, without the copies in and out of one buffer)
+        let coalesced = role == Role::Small || named.first().is_some_and(|(_, t)| pg.nccl_rules(t.device()));
+        let mine = [named.len() as i64, numel, coalesced as i64];
+        // over the replicas too (HSDP): their reductions pair chunk by chunk, and every rank posts the
+        // same collectives (one ranks's strict mode or engine apart would pair one message with many)
         for g in std::iter::once(pg).chain(self.rt.replicate.as_ref().and_then(|r| r.group())) {
             g.meta().agree(&format!("FSDP unit {name}"), &mine, |rows| {
-                let listing =
-                    crate::group::meta::by_rank(rows, |r| format!("{} parameters, {} elements", r[0], r[1]), "; ");
+                let show = |r: &[i64]| {
+                    let how = if r[2] == 1 { "one collective" } else { "a collective per parameter" };
+                    format!("{} parameters, {} elements, {how}", r[0], r[1])
+                };
+                let listing = crate::group::meta::by_rank(rows, show, "; ");
                 format!("ranks built different units here ({listing}){}", crate::group::meta::odd_ones_out(rows))
             })?;
         }
@@ -326,10 +333,7 @@ impl FsdpBuilder {
             compute: self.opts.param_dtype,
             shard_device: self.opts.offload,
             sync: self.opts.sync_module_states,
-            // one all-gather and one reduce-scatter per unit under NCCL (FSDP2's), where a collective's
-            // fixed cost dominates; on Gloo one per parameter unless the parameters are small (rings of
-            // sends straight into place, without the copies in and out of one buffer)
-            coalesced: role == Role::Small || named.first().is_some_and(|(_, t)| pg.nccl_rules(t.device())),
+            coalesced,
             replicate: self.rt.replicate.clone(),
         };
         let flat = FlatParam::new(pg, name, named, settings)?;

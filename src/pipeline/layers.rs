@@ -23,6 +23,7 @@ use tch::{nn, Device, Kind, Tensor};
 use super::partition::Partition;
 use crate::dist_module::DistModule;
 use crate::error::{Error, Result};
+use crate::parallelize::data_parallelism::DataParallelism;
 use crate::parallelize::{Parallel, Plan, Unit};
 
 type Builder = Arc<dyn Fn(&nn::Path) -> Box<dyn nn::Module> + Send + Sync>;
@@ -195,6 +196,10 @@ impl LayerList {
         let vs = nn::VarStore::new(device);
         let plan = plan.for_another_model();
         plan.bind(&vs)?;
+        // what a builder sees: the plan's styles, no data parallelism (a `parallelize::unit` inside it
+        // stays local: the chunk shards each layer below, outside the generators' hold, as the
+        // collectives of sharding wait for other ranks)
+        let building = plan.clone().with_data_parallelism(DataParallelism::None);
         let mut layers = Vec::with_capacity(range.len());
         for i in range.clone() {
             let (name, build) = &self.layers[i];
@@ -205,7 +210,7 @@ impl LayerList {
                 // in between) and put back; sharding below may wait on other ranks, so it runs outside
                 let _fork = crate::random::Fork::new()?;
                 tch::manual_seed(self.seed + i as i64);
-                let _plan = plan.enter();
+                let _plan = building.enter();
                 build(&path)
             };
             layers.push(if vs.trainable_variables().len() > before {

@@ -249,3 +249,34 @@ fn tch_s_own_optimizers_resume_exactly_from_a_sharded_checkpoint() {
     let e = err(StateDict::new().var_store("model", &vs).tch_optimizer("optim", &mut opt, &vs));
     assert!(e.contains("holds 4 of the VarStore's 5 trainable variables"), "{e}");
 }
+
+/// A save called on one rank alone ends every rank within seconds, naming it, while the other goes on
+/// to its next collective (before, the saving rank waited in the store for parts that never came, and
+/// the other in its collective, each for the whole group timeout).
+#[test]
+fn a_save_on_one_rank_alone_fails_every_rank_at_once() {
+    use std::sync::Arc;
+    use tch_dist::checkpoint::{Checkpointer, StateDict};
+    let mut opts = common::gloo_opts(Duration::from_secs(120));
+    opts.verify = true;
+    opts.checks = tch_dist::CheckPolicy::Always;
+    let dir = tmp("save-alone");
+    let start = std::time::Instant::now();
+    let errs = common::run_threads_with(2, opts, move |pg| {
+        let pg = Arc::new(pg);
+        let mut ck = Checkpointer::new(pg.clone(), &dir).unwrap();
+        let vs = nn::VarStore::new(Device::Cpu);
+        let _l = nn::linear(vs.root() / "fc", 3, 2, Default::default());
+        if pg.rank() == 0 {
+            ck.save(1, &StateDict::new().var_store("model", &vs)).map(|_| ()).unwrap_err().to_string()
+        } else {
+            let mut t = Tensor::ones([4], (Kind::Float, Device::Cpu));
+            pg.allreduce(&mut t, tch_dist::ReduceOp::Sum).map(|_| ()).unwrap_err().to_string()
+        }
+    });
+    assert!(start.elapsed() < Duration::from_secs(30), "took {:?}", start.elapsed());
+    assert!(errs[0].contains("checkpoint save on rank 0"), "{}", errs[0]);
+    for e in &errs {
+        assert!(e.contains("different metadata exchanges") || e.contains("not all saving"), "{e}");
+    }
+}

@@ -362,6 +362,29 @@ fn tp_layers() -> LayerList {
         .add("l3", |p| nn::linear(p, 12, 3, Default::default()))
 }
 
+/// A block as model code written for `Plan::build` makes it: its layer through `parallelize::unit`,
+/// which a pipeline chunk leaves local (the chunk shards each layer itself).
+#[derive(Debug)]
+struct Block(tch_dist::parallelize::Unit<nn::Linear>);
+
+impl nn::Module for Block {
+    fn forward(&self, xs: &Tensor) -> Tensor {
+        self.0.forward(xs)
+    }
+}
+
+/// [`layers`], `l0` built as a [`Block`].
+fn unit_layers() -> LayerList {
+    let lin = linear(6, 16);
+    LayerList::new()
+        .add("l0", move |p| Block(tch_dist::parallelize::unit(p, lin(p)).unwrap()))
+        .add_fn("a0", |x| x.tanh())
+        .add("l1", scaled(16, 16))
+        .add_fn("a1", |x| x.tanh())
+        .add("l2", linear(16, 12))
+        .add("l3", linear(12, 3))
+}
+
 /// pp 2 with the other degrees `dims` on 4 threads, each stage built through the plan the degrees give
 /// (`ParallelMesh::plan`, its styles for `tp_layers`): the losses the last stage's ranks report, each
 /// reading its rows of the batch (`rows`) and averaging over the loss group (`average_loss`); and the
@@ -415,6 +438,13 @@ fn the_degrees_plan_every_stage() {
         ),
         ("FSDP", ParallelDims { pp: 2, dp_shard: 2, ..Default::default() }, layers, &want, &[0][..]),
         ("TP", ParallelDims { pp: 2, tp: 2, ..Default::default() }, tp_layers, &want_tp, &[8, 6][..]),
+        (
+            "FSDP, a unit in the builder",
+            ParallelDims { pp: 2, dp_shard: 2, ..Default::default() },
+            unit_layers,
+            &want,
+            &[0][..],
+        ),
     ] {
         let (got, shapes) = train_dims(dims, layers);
         assert_eq!(shapes.len(), 2, "{name}: the first stage's two ranks hold l0");
