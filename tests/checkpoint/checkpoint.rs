@@ -268,7 +268,7 @@ fn a_save_on_one_rank_alone_fails_every_rank_at_once() {
         let vs = nn::VarStore::new(Device::Cpu);
         let _l = nn::linear(vs.root() / "fc", 3, 2, Default::default());
         if pg.rank() == 0 {
-            ck.save(1, &StateDict::new().var_store("model", &vs)).map(|_| ()).unwrap_err().to_string()
+            ck.save(1, StateDict::new().var_store("model", &vs)).map(|_| ()).unwrap_err().to_string()
         } else {
             let mut t = Tensor::ones([4], (Kind::Float, Device::Cpu));
             pg.allreduce(&mut t, tch_dist::ReduceOp::Sum).map(|_| ()).unwrap_err().to_string()
