@@ -65,3 +65,36 @@ pub fn gloo_layout_check() -> Result<String> {
     check(code, std::time::Duration::ZERO, || "gloo layout check".into())?;
     Ok(msg)
 }
+
+/// Runs `f` while counting the ATen operators called at the top level in this process (every thread; not
+/// the operators those call in turn), and returns its result with the counts by name (`aten::add_`): what
+/// a `TorchDispatchMode` counts from Python. The counter is process-wide: one count at a time.
+pub fn count_ops<R>(f: impl FnOnce() -> R) -> Result<(R, std::collections::BTreeMap<String, i64>)> {
+    static ONE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one = ONE.lock().unwrap_or_else(|e| e.into_inner());
+    // SAFETY: no pointers; the shim catches everything.
+    check(unsafe { ffi::tdx_op_counter(1) }, std::time::Duration::ZERO, || "starting the op counter".into())?;
+    let r = f();
+    // SAFETY: as above.
+    check(unsafe { ffi::tdx_op_counter(0) }, std::time::Duration::ZERO, || "stopping the op counter".into())?;
+    let mut buf = vec![0u8; 1 << 16];
+    loop {
+        let mut needed = 0usize;
+        // SAFETY: `buf` is writable for its length; the shim writes at most that, NUL-terminated.
+        let code = unsafe { ffi::tdx_op_counts(buf.as_mut_ptr() as *mut libc::c_char, buf.len(), &mut needed) };
+        check(code, std::time::Duration::ZERO, || "reading the op counts".into())?;
+        if needed <= buf.len() {
+            buf.truncate(needed.saturating_sub(1));
+            break;
+        }
+        buf = vec![0u8; needed];
+    }
+    let text = String::from_utf8_lossy(&buf);
+    let mut counts = std::collections::BTreeMap::new();
+    for line in text.lines() {
+        if let Some((name, n)) = line.split_once('\t') {
+            counts.insert(name.to_string(), n.parse().map_err(|_| Error::invalid("count_ops", line.to_string()))?);
+        }
+    }
+    Ok((r, counts))
+}

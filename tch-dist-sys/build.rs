@@ -5,7 +5,7 @@ use std::env;
 use std::path::{Path, PathBuf};
 
 /// Compiled with the `testing` feature only: libtorch's own implementations that tests compare against.
-const TESTING: &[&str] = &["csrc/reference.cpp", "csrc/layout.cpp"];
+const TESTING: &[&str] = &["csrc/reference.cpp", "csrc/layout.cpp", "csrc/op_counter.cpp"];
 
 const SOURCES: &[&str] = &[
     "csrc/error.cpp",

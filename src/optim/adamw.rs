@@ -1,14 +1,17 @@
-//! AdamW (`torch.optim.AdamW`): decoupled weight decay, bias correction. By default the single-tensor
-//! path's floats, bit for bit (on the CPU in two passes over memory where they were shown to give them,
-//! else its ATen calls in chunks); [`AdamW::fused`] runs ATen's fused kernel, as `fused=True` does.
+//! AdamW (`torch.optim.AdamW`): decoupled weight decay, bias correction. Three paths, as PyTorch's: the
+//! multi-tensor one (`foreach`, a few ATen launches per step for each device and dtype, PyTorch's default on
+//! CUDA and ours), the single-tensor one (the default on the CPU: its floats bit for bit, in two passes over
+//! memory where they were shown to give them, else its ATen calls in chunks), and ATen's fused kernel
+//! ([`AdamW::fused`], as `fused=True`).
 use tch::{Kind, Tensor};
 
 use super::{find, Optimizer};
-use crate::error::{check, Result};
-use crate::ffi;
+use crate::error::Result;
+use crate::ffi::{self, AdamScalars};
 
 /// AdamW's settings, as tch's `nn::AdamW` (an options struct with `Default`): PyTorch's defaults, betas
-/// (0.9, 0.999), eps 1e-8, weight decay 0.01, the default (unfused) path.
+/// (0.9, 0.999), eps 1e-8, weight decay 0.01, and PyTorch's choice of path (multi-tensor on CUDA,
+/// single-tensor on the CPU).
 ///
 /// ```no_run
 /// # use tch_dist::optim::AdamWConfig;
@@ -23,11 +26,14 @@ pub struct AdamWConfig {
     pub weight_decay: f64,
     /// ATen's fused kernel, as `fused=True` ([`AdamW::fused`]).
     pub fused: bool,
+    /// The multi-tensor path, as `foreach=`: `None` (the default) takes it for parameters on CUDA, as
+    /// PyTorch does; `Some(true)` everywhere; `Some(false)` nowhere ([`AdamW::foreach`]).
+    pub foreach: Option<bool>,
 }
 
 impl Default for AdamWConfig {
     fn default() -> Self {
-        AdamWConfig { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01, fused: false }
+        AdamWConfig { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01, fused: false, foreach: None }
     }
 }
 
@@ -89,60 +95,68 @@ impl AdamW {
         self
     }
 
-    /// One fused update of the parameters at `idx` (their moments exist, their steps are counted).
-    fn step_fused(&mut self, idx: &[usize], grads: &[Tensor]) -> Result<()> {
-        let steps = idx
-            .iter()
-            .map(|&i| Tensor::f_full([], self.step[i] as f64, (Kind::Float, self.params[i].device())))
-            .collect::<std::result::Result<Vec<_>, _>>()?;
-        let ptr = |t: &Tensor| t.as_ptr() as ffi::tdx_tensor;
-        let params: Vec<_> = idx.iter().map(|&i| ptr(&self.params[i])).collect();
-        let grads: Vec<_> = grads.iter().map(ptr).collect();
-        let mut m = Vec::with_capacity(idx.len());
-        let mut v = Vec::with_capacity(idx.len());
-        for &i in idx {
-            if let (Some(a), Some(b)) = (&self.exp_avg[i], &self.exp_avg_sq[i]) {
-                m.push(ptr(a));
-                v.push(ptr(b));
+    /// torch.optim's multi-tensor path (`foreach=True`) on every device, or on none (`false`): each
+    /// device and dtype's parameters updated by a few `_foreach_*` launches, where the single-tensor path
+    /// launches several per parameter. By default it runs on CUDA only, as PyTorch's. Results equal
+    /// PyTorch's `AdamW(foreach=True)`, bit for bit.
+    pub fn foreach(mut self, on: bool) -> Self {
+        self.config.foreach = Some(on);
+        self
+    }
+
+    fn scalars(&self) -> AdamScalars {
+        let c = &self.config;
+        AdamScalars { lr: self.lr, beta1: c.beta1, beta2: c.beta2, weight_decay: c.weight_decay, eps: c.eps }
+    }
+
+    /// The moments of the parameters at `idx` (they exist once a step has reached them).
+    fn moments(&self, idx: &[usize]) -> Result<(Vec<Tensor>, Vec<Tensor>)> {
+        idx.iter()
+            .map(|&i| match (&self.exp_avg[i], &self.exp_avg_sq[i]) {
+                (Some(m), Some(v)) => Ok((m.shallow_clone(), v.shallow_clone())),
+                _ => Err(crate::Error::invalid("AdamW", "a multi-tensor step over parameters without moments")),
+            })
+            .collect::<Result<Vec<_>>>()
+            .map(|mv| mv.into_iter().unzip())
+    }
+
+    /// One fused or multi-tensor update of the parameters at `idx` (their steps are counted).
+    fn step_group(&self, path: Path, idx: &[usize], grads: &[Tensor]) -> Result<()> {
+        let params: Vec<Tensor> = idx.iter().map(|&i| self.params[i].shallow_clone()).collect();
+        let (m, v) = self.moments(idx)?;
+        match path {
+            Path::Fused => {
+                let steps = idx
+                    .iter()
+                    .map(|&i| Tensor::f_full([], self.step[i] as f64, (Kind::Float, self.params[i].device())))
+                    .collect::<std::result::Result<Vec<_>, _>>()?;
+                ffi::fused_adamw(&params, grads, &m, &v, &steps, self.scalars())
+            }
+            Path::Foreach => {
+                let steps: Vec<i64> = idx.iter().map(|&i| self.step[i]).collect();
+                ffi::foreach_adamw(&params, grads, &m, &v, &steps, self.scalars())
             }
         }
-        if m.len() != idx.len() {
-            return Err(crate::Error::invalid("AdamW", "a fused step over parameters without moments"));
-        }
-        let step_ptrs: Vec<_> = steps.iter().map(ptr).collect();
-        let (b1, b2) = (self.config.beta1, self.config.beta2);
-        // SAFETY: every handle points to a tensor alive for the call (self's, `grads`' and `steps`'), and
-        // each list has idx.len() entries.
-        let code = unsafe {
-            ffi::tdx_fused_adamw(
-                params.as_ptr(),
-                grads.as_ptr(),
-                m.as_ptr(),
-                v.as_ptr(),
-                step_ptrs.as_ptr(),
-                idx.len(),
-                self.lr,
-                b1,
-                b2,
-                self.config.weight_decay,
-                self.config.eps,
-            )
-        };
-        check(code, std::time::Duration::ZERO, || format!("fused AdamW step over {} parameters", idx.len()))
     }
 }
 
-/// Parameters one fused call updates: (device, dtype), their indices, their gradients.
-type FusedGroup = ((tch::Device, Kind), Vec<usize>, Vec<Tensor>);
+/// The two paths that update a group of parameters (one device and dtype) at once.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Path {
+    Fused,
+    Foreach,
+}
+
+/// Parameters one fused or multi-tensor call updates: (path, device, dtypes of parameter and gradient),
+/// their indices, their gradients.
+type Group = ((Path, tch::Device, Kind, Kind), Vec<usize>, Vec<Tensor>);
 
 /// Which variant of the shim's two-pass CPU update gave ATen's floats at its first use (0-3), or `None`
 /// where none did (or the CPU lacks AVX2 and FMA) and the default path runs ATen's calls instead. Runs the
 /// check on first use.
 #[doc(hidden)]
 pub fn two_pass_variant() -> Option<i32> {
-    // SAFETY: no arguments; the shim catches everything.
-    let v = unsafe { ffi::tdx_adamw_two_pass_variant() };
-    (v >= 0).then_some(v)
+    ffi::adamw_two_pass_variant()
 }
 
 /// Elements updated at a time. On the CPU few enough that the update's tensors stay in a core's L2 cache
@@ -151,23 +165,14 @@ pub fn two_pass_variant() -> Option<i32> {
 const CPU_CHUNK: i64 = 1 << 16;
 const CHUNK: i64 = 1 << 18;
 
-/// One AdamW update of `p` in place, as torch.optim.AdamW's single-tensor path (in the shim: its ATen
-/// calls and scalars, chunk by chunk).
-fn update(p: &Tensor, g: &Tensor, m: &Tensor, v: &Tensor, lr: f64, c: &AdamWConfig, step: i64) -> Result<()> {
-    let chunk = if p.device() == tch::Device::Cpu { CPU_CHUNK } else { CHUNK };
-    let ptr = |t: &Tensor| t.as_ptr() as ffi::tdx_tensor;
-    // SAFETY: the four handles point to tensors alive for the call.
-    let code = unsafe {
-        ffi::tdx_adamw_step(ptr(p), ptr(g), ptr(m), ptr(v), lr, c.beta1, c.beta2, c.weight_decay, c.eps, step, chunk)
-    };
-    check(code, std::time::Duration::ZERO, || format!("AdamW step of a {:?} {:?} parameter", p.size(), p.kind()))
-}
-
 impl Optimizer for AdamW {
     fn step(&mut self) -> Result<()> {
+        if self.config.fused && self.config.foreach == Some(true) {
+            return Err(crate::Error::invalid("AdamW", "fused and foreach cannot both be on (as in PyTorch)"));
+        }
         let _s = crate::timeline::span("optimizer", || "AdamW step".into());
         let _g = tch::no_grad_guard();
-        let mut fused: Vec<FusedGroup> = Vec::new();
+        let mut groups: Vec<Group> = Vec::new();
         for i in 0..self.params.len() {
             let p = self.params[i].shallow_clone();
             let g = p.grad();
@@ -179,25 +184,35 @@ impl Optimizer for AdamW {
                 self.exp_avg[i] = Some(p.f_zeros_like()?);
                 self.exp_avg_sq[i] = Some(p.f_zeros_like()?);
             }
-            // the kernel walks flat memory, and takes one device and dtype per call (as PyTorch groups)
-            if self.config.fused && p.numel() > 0 && g.kind() == p.kind() && p.is_contiguous() && g.is_contiguous() {
-                self.step[i] += 1;
-                let group = (p.device(), p.kind());
-                match fused.iter_mut().find(|(k, _, _)| *k == group) {
-                    Some((_, idx, grads)) => {
-                        idx.push(i);
-                        grads.push(g);
-                    }
-                    None => fused.push((group, vec![i], vec![g])),
-                }
-                continue;
-            }
-            let (Some(m), Some(v)) = (&self.exp_avg[i], &self.exp_avg_sq[i]) else { continue };
             self.step[i] += 1;
-            update(&p, &g, m, v, self.lr, &self.config, self.step[i])?;
+            // the fused kernel walks flat memory and takes the parameter's dtype for its gradient
+            let fused =
+                self.config.fused && p.numel() > 0 && g.kind() == p.kind() && p.is_contiguous() && g.is_contiguous();
+            let path = if fused {
+                Some(Path::Fused)
+            } else if !self.config.fused && self.config.foreach.unwrap_or(p.device().is_cuda()) {
+                Some(Path::Foreach)
+            } else {
+                None
+            };
+            let Some(path) = path else {
+                let (Some(m), Some(v)) = (&self.exp_avg[i], &self.exp_avg_sq[i]) else { continue };
+                let chunk = if p.device() == tch::Device::Cpu { CPU_CHUNK } else { CHUNK };
+                ffi::adamw_step(&p, &g, m, v, self.step[i], chunk, self.scalars())?;
+                continue;
+            };
+            // one call per device and dtype, as PyTorch groups
+            let key = (path, p.device(), p.kind(), g.kind());
+            match groups.iter_mut().find(|(k, _, _)| *k == key) {
+                Some((_, idx, grads)) => {
+                    idx.push(i);
+                    grads.push(g);
+                }
+                None => groups.push((key, vec![i], vec![g])),
+            }
         }
-        for (_, idx, grads) in fused {
-            self.step_fused(&idx, &grads)?;
+        for ((path, ..), idx, grads) in groups {
+            self.step_group(path, &idx, &grads)?;
         }
         Ok(())
     }

@@ -25,7 +25,6 @@
 //! let norm = tch_dist::optim::clip_grad_norm(&vs.trainable_variables(), 1.0, 2.0)?;
 //! # Ok(()) }
 //! ```
-use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use tch::{Device, Kind, Tensor};
@@ -53,9 +52,23 @@ pub fn clip_grad_norm(params: &[Tensor], max_norm: f64, norm_type: f64) -> Resul
     GradNorm::new(norm_type).parameters(params).clip(max_norm)
 }
 
-/// `torch.linalg.vector_norm(v, p, dtype=float32)` of a 1-D tensor (a dimension given: a vector norm).
+/// `torch.linalg.vector_norm(v, p)` of a 1-D tensor, in its dtype (a dimension given: a vector norm).
 fn vector_norm(v: &Tensor, p: f64) -> Result<Tensor> {
-    Ok(v.f_linalg_norm(p, Some(&[0i64][..]), false, Kind::Float)?)
+    Ok(v.f_linalg_norm(p, Some(&[0i64][..]), false, v.kind())?)
+}
+
+/// `ts` grouped by device and dtype, in order of first appearance (as PyTorch's
+/// `_group_tensors_by_device_and_dtype`): what one multi-tensor launch takes.
+fn by_device_and_dtype(ts: &[Tensor]) -> Vec<((Device, Kind), Vec<Tensor>)> {
+    let mut out: Vec<((Device, Kind), Vec<Tensor>)> = Vec::new();
+    for t in ts {
+        let key = (t.device(), t.kind());
+        match out.iter_mut().find(|(k, _)| *k == key) {
+            Some((_, g)) => g.push(t.shallow_clone()),
+            None => out.push((key, vec![t.shallow_clone()])),
+        }
+    }
+    out
 }
 
 struct Part {
@@ -132,18 +145,14 @@ impl GradNorm {
     }
 
     /// This rank's contribution of one part, Σ|g|^p (or max |g|) over its gradients: a float64 tensor
-    /// `[1]` on `home`, computed where the gradients are (no host read).
+    /// `[1]` on `home`, computed where the gradients are (no host read), with one multi-tensor norm per
+    /// device and dtype (`_foreach_norm`, as PyTorch's `clip_grad_norm_`).
     fn local(&self, grads: &[Tensor], home: Device) -> Result<Tensor> {
         let _g = tch::no_grad_guard();
-        // one stacked norm per device: one kernel per part and device rather than one reduction per tensor
-        let mut by_device: BTreeMap<String, (Device, Vec<Tensor>)> = BTreeMap::new();
-        for g in grads {
-            let n = vector_norm(&g.f_reshape([-1])?, self.norm_type)?;
-            by_device.entry(format!("{:?}", g.device())).or_insert_with(|| (g.device(), Vec::new())).1.push(n);
-        }
         let mut acc = Tensor::f_zeros([1], (Kind::Double, home))?;
-        for (_, (_, norms)) in by_device {
-            let n = vector_norm(&Tensor::f_stack(&norms, 0)?, self.norm_type)?.f_to_kind(Kind::Double)?;
+        for (_, group) in by_device_and_dtype(grads) {
+            let norms = crate::ffi::foreach_norms(&group, self.norm_type)?;
+            let n = vector_norm(&norms, self.norm_type)?.f_to_kind(Kind::Double)?;
             let n = n.f_reshape([1])?.f_to_device(home)?;
             acc =
                 if self.infinite() { acc.f_maximum(&n)? } else { acc.f_add(&n.f_pow_tensor_scalar(self.norm_type)?)? };
@@ -234,10 +243,10 @@ impl GradNorm {
         let _g = tch::no_grad_guard();
         // PyTorch's `max_norm / (total + eps)` is the reciprocal times max_norm; its clamp keeps a NaN
         let coef = total.f_add_scalar(EPS as f64)?.f_reciprocal()?.f_mul_scalar(max_norm)?.f_clamp_max(1.0)?;
-        // the coefficient copied once to each gradients' device
+        // the coefficient copied once to each device, one multi-tensor scale per device and dtype
         let mut on: Vec<(Device, Tensor)> = Vec::new();
-        for g in self.parts.iter().flat_map(|p| p.grads.iter()) {
-            let d = g.device();
+        let grads: Vec<Tensor> = self.parts.iter().flat_map(|p| p.grads.iter()).map(|g| g.shallow_clone()).collect();
+        for ((d, _), group) in by_device_and_dtype(&grads) {
             let i = match on.iter().position(|(e, _)| *e == d) {
                 Some(i) => i,
                 None => {
@@ -245,7 +254,7 @@ impl GradNorm {
                     on.len() - 1
                 }
             };
-            let _ = g.shallow_clone().f_mul_(&on[i].1)?;
+            crate::ffi::foreach_mul_(&group, &on[i].1)?;
         }
         Ok(total)
     }

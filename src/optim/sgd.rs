@@ -1,12 +1,13 @@
-//! SGD with momentum, dampening, Nesterov and weight decay (`torch.optim.SGD`).
+//! SGD with momentum, dampening, Nesterov and weight decay (`torch.optim.SGD`): its multi-tensor path
+//! (`foreach`, PyTorch's default on CUDA and ours) or its single-tensor one (the default on the CPU).
 use tch::Tensor;
 
 use super::{find, Optimizer};
-use crate::error::{check, Error, Result};
-use crate::ffi;
+use crate::error::{Error, Result};
+use crate::ffi::{self, add_scaled};
 
 /// SGD's settings, as tch's `nn::Sgd` (an options struct with `Default`): PyTorch's defaults, no
-/// momentum, dampening or weight decay.
+/// momentum, dampening or weight decay, and PyTorch's choice of path (multi-tensor on CUDA).
 ///
 /// ```no_run
 /// # use tch_dist::optim::SgdConfig;
@@ -19,6 +20,9 @@ pub struct SgdConfig {
     pub dampening: f64,
     pub nesterov: bool,
     pub weight_decay: f64,
+    /// The multi-tensor path, as `foreach=`: `None` (the default) takes it for parameters on CUDA, as
+    /// PyTorch does; `Some(true)` everywhere; `Some(false)` nowhere.
+    pub foreach: Option<bool>,
 }
 
 impl SgdConfig {
@@ -58,6 +62,13 @@ impl Sgd {
         self.config.weight_decay = wd;
         self
     }
+    /// torch.optim's multi-tensor path (`foreach=True`) on every device, or on none (`false`); by default
+    /// on CUDA only, as PyTorch's. Results equal PyTorch's `SGD(foreach=True)`, bit for bit (with Nesterov
+    /// momentum it adds the momentum into the gradients in place, as PyTorch's does).
+    pub fn foreach(mut self, on: bool) -> Self {
+        self.config.foreach = Some(on);
+        self
+    }
 }
 
 impl Optimizer for Sgd {
@@ -68,13 +79,24 @@ impl Optimizer for Sgd {
         }
         let _s = crate::timeline::span("optimizer", || "SGD step".into());
         let _g = tch::no_grad_guard();
-        // torch.optim.SGD's single-tensor path, call for call: the same floats
-        for (p, buf) in self.params.iter().zip(self.buffers.iter_mut()) {
+        // one multi-tensor call per device and dtypes, as PyTorch groups: (device, kinds), indices
+        let mut groups: Vec<((tch::Device, tch::Kind, tch::Kind), Vec<usize>)> = Vec::new();
+        for (i, p) in self.params.iter().enumerate() {
             let g = p.grad();
             if !g.defined() {
                 super::skip_without_grad("Sgd::step", p)?;
                 continue;
             }
+            if c.foreach.unwrap_or(p.device().is_cuda()) {
+                let key = (p.device(), p.kind(), g.kind());
+                match groups.iter_mut().find(|(k, _)| *k == key) {
+                    Some((_, idx)) => idx.push(i),
+                    None => groups.push((key, vec![i])),
+                }
+                continue;
+            }
+            // torch.optim.SGD's single-tensor path, call for call: the same floats
+            let buf = &mut self.buffers[i];
             let mut d = if c.weight_decay != 0.0 { add_scaled(&g, p, c.weight_decay, false)? } else { g };
             if c.momentum != 0.0 {
                 let b = match buf {
@@ -87,6 +109,25 @@ impl Optimizer for Sgd {
                 d = if c.nesterov { add_scaled(&d, &b, c.momentum, false)? } else { b };
             }
             let _ = add_scaled(p, &d, -self.lr, true)?;
+        }
+        for (_, idx) in groups {
+            let params: Vec<Tensor> = idx.iter().map(|&i| self.params[i].shallow_clone()).collect();
+            let grads: Vec<Tensor> = params.iter().map(|p| p.grad()).collect();
+            let mut bufs: Vec<Option<Tensor>> = idx.iter().map(|&i| self.buffers[i].take()).collect();
+            let r = ffi::foreach_sgd(
+                &params,
+                &grads,
+                &mut bufs,
+                self.lr,
+                c.momentum,
+                c.dampening,
+                c.nesterov,
+                c.weight_decay,
+            );
+            for (&i, b) in idx.iter().zip(bufs) {
+                self.buffers[i] = b;
+            }
+            r?;
         }
         Ok(())
     }
@@ -125,24 +166,5 @@ impl Optimizer for Sgd {
             };
         }
         Ok(())
-    }
-}
-
-/// `a + alpha * b` in one ATen op (`add(b, alpha)`, as torch.optim.SGD): in place into `a` (returned), or
-/// into a new tensor.
-fn add_scaled(a: &Tensor, b: &Tensor, alpha: f64, in_place: bool) -> Result<Tensor> {
-    let ptr = |t: &Tensor| t.as_ptr() as ffi::tdx_tensor;
-    let mut out: ffi::tdx_tensor = std::ptr::null_mut();
-    let what = || format!("SGD's add of {:?}{:?} times {alpha}", b.kind(), b.size());
-    // SAFETY: both tensors are alive for the call; `out` is null (in place) or receives a new at::Tensor*
-    // that `adopt` takes over once.
-    let code =
-        unsafe { ffi::tdx_add_scaled(ptr(a), ptr(b), alpha, if in_place { std::ptr::null_mut() } else { &mut out }) };
-    check(code, std::time::Duration::ZERO, what)?;
-    if in_place {
-        Ok(a.shallow_clone())
-    } else {
-        // SAFETY: on success the shim made `out` for this call alone.
-        unsafe { ffi::adopt(out, "SGD's add") }
     }
 }

@@ -119,6 +119,12 @@ int tdx_autocast_exit(int device, int prev_enabled, int prev_dtype);
 // GradScaler's unscale (at::_amp_foreach_non_finite_check_and_unscale_): grads on found_inf's device.
 int tdx_amp_unscale(tdx_tensor* grads, size_t n, tdx_tensor found_inf, tdx_tensor inv_scale);
 
+// ---- op_counter.cpp (the `testing` feature): counts the ATen operators called at the top level, by name.
+// on != 0 clears the counts and starts counting; 0 stops. tdx_op_counts writes "name\tcount\n" lines into buf
+// when `needed` (set always, with the terminating NUL) fits in len.
+int tdx_op_counter(int on);
+int tdx_op_counts(char* buf, size_t len, size_t* needed);
+
 // ---- DDP reference (libtorch's own c10d::compute_bucket_assignment_by_size)
 // sizes: numel per tensor; dtypes: c10::ScalarType codes; limits in bytes. out_bucket_of[i] receives the
 // bucket index of tensor i, in libtorch's bucket order; *out_buckets the number of buckets.
@@ -211,6 +217,20 @@ int tdx_add_scaled(tdx_tensor self, tdx_tensor other, double alpha, tdx_tensor* 
 // time (0: in one piece), which bounds the temporaries and keeps the passes in cache.
 int tdx_adamw_step(tdx_tensor param, tdx_tensor grad, tdx_tensor exp_avg, tdx_tensor exp_avg_sq, double lr,
                    double beta1, double beta2, double weight_decay, double eps, int64_t step, int64_t chunk);
+// torch.optim's multi-tensor (foreach) paths over tensors of one device and dtype, in place, call for call:
+// AdamW's (`_multi_tensor_adam`, decoupled weight decay; steps[i] is parameter i's step count after this step),
+// and SGD's (`_multi_tensor_sgd`; bufs[i] the momentum buffer, null where there is none yet: then a new
+// at::Tensor* is written there, for the caller to own, also when the call fails).
+int tdx_foreach_adamw(const tdx_tensor* params, const tdx_tensor* grads, const tdx_tensor* exp_avgs,
+                      const tdx_tensor* exp_avg_sqs, const int64_t* steps, size_t n, double lr, double beta1,
+                      double beta2, double weight_decay, double eps);
+int tdx_foreach_sgd(const tdx_tensor* params, const tdx_tensor* grads, tdx_tensor* bufs, size_t n, double lr,
+                    double momentum, double dampening, int nesterov, double weight_decay);
+// The ord-norm of each of n tensors of one dtype (ATen's _foreach_norm; 16-bit ones in float32), stacked into a
+// new 1-D tensor.
+int tdx_foreach_norms(const tdx_tensor* ts, size_t n, double ord, tdx_tensor* out);
+// Multiplies each of n tensors in place by `factor`, a scalar tensor on their device (_foreach_mul_).
+int tdx_foreach_mul_(const tdx_tensor* ts, size_t n, tdx_tensor factor);
 // Which variant of the two-pass CPU update matched ATen's floats when first used (>= 0), or -1 where none did
 // (or the CPU lacks AVX2 and FMA) and ATen's sequence runs.
 int tdx_adamw_two_pass_variant(void);

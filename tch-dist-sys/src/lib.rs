@@ -204,6 +204,11 @@ extern "C" {
     pub fn tdx_autocast_exit(device: c_int, prev_enabled: c_int, prev_dtype: c_int) -> c_int;
     pub fn tdx_amp_unscale(grads: *mut tdx_tensor, n: usize, found_inf: tdx_tensor, inv_scale: tdx_tensor) -> c_int;
 
+    /// Counts the ATen operators called at the top level, by name (the `testing` feature).
+    #[cfg(feature = "testing")]
+    pub fn tdx_op_counter(on: c_int) -> c_int;
+    #[cfg(feature = "testing")]
+    pub fn tdx_op_counts(buf: *mut c_char, len: size_t, needed: *mut size_t) -> c_int;
     /// libtorch's own bucket assignment, for tests (the `testing` feature).
     #[cfg(feature = "testing")]
     pub fn tdx_ref_bucket_assignment(
@@ -318,6 +323,34 @@ extern "C" {
         chunk: i64,
     ) -> c_int;
     pub fn tdx_adamw_two_pass_variant() -> c_int;
+    #[allow(clippy::too_many_arguments)]
+    pub fn tdx_foreach_adamw(
+        params: *const tdx_tensor,
+        grads: *const tdx_tensor,
+        exp_avgs: *const tdx_tensor,
+        exp_avg_sqs: *const tdx_tensor,
+        steps: *const i64,
+        n: usize,
+        lr: f64,
+        beta1: f64,
+        beta2: f64,
+        weight_decay: f64,
+        eps: f64,
+    ) -> c_int;
+    #[allow(clippy::too_many_arguments)]
+    pub fn tdx_foreach_sgd(
+        params: *const tdx_tensor,
+        grads: *const tdx_tensor,
+        bufs: *mut tdx_tensor,
+        n: usize,
+        lr: f64,
+        momentum: f64,
+        dampening: f64,
+        nesterov: c_int,
+        weight_decay: f64,
+    ) -> c_int;
+    pub fn tdx_foreach_norms(ts: *const tdx_tensor, n: usize, ord: f64, out: *mut tdx_tensor) -> c_int;
+    pub fn tdx_foreach_mul_(ts: *const tdx_tensor, n: usize, factor: tdx_tensor) -> c_int;
 
     pub fn tdx_optim_kind(opt: *mut c_void, kind: *mut c_int) -> c_int;
     pub fn tdx_optim_params(opt: *mut c_void, outs: *mut tdx_tensor, cap: size_t, n: *mut size_t) -> c_int;

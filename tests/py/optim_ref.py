@@ -1,6 +1,6 @@
 """torch.optim reference for tests/training/optim.rs: the same parameters, gradients and steps; prints the final
-parameters, one line per tensor. Usage: optim_ref.py sgd LR MOMENTUM DAMPENING NESTEROV WD STEPS
-                                      or optim_ref.py adamw LR BETA1 BETA2 EPS WD STEPS [fused]"""
+parameters, one line per tensor. Usage: optim_ref.py sgd LR MOMENTUM DAMPENING NESTEROV WD STEPS [foreach]
+                                      or optim_ref.py adamw LR BETA1 BETA2 EPS WD STEPS [fused|foreach]"""
 import os
 import sys
 
@@ -19,12 +19,13 @@ def main():
     params = [torch.nn.Parameter(formula(int(torch.tensor(s).prod()), i).view(s)) for i, s in enumerate(SHAPES)]
     if kind == "sgd":
         lr, mom, damp, nest, wd, steps = float(args[0]), float(args[1]), float(args[2]), args[3] == "1", float(args[4]), int(args[5])
-        opt = torch.optim.SGD(params, lr=lr, momentum=mom, dampening=damp, nesterov=nest, weight_decay=wd, foreach=False)
+        foreach = args[6:7] == ["foreach"]
+        opt = torch.optim.SGD(params, lr=lr, momentum=mom, dampening=damp, nesterov=nest, weight_decay=wd, foreach=foreach)
     else:
         lr, b1, b2, eps, wd, steps = float(args[0]), float(args[1]), float(args[2]), float(args[3]), float(args[4]), int(args[5])
-        fused = args[6:7] == ["fused"]
+        fused, foreach = args[6:7] == ["fused"], args[6:7] == ["foreach"]
         opt = torch.optim.AdamW(params, lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd,
-                                foreach=None if fused else False, fused=fused or None)
+                                foreach=None if fused else foreach, fused=fused or None)
     for step in range(steps):
         for i, p in enumerate(params):
             g = formula(p.numel(), step * 0.7 + i + 10)

@@ -416,3 +416,26 @@ fn bad_arguments_and_disagreeing_layouts_are_refused_by_name() {
         assert!(e.contains("describe their gradients differently") && e.contains("rank 1"), "{e}");
     }
 }
+
+/// As PyTorch's `clip_grad_norm_`: one `_foreach_norm` and one `_foreach_mul_` per device and dtype, so
+/// the operators launched do not grow with the number of gradients (6 or 60 of two dtypes: the same counts).
+#[test]
+fn clipping_launches_one_norm_and_one_scale_per_dtype_whatever_the_number_of_gradients() {
+    let launches = |n: usize| {
+        let ps: Vec<Tensor> = (0..n)
+            .map(|i| {
+                let kind = if i % 3 == 0 { Kind::Double } else { Kind::Float };
+                let p = Tensor::zeros([4], (kind, Device::Cpu)).set_requires_grad(true);
+                let _ = tch_dist::hooks::set_grad(&p, Some(&formula(&[4], i as f64).to_kind(kind)));
+                p
+            })
+            .collect();
+        let (total, ops) = tch_dist::reference::count_ops(|| clip_grad_norm(&ps, MAX_NORM, 2.0).unwrap()).unwrap();
+        assert!(total.double_value(&[]) > MAX_NORM, "nothing was clipped");
+        ops
+    };
+    let (few, many) = (launches(6), launches(60));
+    assert_eq!(few.get("aten::_foreach_norm"), Some(&2), "{few:?}");
+    assert_eq!(few.get("aten::_foreach_mul_"), Some(&2), "{few:?}");
+    assert_eq!(few, many, "the operators launched grow with the gradients");
+}

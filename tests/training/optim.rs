@@ -68,17 +68,57 @@ fn compare_exactly(ps: &[Tensor], want: &[Vec<f64>], what: &str) {
     }
 }
 
+/// Runs `f` counting ATen's top-level operators, and checks that it called `op` (the multi-tensor path ran)
+/// or not at all.
+fn calls<R>(op: &str, called: bool, f: impl FnOnce() -> R) -> R {
+    let (r, counts) = tch_dist::reference::count_ops(f).unwrap();
+    let n = counts.get(op).copied().unwrap_or(0);
+    assert_eq!(n > 0, called, "{op} called {n} times; counted: {counts:?}");
+    r
+}
+
 #[test]
 fn sgd_matches_torch_optim_sgd() {
-    for (m, d, n, wd) in [(0.0, 0.0, false, 0.0), (0.9, 0.1, false, 0.01), (0.9, 0.0, true, 0.01)] {
-        let ps = params();
-        let mut opt = SgdConfig { momentum: m, dampening: d, nesterov: n, weight_decay: wd }.build(handles(&ps), 0.1);
-        run(&mut opt, &ps, 0, 6);
-        let want =
-            pytorch(&["sgd", "0.1", &m.to_string(), &d.to_string(), if n { "1" } else { "0" }, &wd.to_string(), "6"]);
-        // torch.optim.SGD's single-tensor calls (add with alpha): the same floats
-        compare_exactly(&ps, &want, &format!("SGD momentum {m} dampening {d} nesterov {n} wd {wd}"));
+    for (m, d, n, wd) in
+        [(0.0, 0.0, false, 0.0), (0.9, 0.1, false, 0.01), (0.9, 0.0, true, 0.01), (0.9, 0.0, true, 0.0)]
+    {
+        let args = ["sgd", "0.1", &m.to_string(), &d.to_string(), if n { "1" } else { "0" }, &wd.to_string(), "6"];
+        // the single-tensor path (the CPU's default), then the multi-tensor one (foreach), each against
+        // PyTorch's same path: torch.optim.SGD's calls with the same scalars, the same floats
+        for foreach in [false, true] {
+            let ps = params();
+            let cfg = SgdConfig { momentum: m, dampening: d, nesterov: n, weight_decay: wd, foreach: None };
+            let mut opt =
+                if foreach { cfg.build(handles(&ps), 0.1).foreach(true) } else { cfg.build(handles(&ps), 0.1) };
+            calls("aten::_foreach_add_", foreach, || run(&mut opt, &ps, 0, 6));
+            let want = pytorch(&[&args[..], if foreach { &["foreach"][..] } else { &[][..] }].concat());
+            compare_exactly(
+                &ps,
+                &want,
+                &format!("SGD momentum {m} dampening {d} nesterov {n} wd {wd} foreach {foreach}"),
+            );
+        }
     }
+}
+
+/// The multi-tensor path (`foreach=True`, the default on CUDA) against PyTorch's, bit for bit; it runs
+/// ATen's `_foreach_*` operators (counted), where the CPU's default path runs none.
+#[test]
+fn foreach_adamw_matches_torch_optim_adamw_foreach() {
+    for (b1, b2, eps, wd) in [(0.9, 0.999, 1e-8, 0.01), (0.8, 0.99, 1e-6, 0.1), (0.9, 0.999, 1e-8, 0.0)] {
+        let what = format!("foreach AdamW betas ({b1}, {b2}) eps {eps} wd {wd}");
+        let ps = params();
+        let mut opt = AdamW::new(handles(&ps), 0.01).betas(b1, b2).eps(eps).weight_decay(wd).foreach(true);
+        calls("aten::_foreach_lerp_", true, || run(&mut opt, &ps, 0, 6));
+        let args = ["adamw", "0.01", &b1.to_string(), &b2.to_string(), &eps.to_string(), &wd.to_string(), "6"];
+        compare_exactly(&ps, &pytorch(&[&args[..], &["foreach"]].concat()), &what);
+    }
+    // PyTorch refuses fused and foreach together; so do we
+    let ps = params();
+    let mut opt = AdamW::new(handles(&ps), 0.01).fused(true).foreach(true);
+    hooks::set_grad(&ps[0], Some(&ps[0].ones_like())).unwrap();
+    let e = opt.step().unwrap_err().to_string();
+    assert!(e.contains("fused and foreach"), "{e}");
 }
 
 /// The fused kernel against PyTorch's `AdamW(fused=True)`: bit for bit (the same ATen kernel). The default
@@ -110,7 +150,8 @@ fn adamw_matches_torch_optim_adamw() {
         let ps = params();
         let cfg = AdamWConfig { beta1: b1, beta2: b2, eps, weight_decay: wd, ..Default::default() };
         let mut opt = cfg.build(handles(&ps), 0.01);
-        run(&mut opt, &ps, 0, 6);
+        // on the CPU the default is the single-tensor path, as PyTorch's
+        calls("aten::_foreach_lerp_", false, || run(&mut opt, &ps, 0, 6));
         let want =
             pytorch(&["adamw", "0.01", &b1.to_string(), &b2.to_string(), &eps.to_string(), &wd.to_string(), "6"]);
         // the same ATen calls with the same scalars as torch.optim's single-tensor path: the same floats

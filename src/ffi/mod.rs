@@ -13,3 +13,13 @@ pub(crate) unsafe fn adopt(p: tdx_tensor, what: &str) -> crate::error::Result<tc
     // SAFETY: by the caller's contract; the Tensor built here frees it.
     Ok(unsafe { tch::Tensor::from_ptr(p as *mut torch_sys::C_tensor) })
 }
+
+mod optim;
+pub(crate) use optim::{
+    adamw_step, adamw_two_pass_variant, add_scaled, foreach_adamw, foreach_mul_, foreach_norms, foreach_sgd,
+    fused_adamw, AdamScalars,
+};
+
+fn handle(t: &tch::Tensor) -> tdx_tensor {
+    t.as_ptr() as tdx_tensor
+}
