@@ -412,7 +412,7 @@ fn fsdp_step(device: Device, offload: bool, fused: bool) -> Res<Outcome> {
     for s in 0..STEPS {
         let (x, y) = batch(s, 16);
         model.backward(&loss(&model.f_forward(&x.to_device(device))?, &y.to_device(device)))?;
-        norms.0 = f64::try_from(model.clip_grad_norm(MAX_NORM, 2.0)?)?;
+        norms.0 = f64::try_from(clip_grad_norm(&model.parameters(), MAX_NORM, 2.0)?)?;
         opt.step()?;
         model.zero_grad()?;
         loss(&cpu_net.forward(&x), &y).f_backward()?;
@@ -1177,7 +1177,7 @@ fn sync_free_steps(device: Device) -> Res<Outcome> {
         let (x, y) = &data[s];
         Ok(model.backward(&loss(&model.f_forward(x)?, y))?)
     };
-    let fclip = |_| -> Res<()> { model.clip_grad_norm(0.1, 2.0).map(|_| ()).map_err(Into::into) };
+    let fclip = |_| -> Res<()> { clip_grad_norm(&model.parameters(), 0.1, 2.0).map(|_| ()).map_err(Into::into) };
     let fstep = |_| -> Res<()> { Ok(fopt.borrow_mut().step()?) };
     let fzero = |_| -> Res<()> { Ok(model.zero_grad()?) };
     run(

@@ -2,7 +2,7 @@
 //! model that is only an `nn::ModuleT` (dropout, batch norm) a `ModuleT` under DDP and FSDP too.
 //!
 //! The trait is what data parallelism adds (gradient synchronisation, the optimizer's parameters, the
-//! state, backward and clipping) and holds for every wrapper, whatever the model's forward takes. The
+//! state and backward) and holds for every wrapper, whatever the model's forward takes. The
 //! forward is tch's: a wrapper of an `nn::Module` is an `nn::Module` (so an `nn::ModuleT`), a wrapper of
 //! a [`WithTrain`] model an `nn::ModuleT`, each with its `f_forward` / `f_forward_t` twin that returns
 //! errors; a model with another forward runs through the wrapper's `forward_with`. Generic code asks
@@ -23,7 +23,8 @@
 //! // accumulate two microbatches, reduce once
 //! model.no_sync(|m| m.backward(&x.apply_t(m, true).mean(Kind::Float)))?;
 //! model.backward(&x.apply_t(&model, true).mean(Kind::Float))?;
-//! let norm = model.clip_grad_norm(1.0, 2.0)?;
+//! // the whole model's norm, whatever the layout (over what the optimizer steps)
+//! let norm = tch_dist::optim::clip_grad_norm(&model.parameters(), 1.0, 2.0)?;
 //! model.zero_grad()?;
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
@@ -71,13 +72,6 @@ pub trait DistModule {
     {
         without_sync(self, Self::requires_gradient_sync, Self::set_requires_gradient_sync, f)
     }
-
-    /// Clips the gradients so that the whole model's norm is at most `max_norm`; returns the norm before
-    /// clipping. Each parameter's placement says which groups its part of the norm is summed over (see
-    /// [`crate::optim::clip_grad_norm`]). Collective.
-    fn clip_grad_norm(&self, max_norm: f64, norm_type: f64) -> Result<Tensor> {
-        crate::optim::clip_grad_norm(&self.parameters(), max_norm, norm_type)
-    }
 }
 
 /// Runs `f` with `w`'s gradient synchronisation off, and puts the setting back after, also if `f`
@@ -105,16 +99,4 @@ impl<M: nn::ModuleT> nn::ModuleT for WithTrain<M> {
     fn forward_t(&self, xs: &Tensor, train: bool) -> Tensor {
         self.0.forward_t(xs, train)
     }
-}
-
-/// The error of a model's `clip_grad_norm` under ZeRO (`what`), whose optimizer holds the gradients it
-/// steps.
-pub(crate) fn optimizer_clips(op: &str, what: &str) -> crate::Error {
-    crate::Error::invalid(
-        op,
-        format!(
-            "under {what} the optimizer holds the gradients it steps: call clip_grad_norm on the optimizer \
-             (Optimizer::clip_grad_norm)"
-        ),
-    )
 }

@@ -73,7 +73,7 @@ pub mod zero;
 pub use dist_module::{DistModule, WithTrain};
 
 /// What a training program names most: `use tch_dist::prelude::*;` brings in the [`DistModule`] trait (the
-/// wrappers' `backward`, `zero_grad`, `parameters`, `no_sync`, `state_dict`, `clip_grad_norm`), the layout
+/// wrappers' `backward`, `zero_grad`, `parameters`, `no_sync`, `state_dict`), the layout
 /// from degrees, the plan and its styles, and process groups.
 pub mod prelude {
     pub use crate::dist_module::{DistModule, WithTrain};

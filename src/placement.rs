@@ -83,6 +83,9 @@ pub struct Layout {
     local: Option<Tensor>,
     /// For a tensor made of parts of several variables (ZeRO's shard of a bucket): those parts.
     pieces: Vec<Piece>,
+    /// The optimizer that steps this variable from gradients of its own (ZeRO's, from DDP's buckets or
+    /// its shards), which the variable's `.grad` need not be: clipping the variable's is refused.
+    stepped_by: Option<String>,
 }
 
 /// Elements `start..start + len` of `variable`'s flattening are elements `at..at + len` of the tensor
@@ -109,6 +112,7 @@ impl Clone for Layout {
             along: self.along.clone(),
             local: self.local.as_ref().map(|t| t.shallow_clone()),
             pieces: self.pieces.clone(),
+            stepped_by: self.stepped_by.clone(),
         }
     }
 }
@@ -148,6 +152,11 @@ impl Layout {
     }
 
     /// The parts of variables this tensor holds, when it is made of several (ZeRO's shard of a bucket).
+    /// The optimizer that steps this variable from gradients of its own (see [`record_stepped_by`]).
+    pub(crate) fn stepped_by(&self) -> Option<&str> {
+        self.stepped_by.as_deref()
+    }
+
     pub(crate) fn pieces(&self) -> &[Piece] {
         &self.pieces
     }
@@ -324,25 +333,42 @@ pub(crate) fn record_shard(
             along: vec![along(group, Placement::Shard(dim))],
             local: None,
             pieces: Vec::new(),
+            stepped_by: None,
         })
     })
+}
+
+/// The record of a whole variable laid out over no group.
+fn whole(t: &Tensor) -> Layout {
+    Layout {
+        global_shape: t.size(),
+        extent: Extent::Whole,
+        along: Vec::new(),
+        local: None,
+        pieces: Vec::new(),
+        stepped_by: None,
+    }
 }
 
 /// Adds `group` with `placement` to `t`'s record (a whole variable's record if it had none): DDP's
 /// replicas, a pipeline stage's variables.
 pub(crate) fn record_along(t: &Tensor, group: &Arc<ProcessGroup>, placement: Placement) -> Result<()> {
     update(t, |old| {
-        let mut l = old.unwrap_or_else(|| Layout {
-            global_shape: t.size(),
-            extent: Extent::Whole,
-            along: Vec::new(),
-            local: None,
-            pieces: Vec::new(),
-        });
+        let mut l = old.unwrap_or_else(|| whole(t));
         // a second wrapper over the same group (a rebuilt DDP) says it again: once is enough
         if !l.along.iter().any(|a| a.group.ptr_eq(&Arc::downgrade(group))) {
             l.along.push(along(group, placement));
         }
+        Ok(l)
+    })
+}
+
+/// `t` (a recorded variable) is stepped by `optimizer` from gradients of its own, not from `t.grad`
+/// (ZeRO's optimizer over DDP's buckets or its gradient shards).
+pub(crate) fn record_stepped_by(t: &Tensor, optimizer: &str) -> Result<()> {
+    update(t, |old| {
+        let mut l = old.unwrap_or_else(|| whole(t));
+        l.stepped_by = Some(optimizer.to_string());
         Ok(l)
     })
 }
@@ -369,7 +395,7 @@ pub(crate) fn record_flat_shard(
             _ => Extent::Other,
         };
         along_.push(along(group, Placement::Flat { offset }));
-        Layout { global_shape, extent, along: along_, local, pieces: Vec::new() }
+        Layout { global_shape, extent, along: along_, local, pieces: Vec::new(), stepped_by: None }
     };
     update(param, |_| Ok(make(Some(shard.shallow_clone()))))?;
     update(shard, |_| Ok(make(None)))
@@ -399,6 +425,7 @@ pub(crate) fn record_pieces(
             along: vec![along(group, Placement::Flat { offset })],
             local: None,
             pieces,
+            stepped_by: None,
         })
     })
 }

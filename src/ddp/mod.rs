@@ -496,12 +496,4 @@ impl<M> DistModule for DistributedDataParallel<M> {
         loss.f_backward()?;
         Ok(())
     }
-    /// Refused once a [`ShardedOptimizer`](crate::zero::ShardedOptimizer) shards the model: it steps its
-    /// own gradients (DDP's buckets, or the shards), which need not be the parameters'.
-    fn clip_grad_norm(&self, max_norm: f64, norm_type: f64) -> Result<Tensor> {
-        if self.sharded() {
-            return Err(crate::dist_module::optimizer_clips("DistributedDataParallel::clip_grad_norm", "ZeRO"));
-        }
-        crate::optim::clip_grad_norm(&self.parameters(), max_norm, norm_type)
-    }
 }

@@ -36,7 +36,7 @@
 //!   backward: any optimizer over tensors steps them. [`finish`](FsdpBuilder::finish) also puts them in
 //!   the VarStore's trainable variables, in their optimizer groups, so tch's own optimizers built over
 //!   the VarStore after it (`nn::AdamW::default().build(&vs, lr)`, weight-decay groups included) step
-//!   them too; clip with [`clip_grad_norm`](FullyShardedDataParallel::clip_grad_norm), not tch's.
+//!   them too; clip with [`crate::optim::clip_grad_norm`] over them, not tch's.
 //! - **Mixed precision** ([`FsdpOptions::param_dtype`]): units compute in bfloat16 or float16 while the
 //!   shards, their gradients and the optimizer state stay float32.
 //! - **Memory**: per rank, 16Ψ/N bytes with AdamW (4 for the shard, 4 its gradient, 8 the moments), plus

@@ -98,6 +98,18 @@ impl GradNorm {
         for p in params {
             let over = match crate::placement::of(p) {
                 None => Vec::new(),
+                Some(l) if l.stepped_by().is_some() => {
+                    let by = l.stepped_by().unwrap_or_default();
+                    self.error.get_or_insert(Error::invalid(
+                        "clip_grad_norm",
+                        format!(
+                            "a {:?} parameter is stepped by {by} from gradients it holds, not the parameter's: \
+                             clip through that optimizer (opt.clip_grad_norm)",
+                            p.size()
+                        ),
+                    ));
+                    continue;
+                }
                 Some(l) => match l.partial_groups("clip_grad_norm") {
                     Ok(g) => g,
                     Err(e) => {

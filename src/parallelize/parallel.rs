@@ -183,17 +183,6 @@ impl<M: nn::ModuleT> DistModule for Parallel<M> {
             _ => crate::hooks::drop_grads(&self.parameters()),
         }
     }
-
-    /// Under ZeRO the optimizer steps from its own gradients (DDP's buckets under stage 1, which need
-    /// not be the parameters' `.grad`; the shards under stage 2): clipping goes through the optimizer,
-    /// which this names.
-    fn clip_grad_norm(&self, max_norm: f64, norm_type: f64) -> Result<Tensor> {
-        if let Parallel::Zero { stage, .. } = self {
-            let what = format!("ZeRO-{}", stage.number());
-            return Err(crate::dist_module::optimizer_clips("Parallel::clip_grad_norm", &what));
-        }
-        crate::optim::clip_grad_norm(&self.parameters(), max_norm, norm_type)
-    }
 }
 
 /// A pipeline chunk's data parallelism, its layers kept by the chunk: what the pipeline drives per

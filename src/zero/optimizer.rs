@@ -131,6 +131,11 @@ impl ShardedOptimizer {
             })
             .collect();
         ddp.mark_sharded();
+        // its gradients are this optimizer's (DDP's buckets, or the shards): clipping the parameters' is refused
+        let by = format!("ZeRO-{}'s ShardedOptimizer", stage.number());
+        for p in &params {
+            placement::record_stepped_by(p, &by)?;
+        }
         let backwards = ddp.backward_count();
         Ok(ShardedOptimizer { pg, stage, shards, params, full_grads, backwards, prepared: None })
     }

@@ -1,6 +1,6 @@
 //! One trait over the wrappers: a model that is only an `nn::ModuleT` (its forward depends on the train
 //! flag) trains under DDP and under FSDP through the same generic step (`apply_t`, `no_sync`,
-//! `backward`, `clip_grad_norm`, `zero_grad`, `parameters`, `state_dict` of `DistModule`), with FSDP
+//! `backward`, `zero_grad`, `parameters`, `state_dict` of `DistModule`), with FSDP
 //! units of `WithTrain` layers inside `nn::seq_t`; on 2 ranks it ends where one process ends. A
 //! pipeline refuses a plain backward by name.
 use crate::common;
@@ -66,7 +66,7 @@ fn step<W: DistModule + ModuleT>(w: &W, opt: &mut dyn Optimizer, step: usize, ra
     };
     w.no_sync(|w| w.backward(&loss(w, 0))).unwrap();
     w.backward(&loss(w, 1)).unwrap();
-    let norm = w.clip_grad_norm(0.5, 2.0).unwrap().double_value(&[]);
+    let norm = opt.clip_grad_norm(0.5, 2.0).unwrap().double_value(&[]);
     opt.step().unwrap();
     w.zero_grad().unwrap();
     assert!(w.parameters().iter().all(|p| !p.grad().defined()), "zero_grad sets gradients to none");
