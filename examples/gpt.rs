@@ -36,6 +36,7 @@ use tch_dist::optim::{clip_grad_norm, AdamW, Optimizer};
 use tch_dist::parallel_dims::{ParallelDims, ParallelMesh};
 use tch_dist::parallelize::{Embedding, Linear, Plan, Style};
 use tch_dist::pipeline::{LayerList, Partition, PipelineConfig, PipelineRank};
+use tch_dist::throughput::{transformer_flops_per_token, Throughput, ThroughputConfig};
 use tch_dist::ProcessGroup;
 
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
@@ -271,6 +272,17 @@ fn model(a: &Args, plan: &Plan, ep: Option<Experts>, cp: Option<ContextParallel>
     })
 }
 
+/// The parameters besides the embeddings (looked up, not multiplied), the whole model's: what FLOPs per
+/// token count. Per block LayerNorms, attention's four projections and the MLP (with experts, the `top_k`
+/// a token goes through and the router), then the last LayerNorm and the output layer.
+fn non_embedding_params(a: &Args) -> i64 {
+    let d = a.d;
+    let mlp = 8 * d * d + 5 * d;
+    let mlp = if a.experts > 0 { a.top_k * mlp + d * a.experts } else { mlp };
+    let block = 4 * d + 4 * (d * d + d) + mlp;
+    a.layers as i64 * block + 2 * d + d * VOCAB
+}
+
 /// The global batch of `step`: `rows` windows of `context + 1` bytes at pseudo-random offsets (the same
 /// in every configuration); rows `[first, first + n)` of it as (inputs, targets).
 fn batch(corpus: &Tensor, step: usize, rows: i64, first: i64, n: i64, context: i64) -> (Tensor, Tensor) {
@@ -352,6 +364,13 @@ fn main() -> Res<()> {
         (Some(f), true) => Some(std::fs::File::create(f).map_err(|e| format!("--losses {f}: {e}"))?),
         _ => None,
     };
+    // tokens/s, TFLOP/s, MFU and memory per rank, as torchtitan logs them: the tokens a data-parallel
+    // rank reads, shared by the ranks that process them together (pipeline, context and tensor parallel)
+    let share = (d.pp * d.cp * d.tp) as f64;
+    let tokens = (rows.end - rows.start) as f64 * a.context as f64 / share;
+    let flops_per_token =
+        transformer_flops_per_token(non_embedding_params(&a), a.layers as i64, a.heads, a.d / a.heads, a.context);
+    let mut meter = Throughput::new(ThroughputConfig { flops_per_token, ..Default::default() })?;
     let mut started = std::time::Instant::now();
     for step in 0..a.steps {
         if a.bench == Some(step) {
@@ -368,11 +387,13 @@ fn main() -> Res<()> {
         let _norm = clip_grad_norm(&params, 1.0, 2.0)?;
         opt.step()?;
         stage.zero_grad()?;
+        meter.add_tokens(tokens);
         if let Some(l) = report.loss {
             // the mean over the data- and context-parallel ranks of the last stage
             let l = dims.average_loss(l)?;
             if reporter && (step % 20 == 0 || step + 1 == a.steps) {
-                println!("step {step}: loss {l:.4} ({:.1} s)", started.elapsed().as_secs_f64());
+                let secs = started.elapsed().as_secs_f64();
+                println!("step {step}: loss {l:.4} ({secs:.1} s)  {}", meter.report()?);
             }
             if let Some(f) = out.as_mut() {
                 writeln!(f, "{step} {l:.8}")?;

@@ -65,6 +65,7 @@ pub mod store;
 pub mod stream;
 pub mod sync_batch_norm;
 pub mod sync_debug;
+pub mod throughput;
 pub mod timeline;
 pub mod tp;
 pub mod work;

@@ -102,6 +102,42 @@ pub fn reset_peak(device: Device) -> Result<()> {
     }
 }
 
+/// The caching allocator's highest reserved bytes on `cuda:index` since the last [`reset_peak`]
+/// (`torch.cuda.max_memory_reserved`): what the process holds from the driver, cached blocks included.
+pub fn cuda_peak_reserved(index: usize) -> Result<i64> {
+    let mut out = 0;
+    // SAFETY: out-pointer valid for the call.
+    match unsafe { ffi::tdx_cuda_peak_reserved(index as i32, &mut out) } {
+        ffi::TDX_OK => Ok(out),
+        _ => Err(unavailable(index)),
+    }
+}
+
+/// The name of `cuda:index` as CUDA reports it (`torch.cuda.get_device_name`), if CUDA is usable.
+pub fn cuda_device_name(index: usize) -> Option<String> {
+    let mut buf = [0u8; 256];
+    // SAFETY: `buf` is writable for its length; the shim writes a NUL-terminated name within it.
+    let code = unsafe { ffi::tdx_cuda_device_name(index as i32, buf.as_mut_ptr() as *mut libc::c_char, buf.len()) };
+    if code != ffi::TDX_OK {
+        return None;
+    }
+    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+    Some(String::from_utf8_lossy(&buf[..end]).into_owned())
+}
+
+/// The highest resident set of this process so far (the kernel's `VmHWM`), in bytes: what the CPU's
+/// peak memory is without [`install_cpu_counter`].
+pub fn peak_rss() -> Result<i64> {
+    let status = std::fs::read_to_string("/proc/self/status")
+        .map_err(|e| Error::Unavailable { what: "peak RSS".into(), msg: format!("/proc/self/status: {e}") })?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<i64>().ok())
+        .map(|kb| kb * 1024)
+        .ok_or_else(|| Error::Unavailable { what: "peak RSS".into(), msg: "no VmHWM in /proc/self/status".into() })
+}
+
 /// Number of CUDA devices this build can use (0 without the `cuda` feature or without a GPU).
 pub fn cuda_device_count() -> usize {
     let mut n = 0;

@@ -10,7 +10,10 @@
 #ifdef TDX_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
+#include <cuda_runtime_api.h>
 #endif
+
+#include <cstring>
 
 #include "tch_dist.h"
 
@@ -209,6 +212,42 @@ int tdx_cuda_reset_peak(int device) {
   }
 #else
   (void)device;
+  return TDX_EUNAVAILABLE;
+#endif
+}
+
+int tdx_cuda_peak_reserved(int device, int64_t* out) {
+#ifdef TDX_CUDA
+  try {
+    if (!valid_device(device)) return TDX_EUNAVAILABLE;
+    *out = 0;
+    if (!allocator_started()) return TDX_OK;
+    auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(static_cast<c10::DeviceIndex>(device));
+    *out = stats.reserved_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)].peak;
+    return TDX_OK;
+  } catch (...) {
+    return TDX_EUNAVAILABLE;
+  }
+#else
+  (void)device; (void)out;
+  return TDX_EUNAVAILABLE;
+#endif
+}
+
+int tdx_cuda_device_name(int device, char* buf, size_t len) {
+#ifdef TDX_CUDA
+  try {
+    if (!valid_device(device) || len == 0) return TDX_EUNAVAILABLE;
+    cudaDeviceProp prop;
+    if (cudaGetDeviceProperties(&prop, device) != cudaSuccess) return TDX_EUNAVAILABLE;
+    std::strncpy(buf, prop.name, len - 1);
+    buf[len - 1] = '\0';
+    return TDX_OK;
+  } catch (...) {
+    return TDX_EUNAVAILABLE;
+  }
+#else
+  (void)device; (void)buf; (void)len;
   return TDX_EUNAVAILABLE;
 #endif
 }

@@ -277,6 +277,10 @@ int64_t tdx_cpu_peak(void);
 void tdx_cpu_reset_peak(void);
 int tdx_cuda_memory(int device, int64_t* allocated, int64_t* peak);
 int tdx_cuda_reset_peak(int device);
+// The caching allocator's peak reserved bytes on `device` (what torch.cuda.max_memory_reserved reports).
+int tdx_cuda_peak_reserved(int device, int64_t* out);
+// The device's name (cudaDeviceProp::name, "NVIDIA H100 80GB HBM3"), NUL-terminated within len.
+int tdx_cuda_device_name(int device, char* buf, size_t len);
 int tdx_cuda_device_count(int* out);
 // The calling thread's current CUDA device (torch.cuda.current_device); TDX_EUNAVAILABLE without one.
 int tdx_cuda_current_device(int* out);

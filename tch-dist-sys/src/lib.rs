@@ -392,6 +392,8 @@ extern "C" {
     pub fn tdx_cpu_reset_peak();
     pub fn tdx_cuda_memory(device: c_int, allocated: *mut i64, peak: *mut i64) -> c_int;
     pub fn tdx_cuda_reset_peak(device: c_int) -> c_int;
+    pub fn tdx_cuda_peak_reserved(device: c_int, out: *mut i64) -> c_int;
+    pub fn tdx_cuda_device_name(device: c_int, buf: *mut c_char, len: size_t) -> c_int;
     pub fn tdx_cuda_device_count(out: *mut c_int) -> c_int;
     pub fn tdx_cuda_current_device(out: *mut c_int) -> c_int;
     pub fn tdx_cuda_set_device(device: c_int) -> c_int;
