@@ -327,7 +327,7 @@ fn main() -> Res<()> {
             return Err(format!("--context {} does not split into 2 x --cp {n} chunks", a.context).into())
         }
         _ if a.experts > 0 => return Err("--experts runs without --cp".into()),
-        _ => Some(ContextParallel::new(dims.cp_group(), Default::default())),
+        _ => Some(ContextParallel::new(dims.cp_group().clone(), Default::default())),
     };
     let bytes = std::fs::read(&a.corpus).map_err(|e| format!("--corpus {}: {e}", a.corpus))?;
     let corpus = Tensor::from_slice(&bytes).to_kind(Kind::Int64);
@@ -351,7 +351,7 @@ fn main() -> Res<()> {
     let costs: Vec<f64> = layers.param_bytes()?.into_iter().map(|b| b as f64).collect();
     let part = Partition::balanced(&costs, a.pp)?;
     let cfg = PipelineConfig { microbatches: a.microbatches, plan: plan.clone(), ..Default::default() };
-    let mut stage = PipelineRank::build(dims.pp_group(), &layers, &part, cfg)?;
+    let mut stage = PipelineRank::build(dims.pp_group().clone(), &layers, &part, cfg)?;
     // what the optimizer steps (FSDP's shards); each one's placement says how clipping sums it
     let params = stage.parameters();
     let mut opt = AdamW::new(params.iter().map(|p| p.shallow_clone()).collect(), a.lr);

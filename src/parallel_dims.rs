@@ -124,7 +124,10 @@ impl ParallelDims {
         let loss = flat(&["dp_replicate", "dp_shard", "cp"])?;
         let shard = flat(&["dp_shard", "cp"])?;
         let (experts, expert_replicas) = expert_groups(&batch, d.ep)?;
-        Ok(ParallelMesh { dims: d, mesh, batch, loss, shard, experts, expert_replicas })
+        let dim = |name: &str| mesh.group(name);
+        let (pp, tp, cp, replicate) = (dim("pp")?, dim("tp")?, dim("cp")?, dim("dp_replicate")?);
+        let rank = world.rank();
+        Ok(ParallelMesh { dims: d, rank, pp, tp, cp, replicate, mesh, batch, loss, shard, experts, expert_replicas })
     }
 }
 
@@ -157,6 +160,11 @@ fn expert_groups(
 /// loop needs ([`ParallelDims::build`]).
 pub struct ParallelMesh {
     dims: ParallelDims,
+    rank: usize,
+    pp: Arc<ProcessGroup>,
+    tp: Arc<ProcessGroup>,
+    cp: Arc<ProcessGroup>,
+    replicate: Arc<ProcessGroup>,
     mesh: DeviceMesh,
     batch: Arc<ProcessGroup>,
     loss: Arc<ProcessGroup>,
@@ -176,9 +184,9 @@ impl ParallelMesh {
         &self.mesh
     }
 
-    fn dim(&self, name: &str) -> Arc<ProcessGroup> {
-        // DIMS are the mesh's own names
-        self.mesh.group(name).unwrap_or_else(|_| unreachable!("mesh dimension {name}"))
+    /// This rank's rank in the world the mesh was built over.
+    pub fn rank(&self) -> usize {
+        self.rank
     }
 
     fn at(&self, name: &str) -> usize {
@@ -186,18 +194,18 @@ impl ParallelMesh {
     }
 
     /// The ranks holding the other pipeline stages of this rank's (the pipeline's group).
-    pub fn pp_group(&self) -> Arc<ProcessGroup> {
-        self.dim("pp")
+    pub fn pp_group(&self) -> &Arc<ProcessGroup> {
+        &self.pp
     }
 
     /// The tensor-parallel group.
-    pub fn tp_group(&self) -> Arc<ProcessGroup> {
-        self.dim("tp")
+    pub fn tp_group(&self) -> &Arc<ProcessGroup> {
+        &self.tp
     }
 
     /// The context-parallel group (the ranks splitting one sequence).
-    pub fn cp_group(&self) -> Arc<ProcessGroup> {
-        self.dim("cp")
+    pub fn cp_group(&self) -> &Arc<ProcessGroup> {
+        &self.cp
     }
 
     /// The ranks reading different rows of the global batch: `dp_replicate` x `dp_shard`.
@@ -254,8 +262,8 @@ impl ParallelMesh {
     }
 
     /// The replicas of HSDP, or DDP's ranks without context parallelism: `dp_replicate`.
-    pub fn replicate_group(&self) -> Arc<ProcessGroup> {
-        self.dim("dp_replicate")
+    pub fn replicate_group(&self) -> &Arc<ProcessGroup> {
+        &self.replicate
     }
 
     /// The expert-parallel group, when `ep` is above 1.
@@ -291,7 +299,7 @@ impl ParallelMesh {
     pub fn fsdp(&self, opts: FsdpOptions) -> FsdpOptions {
         let opts = opts.process_group(self.shard.clone());
         match self.kind() {
-            DpKind::Hsdp => opts.replicate_group(self.replicate_group()),
+            DpKind::Hsdp => opts.replicate_group(self.replicate.clone()),
             _ => opts,
         }
     }
@@ -313,7 +321,7 @@ impl ParallelMesh {
             DpKind::Ddp => DataParallelism::Replicate(self.ddp(ddp), None),
             DpKind::Fsdp | DpKind::Hsdp => DataParallelism::Shard(self.fsdp(fsdp)),
         };
-        Plan::over_group(self.tp_group()).with_data_parallelism(dp)
+        Plan::over_group(self.tp.clone()).with_data_parallelism(dp)
     }
 }
 

@@ -21,7 +21,8 @@ use crate::group::ProcessGroup;
 /// reads it back into a whole model, `safetensors.torch.load_file` into PyTorch.
 ///
 /// [`load_var_store`]: super::load_var_store
-pub fn save_full(pg: &Arc<ProcessGroup>, path: &Path, step: u64, vs: &nn::VarStore) -> Result<()> {
+pub fn save_full(pg: &Arc<ProcessGroup>, path: impl AsRef<Path>, step: u64, vs: &nn::VarStore) -> Result<()> {
+    let path = path.as_ref();
     let _call = pg.enter_call("checkpoint::save_full");
     let parts = parts_dir(path);
     let saved = Checkpointer::new(pg.clone(), &parts).and_then(|mut ck| {

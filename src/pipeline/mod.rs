@@ -227,7 +227,7 @@ impl Default for PipelineConfig {
 ///     .add("fc2", |p| nn::linear(p, 16, 4, Default::default()));
 /// // each chunk under DDP across the two ranks holding its stage, as the degrees say
 /// let cfg = PipelineConfig { microbatches: 4, plan: mesh.plan(), ..Default::default() };
-/// let stage = PipelineRank::build(mesh.pp_group(), &layers, &Partition::sizes(&[2, 1], 3)?, cfg)?;
+/// let stage = PipelineRank::build(mesh.pp_group().clone(), &layers, &Partition::sizes(&[2, 1], 3)?, cfg)?;
 /// # Ok::<(), tch_dist::Error>(())
 /// ```
 pub struct PipelineRank {

@@ -396,7 +396,7 @@ fn train_dims(dims: ParallelDims, layers: fn() -> LayerList) -> (Vec<f64>, Vec<V
         let l = layers();
         let part = Partition::sizes(&[3, 3], l.len()).unwrap();
         let cfg = PipelineConfig { microbatches: 2, plan, ..Default::default() };
-        let mut stage = PipelineRank::build(mesh.pp_group(), &l, &part, cfg).unwrap();
+        let mut stage = PipelineRank::build(mesh.pp_group().clone(), &l, &part, cfg).unwrap();
         let l0 = stage.var_stores()[0].variables().get("l0.weight").map(|t| t.size());
         let mut opts: Vec<_> = stage.var_stores().iter().map(|vs| nn::Sgd::default().build(vs, LR).unwrap()).collect();
         let rows = mesh.rows(BATCH).unwrap();

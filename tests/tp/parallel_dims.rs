@@ -31,13 +31,13 @@ fn check(world_size: usize, dims: ParallelDims) {
     let res = common::run_threads(world_size, Duration::from_secs(60), move |world| {
         let pm = dims.build(&world).unwrap();
         let mut groups = vec![
-            ("pp", members(&pm.pp_group(), &world)),
-            ("tp", members(&pm.tp_group(), &world)),
-            ("cp", members(&pm.cp_group(), &world)),
+            ("pp", members(pm.pp_group(), &world)),
+            ("tp", members(pm.tp_group(), &world)),
+            ("cp", members(pm.cp_group(), &world)),
             ("batch", members(pm.batch_group(), &world)),
             ("loss", members(pm.loss_group(), &world)),
             ("fsdp", members(pm.fsdp_group(), &world)),
-            ("replicate", members(&pm.replicate_group(), &world)),
+            ("replicate", members(pm.replicate_group(), &world)),
         ];
         if let Some(g) = pm.expert_group() {
             groups.push(("ep", members(g, &world)));
@@ -46,6 +46,7 @@ fn check(world_size: usize, dims: ParallelDims) {
             groups.push(("ep_replicas", members(g, &world)));
         }
         let loss = pm.average_loss(world.rank() as f64).unwrap();
+        assert_eq!(pm.rank(), world.rank());
         Seen { rank: world.rank(), groups, rows: pm.rows(24).unwrap(), reporter: pm.is_reporter(), loss }
     });
     let d = dims.resolve(world_size).unwrap();
