@@ -776,7 +776,11 @@ fn selfcheck() -> Res<Outcome> {
     pg.allreduce(&mut t, ReduceOp::Sum)?;
     ensure(Vec::<f32>::try_from(&t)? == [0.0, 1.0, 2.0, 3.0], || "allreduce result wrong".into())?;
     let cuda = if tch::Cuda::is_available() {
-        format!("{} CUDA device(s)", memory::cuda_device_count())
+        // the name is what throughput's MFU reads its peak from
+        let name = memory::cuda_device_name(0).unwrap_or_else(|| "cuda:0 unnamed".into());
+        let peak = tch_dist::throughput::peak_flops(&name)
+            .map_or("no peak in the table".into(), |p| format!("bf16 peak {:.0} TFLOP/s", p / 1e12));
+        format!("{} CUDA device(s), cuda:0 {name} ({peak})", memory::cuda_device_count())
     } else {
         "no CUDA device".into()
     };

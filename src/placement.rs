@@ -151,12 +151,12 @@ impl Layout {
         self.local.as_ref()
     }
 
-    /// The parts of variables this tensor holds, when it is made of several (ZeRO's shard of a bucket).
     /// The optimizer that steps this variable from gradients of its own (see [`record_stepped_by`]).
     pub(crate) fn stepped_by(&self) -> Option<&str> {
         self.stepped_by.as_deref()
     }
 
+    /// The parts of variables this tensor holds, when it is made of several (ZeRO's shard of a bucket).
     pub(crate) fn pieces(&self) -> &[Piece] {
         &self.pieces
     }
@@ -363,12 +363,12 @@ pub(crate) fn record_along(t: &Tensor, group: &Arc<ProcessGroup>, placement: Pla
     })
 }
 
-/// `t` (a recorded variable) is stepped by `optimizer` from gradients of its own, not from `t.grad`
-/// (ZeRO's optimizer over DDP's buckets or its gradient shards).
-pub(crate) fn record_stepped_by(t: &Tensor, optimizer: &str) -> Result<()> {
+/// `t` (a variable) is stepped by `optimizer` from gradients of its own, not from `t.grad` (ZeRO's
+/// optimizer over DDP's buckets or its gradient shards); `None`: from `t.grad` again.
+pub(crate) fn record_stepped_by(t: &Tensor, optimizer: Option<&str>) -> Result<()> {
     update(t, |old| {
         let mut l = old.unwrap_or_else(|| whole(t));
-        l.stepped_by = Some(optimizer.to_string());
+        l.stepped_by = optimizer.map(str::to_string);
         Ok(l)
     })
 }

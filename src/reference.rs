@@ -66,9 +66,10 @@ pub fn gloo_layout_check() -> Result<String> {
     Ok(msg)
 }
 
-/// Runs `f` while counting the ATen operators called at the top level in this process (every thread; not
-/// the operators those call in turn), and returns its result with the counts by name (`aten::add_`): what
-/// a `TorchDispatchMode` counts from Python. The counter is process-wide: one count at a time.
+/// Runs `f` while counting the outermost ATen operators it calls on this thread (and on autograd's
+/// threads working for it; not the operators those call in turn, nor other threads'), and returns its
+/// result with the counts by name (`aten::linear`, not the `aten::addmm` it calls): the dispatcher's
+/// top-level calls, as torch.profiler lists them. One count at a time in the process.
 pub fn count_ops<R>(f: impl FnOnce() -> R) -> Result<(R, std::collections::BTreeMap<String, i64>)> {
     static ONE: std::sync::Mutex<()> = std::sync::Mutex::new(());
     let _one = ONE.lock().unwrap_or_else(|e| e.into_inner());

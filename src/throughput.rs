@@ -4,19 +4,24 @@
 //! ```no_run
 //! use tch_dist::throughput::{transformer_flops_per_token, Throughput, ThroughputConfig};
 //! # fn step() {}
+//! let world = tch_dist::ProcessGroup::from_env()?;
 //! // a 12-layer, 12-head model of 85M parameters besides its embeddings, 1024 tokens of context
 //! let flops_per_token = transformer_flops_per_token(85_000_000, 12, 12, 64, 1024);
-//! let device = tch::Device::cuda_if_available();
+//! let device = world.device(); // this rank's device (cuda:LOCAL_RANK, or the CPU)
 //! let mut meter = Throughput::new(ThroughputConfig { flops_per_token, device, ..Default::default() })?;
 //! for i in 1..=100 {
 //!     step();
 //!     meter.add_tokens(8.0 * 1024.0); // the tokens this rank's step processed
 //!     if i % 10 == 0 {
-//!         println!("step {i}  {}", meter.report()?); // tok/s 41,210  tflops 312.40  mfu 31.6%  mem 41.2 GiB
+//!         println!("step {i}  {}", meter.report()?); // tok/s 41,210  tflops 312.4  mfu 31.6%  mem 41.2 GiB
 //!     }
 //! }
 //! # Ok::<(), tch_dist::Error>(())
 //! ```
+//!
+//! For another kind of model, the FLOPs per token are those of one sample's forward and backward
+//! divided by what the caller counts as its tokens (about 6 per parameter for dense layers), and
+//! [`Throughput::add_tokens`] counts the same unit.
 use std::time::Instant;
 
 use tch::Device;
@@ -81,21 +86,31 @@ pub struct ThroughputReport {
     pub tflops: f64,
     /// Model FLOPs utilisation, in percent of the peak (where the peak is known).
     pub mfu: Option<f64>,
-    /// Peak bytes since the meter was made: CUDA's allocated (`max_memory_allocated`) on a GPU, the
-    /// resident set's high-water mark on the CPU.
+    /// Peak bytes: on a GPU CUDA's allocated (`max_memory_allocated`) over the interval (its peak is
+    /// reset at each report, as torchtitan does); on the CPU the process's resident-set high-water mark
+    /// since it started (the kernel's, which cannot be reset).
     pub peak_memory: i64,
-    /// CUDA's peak reserved bytes (`max_memory_reserved`), on a GPU.
+    /// CUDA's peak reserved bytes over the interval (`max_memory_reserved`: what torchtitan logs), on a
+    /// GPU.
     pub peak_reserved: Option<i64>,
 }
 
 impl std::fmt::Display for ThroughputReport {
-    /// `tok/s 41,210  tflops 312.40  mfu 31.6%  mem 41.2 GiB` (mfu left out where the peak is unknown).
+    /// `tok/s 41,210  tflops 312.4  mfu 31.6%  mem 41.2 GiB` (mfu left out where the peak is unknown;
+    /// memory: CUDA's reserved peak on a GPU, as torchtitan logs, else [`peak_memory`](Self::peak_memory);
+    /// TFLOP/s below 10 with 3 decimals, so that a small model's show).
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "tok/s {}  tflops {:.2}", thousands(self.tokens_per_s.round() as i64), self.tflops)?;
+        write!(f, "tok/s {}  ", thousands(self.tokens_per_s.round() as i64))?;
+        if self.tflops < 10.0 {
+            write!(f, "tflops {:.3}", self.tflops)?;
+        } else {
+            write!(f, "tflops {:.1}", self.tflops)?;
+        }
         if let Some(m) = self.mfu {
             write!(f, "  mfu {m:.1}%")?;
         }
-        write!(f, "  mem {:.1} GiB", self.peak_memory as f64 / (1u64 << 30) as f64)
+        let mem = self.peak_reserved.unwrap_or(self.peak_memory);
+        write!(f, "  mem {:.1} GiB", mem as f64 / (1u64 << 30) as f64)
     }
 }
 
@@ -122,20 +137,22 @@ pub struct Throughput {
     peak: Option<f64>,
     since: Instant,
     tokens: f64,
+    /// A token count that was negative or not finite (reported by the next report).
+    bad_tokens: Option<f64>,
 }
 
 impl Throughput {
-    /// Starts measuring now (on CUDA, from a reset of the allocator's peak). Errors name a negative or
-    /// non-finite FLOP count or peak.
+    /// Starts measuring now (on CUDA, from a reset of the allocator's peak). Errors name a FLOP count
+    /// that is negative or not finite, or a peak that is not a finite number above 0.
     pub fn new(config: ThroughputConfig) -> Result<Self> {
-        let bad = |what: &str, v: f64| {
-            Error::invalid("ThroughputConfig", format!("{what} must be a finite number >= 0, not {v}"))
+        let bad = |what: &str, bound: &str, v: f64| {
+            Error::invalid("ThroughputConfig", format!("{what} must be a finite number {bound}, not {v}"))
         };
         if !(config.flops_per_token.is_finite() && config.flops_per_token >= 0.0) {
-            return Err(bad("flops_per_token", config.flops_per_token));
+            return Err(bad("flops_per_token", ">= 0", config.flops_per_token));
         }
         let peak = match (config.peak_flops, config.device) {
-            (Some(p), _) if !(p.is_finite() && p > 0.0) => return Err(bad("peak_flops", p)),
+            (Some(p), _) if !(p.is_finite() && p > 0.0) => return Err(bad("peak_flops", "> 0", p)),
             (Some(p), _) => Some(p),
             (None, Device::Cuda(i)) => crate::memory::cuda_device_name(i).as_deref().and_then(peak_flops),
             (None, _) => None,
@@ -143,22 +160,37 @@ impl Throughput {
         if let Device::Cuda(_) = config.device {
             crate::memory::reset_peak(config.device)?;
         }
-        Ok(Throughput { config, peak, since: Instant::now(), tokens: 0.0 })
+        Ok(Throughput { config, peak, since: Instant::now(), tokens: 0.0, bad_tokens: None })
     }
 
     /// The tokens this rank processed in a step (its rows of the batch times their length; ranks that
     /// process the same tokens together, as tensor- or context-parallel ones, each count their share).
+    /// A count that is negative or not finite is refused by the next [`report`](Self::report).
     pub fn add_tokens(&mut self, tokens: f64) {
-        self.tokens += tokens;
+        if tokens.is_finite() && tokens >= 0.0 {
+            self.tokens += tokens;
+        } else {
+            self.bad_tokens.get_or_insert(tokens);
+        }
     }
 
-    /// The figures since the last report (or since [`new`](Self::new)), then starts a new interval. On
-    /// CUDA it waits for the device first (a host sync: report every N steps, not every step).
+    /// The figures since the last report (or since [`new`](Self::new)), then starts a new interval (all
+    /// zero where no tokens were added). On CUDA it waits for the device first (a host sync: report
+    /// every N steps, not every step).
     pub fn report(&mut self) -> Result<ThroughputReport> {
+        if let Some(t) = self.bad_tokens.take() {
+            return Err(Error::invalid("Throughput::add_tokens", format!("a token count must be >= 0, not {t}")));
+        }
         let (peak_memory, peak_reserved) = match self.config.device {
             Device::Cuda(i) => {
-                tch::Cuda::synchronize(i as i64);
-                (crate::memory::peak(self.config.device)?, Some(crate::memory::cuda_peak_reserved(i)?))
+                // tch's synchronize panics on a CUDA error: that becomes this call's error
+                std::panic::catch_unwind(|| tch::Cuda::synchronize(i as i64)).map_err(|_| Error::Unavailable {
+                    what: format!("cuda:{i}"),
+                    msg: "synchronising the device for a throughput report failed".into(),
+                })?;
+                let peaks = (crate::memory::peak(self.config.device)?, Some(crate::memory::cuda_peak_reserved(i)?));
+                crate::memory::reset_peak(self.config.device)?;
+                peaks
             }
             _ => (crate::memory::peak_rss()?, None),
         };
@@ -228,6 +260,11 @@ mod tests {
         let e = Throughput::new(ThroughputConfig { flops_per_token: f64::NAN, ..Default::default() }).unwrap_err();
         assert!(e.to_string().contains("flops_per_token"), "{e}");
         let e = Throughput::new(ThroughputConfig { peak_flops: Some(0.0), ..Default::default() }).unwrap_err();
-        assert!(e.to_string().contains("peak_flops"), "{e}");
+        assert!(e.to_string().contains("peak_flops must be a finite number > 0"), "{e}");
+        let mut m = Throughput::new(ThroughputConfig::default()).unwrap();
+        m.add_tokens(-5.0);
+        let e = m.report().unwrap_err();
+        assert!(e.to_string().contains("token count must be >= 0, not -5"), "{e}");
+        assert_eq!(m.report().unwrap().tokens_per_s, 0.0);
     }
 }

@@ -26,8 +26,9 @@ pub struct AdamWConfig {
     pub weight_decay: f64,
     /// ATen's fused kernel, as `fused=True` ([`AdamW::fused`]).
     pub fused: bool,
-    /// The multi-tensor path, as `foreach=`: `None` (the default) takes it for parameters on CUDA, as
-    /// PyTorch does; `Some(true)` everywhere; `Some(false)` nowhere ([`AdamW::foreach`]).
+    /// The multi-tensor path, as `foreach=`: `None` (the default) takes it when every parameter is on
+    /// CUDA, as PyTorch does; `Some(true)` everywhere; `Some(false)` nowhere ([`AdamW::foreach`]). With
+    /// `fused` it is refused at the first step, as PyTorch refuses both.
     pub foreach: Option<bool>,
 }
 
@@ -173,6 +174,8 @@ impl Optimizer for AdamW {
         let _s = crate::timeline::span("optimizer", || "AdamW step".into());
         let _g = tch::no_grad_guard();
         let mut groups: Vec<Group> = Vec::new();
+        // PyTorch's default: the multi-tensor path when every parameter is on CUDA
+        let all_cuda = self.params.iter().all(|p| p.device().is_cuda());
         for i in 0..self.params.len() {
             let p = self.params[i].shallow_clone();
             let g = p.grad();
@@ -190,7 +193,7 @@ impl Optimizer for AdamW {
                 self.config.fused && p.numel() > 0 && g.kind() == p.kind() && p.is_contiguous() && g.is_contiguous();
             let path = if fused {
                 Some(Path::Fused)
-            } else if !self.config.fused && self.config.foreach.unwrap_or(p.device().is_cuda()) {
+            } else if !self.config.fused && self.config.foreach.unwrap_or(all_cuda) {
                 Some(Path::Foreach)
             } else {
                 None

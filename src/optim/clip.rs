@@ -15,7 +15,9 @@
 //! `vs.trainable_variables()`) is right under every layout, with nothing classified by hand.
 //!
 //! A p-norm sums `|g|^p` over the parts, the ∞-norm takes their maximum; then every gradient is scaled by
-//! `min(1, max_norm / (total + 1e-6))`, as PyTorch does, in float32. Under [`crate::amp::GradScaler`],
+//! `min(1, max_norm / (total + 1e-6))`, as PyTorch does, in float32 (PyTorch keeps the gradients' dtype:
+//! the same for float32 gradients; 16-bit ones are normed in float32 here, float64 ones in float64 and
+//! the total then rounded to float32). Under [`crate::amp::GradScaler`],
 //! call `scaler.unscale(&mut opt)` first, as PyTorch documents, so that the norm is of true gradients.
 //!
 //! ```no_run

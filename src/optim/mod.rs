@@ -1,6 +1,7 @@
 //! Optimizers in Rust over tch tensors, updating parameters in place (no autograd), so they work with
-//! DDP's bucket views and expose their state for checkpoints. The arithmetic follows `torch.optim`'s
-//! single-tensor implementations, step for step (`tests/training/optim.rs` compares with PyTorch).
+//! DDP's bucket views and expose their state for checkpoints. The arithmetic follows `torch.optim`'s, on
+//! the path PyTorch would take (multi-tensor on CUDA, single-tensor on the CPU, or the one chosen with
+//! `foreach`; ATen's fused AdamW on request), bit for bit (`tests/training/optim.rs` compares with PyTorch).
 //!
 //! ```no_run
 //! use tch_dist::optim::{AdamW, Optimizer};

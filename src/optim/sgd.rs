@@ -20,8 +20,9 @@ pub struct SgdConfig {
     pub dampening: f64,
     pub nesterov: bool,
     pub weight_decay: f64,
-    /// The multi-tensor path, as `foreach=`: `None` (the default) takes it for parameters on CUDA, as
-    /// PyTorch does; `Some(true)` everywhere; `Some(false)` nowhere.
+    /// The multi-tensor path, as `foreach=`: `None` (the default) takes it when every parameter is on
+    /// CUDA, as PyTorch does; `Some(true)` everywhere; `Some(false)` nowhere. (Nesterov momentum needs
+    /// momentum above 0 and no dampening, refused at the first step otherwise, as PyTorch refuses it.)
     pub foreach: Option<bool>,
 }
 
@@ -81,13 +82,15 @@ impl Optimizer for Sgd {
         let _g = tch::no_grad_guard();
         // one multi-tensor call per device and dtypes, as PyTorch groups: (device, kinds), indices
         let mut groups: Vec<((tch::Device, tch::Kind, tch::Kind), Vec<usize>)> = Vec::new();
+        // PyTorch's default: the multi-tensor path when every parameter is on CUDA
+        let all_cuda = self.params.iter().all(|p| p.device().is_cuda());
         for (i, p) in self.params.iter().enumerate() {
             let g = p.grad();
             if !g.defined() {
                 super::skip_without_grad("Sgd::step", p)?;
                 continue;
             }
-            if c.foreach.unwrap_or(p.device().is_cuda()) {
+            if c.foreach.unwrap_or(all_cuda) {
                 let key = (p.device(), p.kind(), g.kind());
                 match groups.iter_mut().find(|(k, _)| *k == key) {
                     Some((_, idx)) => idx.push(i),

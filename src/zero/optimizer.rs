@@ -94,28 +94,45 @@ impl ShardedOptimizer {
             record_pieces(&stepped, &pg, &flat, &members, &params)?;
             built.push((flat, stepped, master, opt, members));
         }
+        // its gradients are this optimizer's (DDP's buckets, or the shards): clipping the parameters' is refused
+        let by = format!("ZeRO-{}'s ShardedOptimizer", stage.number());
+        for p in &params {
+            placement::record_stepped_by(p, Some(&by))?;
+        }
         // this rank's averaged gradient of each bucket, and the full buffers zero_grad zeroes
-        let (grads, full_grads) = match stage {
-            ZeroStage::One => {
-                let mut grads = Vec::with_capacity(layout.len());
-                for (b, (flat, ..)) in layout.iter().zip(&built) {
-                    // DDP's bucket is unpadded: a rank whose shard is all padding gets an empty slice at the end
-                    let at = (rank as i64 * flat.len).min(b.grads.numel() as i64);
-                    grads.push(b.grads.f_narrow(0, at, flat.own)?);
-                }
-                (grads, layout.iter().map(|b| b.grads.shallow_clone()).collect())
-            }
-            _ => {
-                let mut out = (Vec::new(), Vec::new());
-                ddp.route_to("ZeRO-2 setup", |buckets| {
-                    let sink = GradShards::new(buckets, world)?;
-                    for (t, (flat, ..)) in sink.shards.iter().zip(&built) {
-                        out.0.push(t.f_narrow(0, 0, flat.own)?);
+        let routed = (|| -> Result<(Vec<Tensor>, Vec<Tensor>)> {
+            Ok(match stage {
+                ZeroStage::One => {
+                    let mut grads = Vec::with_capacity(layout.len());
+                    for (b, (flat, ..)) in layout.iter().zip(&built) {
+                        // DDP's bucket is unpadded: a rank whose shard is all padding gets an empty slice at the end
+                        let at = (rank as i64 * flat.len).min(b.grads.numel() as i64);
+                        grads.push(b.grads.f_narrow(0, at, flat.own)?);
                     }
-                    out.1 = sink.shards.iter().map(|t| t.shallow_clone()).collect();
-                    Ok(Box::new(sink) as Box<dyn GradSink>)
-                })?;
-                out
+                    (grads, layout.iter().map(|b| b.grads.shallow_clone()).collect())
+                }
+                _ => {
+                    let mut out = (Vec::new(), Vec::new());
+                    ddp.route_to("ZeRO-2 setup", |buckets| {
+                        let sink = GradShards::new(buckets, world)?;
+                        for (t, (flat, ..)) in sink.shards.iter().zip(&built) {
+                            out.0.push(t.f_narrow(0, 0, flat.own)?);
+                        }
+                        out.1 = sink.shards.iter().map(|t| t.shallow_clone()).collect();
+                        Ok(Box::new(sink) as Box<dyn GradSink>)
+                    })?;
+                    out
+                }
+            })
+        })();
+        let (grads, full_grads) = match routed {
+            Ok(r) => r,
+            Err(e) => {
+                // a failed setup leaves plain DDP, whose parameters' gradients are clipped again
+                for p in &params {
+                    let _ = placement::record_stepped_by(p, None);
+                }
+                return Err(e);
             }
         };
         let shards = built
@@ -131,11 +148,6 @@ impl ShardedOptimizer {
             })
             .collect();
         ddp.mark_sharded();
-        // its gradients are this optimizer's (DDP's buckets, or the shards): clipping the parameters' is refused
-        let by = format!("ZeRO-{}'s ShardedOptimizer", stage.number());
-        for p in &params {
-            placement::record_stepped_by(p, &by)?;
-        }
         let backwards = ddp.backward_count();
         Ok(ShardedOptimizer { pg, stage, shards, params, full_grads, backwards, prepared: None })
     }

@@ -10,7 +10,13 @@
 #ifdef TDX_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
-#include <cuda_runtime_api.h>
+#include <cuda_runtime_api.h>  // cudaDeviceProp only: the shim links no CUDA runtime of its own
+
+// libtorch_cuda's (ATen/cuda/CUDAContextLight.h, whose other includes the shim does not need): the
+// properties ATen caches per device, through the runtime libtorch_cuda itself links.
+namespace at::cuda {
+cudaDeviceProp* getDeviceProperties(c10::DeviceIndex device);
+}
 #endif
 
 #include <cstring>
@@ -238,9 +244,9 @@ int tdx_cuda_device_name(int device, char* buf, size_t len) {
 #ifdef TDX_CUDA
   try {
     if (!valid_device(device) || len == 0) return TDX_EUNAVAILABLE;
-    cudaDeviceProp prop;
-    if (cudaGetDeviceProperties(&prop, device) != cudaSuccess) return TDX_EUNAVAILABLE;
-    std::strncpy(buf, prop.name, len - 1);
+    const cudaDeviceProp* prop = at::cuda::getDeviceProperties(static_cast<c10::DeviceIndex>(device));
+    if (prop == nullptr) return TDX_EUNAVAILABLE;
+    std::strncpy(buf, prop->name, len - 1);
     buf[len - 1] = '\0';
     return TDX_OK;
   } catch (...) {

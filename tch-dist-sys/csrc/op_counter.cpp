@@ -1,11 +1,12 @@
-// Counts the ATen operators called at the top level (not those they call in turn), per name: what a
-// TorchDispatchMode counts from Python, so that launch counts compare with PyTorch's (the `testing` feature).
+// Counts the outermost ATen operators called on the counting thread (and on autograd's threads working
+// for it, which inherit its thread-local callbacks), per name: the dispatcher's top-level calls, as
+// torch.profiler shows them (`aten::linear`, not the `aten::addmm` it calls), for launch-count comparisons
+// with PyTorch (the `testing` feature).
 #include <ATen/record_function.h>
 
 #include <cstring>
 #include <map>
 #include <mutex>
-#include <optional>
 #include <string>
 
 #include "common.h"
@@ -13,16 +14,15 @@
 namespace {
 std::mutex mu;
 std::map<std::string, int64_t> counts;
-bool counting = false;
-std::optional<at::CallbackHandle> handle;
-// Per thread (autograd's engine threads included): a callback stays registered once added, and every op
-// that entered leaves, so the depth stays balanced whatever `counting` does meanwhile.
+// Per thread: only ops that entered while the callback was installed leave through it, so the depth
+// stays balanced.
 thread_local int depth = 0;
+thread_local at::CallbackHandle handle = 0;
 
 std::unique_ptr<at::ObserverContext> on_enter(const at::RecordFunction& fn) {
   if (depth++ == 0) {
     std::lock_guard<std::mutex> g(mu);
-    if (counting) counts[fn.name()]++;
+    counts[fn.name()]++;
   }
   return nullptr;
 }
@@ -32,15 +32,19 @@ void on_exit(const at::RecordFunction&, at::ObserverContext*) { depth--; }
 
 extern "C" int tdx_op_counter(int on) {
   TDX_TRY({
-    std::lock_guard<std::mutex> g(mu);
     if (on) {
-      counts.clear();
-      if (!handle) {
-        handle = at::addGlobalCallback(
+      {
+        std::lock_guard<std::mutex> g(mu);
+        counts.clear();
+      }
+      if (handle == 0) {
+        handle = at::addThreadLocalCallback(
             at::RecordFunctionCallback(on_enter, on_exit).scopes({at::RecordScope::FUNCTION}).needsInputs(false));
       }
+    } else if (handle != 0) {
+      at::removeCallback(handle);
+      handle = 0;
     }
-    counting = on != 0;
     return TDX_OK;
   })
 }

@@ -119,8 +119,9 @@ int tdx_autocast_exit(int device, int prev_enabled, int prev_dtype);
 // GradScaler's unscale (at::_amp_foreach_non_finite_check_and_unscale_): grads on found_inf's device.
 int tdx_amp_unscale(tdx_tensor* grads, size_t n, tdx_tensor found_inf, tdx_tensor inv_scale);
 
-// ---- op_counter.cpp (the `testing` feature): counts the ATen operators called at the top level, by name.
-// on != 0 clears the counts and starts counting; 0 stops. tdx_op_counts writes "name\tcount\n" lines into buf
+// ---- op_counter.cpp (the `testing` feature): counts the outermost ATen operators the calling thread calls
+// (and autograd's threads working for it), by name. on != 0 clears the counts and starts counting on the
+// calling thread; 0 stops it (call both on one thread). tdx_op_counts writes "name\tcount\n" lines into buf
 // when `needed` (set always, with the terminating NUL) fits in len.
 int tdx_op_counter(int on);
 int tdx_op_counts(char* buf, size_t len, size_t* needed);

@@ -204,7 +204,7 @@ extern "C" {
     pub fn tdx_autocast_exit(device: c_int, prev_enabled: c_int, prev_dtype: c_int) -> c_int;
     pub fn tdx_amp_unscale(grads: *mut tdx_tensor, n: usize, found_inf: tdx_tensor, inv_scale: tdx_tensor) -> c_int;
 
-    /// Counts the ATen operators called at the top level, by name (the `testing` feature).
+    /// Counts the outermost ATen operators the calling thread calls, by name (the `testing` feature).
     #[cfg(feature = "testing")]
     pub fn tdx_op_counter(on: c_int) -> c_int;
     #[cfg(feature = "testing")]
