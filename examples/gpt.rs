@@ -99,6 +99,11 @@ struct Args {
     /// per second (rank 0), and each rank's parameter bytes and peak memory.
     #[arg(long)]
     bench: Option<usize>,
+    /// Launch counts (scripts/bench-launches.sh): the last N of --steps under ATen's op counter and the
+    /// flight recorder; prints `launches rank R aten A collectives C` per step. AdamW takes the
+    /// multi-tensor path, as PyTorch's twin (scripts/launches_ref.py) does.
+    #[arg(long)]
+    launches: Option<usize>,
 }
 
 /// Token and position embeddings; under context parallelism a rank's tokens take their own positions'
@@ -355,6 +360,9 @@ fn main() -> Res<()> {
     // what the optimizer steps (FSDP's shards); each one's placement says how clipping sums it
     let params = stage.parameters();
     let mut opt = AdamW::new(params.iter().map(|p| p.shallow_clone()).collect(), a.lr);
+    if a.launches.is_some() {
+        opt = opt.foreach(true);
+    }
     let loss_plan = plan.clone();
     let loss = move |logits: &Tensor, y: &Tensor| -> Tensor {
         loss_plan.cross_entropy(logits, y).unwrap_or_else(|e| panic!("{e}")).mean(Kind::Float)
@@ -372,7 +380,7 @@ fn main() -> Res<()> {
         transformer_flops_per_token(non_embedding_params(&a), a.layers as i64, a.heads, a.d / a.heads, a.context);
     let mut meter = Throughput::new(ThroughputConfig { flops_per_token, ..Default::default() })?;
     let mut started = std::time::Instant::now();
-    for step in 0..a.steps {
+    let mut train_step = |step: usize| -> Res<()> {
         if a.bench == Some(step) {
             world.barrier()?;
             started = std::time::Instant::now();
@@ -388,15 +396,45 @@ fn main() -> Res<()> {
         opt.step()?;
         stage.zero_grad()?;
         meter.add_tokens(tokens);
-        if let Some(l) = report.loss {
-            // the mean over the data- and context-parallel ranks of the last stage
-            let l = dims.average_loss(l)?;
-            if reporter && (step % 20 == 0 || step + 1 == a.steps) {
-                let secs = started.elapsed().as_secs_f64();
-                println!("step {step}: loss {l:.4} ({secs:.1} s)  {}", meter.report()?);
+        let logs = step % 20 == 0 || step + 1 == a.steps;
+        match report.loss {
+            // the mean over the data- and context-parallel ranks of the last stage, where it is shown
+            Some(l) if (logs && a.launches.is_none()) || out.is_some() => {
+                let l = dims.average_loss(l)?;
+                if reporter && logs {
+                    let secs = started.elapsed().as_secs_f64();
+                    println!("step {step}: loss {l:.4} ({secs:.1} s)  {}", meter.report()?);
+                }
+                if let Some(f) = out.as_mut() {
+                    writeln!(f, "{step} {l:.8}")?;
+                }
             }
-            if let Some(f) = out.as_mut() {
-                writeln!(f, "{step} {l:.8}")?;
+            _ => {}
+        }
+        Ok(())
+    };
+    let counted = a.launches.unwrap_or(0).min(a.steps);
+    for step in 0..a.steps - counted {
+        train_step(step)?;
+    }
+    if counted > 0 {
+        world.barrier()?;
+        let last_id = || tch_dist::flight::entries().last().map_or(0, |e| e.id);
+        let before = last_id();
+        let (r, ops) = tch_dist::reference::count_ops(|| (a.steps - counted..a.steps).try_for_each(&mut train_step))?;
+        r?;
+        let collectives = last_id() - before;
+        let aten: i64 = ops.iter().filter(|(k, _)| k.starts_with("aten::")).map(|(_, v)| v).sum();
+        let per = |n: f64| n / counted as f64;
+        println!(
+            "launches rank {} aten {:.1} collectives {:.1}",
+            world.rank(),
+            per(aten as f64),
+            per(collectives as f64)
+        );
+        if std::env::var_os("GPT_LAUNCHES_OPS").is_some() {
+            for (k, v) in &ops {
+                println!("op rank {} {k} {:.1}", world.rank(), per(*v as f64));
             }
         }
     }

@@ -19,15 +19,25 @@ std::map<std::string, int64_t> counts;
 thread_local int depth = 0;
 thread_local at::CallbackHandle handle = 0;
 
+// Marks an ATen operator's entry, so that its exit is told from others' (autograd's nodes, c10d's ops).
+struct Aten final : at::ObserverContext {};
+
+bool is_aten(const char* name) { return std::strncmp(name, "aten::", 6) == 0; }
+
+// Only ATen operators nest here: one called inside an autograd node's evaluation is still outermost, as
+// torch.profiler's tree shows it (an `aten::` event with no `aten::` ancestor).
 std::unique_ptr<at::ObserverContext> on_enter(const at::RecordFunction& fn) {
+  if (!is_aten(fn.name())) return nullptr;
   if (depth++ == 0) {
     std::lock_guard<std::mutex> g(mu);
     counts[fn.name()]++;
   }
-  return nullptr;
+  return std::make_unique<Aten>();
 }
 
-void on_exit(const at::RecordFunction&, at::ObserverContext*) { depth--; }
+void on_exit(const at::RecordFunction&, at::ObserverContext* ctx) {
+  if (ctx != nullptr) depth--;
+}
 } // namespace
 
 extern "C" int tdx_op_counter(int on) {
