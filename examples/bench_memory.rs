@@ -55,9 +55,9 @@ struct Args {
     /// AdamW's fused kernel
     #[arg(long)]
     fused: bool,
-    /// ZeRO-3: FsdpOptions::gather_once_below (elements; 0 turns it off)
-    #[arg(long, default_value_t = FsdpOptions::default().gather_once_below)]
-    gather_once_below: usize,
+    /// ZeRO-3: FsdpOptions::gather_once_below (elements; 0 turns it off; the engine's default if absent)
+    #[arg(long)]
+    gather_once_below: Option<usize>,
     /// ZeRO-3 as HSDP: replicas of this many (shards within groups of world / R ranks)
     #[arg(long)]
     hsdp: Option<usize>,
@@ -126,10 +126,10 @@ fn zero3(args: &Args, pg: Arc<ProcessGroup>) -> Result<(), Box<dyn std::error::E
     use tch_dist::recompute::Checkpointed;
     tch::manual_seed(0);
     let vs = nn::VarStore::new(Device::Cpu);
-    let mut opts = FsdpOptions::default()
-        .process_group(pg.clone())
-        .reshard_after_forward(!args.keep)
-        .gather_once_below(args.gather_once_below);
+    let mut opts = FsdpOptions::default().process_group(pg.clone()).reshard_after_forward(!args.keep);
+    if let Some(n) = args.gather_once_below {
+        opts = opts.gather_once_below(n);
+    }
     if let Some(r) = args.hsdp {
         let mesh = tch_dist::mesh::DeviceMesh::new(&pg, &[("replicate", r), ("shard", pg.size() / r.max(1))])?;
         opts = opts.mesh(&mesh, &["replicate", "shard"])?;

@@ -15,6 +15,8 @@
 //!   tchrun --nproc-per-node 4 -- gpt --corpus FILE --dp 4 --ep 2 --experts 4   # EP 2 x DP 2
 //!   tchrun --nproc-per-node 8 -- gpt --corpus FILE --dp 2 --cp 2 --tp 2  # CP x TP x DP
 //!   tchrun --nproc-per-node 1 -- gpt --corpus FILE [--sample 300]    # one process, and a sample after
+//!   tchrun --nproc-per-node 2 -- gpt --corpus FILE --fsdp 2 --steps 5 --launches 3  # ops and collectives
+//!                                                         # per step (scripts/bench-launches.sh)
 //!
 //! The model is written once over a `parallelize::Plan`, which gives each layer path its tensor-parallel
 //! form. Every configuration starts from the same initial weights (each rank holds its slice of what tch's
@@ -104,6 +106,9 @@ struct Args {
     /// multi-tensor path, as PyTorch's twin (scripts/launches_ref.py) does.
     #[arg(long)]
     launches: Option<usize>,
+    /// With --launches: list each operator's count and each collective too.
+    #[arg(long)]
+    list_launches: bool,
 }
 
 /// Token and position embeddings; under context parallelism a rank's tokens take their own positions'
@@ -398,8 +403,9 @@ fn main() -> Res<()> {
         meter.add_tokens(tokens);
         let logs = step % 20 == 0 || step + 1 == a.steps;
         match report.loss {
-            // the mean over the data- and context-parallel ranks of the last stage, where it is shown
-            Some(l) if (logs && a.launches.is_none()) || out.is_some() => {
+            // the mean over the data- and context-parallel ranks of the last stage, where it is shown or
+            // written (every such rank takes part: a condition alike on all of them)
+            Some(l) if (logs && a.launches.is_none()) || a.losses.is_some() => {
                 let l = dims.average_loss(l)?;
                 if reporter && logs {
                     let secs = started.elapsed().as_secs_f64();
@@ -432,9 +438,12 @@ fn main() -> Res<()> {
             per(aten as f64),
             per(collectives as f64)
         );
-        if std::env::var_os("GPT_LAUNCHES_OPS").is_some() {
+        if a.list_launches {
             for (k, v) in &ops {
                 println!("op rank {} {k} {:.1}", world.rank(), per(*v as f64));
+            }
+            for e in tch_dist::flight::entries().iter().filter(|e| e.id > before) {
+                println!("collective rank {} {} {} [{}]", world.rank(), e.id, e.op, e.label);
             }
         }
     }

@@ -7,10 +7,16 @@
 //! elements rather than freed memory. Gathering fills `full` again and points the parameters at views of
 //! it; tensors autograd saved during forward share that storage and see the data again.
 //!
-//! While a unit is gathered, from the start of its gather, its shards live inside `full` (their own
-//! storage is given up and taken back when the unit is freed), so a gathered or prefetched unit costs its
-//! full size, not full size plus shards. Not with mixed precision or offload, where shard and buffer
-//! differ in dtype or device.
+//! The views (each parameter's in `full`, each rank's chunks, the stage's rows) are made once: the
+//! storages outlive their frees and allocations, and a gather then costs its copies and collectives, not
+//! a view per parameter per step (FSDP2 keeps its views from initialisation too).
+//!
+//! While a unit gathered one parameter at a time is gathered, from the start of its gather, its shards
+//! live inside `full` (their own storage is given up and taken back when the unit is freed), so a
+//! gathered or prefetched unit costs its full size, not full size plus shards. Not with mixed precision
+//! or offload, where shard and buffer differ in dtype or device, nor for a coalesced unit, whose shards
+//! are copied straight into the stage (FSDP2's copy-in) and stay where they are: moving them in and out
+//! would cost two copies per parameter per gather to save a shard's size.
 //!
 //! A coalesced unit is gathered and reduced in one message, not one per parameter: its rank-major copy
 //! (`stage`: rank 0's chunks of every parameter, then rank 1's, ...) travels, copied in and out by one
@@ -81,6 +87,18 @@ pub(crate) struct Slot {
     pub own: i64,
     /// This rank's chunk, a flat leaf in the parameter's dtype on the shard device.
     pub shard: Tensor,
+    /// The parameter's gathered value: its region of `full` in its shape.
+    view: Tensor,
+    /// This rank's chunk in `full`, its padding included, and without it.
+    mine_padded: Tensor,
+    mine: Tensor,
+    /// The slot's padded region of `full`, flat and as `world` rows of its chunk (where the stage's rows
+    /// go).
+    region: Tensor,
+    by_rank: Tensor,
+    /// Zeros in the compute dtype, where this rank's chunk is padding (copied into the stage after the
+    /// shard).
+    pad: Option<Tensor>,
 }
 
 impl Slot {
@@ -94,6 +112,12 @@ impl Slot {
             offset: self.offset,
             own: self.own,
             shard: self.shard.shallow_clone(),
+            view: self.view.shallow_clone(),
+            mine_padded: self.mine_padded.shallow_clone(),
+            mine: self.mine.shallow_clone(),
+            region: self.region.shallow_clone(),
+            by_rank: self.by_rank.shallow_clone(),
+            pad: self.pad.as_ref().map(Tensor::shallow_clone),
         }
     }
 }
@@ -116,6 +140,9 @@ pub(crate) struct FlatParam {
     pub coalesced: bool,
     /// The rank-major copy of `full` that travels when `coalesced`; storage freed between uses.
     stage: Tensor,
+    /// This rank's row of `stage`, and `stage` as `world` rows.
+    row: Tensor,
+    stage_rows: Tensor,
     /// HSDP: the replicas of these shards, across which reduced chunks are summed.
     replicate: Option<Arc<dyn Replicas>>,
 }
@@ -190,13 +217,29 @@ impl FlatParam {
         let shard_device = shard_device.unwrap_or(device);
         let pinned = offloaded && device.is_cuda() && shard_device == Device::Cpu;
         let compute = compute.unwrap_or(kind);
+        let shards = named
+            .iter()
+            .zip(&layout)
+            .map(|(_, &(numel, chunk, offset))| {
+                let own = (numel - rank * chunk).clamp(0, chunk);
+                let mine = full.f_narrow(0, offset + rank * chunk, own)?.f_to_device(shard_device)?;
+                let shard = if pinned { pinned_copy(&mine)? } else { copied(&mine)? };
+                Ok((own, shard.set_requires_grad(trainable)))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let full = if compute == kind { full } else { full.f_to_kind(compute)? };
         let mut slots = Vec::with_capacity(named.len());
-        for ((name, param), &(numel, chunk, offset)) in named.into_iter().zip(&layout) {
-            let own = (numel - rank * chunk).clamp(0, chunk);
-            let mine = full.f_narrow(0, offset + rank * chunk, own)?.f_to_device(shard_device)?;
-            let shard = if pinned { pinned_copy(&mine)? } else { copied(&mine)? };
+        for (((name, param), &(numel, chunk, offset)), (own, shard)) in named.into_iter().zip(&layout).zip(shards) {
             let shape = param.size();
+            let mine_padded = full.f_narrow(0, offset + rank * chunk, chunk)?;
+            let region = full.f_narrow(0, offset, world * chunk)?;
             slots.push(Slot {
+                view: full.f_narrow(0, offset, numel)?.f_view(shape.as_slice())?,
+                mine: mine_padded.f_narrow(0, 0, own)?,
+                mine_padded,
+                by_rank: region.f_view([world, chunk])?,
+                region,
+                pad: (own < chunk).then(|| Tensor::f_zeros([chunk - own], (compute, device))).transpose()?,
                 name,
                 param,
                 shape,
@@ -204,14 +247,18 @@ impl FlatParam {
                 chunk,
                 offset,
                 own,
-                shard: shard.set_requires_grad(trainable),
+                shard,
             });
         }
-        let full = if compute == kind { full } else { full.f_to_kind(compute)? };
         let placeholder = Tensor::f_empty([0], (compute, device))?;
-        let home = compute == kind && !offloaded;
         let coalesced = coalesced && world > 1;
+        let home = compute == kind && !offloaded && !coalesced;
         let stage = Tensor::f_empty([if coalesced { total } else { 0 }], (compute, device))?;
+        let per = total / world;
+        let (row, stage_rows) = match coalesced {
+            true => (stage.f_narrow(0, rank * per, per)?, stage.f_view([world, per])?),
+            false => (stage.shallow_clone(), stage.shallow_clone()),
+        };
         storage::free(&stage)?;
         let f = FlatParam {
             slots,
@@ -225,9 +272,16 @@ impl FlatParam {
             home,
             coalesced,
             stage,
+            row,
+            stage_rows,
             replicate,
         };
         f.use_full()?;
+        if f.home {
+            for s in f.slots.iter().filter(|s| s.own > 0) {
+                s.shard.shallow_clone().f_set_data(&s.mine)?;
+            }
+        }
         Ok(f)
     }
 
@@ -245,6 +299,8 @@ impl FlatParam {
             home: self.home,
             coalesced: self.coalesced,
             stage: self.stage.shallow_clone(),
+            row: self.row.shallow_clone(),
+            stage_rows: self.stage_rows.shallow_clone(),
             replicate: self.replicate.clone(),
         }
     }
@@ -264,11 +320,6 @@ impl FlatParam {
         self.pinned
     }
 
-    /// Where slot `s`'s chunk of this rank lies in `full`.
-    fn own_chunk(&self, s: &Slot) -> Result<Tensor> {
-        Ok(self.full.f_narrow(0, s.offset + self.rank * s.chunk, s.own)?)
-    }
-
     /// Elements per rank of the rank-major layout, and each slot's place in a rank's row.
     fn rows(&self) -> (i64, Vec<i64>) {
         let mut at = Vec::with_capacity(self.slots.len());
@@ -278,11 +329,6 @@ impl FlatParam {
             per += s.chunk;
         }
         (per, at)
-    }
-
-    /// Slot `s`'s padded region of a flat buffer laid out as `full`, as `world` rows of its chunk.
-    fn by_rank(&self, flat: &Tensor, s: &Slot) -> Result<Tensor> {
-        Ok(flat.f_narrow(0, s.offset, self.world * s.chunk)?.f_view([self.world, s.chunk])?)
     }
 
     /// Allocates `full` (with `spare`'s memory when it has the size: see [`release`](Self::release)),
@@ -310,23 +356,22 @@ impl FlatParam {
             storage::allocate(&self.stage)?;
         }
         let _on = enter(side, self.device())?;
-        for s in &self.slots {
-            if s.own > 0 {
-                let chunk = self.own_chunk(s)?;
-                if self.pinned {
-                    stream::copy_non_blocking(&chunk, &s.shard)?;
-                } else {
-                    chunk.shallow_clone().f_copy_(&s.shard)?;
+        // a coalesced unit's shards on the compute device go straight into the stage (post_gathers)
+        let into_full = !self.coalesced || self.offloaded;
+        for s in self.slots.iter().filter(|s| into_full && s.own > 0) {
+            if self.pinned {
+                stream::copy_non_blocking(&s.mine, &s.shard)?;
+            } else {
+                s.mine.shallow_clone().f_copy_(&s.shard)?;
+            }
+            if self.home {
+                if let Some(side) = side {
+                    // its memory is freed next, while the side stream may not have read it yet
+                    stream::record_stream(&s.shard, side)?;
                 }
-                if self.home {
-                    if let Some(side) = side {
-                        // its memory is freed next, while the side stream may not have read it yet
-                        stream::record_stream(&s.shard, side)?;
-                    }
-                    // moved in now, not when the gather is waited for: a prefetched unit then costs its
-                    // full size too, not full size plus shards
-                    s.shard.shallow_clone().f_set_data(&chunk)?;
-                }
+                // moved in now, not when the gather is waited for: a prefetched unit then costs its full
+                // size too, not full size plus shards
+                s.shard.shallow_clone().f_set_data(&s.mine)?;
             }
         }
         let mut pending = VecDeque::new();
@@ -344,19 +389,24 @@ impl FlatParam {
         let label = format!("FSDP all-gather, unit {index}");
         if self.coalesced {
             // copy-in: this rank's chunk of every parameter (its padding too) side by side, one kernel
-            let (per, _) = self.rows();
-            let row = self.stage.f_narrow(0, self.rank * per, per)?;
-            let chunks = self
-                .slots
-                .iter()
-                .map(|s| self.full.f_narrow(0, s.offset + self.rank * s.chunk, s.chunk))
-                .collect::<std::result::Result<Vec<_>, _>>()?;
-            let _ = Tensor::f_cat_out(&row, &chunks, 0)?;
-            flat::all_gather(pg, &self.stage, per, &label, pending, usize::MAX)?;
+            // (FSDP2's): from the shards, cast to the compute dtype on the way, or from `full` where they
+            // were copied to the device first
+            let chunks: Vec<Tensor> = match self.offloaded {
+                true => self.slots.iter().map(|s| s.mine_padded.shallow_clone()).collect(),
+                false => self
+                    .slots
+                    .iter()
+                    .flat_map(|s| {
+                        [(s.own > 0).then(|| s.shard.shallow_clone()), s.pad.as_ref().map(Tensor::shallow_clone)]
+                    })
+                    .flatten()
+                    .collect(),
+            };
+            let _ = Tensor::f_cat_out(&self.row, &chunks, 0)?;
+            flat::all_gather(pg, &self.stage, self.row.numel() as i64, &label, pending, usize::MAX)?;
         } else if self.world > 1 {
             for s in &self.slots {
-                let region = self.full.f_narrow(0, s.offset, self.world * s.chunk)?;
-                flat::all_gather(pg, &region, s.chunk, &label, pending, usize::MAX)?;
+                flat::all_gather(pg, &s.region, s.chunk, &label, pending, usize::MAX)?;
             }
         }
         Ok(())
@@ -370,23 +420,17 @@ impl FlatParam {
         let _g = tch::no_grad_guard();
         // copy-out: each rank's chunks into every parameter's region, one kernel (FSDP2's
         // split_with_sizes_copy)
-        let (per, _) = self.rows();
-        let rows = self.stage.f_view([self.world, per])?;
-        let regions = self.slots.iter().map(|s| self.by_rank(&self.full, s)).collect::<Result<Vec<_>>>()?;
+        let regions: Vec<Tensor> = self.slots.iter().map(|s| s.by_rank.shallow_clone()).collect();
         let sizes: Vec<i64> = self.slots.iter().map(|s| s.chunk).collect();
-        rows.f_split_with_sizes_copy_out(&regions, sizes.as_slice(), 1)?;
+        self.stage_rows.f_split_with_sizes_copy_out(&regions, sizes.as_slice(), 1)?;
         storage::free(&self.stage)
     }
 
-    /// Points the parameters at their views of `full` (which must be gathered), and the shards too when
-    /// they live there.
+    /// Points the parameters at their views of `full` (which must be gathered; the shards moved in when
+    /// the gather started).
     pub(crate) fn use_full(&self) -> Result<()> {
         for s in &self.slots {
-            let view = self.full.f_narrow(0, s.offset, s.numel)?.f_view(s.shape.as_slice())?;
-            s.param.shallow_clone().f_set_data(&view)?;
-            if self.home {
-                s.shard.shallow_clone().f_set_data(&self.own_chunk(s)?)?;
-            }
+            s.param.shallow_clone().f_set_data(&s.view)?;
         }
         Ok(())
     }
@@ -399,9 +443,8 @@ impl FlatParam {
     pub(crate) fn release(&self, keep: bool) -> Result<Option<Tensor>> {
         let _g = tch::no_grad_guard();
         for s in &self.slots {
-            let chunk = self.own_chunk(s)?;
-            if self.home && (s.own == 0 || s.shard.data_ptr() == chunk.data_ptr()) {
-                s.shard.shallow_clone().f_set_data(&copied(&chunk)?)?;
+            if self.home && s.own > 0 && s.shard.data_ptr() == s.mine.data_ptr() {
+                s.shard.shallow_clone().f_set_data(&copied(&s.mine)?)?;
             }
             s.param.shallow_clone().f_set_data(&self.placeholder)?;
         }

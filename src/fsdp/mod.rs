@@ -87,15 +87,17 @@ pub struct FsdpOptions {
     pub offload: Option<Device>,
     /// Start every rank from rank 0's parameters: one broadcast per unit when it is built (default true).
     pub sync_module_states: bool,
-    /// Parameters with fewer elements than this (default 2^14), in a unit that also holds larger ones,
-    /// leave it for one unit of small parameters that is gathered once per iteration, at the model's
-    /// forward, kept until the end of backward, and reduce-scattered then. A linear layer then costs one
-    /// all-gather, not one for its weight and one for its bias, and its backward one reduce-scatter: each
-    /// is a round trip however small, the bias's as slow as the weight's on a shared CPU. They stay
-    /// sharded between iterations, with their gradients and optimizer state; the cost is the small
-    /// parameters gathered through the iteration (a few per layer). 0 turns it off. DeepSpeed's
+    /// Parameters with fewer elements than this, in a unit that also holds larger ones, leave it for one
+    /// unit of small parameters that is gathered once per iteration, at the model's forward, kept until
+    /// the end of backward, and reduce-scattered then. Where a unit's parameters travel one collective
+    /// each (Gloo), a linear layer then costs one all-gather, not one for its weight and one for its
+    /// bias, and its backward one reduce-scatter: each is a round trip however small. They stay sharded
+    /// between iterations, with their gradients and optimizer state; the cost is the small parameters
+    /// gathered through the iteration (a few per layer). `None` (the default): 2^14 where parameters
+    /// travel one by one, 0 (off) under NCCL's rules, where a unit is one collective already and the
+    /// small unit would only add its own. `Some(0)` turns it off. DeepSpeed's
     /// `stage3_param_persistence_threshold` (there they are not sharded at all).
-    pub gather_once_below: usize,
+    pub gather_once_below: Option<usize>,
     /// The group the parameters are sharded over; `None` uses the default one
     /// ([`crate::init_process_group`]).
     pub process_group: Option<Arc<ProcessGroup>>,
@@ -117,7 +119,7 @@ impl Default for FsdpOptions {
             prefetch: 1,
             offload: None,
             sync_module_states: true,
-            gather_once_below: 1 << 14,
+            gather_once_below: None,
             process_group: None,
             replicate_group: None,
             replicas: None,
@@ -151,7 +153,7 @@ impl FsdpOptions {
         self
     }
     pub fn gather_once_below(mut self, numel: usize) -> Self {
-        self.gather_once_below = numel;
+        self.gather_once_below = Some(numel);
         self
     }
     pub fn process_group(mut self, pg: Arc<ProcessGroup>) -> Self {
@@ -368,7 +370,9 @@ impl FsdpBuilder {
                 format!("no parameters under {name} (none were created there, or another unit has them)"),
             ));
         }
-        let below = self.opts.gather_once_below;
+        // one collective per unit already under NCCL's rules: a small unit would only add its own
+        let one_message = named.first().is_some_and(|(_, t)| self.rt.pg.nccl_rules(t.device()));
+        let below = self.opts.gather_once_below.unwrap_or(if one_message { 0 } else { 1 << 14 });
         let (small, big): (Vec<_>, Vec<_>) = named.into_iter().partition(|(_, t)| t.numel() < below);
         let named = if big.is_empty() {
             small // a unit of small parameters only stays as it is

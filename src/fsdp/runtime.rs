@@ -261,15 +261,20 @@ impl Runtime {
             (flat, job, spare)
         };
         let done = match job {
+            // already pointing at the gathered values
             Job::Nothing => Ok(()),
             // every step waited for, even after a failure: their memory is freed next if it failed
-            Job::Wait(w, e) => compute_waits(flat.device(), e).and(wait_all(w)).and_then(|()| flat.finish_gather()),
+            Job::Wait(w, e) => compute_waits(flat.device(), e)
+                .and(wait_all(w))
+                .and_then(|()| flat.finish_gather())
+                .and_then(|()| flat.use_full()),
             // on the compute stream, which waits for it at once anyway (FSDP2's unprefetched unshard)
-            Job::Start => {
-                flat.start_gather(&self.pg, u, spare, None).and_then(wait_all).and_then(|()| flat.finish_gather())
-            }
-        }
-        .and_then(|()| flat.use_full());
+            Job::Start => flat
+                .start_gather(&self.pg, u, spare, None)
+                .and_then(wait_all)
+                .and_then(|()| flat.finish_gather())
+                .and_then(|()| flat.use_full()),
+        };
         if done.is_err() {
             // sharded again, so that the next gather starts from scratch
             let _ = flat.release(false);

@@ -7,6 +7,7 @@ mod cnn;
 mod forum;
 mod gpt;
 mod gpu_kit;
+mod launches;
 mod layout;
 mod llama;
 mod min_gpt;
