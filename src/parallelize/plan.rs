@@ -365,15 +365,19 @@ impl Plan {
     /// unsharded DDP until one was, and say nothing.
     pub(super) fn check_optimizer_apart(&self, op: &str) -> Result<()> {
         match &self.dp {
-            DataParallelism::Replicate(_, Some(stage)) => Err(Error::invalid(
-                op,
-                format!(
-                    "the plan shards the optimizer (ZeRO-{}), which is part of the layout: build the model with \
+            DataParallelism::Replicate(_, Some(stage)) => {
+                // the error says what to call: no warning about an unfinished plan after it
+                self.watch.finished.store(true, std::sync::atomic::Ordering::Relaxed);
+                Err(Error::invalid(
+                    op,
+                    format!(
+                        "the plan shards the optimizer (ZeRO-{}), which is part of the layout: build the model with \
                      it, plan.build_with_optimizer(&vs, || model, |params| Box::new(AdamW::new(params, lr))) \
                      (or finish_with_optimizer)",
-                    stage.number()
-                ),
-            )),
+                        stage.number()
+                    ),
+                ))
+            }
             _ => Ok(()),
         }
     }
