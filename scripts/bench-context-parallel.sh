@@ -2,7 +2,8 @@
 # Context parallelism, tch-dist against PyTorch's own (torch.distributed.tensor.experimental.context_parallel
 # with head-tail load balancing), same run, same shapes: causal attention's forward and backward over
 # [1, 8 heads, 2048 tokens, 64] on 2 ranks (Gloo, one thread each), and the whole sequence in one process
-# (ATen's fused CPU flash kernel, in both). Rounds alternate; each figure is the median over rounds of
+# (ATen's fused CPU flash kernel, in both); ours also with its agreement checks at first use only
+# (TCH_DIST_VERIFY=once, the default on NCCL; Gloo's checks every call). Rounds alternate; each figure is the median over rounds of
 # each run's median step. PyTorch on CPU needs its CPU flash kernel registered with its ring code (see
 # scripts/bench_context_parallel.py); without it, the error this prints first.
 #   scripts/bench-context-parallel.sh            # ROUNDS=3 BENCH_SEQ=2048 BENCH_HEADS=8 BENCH_DIM=64
@@ -26,6 +27,7 @@ BENCH_TORCH_PATCH=0 BENCH_STEPS=1 target/release/tchrun --standalone --nproc-per
 for round in $(seq "$ROUNDS"); do
   echo "round $round/$ROUNDS" >&2
   run ours "$RANKS" target/release/examples/bench_context_parallel
+  TCH_DIST_VERIFY=once run ours_once "$RANKS" target/release/examples/bench_context_parallel
   BENCH_ROTATE=alltoall run torch_ring "$RANKS" "$TCH_DIST_PYTHON_BIN" scripts/bench_context_parallel.py
   BENCH_ROTATE=allgather run torch_allgather "$RANKS" "$TCH_DIST_PYTHON_BIN" scripts/bench_context_parallel.py
   run ours_one 1 target/release/examples/bench_context_parallel
@@ -40,5 +42,6 @@ print("| run | tch-dist | PyTorch | ratio PyTorch/ours |")
 print("|---|---:|---:|---:|")
 print(f"| {ranks} ranks, ring (PyTorch: rotate alltoall) | {m['ours']:.3f} | {m['torch_ring']:.3f} | {m['torch_ring'] / m['ours']:.2f} |")
 print(f"| {ranks} ranks, PyTorch rotate allgather | {m['ours']:.3f} | {m['torch_allgather']:.3f} | {m['torch_allgather'] / m['ours']:.2f} |")
+print(f"| {ranks} ranks, ring, ours checked at first use only (TCH_DIST_VERIFY=once, NCCL's default) | {m['ours_once']:.3f} | {m['torch_ring']:.3f} | {m['torch_ring'] / m['ours_once']:.2f} |")
 print(f"| 1 process, whole sequence (fused SDPA) | {m['ours_one']:.3f} | {m['torch_one']:.3f} | {m['torch_one'] / m['ours_one']:.2f} |")
 PY

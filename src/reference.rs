@@ -99,3 +99,14 @@ pub fn count_ops<R>(f: impl FnOnce() -> R) -> Result<(R, std::collections::BTree
     }
     Ok((r, counts))
 }
+
+/// Runs `f` with ring attention's blocks written out in matrix products on this thread (the path
+/// taken where no fused kernel is wired, as on CUDA), so that the CPU checks that path too.
+pub fn with_written_out_attention<R>(f: impl FnOnce() -> R) -> R {
+    crate::context_parallel::ring::WRITTEN_OUT.with(|w| {
+        let before = w.replace(true);
+        let r = f();
+        w.set(before);
+        r
+    })
+}

@@ -23,7 +23,7 @@
 //! # Ok::<(), tch_dist::Error>(())
 //! ```
 mod layout;
-mod ring;
+pub(crate) mod ring;
 
 use std::sync::Arc;
 

@@ -15,10 +15,14 @@
 //! mask, a later one not at all. With the head-tail layout every rank attends the same number of pairs
 //! at every step.
 //!
-//! Blocks run in ATen's matrix products, in float32 for float32 and half inputs (the inputs converted per
-//! block; the exchanges carry the input dtype), in float64 for float64. A block's `[chunk, chunk]`
-//! scores and probabilities live only while it computes: memory kept across the call is linear in the
-//! sequence, the working memory of one block quadratic in the chunk.
+//! On the CPU a block is one call of ATen's fused flash attention, which returns the block's
+//! log-sum-exp beside its output (`_scaled_dot_product_flash_attention_for_cpu`), and its gradients one
+//! call of that kernel's backward given the merged output and log-sum-exp (PyTorch's ring attention
+//! does the same with the CUDA kernels): the block's scores never exist whole, and memory is linear in
+//! the chunk. Outputs merge in float32 (float64 for float64). Elsewhere (CUDA, until its kernels are
+//! wired and checked on a GPU) blocks run in ATen's matrix products, in float32 for float32 and half
+//! inputs (converted per block; the exchanges carry the input dtype), in float64 for float64, a
+//! block's `[chunk, chunk]` scores living only while it computes.
 use std::sync::Arc;
 
 use tch::{Kind, Tensor};
@@ -44,6 +48,25 @@ fn pair(causal: bool, query: i64, key: i64) -> Pair {
     }
 }
 
+#[cfg(feature = "testing")]
+thread_local! {
+    /// `reference::with_written_out_attention`: this thread's blocks in matrix products.
+    pub(crate) static WRITTEN_OUT: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Whether blocks of `q`'s dtype and device run in the fused kernel (see the module docs).
+fn fused(q: &Tensor) -> bool {
+    #[cfg(feature = "testing")]
+    if WRITTEN_OUT.with(|w| w.get()) {
+        return false;
+    }
+    // the kernel reads a row's head dimension packed (SDPA's dispatcher refuses it strided too); k and v
+    // reach it stacked, so contiguous
+    q.device() == tch::Device::Cpu
+        && matches!(q.kind(), Kind::Float | Kind::Double | Kind::BFloat16 | Kind::Half)
+        && q.stride().last() == Some(&1)
+}
+
 /// The kind blocks compute in: float32, or float64 for float64 inputs.
 fn acc(k: Kind) -> Kind {
     if k == Kind::Double {
@@ -62,13 +85,52 @@ pub(crate) struct Ring {
     pub(crate) scale: f64,
 }
 
-/// A tensor's pieces along the sequence (dim `dim`), each with its global chunk: one piece, the whole,
-/// without a mask (the chunks need no telling apart).
-fn pieces(causal: bool, x: &Tensor, dim: i64, chunks: &Chunks, len: i64) -> Result<Vec<(i64, Tensor)>> {
+/// One kernel call of a step: query chunks `q` (indices into this rank's chunks) against chunks `k` of
+/// the keys held now, under a causal mask (the same chunks, in ascending order) or none.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Call {
+    q: std::ops::Range<usize>,
+    k: std::ops::Range<usize>,
+    causal: bool,
+}
+
+/// A step's calls, as few as the mask allows (PyTorch's ring attention makes one per step): with the
+/// same chunks on both sides (a rank's own, ascending), one causal call over them all; else, where the
+/// pairs that are not skipped form a rectangle of full pairs over consecutive chunks (always, in either
+/// layout), one call over it; else one per pair.
+fn calls(causal: bool, queries: &[i64], keys: &[i64]) -> Vec<Call> {
+    let all = |n: usize| 0..n;
     if !causal {
-        return Ok(vec![(0, x.shallow_clone())]);
+        return vec![Call { q: all(queries.len()), k: all(keys.len()), causal: false }];
     }
-    chunks.ids.iter().enumerate().map(|(i, &j)| Ok((j, x.f_narrow(dim, i as i64 * len, len)?))).collect()
+    if queries == keys && queries.windows(2).all(|w| w[0] < w[1]) {
+        return vec![Call { q: all(queries.len()), k: all(keys.len()), causal: true }];
+    }
+    let live = |i: usize, j: usize| pair(true, queries[i], keys[j]);
+    let qi: Vec<usize> = all(queries.len()).filter(|&i| all(keys.len()).any(|j| live(i, j) != Pair::Skip)).collect();
+    let kj: Vec<usize> = all(keys.len()).filter(|&j| all(queries.len()).any(|i| live(i, j) != Pair::Skip)).collect();
+    let range = |v: &[usize]| match (v.first(), v.last()) {
+        (Some(&a), Some(&b)) if b - a + 1 == v.len() => Some(a..b + 1),
+        _ => None,
+    };
+    match (range(&qi), range(&kj)) {
+        (Some(q), Some(k)) if q.clone().all(|i| k.clone().all(|j| live(i, j) == Pair::Full)) => {
+            vec![Call { q, k, causal: false }]
+        }
+        _ if qi.is_empty() => Vec::new(),
+        _ => {
+            let pairs = all(queries.len()).flat_map(|i| all(keys.len()).map(move |j| (i, j)));
+            pairs
+                .filter(|&(i, j)| live(i, j) != Pair::Skip)
+                .map(|(i, j)| Call { q: i..i + 1, k: j..j + 1, causal: live(i, j) == Pair::Diagonal })
+                .collect()
+        }
+    }
+}
+
+/// Chunks `r` of `x` along the sequence (dim 2), each `len` long.
+fn span(x: &Tensor, r: &std::ops::Range<usize>, len: i64) -> Result<Tensor> {
+    Ok(x.f_narrow(2, r.start as i64 * len, (r.end - r.start) as i64 * len)?)
 }
 
 /// `x` on its way to the next rank of the ring; `wait` gives the previous rank's in its place.
@@ -103,61 +165,102 @@ impl Ring {
         Chunks::of(rank, self.pg.size(), self.load_balance)
     }
 
-    /// A block's scores in float32, scaled and masked.
-    fn scores(&self, q: &Tensor, k: &Tensor, pair: Pair, mask: &Option<Tensor>) -> Result<Tensor> {
+    /// The chunks of this rank's queries and of the keys held at `step`, as [`calls`] reads them: one
+    /// piece each without a mask (the chunks need no telling apart).
+    fn ids(&self, step: usize) -> (Vec<i64>, Vec<i64>) {
+        let (r, c) = (self.pg.rank(), self.pg.size());
+        match self.causal {
+            true => (self.chunks(r).ids, self.chunks((r + c - step) % c).ids),
+            false => (vec![0], vec![0]),
+        }
+    }
+
+    /// Chunk length: the whole local sequence without a mask (one piece), a chunk's with one.
+    fn piece_len(&self, q: &Tensor) -> Result<i64> {
+        let len = self.chunks(self.pg.rank()).len("ContextParallel::attention", q.size()[2])?;
+        Ok(if self.causal { len } else { q.size()[2] })
+    }
+
+    /// A block's scores in the blocks' kind, scaled and masked.
+    fn scores(&self, q: &Tensor, k: &Tensor, causal: bool) -> Result<Tensor> {
         let acc = acc(q.kind());
         let s = q.f_to_kind(acc)?.f_matmul(&k.f_to_kind(acc)?.f_transpose(-2, -1)?)?.f_mul_scalar(self.scale)?;
-        Ok(match (pair, mask) {
-            (Pair::Diagonal, Some(m)) => s.f_masked_fill(m, f64::NEG_INFINITY)?,
-            _ => s,
-        })
+        if !causal {
+            return Ok(s);
+        }
+        let (lq, lk) = (q.size()[2], k.size()[2]);
+        let future = Tensor::f_ones([lq, lk], (Kind::Bool, q.device()))?.f_triu(1)?;
+        Ok(s.f_masked_fill(&future, f64::NEG_INFINITY)?)
+    }
+
+    /// One call's output (normalised over its keys, in the blocks' kind) and its log-sum-exp
+    /// `[b, h, s, 1]`.
+    fn block(&self, q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> Result<(Tensor, Tensor)> {
+        let acc = acc(q.kind());
+        if fused(q) {
+            let (o, lse) = Tensor::f_internal_scaled_dot_product_flash_attention_for_cpu(
+                q,
+                k,
+                v,
+                0.0,
+                causal,
+                None::<Tensor>,
+                Some(self.scale),
+            )?;
+            return Ok((o.f_to_kind(acc)?, lse.f_to_kind(acc)?.f_unsqueeze(-1)?));
+        }
+        let s = self.scores(q, k, causal)?;
+        let lse = s.f_logsumexp([-1], true)?;
+        let o = s.f_sub(&lse)?.f_exp()?.f_matmul(&v.f_to_kind(acc)?)?;
+        Ok((o, lse))
     }
 
     /// Forward, without autograd: this rank's output (in the blocks' kind) and its log-sum-exp `[b, h, s, 1]`.
     pub(crate) fn forward(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
         let _g = tch::no_grad_guard();
-        let (r, c) = (self.pg.rank(), self.pg.size());
-        let mine = self.chunks(r);
-        let len = mine.len("ContextParallel::attention", q.size()[2])?;
-        let mask = self.mask(len, q)?;
-        let queries = pieces(self.causal, q, 2, &mine, len)?;
-        let mut acc: Vec<Option<(Tensor, Tensor)>> = queries.iter().map(|_| None).collect();
+        let c = self.pg.size();
+        let len = self.piece_len(q)?;
+        let whole = self.ids(0).0.len();
+        // (output, log-sum-exp) so far: a first call over every query is taken as it is; else they start
+        // at 0 and -inf, which the first block merged replaces
+        let mut seen: Option<(Tensor, Tensor)> = None;
         let mut kv = Tensor::f_stack(&[k, v], 0)?;
         for step in 0..c {
             let next = if step + 1 < c { Some(Shift::start(&kv, &self.pg)?) } else { None };
-            let theirs = self.chunks((r + c - step) % c);
-            let keys = pieces(self.causal, &kv.f_select(0, 0)?, 2, &theirs, len)?;
-            let values = pieces(self.causal, &kv.f_select(0, 1)?, 2, &theirs, len)?;
-            for ((a, qa), slot) in queries.iter().zip(acc.iter_mut()) {
-                for ((b, kb), (_, vb)) in keys.iter().zip(&values) {
-                    let p = pair(self.causal, *a, *b);
-                    if p == Pair::Skip {
+            let (qs, ks) = self.ids(step);
+            let (keys, values) = (kv.f_select(0, 0)?, kv.f_select(0, 1)?);
+            for call in calls(self.causal, &qs, &ks) {
+                let (o, l) = self.block(
+                    &span(q, &call.q, len)?,
+                    &span(&keys, &call.k, len)?,
+                    &span(&values, &call.k, len)?,
+                    call.causal,
+                )?;
+                let (out, lse) = match seen.take() {
+                    None if call.q == (0..whole) => {
+                        seen = Some((o, l));
                         continue;
                     }
-                    let s = self.scores(qa, kb, p, &mask)?;
-                    let lse = s.f_logsumexp([-1], true)?;
-                    let o = s.f_sub(&lse)?.f_exp()?.f_matmul(&vb.f_to_kind(s.kind())?)?;
-                    *slot = Some(match slot.take() {
-                        None => (o, lse),
-                        Some((ao, al)) => {
-                            let l = al.f_logaddexp(&lse)?;
-                            let ao = ao.f_mul(&al.f_sub(&l)?.f_exp()?)?.f_add(&o.f_mul(&lse.f_sub(&l)?.f_exp()?)?)?;
-                            (ao, l)
-                        }
-                    });
-                }
+                    None => {
+                        let mut size = q.size();
+                        let out = Tensor::f_zeros(size.as_slice(), (acc(q.kind()), q.device()))?;
+                        size[3] = 1;
+                        (out, Tensor::f_full(size.as_slice(), f64::NEG_INFINITY, (acc(q.kind()), q.device()))?)
+                    }
+                    Some(s) => s,
+                };
+                let (ao, al) = (span(&out, &call.q, len)?, span(&lse, &call.q, len)?);
+                let merged = al.f_logaddexp(&l)?;
+                let _ = ao.shallow_clone().f_mul_(&al.f_sub(&merged)?.f_exp()?)?;
+                let _ = ao.shallow_clone().f_add_(&o.f_mul(&l.f_sub(&merged)?.f_exp()?)?)?;
+                al.shallow_clone().f_copy_(&merged)?;
+                seen = Some((out, lse));
             }
             if let Some(n) = next {
                 kv = n.wait()?;
             }
         }
-        let (outs, lses): (Vec<Tensor>, Vec<Tensor>) = acc
-            .into_iter()
-            .map(|a| a.ok_or_else(|| Error::invalid("ring attention", "a query chunk met no key")))
-            .collect::<Result<Vec<_>>>()?
-            .into_iter()
-            .unzip();
-        Ok((Tensor::f_cat(&outs, 2)?, Tensor::f_cat(&lses, 2)?))
+        seen.ok_or_else(|| Error::invalid("ring attention", "no query met a key"))
     }
 
     /// Backward, without autograd: the gradients of q, k and v from the output's (`g`), the output and
@@ -172,58 +275,103 @@ impl Ring {
         lse: &Tensor,
     ) -> Result<[Tensor; 3]> {
         let _g = tch::no_grad_guard();
-        let (r, c) = (self.pg.rank(), self.pg.size());
-        let mine = self.chunks(r);
-        let len = mine.len("ContextParallel::attention", q.size()[2])?;
-        let mask = self.mask(len, q)?;
+        let len = self.piece_len(q)?;
         let acc = acc(q.kind());
-        let g = g.f_to_kind(acc)?;
-        // the softmax backward's row term: rowsum(dO * O)
-        let d = g.f_mul(out)?.f_sum_dim_intlist(&[-1i64][..], true, acc)?;
         let dq = q.f_zeros_like()?.f_to_kind(acc)?;
-        let queries = pieces(self.causal, q, 2, &mine, len)?;
-        let (gs, ds, ls, dqs) = (
-            pieces(self.causal, &g, 2, &mine, len)?,
-            pieces(self.causal, &d, 2, &mine, len)?,
-            pieces(self.causal, lse, 2, &mine, len)?,
-            pieces(self.causal, &dq, 2, &mine, len)?,
-        );
+        let (dk, dv) = if fused(q) {
+            // the kernel's operands: the input dtype, the log-sum-exp as it returns it ([b, h, s])
+            let kernel_lse = if q.kind() == Kind::Double { Kind::Double } else { Kind::Float };
+            // dense rows (the kernel reads a row's head dimension packed): the incoming gradient may be
+            // an expanded scalar (`out.sum()`) with every stride 0
+            let (g, out) = (g.f_to_kind(q.kind())?.f_contiguous()?, out.f_to_kind(q.kind())?);
+            let lse = lse.f_to_kind(kernel_lse)?;
+            // given the merged output and log-sum-exp of its queries, a call's gradients are its exact
+            // share of the whole's
+            self.ring_backward(k, v, len, acc, |call, kb, vb, dkb, dvb| {
+                let at = |x: &Tensor| span(x, &call.q, len);
+                let (bq, bk, bv) = Tensor::f_internal_scaled_dot_product_flash_attention_for_cpu_backward(
+                    &at(&g)?,
+                    &at(q)?,
+                    kb,
+                    vb,
+                    &at(&out)?,
+                    &at(&lse)?.f_squeeze_dim(-1)?,
+                    0.0,
+                    call.causal,
+                    None::<Tensor>,
+                    Some(self.scale),
+                )?;
+                let _ = at(&dq)?.f_add_(&bq)?;
+                let _ = dkb.shallow_clone().f_add_(&bk)?;
+                let _ = dvb.shallow_clone().f_add_(&bv)?;
+                Ok(())
+            })?
+        } else {
+            let g = g.f_to_kind(acc)?;
+            // the softmax backward's row term: rowsum(dO * O)
+            let d = g.f_mul(out)?.f_sum_dim_intlist(&[-1i64][..], true, acc)?;
+            self.ring_backward(k, v, len, acc, |call, kb, vb, dkb, dvb| {
+                let at = |x: &Tensor| span(x, &call.q, len);
+                let (qa, ga) = (at(q)?, at(&g)?);
+                let prob = self.scores(&qa, kb, call.causal)?.f_sub(&at(lse)?)?.f_exp()?;
+                let _ = dvb.shallow_clone().f_add_(&prob.f_transpose(-2, -1)?.f_matmul(&ga)?)?;
+                let dp = ga.f_matmul(&vb.f_transpose(-2, -1)?.f_to_kind(acc)?)?;
+                let dsc = prob.f_mul(&dp.f_sub(&at(&d)?)?)?.f_mul_scalar(self.scale)?;
+                let _ = at(&dq)?.f_add_(&dsc.f_matmul(&kb.f_to_kind(acc)?)?)?;
+                let _ = dkb.shallow_clone().f_add_(&dsc.f_transpose(-2, -1)?.f_matmul(&qa.f_to_kind(acc)?)?)?;
+                Ok(())
+            })?
+        };
+        Ok([dq.f_to_kind(q.kind())?, dk, dv])
+    }
+
+    /// The backward's walk around the ring: `block(call, k, v, dk, dv)` adds the gradients of one call
+    /// (its keys and values given, and their gradients' places in this step's share); returns the
+    /// gradients of this rank's own keys and values, in their dtypes.
+    ///
+    /// The keys' and values' gradients travel the ring with them, summed along the way: a step's share
+    /// is computed while the sum so far is on its way from the previous rank, added once it arrives, and
+    /// sent on without waiting (PyTorch's ring backward overlaps it so); after the last step the sums
+    /// reach their owners.
+    fn ring_backward(
+        &self,
+        k: &Tensor,
+        v: &Tensor,
+        len: i64,
+        acc: Kind,
+        mut block: impl FnMut(&Call, &Tensor, &Tensor, &Tensor, &Tensor) -> Result<()>,
+    ) -> Result<(Tensor, Tensor)> {
+        let c = self.pg.size();
         let mut kv = Tensor::f_stack(&[k, v], 0)?;
-        // the gradient of the keys and values held now, travelling with them
-        let mut dkv = kv.f_zeros_like()?.f_to_kind(acc)?;
+        // the sum so far of the gradient of the keys and values held now, on its way here
+        let mut arriving: Option<Shift> = None;
+        let mut dkv = Tensor::new();
         for step in 0..c {
             let next = if step + 1 < c { Some(Shift::start(&kv, &self.pg)?) } else { None };
-            let theirs = self.chunks((r + c - step) % c);
-            let keys = pieces(self.causal, &kv.f_select(0, 0)?, 2, &theirs, len)?;
-            let values = pieces(self.causal, &kv.f_select(0, 1)?, 2, &theirs, len)?;
-            let dks = pieces(self.causal, &dkv.f_select(0, 0)?, 2, &theirs, len)?;
-            let dvs = pieces(self.causal, &dkv.f_select(0, 1)?, 2, &theirs, len)?;
-            for (i, (a, qa)) in queries.iter().enumerate() {
-                let (ga, da, la, dqa) = (&gs[i].1, &ds[i].1, &ls[i].1, &dqs[i].1);
-                for (j, (b, kb)) in keys.iter().enumerate() {
-                    let p = pair(self.causal, *a, *b);
-                    if p == Pair::Skip {
-                        continue;
-                    }
-                    let (vb, mut dkb, mut dvb) = (&values[j].1, dks[j].1.shallow_clone(), dvs[j].1.shallow_clone());
-                    let prob = self.scores(qa, kb, p, &mask)?.f_sub(la)?.f_exp()?;
-                    let _ = dvb.f_add_(&prob.f_transpose(-2, -1)?.f_matmul(ga)?)?;
-                    let dp = ga.f_matmul(&vb.f_transpose(-2, -1)?.f_to_kind(acc)?)?;
-                    let dsc = prob.f_mul(&dp.f_sub(da)?)?.f_mul_scalar(self.scale)?;
-                    let _ = dqa.shallow_clone().f_add_(&dsc.f_matmul(&kb.f_to_kind(acc)?)?)?;
-                    let _ = dkb.f_add_(&dsc.f_transpose(-2, -1)?.f_matmul(&qa.f_to_kind(acc)?)?)?;
-                }
+            let (qs, ks) = self.ids(step);
+            let (keys, values) = (kv.f_select(0, 0)?, kv.f_select(0, 1)?);
+            let mut share = kv.f_zeros_like()?.f_to_kind(acc)?;
+            let (dks, dvs) = (share.f_select(0, 0)?, share.f_select(0, 1)?);
+            for call in calls(self.causal, &qs, &ks) {
+                let at = |x: &Tensor| span(x, &call.k, len);
+                block(&call, &at(&keys)?, &at(&values)?, &at(&dks)?, &at(&dvs)?)?;
             }
-            // after the last step, one more exchange brings each rank the gradient of its own block
+            dkv = match arriving.take() {
+                Some(sum) => share.f_add_(&sum.wait()?)?,
+                None => share,
+            };
             if c > 1 {
-                dkv = Shift::start(&dkv, &self.pg)?.wait()?;
+                arriving = Some(Shift::start(&dkv, &self.pg)?);
             }
             if let Some(n) = next {
                 kv = n.wait()?;
             }
         }
-        let (dk, dv) = (dkv.f_select(0, 0)?.f_to_kind(k.kind())?, dkv.f_select(0, 1)?.f_to_kind(v.kind())?);
-        Ok([dq.f_to_kind(q.kind())?, dk, dv])
+        // the sums of this rank's own keys and values, from the rank that held them last
+        if let Some(sum) = arriving {
+            dkv = sum.wait()?;
+        }
+        Ok((dkv.f_select(0, 0)?.f_to_kind(k.kind())?, dkv.f_select(0, 1)?.f_to_kind(v.kind())?))
     }
 
     /// The agreement check before a call (by the group's policy: every call on Gloo, the first on NCCL),
@@ -254,14 +402,6 @@ impl Ring {
             format!("ranks call it differently: {}", meta::by_rank(rows, show, "; "))
         })?;
         Ok(())
-    }
-
-    /// The diagonal blocks' mask (true above the diagonal), on q's device.
-    fn mask(&self, len: i64, q: &Tensor) -> Result<Option<Tensor>> {
-        if !self.causal {
-            return Ok(None);
-        }
-        Ok(Some(Tensor::f_ones([len, len], (Kind::Bool, q.device()))?.f_triu(1)?))
     }
 }
 
@@ -333,5 +473,54 @@ mod tests {
             let total = |r: usize| (0..c).filter(|&s| pair(true, r as i64, s as i64) != Pair::Skip).count();
             assert_eq!((total(0), total(c - 1)), (1, c));
         }
+    }
+
+    /// A step's calls cover exactly the pairs the mask leaves, each once, under the mask it needs; in
+    /// either layout a step is at most one call (PyTorch's count).
+    #[test]
+    fn a_step_is_one_call_covering_exactly_the_pairs_left() {
+        for c in 1..=5usize {
+            for balanced in [true, false] {
+                for r in 0..c {
+                    for step in 0..c {
+                        let (qs, ks) =
+                            (Chunks::of(r, c, balanced).ids, Chunks::of((r + c - step) % c, c, balanced).ids);
+                        let made = calls(true, &qs, &ks);
+                        assert!(made.len() <= 1, "c {c} balanced {balanced} rank {r} step {step}: {made:?}");
+                        let mut covered = std::collections::BTreeMap::new();
+                        for call in &made {
+                            for i in call.q.clone() {
+                                for j in call.k.clone() {
+                                    let p = pair(true, qs[i], ks[j]);
+                                    // a causal call's mask is the diagonal's where the chunks meet themselves
+                                    let masked = if call.causal { qs[i] == ks[j] } else { false };
+                                    assert!(
+                                        p != Pair::Skip || (call.causal && qs[i] < ks[j]),
+                                        "{call:?} covers a skipped pair"
+                                    );
+                                    if p != Pair::Skip {
+                                        assert_eq!(masked, p == Pair::Diagonal, "{call:?}: pair ({i}, {j})");
+                                        *covered.entry((i, j)).or_insert(0) += 1;
+                                    }
+                                }
+                            }
+                        }
+                        for (i, &a) in qs.iter().enumerate() {
+                            for (j, &b) in ks.iter().enumerate() {
+                                let want = usize::from(pair(true, a, b) != Pair::Skip);
+                                assert_eq!(
+                                    covered.get(&(i, j)).copied().unwrap_or(0),
+                                    want,
+                                    "c {c} rank {r} step {step} pair ({i}, {j})"
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        // chunks out of order on one side, or a ragged set of pairs: one call per pair
+        assert_eq!(calls(true, &[1, 0], &[1, 0]).len(), 3);
+        assert_eq!(calls(true, &[1, 3], &[0, 2]).len(), 3);
     }
 }

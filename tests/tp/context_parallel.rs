@@ -39,15 +39,21 @@ fn reference(causal: bool) -> [Tensor; 4] {
     [out.detach(), q.grad(), k.grad(), v.grad()]
 }
 
-fn check(ranks: usize, causal: bool, load_balance: bool) {
+/// `written_out`: the blocks in matrix products (the path where no fused kernel is wired), not the CPU's
+/// fused flash attention.
+fn check(ranks: usize, causal: bool, load_balance: bool, written_out: bool) {
     let want = reference(causal);
     let got = common::run_threads(ranks, T, move |pg| {
         let cp = ContextParallel::new(Arc::new(pg), ContextParallelConfig { load_balance });
         let local: Vec<Tensor> = inputs().iter().map(|t| cp.shard(t, 2).unwrap()).collect();
         let [q, k, v, w] = &local[..] else { unreachable!() };
         let (q, k, v) = (q.set_requires_grad(true), k.set_requires_grad(true), v.set_requires_grad(true));
-        let out = cp.attention(&q, &k, &v, RingAttentionConfig { causal, ..Default::default() }).unwrap();
-        (&out * w).sum(Kind::Float).backward();
+        let run = || {
+            let out = cp.attention(&q, &k, &v, RingAttentionConfig { causal, ..Default::default() }).unwrap();
+            (&out * w).sum(Kind::Float).backward();
+            out
+        };
+        let out = if written_out { tch_dist::reference::with_written_out_attention(run) } else { run() };
         [&out, &q.grad(), &k.grad(), &v.grad()].map(|t| cp.unshard(t, 2).unwrap())
     });
     for (r, g) in got.iter().enumerate() {
@@ -64,15 +70,77 @@ fn check(ranks: usize, causal: bool, load_balance: bool) {
 #[test]
 fn ring_attention_equals_one_process_on_2_ranks() {
     for (causal, lb) in [(true, true), (true, false), (false, true)] {
-        check(2, causal, lb);
+        check(2, causal, lb, false);
+        check(2, causal, lb, true);
     }
 }
 
 #[test]
 fn ring_attention_equals_one_process_on_3_ranks() {
     for (causal, lb) in [(true, true), (true, false), (false, false)] {
-        check(3, causal, lb);
+        check(3, causal, lb, false);
     }
+}
+
+/// Queries whose head dimension is not packed (a transposed copy's view) and a loss that is the output's
+/// plain sum (its gradient an expanded scalar): the fused kernel reads rows packed, so such queries take
+/// the written-out blocks (fed to the kernel they gave outputs off by ~0.9).
+#[test]
+fn strided_queries_and_a_broadcast_output_gradient() {
+    let want = {
+        let [q, k, v, _] = inputs();
+        let (q, k, v) = (q.set_requires_grad(true), k.set_requires_grad(true), v.set_requires_grad(true));
+        let out = Tensor::scaled_dot_product_attention(&q, &k, &v, None::<Tensor>, 0.0, true, None, false);
+        out.sum(Kind::Float).backward();
+        [out.detach(), q.grad(), k.grad(), v.grad()]
+    };
+    let got = common::run_threads(2, T, move |pg| {
+        let cp = ContextParallel::new(Arc::new(pg), ContextParallelConfig { load_balance: true });
+        let local: Vec<Tensor> = inputs()[..3].iter().map(|t| cp.shard(t, 2).unwrap()).collect();
+        let [q, k, v] = &local[..] else { unreachable!() };
+        let (q, k, v) = (q.set_requires_grad(true), k.set_requires_grad(true), v.set_requires_grad(true));
+        // the same values, the head dimension strided
+        let qs = q.transpose(-1, -2).contiguous().transpose(-1, -2);
+        assert_ne!(qs.stride().last(), Some(&1));
+        let out = cp.attention(&qs, &k, &v, RingAttentionConfig { causal: true, ..Default::default() }).unwrap();
+        out.sum(Kind::Float).backward();
+        [&out, &q.grad(), &k.grad(), &v.grad()].map(|t| cp.unshard(t, 2).unwrap())
+    });
+    for (r, g) in got.iter().enumerate() {
+        for (name, (a, b)) in ["output", "q.grad", "k.grad", "v.grad"].iter().zip(g.iter().zip(&want)) {
+            let d = diff(a, b);
+            assert!(d < TOL, "rank {r}'s {name} is off by {d}");
+        }
+    }
+}
+
+/// On the CPU each step is one call of ATen's fused flash attention forward and one of its backward (its
+/// chunks' pairs joined as PyTorch joins them): 2 ranks, head-tail causal, 2 steps.
+#[test]
+fn blocks_run_in_the_fused_kernel_on_the_cpu() {
+    let counts = common::run_threads(2, T, move |pg| {
+        let rank = pg.rank();
+        let cp = ContextParallel::new(Arc::new(pg), ContextParallelConfig { load_balance: true });
+        let local: Vec<Tensor> = inputs().iter().map(|t| cp.shard(t, 2).unwrap()).collect();
+        let [q, k, v, w] = &local[..] else { unreachable!() };
+        let (q, k, v) = (q.set_requires_grad(true), k.set_requires_grad(true), v.set_requires_grad(true));
+        let run = || {
+            let out = cp.attention(&q, &k, &v, RingAttentionConfig { causal: true, ..Default::default() }).unwrap();
+            (&out * w).sum(Kind::Float).backward();
+        };
+        // one counter at a time in the process: rank 0 counts, rank 1 runs alongside
+        if rank == 0 {
+            tch_dist::reference::count_ops(run).unwrap().1
+        } else {
+            run();
+            Default::default()
+        }
+    });
+    let ops = &counts[0];
+    let n = |name: &str| ops.get(name).copied().unwrap_or(0);
+    assert_eq!(n("aten::_scaled_dot_product_flash_attention_for_cpu"), 2, "{ops:?}");
+    assert_eq!(n("aten::_scaled_dot_product_flash_attention_for_cpu_backward"), 2, "{ops:?}");
+    assert_eq!(n("aten::matmul"), 0, "{ops:?}");
 }
 
 /// The scale given, and a sequence layout shared by the position embeddings.
