@@ -402,8 +402,11 @@ impl FlatParam {
                     .flatten()
                     .collect(),
             };
-            let _ = Tensor::f_cat_out(&self.row, &chunks, 0)?;
-            flat::all_gather(pg, &self.stage, self.row.numel() as i64, &label, pending, usize::MAX)?;
+            // a unit of zero-element parameters has nothing to gather (and cat refuses an empty list)
+            if self.row.numel() > 0 {
+                let _ = Tensor::f_cat_out(&self.row, &chunks, 0)?;
+                flat::all_gather(pg, &self.stage, self.row.numel() as i64, &label, pending, usize::MAX)?;
+            }
         } else if self.world > 1 {
             for s in &self.slots {
                 flat::all_gather(pg, &s.region, s.chunk, &label, pending, usize::MAX)?;

@@ -6,9 +6,10 @@ use crate::optim::Optimizer;
 /// Bytes an FSDP model holds on this rank, and the allocator's view.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct FsdpMemory {
-    /// This rank's shards of the parameters (those of a gathered unit live inside it; see below).
+    /// This rank's shards of the parameters (those of a unit gathered one parameter at a time live
+    /// inside it while it is gathered, in the same dtype; see below).
     pub sharded_parameters: i64,
-    /// Units gathered right now: full parameters in the compute dtype (with the float32 case's shards).
+    /// Units gathered right now: full parameters in the compute dtype (with the shards living inside).
     pub gathered_parameters: i64,
     /// The shards' gradients.
     pub gradient_shards: i64,
