@@ -82,19 +82,6 @@ impl Drop for Held {
     }
 }
 
-/// A dropout keep-mask of `shape` in `like`'s dtype and on its device: 1 with probability `keep`, else
-/// 0, from a generator of its own seeded with `seed` (CPU, or a new one of `like`'s CUDA device).
-pub(crate) fn keep_mask(like: &Tensor, shape: &[i64], keep: f64, seed: u64) -> Result<Tensor> {
-    let mut out: ffi::tdx_tensor = std::ptr::null_mut();
-    // SAFETY: `like` is alive and `shape` valid for the call; `out` receives a new tensor or stays null.
-    let code = unsafe {
-        ffi::tdx_keep_mask(like.as_ptr() as ffi::tdx_tensor, shape.as_ptr(), shape.len(), keep, seed, &mut out)
-    };
-    check(code, std::time::Duration::ZERO, || format!("a dropout mask of {shape:?}"))?;
-    // SAFETY: on success `out` is the tensor the shim just made for this call.
-    unsafe { adopt(out, "dropout mask") }
-}
-
 /// `torch.manual_seed(seed)` and then `torch.randn(*shape, dtype=kind)` for each shape in turn.
 pub(crate) fn randn_seq(seed: u64, kind: Kind, shapes: &[Vec<i64>]) -> Result<Vec<Tensor>> {
     draw_seq(seed, kind, shapes)

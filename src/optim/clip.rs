@@ -33,6 +33,7 @@ use tch::{Device, Kind, Tensor};
 
 use crate::error::{Error, Result};
 use crate::group::{ProcessGroup, ReduceOp};
+use crate::optim::by_device_and_dtype;
 
 /// PyTorch's epsilon in `max_norm / (total + eps)`.
 const EPS: f32 = 1e-6;
@@ -57,20 +58,6 @@ pub fn clip_grad_norm(params: &[Tensor], max_norm: f64, norm_type: f64) -> Resul
 /// `torch.linalg.vector_norm(v, p)` of a 1-D tensor, in its dtype (a dimension given: a vector norm).
 fn vector_norm(v: &Tensor, p: f64) -> Result<Tensor> {
     Ok(v.f_linalg_norm(p, Some(&[0i64][..]), false, v.kind())?)
-}
-
-/// `ts` grouped by device and dtype, in order of first appearance (as PyTorch's
-/// `_group_tensors_by_device_and_dtype`): what one multi-tensor launch takes.
-fn by_device_and_dtype(ts: &[Tensor]) -> Vec<((Device, Kind), Vec<Tensor>)> {
-    let mut out: Vec<((Device, Kind), Vec<Tensor>)> = Vec::new();
-    for t in ts {
-        let key = (t.device(), t.kind());
-        match out.iter_mut().find(|(k, _)| *k == key) {
-            Some((_, g)) => g.push(t.shallow_clone()),
-            None => out.push((key, vec![t.shallow_clone()])),
-        }
-    }
-    out
 }
 
 struct Part {

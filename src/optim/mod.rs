@@ -160,6 +160,20 @@ pub(crate) fn skip_without_grad(what: &str, p: &Tensor) -> Result<()> {
     Ok(())
 }
 
+/// `ts` grouped by device and dtype, in order of first appearance (torch's
+/// `_group_tensors_by_device_and_dtype`): one multi-tensor launch or one flat message per group.
+pub(crate) fn by_device_and_dtype(ts: &[Tensor]) -> Vec<((tch::Device, tch::Kind), Vec<Tensor>)> {
+    let mut out: Vec<((tch::Device, tch::Kind), Vec<Tensor>)> = Vec::new();
+    for t in ts {
+        let key = (t.device(), t.kind());
+        match out.iter_mut().find(|(k, _)| *k == key) {
+            Some((_, g)) => g.push(t.shallow_clone()),
+            None => out.push((key, vec![t.shallow_clone()])),
+        }
+    }
+    out
+}
+
 pub(crate) fn grads_of(params: &[Tensor]) -> Vec<Tensor> {
     params.iter().map(|p| p.grad()).filter(|g| g.defined()).collect()
 }

@@ -175,23 +175,15 @@ impl ParallelAttention {
         self.out.f_forward(&ctx)
     }
 
-    /// Attention with dropout whose masks this rank draws itself. SDPA's dropout draws from the global
-    /// generator, which the tensor-parallel ranks of a replica share (their other dropouts must agree):
-    /// rank r's heads would get rank 0's masks. Written out as SDPA's math (its CPU path with dropout).
+    /// Attention with dropout whose masks this rank draws itself. SDPA's dropout draws from the default
+    /// generators, which the tensor-parallel ranks of a replica share (their other dropouts must agree):
+    /// rank r's heads would get rank 0's masks. So SDPA runs (its dropout inside the fused kernel where
+    /// it has one: CUDA's) with the default generators seeded for this rank from one shared draw, and
+    /// put back after (DTensor's RNG tracker does the same for tensor-parallel dropout). The backward
+    /// draws nothing: the kernels keep their mask, or its seed and offset.
     fn attend_with_own_masks(&self, q: &Tensor, k: &Tensor, v: &Tensor, p: f64) -> Result<Tensor> {
         let shared = Tensor::f_randint(i64::MAX, [1], (tch::Kind::Int64, tch::Device::Cpu))?.f_int64_value(&[0])?;
-        let seed = head_mask_seed(shared as u64, self.rank);
-        let mut scores = q.f_matmul(&k.f_transpose(-2, -1)?)?.f_mul_scalar(1.0 / (self.head_dim as f64).sqrt())?;
-        if self.config.causal {
-            let s = scores.size()[2];
-            let future = Tensor::f_ones([s, s], (tch::Kind::Bool, scores.device()))?.f_triu(1)?;
-            scores = scores.f_masked_fill(&future, f64::NEG_INFINITY)?;
-        }
-        let probs = scores.f_softmax(-1, scores.kind())?;
-        let keep = crate::random::keep_mask(&probs, &probs.size(), 1.0 - p, seed)?;
-        // dropout 1 drops everything (ATen's dropout gives zeros there, not 0 · ∞)
-        let scale = if p < 1.0 { 1.0 / (1.0 - p) } else { 0.0 };
-        Ok(probs.f_mul(&keep)?.f_mul_scalar(scale)?.f_matmul(v)?)
+        attend_seeded(q, k, v, p, self.config.causal, head_mask_seed(shared as u64, self.rank))
     }
 
     /// The forward without dropout (evaluation), errors returned.
@@ -207,6 +199,14 @@ impl nn::ModuleT for ParallelAttention {
     }
 }
 
+/// `scaled_dot_product_attention` with dropout `p`, its masks drawn from the default generators seeded
+/// with `seed`; the program's own draws left where they were.
+fn attend_seeded(q: &Tensor, k: &Tensor, v: &Tensor, p: f64, causal: bool, seed: u64) -> Result<Tensor> {
+    let _fork = crate::random::Fork::new()?;
+    tch::manual_seed(seed as i64);
+    Ok(Tensor::f_scaled_dot_product_attention(q, k, v, None::<Tensor>, p, causal, None, false)?)
+}
+
 /// The seed of a rank's attention-dropout masks: the replica's shared draw, spread by the rank.
 fn head_mask_seed(shared: u64, rank: usize) -> u64 {
     shared.wrapping_add((rank as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15))
@@ -216,15 +216,23 @@ fn head_mask_seed(shared: u64, rank: usize) -> u64 {
 mod tests {
     use tch::{Device, Kind, Tensor};
 
-    /// Ranks get different masks from one shared draw; the same rank and draw, the same mask.
+    /// Ranks get different masks from one shared draw; the same rank and draw, the same mask; the
+    /// program's generator is left where it was.
     #[test]
     fn each_rank_draws_its_own_masks() {
-        let like = Tensor::zeros([1], (Kind::Float, Device::Cpu));
-        let mask = |rank| crate::random::keep_mask(&like, &[4, 64, 64], 0.5, super::head_mask_seed(7, rank)).unwrap();
-        let (a, b) = (mask(0), mask(1));
-        assert!(a.equal(&mask(0)), "a rank's mask is not reproducible");
+        // values 1: with every weight equal, an output element is the fraction of its row's weights kept
+        let ones = Tensor::ones([1, 4, 64, 8], (Kind::Float, Device::Cpu));
+        let attend =
+            |rank| super::attend_seeded(&ones, &ones, &ones, 0.5, false, super::head_mask_seed(7, rank)).unwrap();
+        let (a, b) = (attend(0), attend(1));
+        assert!(a.equal(&attend(0)), "a rank's mask is not reproducible");
         assert!(!a.equal(&b), "two ranks drew the same mask");
         let kept = a.mean(Kind::Float).double_value(&[]);
-        assert!((kept - 0.5).abs() < 0.05, "keep probability 0.5, kept {kept}");
+        assert!((kept - 1.0).abs() < 0.05, "dropout 0.5 rescales by 2: mean {kept}, not 1");
+        tch::manual_seed(11);
+        let _ = attend(0);
+        let after = Tensor::randn([4], (Kind::Float, Device::Cpu));
+        tch::manual_seed(11);
+        assert!(after.equal(&Tensor::randn([4], (Kind::Float, Device::Cpu))), "the program's generator moved");
     }
 }

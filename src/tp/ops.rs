@@ -96,11 +96,28 @@ pub fn scatter_to_sequence_parallel_region(x: &Tensor, pg: &ProcessGroup) -> Res
 /// Sums, over the TP group, the gradients of parameters that sequence-parallel regions use whole
 /// (LayerNorm's weight and bias, a row-parallel layer's bias): each rank's gradient covers only its part of
 /// the sequence. Call after backward, before clipping and the optimizer (Megatron's
-/// `allreduce_sequence_parallel_gradients`). Parameters without a gradient are skipped.
+/// `allreduce_sequence_parallel_gradients`): one allreduce per dtype and device, of the gradients
+/// flattened into one buffer and copied back (Megatron's `_flatten_dense_tensors`). Parameters without
+/// a gradient are skipped.
 pub fn allreduce_sequence_parallel_grads(params: &[Tensor], pg: &ProcessGroup) -> Result<()> {
-    for g in crate::optim::grads_of(params) {
-        let mut g = g;
-        pg.allreduce(&mut g, crate::group::ReduceOp::Sum)?;
+    let _g = tch::no_grad_guard();
+    for (_, grads) in crate::optim::by_device_and_dtype(&crate::optim::grads_of(params)) {
+        if let [g] = &grads[..] {
+            pg.allreduce(&mut g.shallow_clone(), crate::group::ReduceOp::Sum)?;
+            continue;
+        }
+        let flat: Vec<Tensor> = grads.iter().map(|g| g.f_reshape([-1])).collect::<std::result::Result<_, _>>()?;
+        let mut buf = Tensor::f_cat(&flat, 0)?;
+        pg.allreduce(&mut buf, crate::group::ReduceOp::Sum)?;
+        let sizes: Vec<i64> = flat.iter().map(|f| f.numel() as i64).collect();
+        if grads.iter().all(|g| g.is_contiguous()) {
+            // back in one kernel: the reshapes above are views of the gradients
+            buf.f_split_with_sizes_copy_out(&flat, sizes.as_slice(), 0)?;
+        } else {
+            for (g, part) in grads.iter().zip(buf.f_split_with_sizes(sizes.as_slice(), 0)?) {
+                g.shallow_clone().f_copy_(&part.f_view_as(g)?)?;
+            }
+        }
     }
     Ok(())
 }

@@ -38,28 +38,6 @@ extern "C" int tdx_draw_seq(uint64_t seed, int dtype, size_t count, const int64_
   })
 }
 
-// A dropout keep-mask of `shape` in `like`'s dtype and on its device: 1 with probability `keep`, else 0,
-// drawn from a generator of its own (CPU, or a new one of `like`'s CUDA device) seeded with `seed`.
-extern "C" int tdx_keep_mask(tdx_tensor like, const int64_t* shape, size_t ndim, double keep, uint64_t seed,
-                             tdx_tensor* out) {
-  TDX_TRY({
-    const auto& x = tdx::tensor(like);
-    at::Generator gen;
-    if (x.is_cuda()) {
-      gen = at::detail::getCUDAHooks().getNewGenerator(x.device().index());
-      std::lock_guard<std::mutex> lock(gen.mutex());
-      gen.set_current_seed(seed);
-    } else if (x.is_cpu()) {
-      gen = at::make_generator<at::CPUGeneratorImpl>(seed);
-    } else {
-      return tdx::set_error(TDX_EINVALID, "a dropout mask on " + x.device().str() + ": CPU and CUDA only");
-    }
-    std::vector<int64_t> s(shape, shape + ndim);
-    *out = new at::Tensor(at::empty(s, x.options()).bernoulli_(keep, gen));
-    return TDX_OK;
-  })
-}
-
 // The default generators' states (the CPU's and every CUDA device's), to put back later: what
 // `torch.random.fork_rng()` keeps, so that seeding inside a scope leaves the program's draws alone.
 struct tdx_rng_saved {

@@ -261,9 +261,6 @@ int tdx_randperm(int64_t n, uint64_t seed, tdx_tensor* out);
 // dimensions, the sizes of all of them concatenated in `sizes`.
 int tdx_draw_seq(uint64_t seed, int dtype, size_t count, const int64_t* ndims, const int64_t* sizes,
                  const double* bounds, tdx_tensor* outs);
-// A dropout keep-mask (1 with probability keep, else 0) of `shape`, in like's dtype and on its device (CPU
-// or CUDA), from a generator of its own seeded with `seed`: the global generators are left alone.
-int tdx_keep_mask(tdx_tensor like, const int64_t* shape, size_t ndim, double keep, uint64_t seed, tdx_tensor* out);
 // The default generators' states (CPU and every CUDA device), and putting them back (which frees them):
 // torch.random.fork_rng().
 typedef struct tdx_rng_saved tdx_rng_saved;

@@ -374,14 +374,6 @@ extern "C" {
         bounds: *const f64,
         outs: *mut tdx_tensor,
     ) -> c_int;
-    pub fn tdx_keep_mask(
-        like: tdx_tensor,
-        shape: *const i64,
-        ndim: usize,
-        keep: f64,
-        seed: u64,
-        out: *mut tdx_tensor,
-    ) -> c_int;
     pub fn tdx_rng_save(out: *mut *mut tdx_rng_saved) -> c_int;
     pub fn tdx_rng_restore(saved: *mut tdx_rng_saved);
 

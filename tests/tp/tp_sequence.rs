@@ -105,3 +105,45 @@ fn sequence_parallel_block_equals_the_full_block() {
         }
     }
 }
+
+/// The replicated parameters' gradients are summed in one allreduce per dtype (flattened and copied
+/// back), not one per parameter: three float32 gradients and one float64 take two.
+#[test]
+fn sequence_parallel_gradients_take_one_allreduce_per_dtype() {
+    let outs = common::run_threads(2, T, |world| {
+        let name = "sp-grads";
+        let pg = world.new_subgroup(&[0, 1], name).unwrap().unwrap();
+        let r = pg.rank() as f64 + 1.0;
+        let shapes =
+            [(vec![3], Kind::Float), (vec![2, 2], Kind::Float), (vec![2, 3], Kind::Float), (vec![5], Kind::Double)];
+        let params: Vec<Tensor> = shapes
+            .into_iter()
+            .map(|(shape, kind)| Tensor::zeros(shape.as_slice(), (kind, Device::Cpu)).set_requires_grad(true))
+            .collect();
+        for (i, p) in params.iter().enumerate() {
+            // gradient r (i + 1) everywhere
+            (p * (r * (i as f64 + 1.0))).sum(p.kind()).backward();
+        }
+        let after = tch_dist::flight::entries().last().map_or(0, |e| e.id);
+        allreduce_sequence_parallel_grads(&params, &pg).unwrap();
+        let mine = tch_dist::flight::entries()
+            .iter()
+            .filter(|e| e.id > after && e.group.contains(name) && e.group_rank == pg.rank())
+            .filter(|e| e.op.starts_with("allreduce"))
+            .count();
+        // the recorder keeps its last entries only: other tests' may have pushed these out
+        let kept = tch_dist::flight::entries().first().is_none_or(|e| e.id <= after + 1);
+        let sums: Vec<Tensor> = params.iter().map(|p| p.grad()).collect();
+        (kept, mine, sums)
+    });
+    for (rank, (kept, n, sums)) in outs.iter().enumerate() {
+        // rank 0 gave i + 1, rank 1 2 (i + 1): the sum is 3 (i + 1) in every element
+        for (i, s) in sums.iter().enumerate() {
+            let want = s.ones_like() * (3.0 * (i as f64 + 1.0));
+            assert!(diff(s, &want) < 1e-12, "rank {rank}: gradient {i} is {s}");
+        }
+        if *kept {
+            assert_eq!(*n, 2, "rank {rank}: one allreduce per dtype");
+        }
+    }
+}
