@@ -401,12 +401,12 @@ fn main() -> Res<()> {
         opt.step()?;
         stage.zero_grad()?;
         meter.add_tokens(tokens);
-        let logs = step % 20 == 0 || step + 1 == a.steps;
+        let logs = step.is_multiple_of(20) || step + 1 == a.steps;
         match report.loss {
             // the mean over the data- and context-parallel ranks of the last stage, where it is shown or
             // written (every such rank takes part: a condition alike on all of them)
             Some(l) if (logs && a.launches.is_none()) || a.losses.is_some() => {
-                let l = dims.average_loss(l)?;
+                let l = dims.average_loss(&l)?.double_value(&[]);
                 if reporter && logs {
                     let secs = started.elapsed().as_secs_f64();
                     println!("step {step}: loss {l:.4} ({secs:.1} s)  {}", meter.report()?);

@@ -279,12 +279,16 @@ fn main() -> Result<()> {
         opt.zero_grad();
         model.backward(&loss)?; // DDP's and FSDP's reductions; plain autograd otherwise
         opt.step();
-        let l = dims.average_loss(loss.double_value(&[]))?;
-        if world.rank() == 0 && (step % 20 == 0 || step + 1 == a.steps) {
-            println!("step {step}: loss {l:.4}");
-        }
-        if let Some(f) = out.as_mut() {
-            writeln!(f, "{step} {l:.8}")?;
+        // averaged (a collective: on every rank alike) and read only where it is shown or written
+        let logs = step.is_multiple_of(20) || step + 1 == a.steps;
+        if logs || a.losses.is_some() {
+            let l = dims.average_loss(&loss)?.double_value(&[]);
+            if world.rank() == 0 && logs {
+                println!("step {step}: loss {l:.4}");
+            }
+            if let Some(f) = out.as_mut() {
+                writeln!(f, "{step} {l:.8}")?;
+            }
         }
     }
     if let Some(ck) = ck.as_mut() {

@@ -201,12 +201,16 @@ fn main() -> Result<()> {
         let loss = logits.view([-1, cfg.vocab_size]).cross_entropy_for_logits(&ys.view([-1]));
         opt.backward_step_clip(&loss, 0.5);
         // the loss of the global batch: the mean over the data-parallel ranks
-        let l = dims.average_loss(loss.double_value(&[]))?;
-        if world.rank() == 0 && (step % 20 == 0 || step + 1 == a.steps) {
-            println!("step {step}: loss {l:.4} ({:.1} s)", started.elapsed().as_secs_f64());
-        }
-        if let Some(f) = out.as_mut() {
-            writeln!(f, "{step} {l:.8}")?;
+        // averaged (a collective: on every rank alike) and read only where it is shown or written
+        let logs = step.is_multiple_of(20) || step + 1 == a.steps;
+        if logs || a.losses.is_some() {
+            let l = dims.average_loss(&loss)?.double_value(&[]);
+            if world.rank() == 0 && logs {
+                println!("step {step}: loss {l:.4} ({:.1} s)", started.elapsed().as_secs_f64());
+            }
+            if let Some(f) = out.as_mut() {
+                writeln!(f, "{step} {l:.8}")?;
+            }
         }
     }
     world.barrier()?;

@@ -189,7 +189,7 @@ fn worker(a: &Args) -> Result<(), Box<dyn std::error::Error>> {
         st.zero_grad()?;
         inflight = inflight.max(r.max_in_flight);
         if let Some(l) = r.loss {
-            println!("loss {s} {l}");
+            println!("loss {s} {}", l.double_value(&[]));
         }
         if s + 1 == a.steps {
             for sp in &r.spans {

@@ -242,12 +242,22 @@ impl ParallelMesh {
         &self.loss
     }
 
-    /// The mean of `loss` over the [`loss_group`](Self::loss_group): every rank of it calls this (under a
-    /// pipeline, the last stage's ranks, which have the loss).
-    pub fn average_loss(&self, loss: f64) -> Result<f64> {
-        let mut t = tch::Tensor::from_slice(&[loss]);
+    /// The mean of `loss` (a scalar) over the [`loss_group`](Self::loss_group), on its device: every
+    /// rank of the group calls this (under a pipeline, the last stage's ranks, which have the loss).
+    /// Nothing is read on the host: `double_value` it where it is logged (torchtitan's `dist_mean`,
+    /// then `.item()` at the log step).
+    pub fn average_loss(&self, loss: &tch::Tensor) -> Result<tch::Tensor> {
+        if loss.numel() != 1 {
+            return Err(crate::Error::invalid(
+                "average_loss",
+                format!("the loss must be a scalar, not {:?}", loss.size()),
+            ));
+        }
+        let _g = tch::no_grad_guard();
+        // a copy in float32 (the allreduce writes into it, not into the caller's)
+        let mut t = loss.f_detach()?.f_reshape([1])?.f_to_dtype(tch::Kind::Float, false, true)?;
         self.loss.allreduce(&mut t, ReduceOp::Sum)?;
-        Ok(t.double_value(&[0]) / self.loss.size() as f64)
+        Ok(t.f_div_scalar(self.loss.size() as f64)?.f_reshape([])?)
     }
 
     /// Whether this rank reports (prints, writes the loss): the last pipeline stage's first rank in every

@@ -173,7 +173,8 @@ fn zero_grads(stages: &[&Stage]) -> Result<()> {
 }
 
 fn summarise(schedule: &Schedule, reports: Vec<runtime::RankReport>, seconds: f64) -> StepReport {
-    let loss = reports.iter().filter_map(|r| r.loss).sum();
+    // the threads' step reads it: its report is for printing
+    let loss = reports.iter().filter_map(|r| r.loss.as_ref()).map(|l| l.double_value(&[])).sum();
     let max_in_flight = reports.iter().map(|r| r.max_in_flight).collect();
     let spans: Vec<ActionSpan> = reports.into_iter().flat_map(|r| r.spans).collect();
     let bubble_fraction = trace::bubble_fraction(&spans, schedule.stages);

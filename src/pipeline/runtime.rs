@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use tch::Tensor;
+use tch::{Kind, Tensor};
 
 use super::layers::Stage;
 use super::plan::{self, Step};
@@ -19,10 +19,11 @@ use crate::error::{panic_message, Error, Result};
 pub type LossFn = dyn Fn(&Tensor, &Tensor) -> Tensor + Send + Sync;
 
 /// What one rank did in a step.
-#[derive(Clone, Debug, Default)]
+#[derive(Debug, Default)]
 pub struct RankReport {
-    /// Sum of this rank's microbatch losses divided by m (only the last virtual stage has any).
-    pub loss: Option<f64>,
+    /// Sum of this rank's microbatch losses divided by m (only the last virtual stage has any): a
+    /// scalar on the stage's device, summed there (reading it is the caller's host sync, when it logs).
+    pub loss: Option<Tensor>,
     pub spans: Vec<ActionSpan>,
     /// Most microbatch-chunks whose activations this rank held at once.
     pub max_in_flight: usize,
@@ -77,7 +78,7 @@ pub(crate) fn run_rank(step: &RankStep, net: &mut dyn Transport) -> Result<RankR
     // what the last compute made, for the batch that follows it
     let mut outbox: Vec<Outgoing> = Vec::new();
     let mut report = RankReport::default();
-    // summed where it is made; read once, at the end
+    // summed on the device where it is made; the caller reads it (a host sync) only when it logs
     let mut loss_sum: Option<Tensor> = None;
     if let Some(x) = step.inputs.first() {
         net.begin(x)?;
@@ -202,8 +203,8 @@ pub(crate) fn run_rank(step: &RankStep, net: &mut dyn Transport) -> Result<RankR
     net.flush()?;
     if rank == last_vs % p && step.chunks.len() * p > last_vs {
         report.loss = Some(match loss_sum {
-            Some(l) => l.f_double_value(&[])?,
-            None => 0.0,
+            Some(l) => l,
+            None => Tensor::f_zeros([], (Kind::Float, step.chunks[last_vs / p].device))?,
         });
     }
     Ok(report)

@@ -102,7 +102,7 @@ fn worker_pipeline_stage() {
         let (x, y) = data_rows(s, n);
         let r = stage.step(&x, &y, &pipe::loss).unwrap();
         if let Some(l) = r.loss {
-            println!("loss {s} {l:.12}");
+            println!("loss {s} {:.12}", l.double_value(&[]));
         }
         opts.iter_mut().for_each(|o| o.step());
         stage.zero_grad().unwrap();

@@ -156,7 +156,7 @@ fn train(dp_kind: Dp, schedule: ScheduleKind, chunks: usize, sizes: &'static [us
             opts.iter_mut().for_each(|o| o.step());
             stage.zero_grad().unwrap();
             if let Some(l) = r.loss {
-                let mut t = Tensor::from_slice(&[l]);
+                let mut t = l.reshape([1]);
                 dp.allreduce(&mut t, ReduceOp::Sum).unwrap();
                 losses.push(t.double_value(&[0]) / 2.0);
             }
@@ -238,7 +238,7 @@ fn accumulating_over_steps_under_no_sync() {
         stage.zero_grad().unwrap();
         let (x, y) = rows(2);
         let l = stage.step(&x, &y, &loss).unwrap().loss.map(|l| {
-            let mut t = Tensor::from_slice(&[l]);
+            let mut t = l.reshape([1]);
             dp.allreduce(&mut t, ReduceOp::Sum).unwrap();
             t.double_value(&[0]) / 2.0
         });
@@ -270,7 +270,11 @@ fn without_data_parallelism_the_replicas_differ() {
         let mut last = None;
         for s in 0..STEPS {
             let (x, y) = data(s);
-            last = stage.step(&x.narrow(0, first, BATCH / 2), &y.narrow(0, first, BATCH / 2), &loss).unwrap().loss;
+            last = stage
+                .step(&x.narrow(0, first, BATCH / 2), &y.narrow(0, first, BATCH / 2), &loss)
+                .unwrap()
+                .loss
+                .map(|l| l.double_value(&[]));
             opts.iter_mut().for_each(|o| o.step());
             stage.zero_grad().unwrap();
         }
@@ -323,7 +327,7 @@ fn step_gathers(schedule: ScheduleKind, microbatches: usize, want: &[f64]) -> us
                 opts.iter_mut().for_each(|o| o.step());
                 stage.zero_grad().unwrap();
                 if let Some(l) = r.unwrap().loss {
-                    let mut t = Tensor::from_slice(&[l]);
+                    let mut t = l.reshape([1]);
                     dp.allreduce(&mut t, ReduceOp::Sum).unwrap();
                     losses.push(t.double_value(&[0]) / 2.0);
                 }
@@ -409,7 +413,7 @@ fn train_dims(dims: ParallelDims, layers: fn() -> LayerList) -> (Vec<f64>, Vec<V
             opts.iter_mut().for_each(|o| o.step());
             stage.zero_grad().unwrap();
             if let Some(l) = r.loss {
-                losses.push(mesh.average_loss(l).unwrap());
+                losses.push(mesh.average_loss(&l).unwrap().double_value(&[]));
             }
         }
         (losses, l0)

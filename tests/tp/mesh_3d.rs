@@ -112,7 +112,7 @@ fn pp_dp_tp_on_8_ranks_trains_like_one_process() {
             let (x, y) = batch(s, dp_rank);
             let report = stage.step(&x, &y, &loss).unwrap();
             if let Some(l) = report.loss {
-                let mut l = Tensor::from_slice(&[l]);
+                let mut l = l.reshape([1]);
                 dp.allreduce(&mut l, ReduceOp::Sum).unwrap();
                 losses.push(l.double_value(&[0]) / dp.size() as f64);
             }

@@ -45,7 +45,10 @@ fn check(world_size: usize, dims: ParallelDims) {
         if let Some(g) = pm.expert_replica_group() {
             groups.push(("ep_replicas", members(g, &world)));
         }
-        let loss = pm.average_loss(world.rank() as f64).unwrap();
+        // a float64 scalar in, float32 out, the caller's tensor left as it was
+        let mine = Tensor::from(world.rank() as f64);
+        let loss = pm.average_loss(&mine).unwrap().double_value(&[]);
+        assert_eq!(mine.double_value(&[]), world.rank() as f64, "average_loss wrote into the caller's loss");
         assert_eq!(pm.rank(), world.rank());
         Seen { rank: world.rank(), groups, rows: pm.rows(24).unwrap(), reporter: pm.is_reporter(), loss }
     });
