@@ -1,298 +1,430 @@
-//! A Llama-style language model (the architecture of tch-rs's `examples/llama`: a fused `c_attn`
-//! projection read in three slices, RMSNorm scales made with `vs.ones`, rotary embeddings passed to each
-//! block, a SwiGLU MLP, no biases), trained on characters under DDP, FSDP, HSDP or tensor parallelism
-//! through a `parallelize::Plan`, with tch's own `nn::AdamW`, saved to and resumed from a sharded
-//! checkpoint in any layout (docs/porting.md walks through it):
+//! A Llama 3 trainer a user can fork: the architecture of Hugging Face's `LlamaForCausalLM` (RMSNorm,
+//! rotary embeddings in its rotate-half convention, SwiGLU, grouped-query attention through SDPA, tied
+//! or untied embeddings), its variables named as Hugging Face names them, so a model directory loads
+//! with no map; every layout is degrees on the command line (docs/llama.md):
 //!
-//!   tchrun --nproc-per-node 1 -- llama --corpus FILE                  # one process
-//!   tchrun --nproc-per-node 2 -- llama --corpus FILE --dp 2           # DDP
-//!   tchrun --nproc-per-node 2 -- llama --corpus FILE --fsdp 2         # FSDP, a unit per block
-//!   tchrun --nproc-per-node 4 -- llama --corpus FILE --hsdp 2x2       # HSDP
-//!   tchrun --nproc-per-node 2 -- llama --corpus FILE --tp 2           # tensor parallel
+//!   tchrun --nproc-per-node 2 -- llama --from-hf DIR --data train.bin --dp-shard 2 --steps 100 --to-hf OUT
+//!   tchrun --nproc-per-node 2 -- llama --config config.json --data train.bin --tp 2
 //!
-//! `--checkpoint DIR` saves the model and tch's optimizer there after the last step; `--resume` first
-//! loads the newest checkpoint there (saved in any layout) and goes on from its step.
-use std::io::Write;
+//! `--data` is little-endian u16 token ids (nanoGPT's `train.bin`; `--data-dtype u32` for larger
+//! vocabularies); step `s` reads the global batch of sequences `s * batch * dp ..`, each rank its rows.
+//! `--dump-logits FILE` writes the first global batch's input ids and logits (before any step) from
+//! rank 0, for comparisons with `transformers`.
+use std::os::unix::fs::FileExt;
 use std::sync::Arc;
 
 use clap::Parser;
-
-#[path = "common/degrees.rs"]
-mod degrees;
-use degrees::Degrees;
-use tch::data::TextData;
 use tch::nn::{self, Module, OptimizerConfig};
-use tch::{Device, IndexOp, Kind, Tensor};
-use tch_dist::checkpoint::{Checkpointer, StateDict};
-use tch_dist::parallel_dims::ParallelMesh;
+use tch::{Device, Kind, Tensor};
+use tch_dist::checkpoint::hf::{save_hf, HfCheckpoint, HfPart, HfSaveOptions, HfSlot};
+use tch_dist::parallel_dims::{ParallelDims, ParallelMesh};
 use tch_dist::parallelize::{self, Linear, Plan, Style, Unit};
 use tch_dist::{DistModule, ProcessGroup};
 
 type Result<T> = std::result::Result<T, Box<dyn std::error::Error>>;
 
 #[derive(Parser, Debug)]
-#[command(about = "a Llama-style model under DDP, FSDP, HSDP or tensor parallelism")]
+#[command(about = "a Llama 3 model from and to Hugging Face checkpoints, under any layout")]
 struct Args {
-    /// The training text (characters).
+    /// A Hugging Face model directory to start from (config.json and safetensors).
     #[arg(long)]
-    corpus: String,
-    #[command(flatten)]
-    degrees: Degrees,
-    #[arg(long, default_value_t = 4)]
-    layers: i64,
-    #[arg(long, default_value_t = 256)]
-    n_embd: i64,
-    #[arg(long, default_value_t = 8)]
-    n_head: i64,
-    #[arg(long, default_value_t = 128)]
-    block_size: i64,
-    /// Sequences per step, over all data-parallel ranks.
-    #[arg(long, default_value_t = 32)]
-    batch_size: i64,
-    #[arg(long, default_value_t = 0.001)]
-    lr: f64,
-    /// The step to stop after (counted from the start, resumed runs included).
-    #[arg(long, default_value_t = 100)]
+    from_hf: Option<String>,
+    /// Without --from-hf: a Hugging Face config.json for a freshly initialised model.
+    #[arg(long)]
+    config: Option<String>,
+    /// Where the trained model is written as a Hugging Face directory.
+    #[arg(long)]
+    to_hf: Option<String>,
+    /// Token ids, little-endian (u16 unless --data-dtype u32).
+    #[arg(long)]
+    data: Option<String>,
+    #[arg(long, default_value = "u16", value_parser = ["u16", "u32"])]
+    data_dtype: String,
+    #[arg(long, default_value_t = 10)]
     steps: usize,
-    /// Where the first rank writes `step loss` lines.
+    #[arg(long, default_value_t = 128)]
+    seq_len: i64,
+    /// Sequences per step on each data-parallel rank.
+    #[arg(long, default_value_t = 4)]
+    batch: i64,
+    #[arg(long, default_value_t = 3e-4)]
+    lr: f64,
+    #[arg(long, default_value_t = 1)]
+    dp_shard: usize,
+    #[arg(long, default_value_t = 1)]
+    dp_replicate: usize,
+    #[arg(long, default_value_t = 1)]
+    tp: usize,
+    #[arg(long, default_value_t = 1)]
+    pp: usize,
+    /// The first global batch's `input_ids` and `logits`, before any step, as safetensors (rank 0).
     #[arg(long)]
-    losses: Option<String>,
-    /// A sharded checkpoint of the model and the optimizer is saved here after the last step.
-    #[arg(long)]
-    checkpoint: Option<String>,
-    /// Load the newest checkpoint under --checkpoint first, and go on from its step.
-    #[arg(long)]
-    resume: bool,
+    dump_logits: Option<String>,
+    /// Seeds a fresh model's initialisation.
+    #[arg(long, default_value_t = 0)]
+    seed: i64,
 }
 
-#[derive(Debug, Clone, Copy)]
+/// What the model needs of a Hugging Face `config.json`.
+#[derive(Clone, Debug)]
 struct Config {
-    vocab_size: i64,
-    n_layer: i64,
-    n_head: i64,
-    n_embd: i64,
+    vocab: i64,
+    hidden: i64,
+    intermediate: i64,
+    layers: i64,
+    heads: i64,
+    kv_heads: i64,
+    head_dim: i64,
+    eps: f64,
+    tied: bool,
+    init_std: f64,
+    /// The rotary frequencies, `[head_dim / 2]`.
+    inv_freq: Vec<f64>,
 }
 
-fn linear(p: nn::Path, i: i64, o: i64) -> Linear {
-    parallelize::linear(&p, i, o, nn::LinearConfig { bias: false, ..Default::default() }).unwrap()
+impl Config {
+    fn from_json(v: &serde_json::Value) -> Result<Config> {
+        let int = |k: &str| v.get(k).and_then(|x| x.as_i64()).ok_or(format!("config.json: no integer {k:?}"));
+        let float = |k: &str, d: f64| v.get(k).and_then(|x| x.as_f64()).unwrap_or(d);
+        for (k, ok) in [("hidden_act", "silu"), ("model_type", "llama")] {
+            if let Some(x) = v.get(k).and_then(|x| x.as_str()).filter(|x| *x != ok) {
+                return Err(format!("config.json: {k} {x:?}: this model is {ok:?}").into());
+            }
+        }
+        for k in ["attention_bias", "mlp_bias"] {
+            if v.get(k).and_then(|x| x.as_bool()) == Some(true) {
+                return Err(format!("config.json: {k} true: this model has no biases").into());
+            }
+        }
+        let (hidden, heads) = (int("hidden_size")?, int("num_attention_heads")?);
+        let head_dim = int("head_dim").unwrap_or(hidden / heads);
+        Ok(Config {
+            vocab: int("vocab_size")?,
+            hidden,
+            intermediate: int("intermediate_size")?,
+            layers: int("num_hidden_layers")?,
+            heads,
+            kv_heads: int("num_key_value_heads").unwrap_or(heads),
+            head_dim,
+            eps: float("rms_norm_eps", 1e-6),
+            tied: v.get("tie_word_embeddings").and_then(|x| x.as_bool()).unwrap_or(false),
+            init_std: float("initializer_range", 0.02),
+            inv_freq: inv_freq(v, head_dim)?,
+        })
+    }
 }
 
-/// Root-mean-square normalisation with a learned scale (starting at one, for training).
+/// `transformers`' rotary frequencies: `rope_parameters` (or the older `rope_theta` and `rope_scaling`),
+/// of type "default" or "llama3" (Llama 3.1's long-context scaling).
+fn inv_freq(v: &serde_json::Value, head_dim: i64) -> Result<Vec<f64>> {
+    let rope = v.get("rope_parameters").or_else(|| v.get("rope_scaling")).filter(|r| !r.is_null());
+    let get = |k: &str| rope.and_then(|r| r.get(k)).and_then(|x| x.as_f64());
+    let theta = get("rope_theta").or_else(|| v.get("rope_theta").and_then(|x| x.as_f64())).unwrap_or(10000.0);
+    let base: Vec<f64> = (0..head_dim / 2).map(|i| 1.0 / theta.powf(2.0 * i as f64 / head_dim as f64)).collect();
+    let kind = rope.and_then(|r| r.get("rope_type").or_else(|| r.get("type"))).and_then(|x| x.as_str());
+    match kind.unwrap_or("default") {
+        "default" => Ok(base),
+        "llama3" => {
+            let need = |k: &str| get(k).ok_or(format!("config.json: llama3 rope scaling without {k:?}"));
+            let (factor, low, high) = (need("factor")?, need("low_freq_factor")?, need("high_freq_factor")?);
+            let old = need("original_max_position_embeddings")?;
+            let (low_wavelen, high_wavelen) = (old / low, old / high);
+            Ok(base
+                .into_iter()
+                .map(|f| {
+                    let wavelen = 2.0 * std::f64::consts::PI / f;
+                    if wavelen < high_wavelen {
+                        f
+                    } else if wavelen > low_wavelen {
+                        f / factor
+                    } else {
+                        let smooth = (old / wavelen - low) / (high - low);
+                        (1.0 - smooth) * f / factor + smooth * f
+                    }
+                })
+                .collect())
+        }
+        other => Err(format!("config.json: rope type {other:?} (this model knows \"default\" and \"llama3\")").into()),
+    }
+}
+
+fn linear(p: nn::Path, i: i64, o: i64, cfg: &Config) -> Linear {
+    let ws_init = nn::Init::Randn { mean: 0.0, stdev: cfg.init_std };
+    // main checked what the split needs (heads and sizes divisible by --tp)
+    parallelize::linear(&p, i, o, nn::LinearConfig { ws_init, bias: false, ..Default::default() })
+        .expect("a projection the plan splits")
+}
+
+/// `weight * x / rms(x)`, computed in float32 as `transformers` does.
 #[derive(Debug)]
 struct RmsNorm {
-    scale: Tensor,
+    weight: Tensor,
+    eps: f64,
 }
 
 impl RmsNorm {
-    fn new(p: nn::Path, size: i64) -> Self {
-        RmsNorm { scale: p.ones("scale", &[size]) }
+    fn new(p: nn::Path, cfg: &Config) -> Self {
+        RmsNorm { weight: p.ones("weight", &[cfg.hidden]), eps: cfg.eps }
     }
 }
 
 impl Module for RmsNorm {
     fn forward(&self, xs: &Tensor) -> Tensor {
-        let ms = (xs * xs).mean_dim(-1, true, Kind::Float);
-        xs * (ms + 1e-5).rsqrt() * &self.scale
+        let x = xs.to_kind(Kind::Float);
+        let x = &x * (x.square().mean_dim(-1, true, Kind::Float) + self.eps).rsqrt();
+        &self.weight * x.to_kind(xs.kind())
     }
 }
 
-/// SwiGLU: `c_proj(silu(c_fc1 x) * c_fc2 x)`.
 #[derive(Debug)]
 struct Mlp {
-    c_fc1: Linear,
-    c_fc2: Linear,
-    c_proj: Linear,
-}
-
-impl Mlp {
-    fn new(p: nn::Path, n_embd: i64) -> Self {
-        let hidden = 8 * n_embd / 3;
-        let hidden = (hidden + 63) / 64 * 64;
-        Mlp {
-            c_fc1: linear(&p / "c_fc1", n_embd, hidden),
-            c_fc2: linear(&p / "c_fc2", n_embd, hidden),
-            c_proj: linear(&p / "c_proj", hidden, n_embd),
-        }
-    }
+    gate_proj: Linear,
+    up_proj: Linear,
+    down_proj: Linear,
 }
 
 impl Module for Mlp {
     fn forward(&self, xs: &Tensor) -> Tensor {
-        self.c_proj.forward(&(self.c_fc1.forward(xs).silu() * self.c_fc2.forward(xs)))
+        self.down_proj.forward(&(self.gate_proj.forward(xs).silu() * self.up_proj.forward(xs)))
     }
 }
 
-/// Causal self-attention with one fused projection for queries, keys and values.
 #[derive(Debug)]
 struct Attention {
-    c_attn: Linear,
-    c_proj: Linear,
+    q_proj: Linear,
+    k_proj: Linear,
+    v_proj: Linear,
+    o_proj: Linear,
     head_dim: i64,
+    gqa: bool,
 }
 
-/// Rotates pairs of `x`'s last dimension (`[b, heads, t, head_dim]`) by the angles in `rope`
-/// (`[t, head_dim / 2, 2]`: cosines and sines).
-fn rotary(x: &Tensor, rope: &Tensor) -> Tensor {
-    let mut dims = x.size();
-    let d = dims.pop().unwrap_or(0);
-    let x = x.reshape([dims.clone(), vec![d / 2, 2]].concat());
-    let (re, im) = (x.select(-1, 0), x.select(-1, 1));
-    let (cos, sin) = (rope.select(-1, 0), rope.select(-1, 1));
-    Tensor::stack(&[&re * &cos - &im * &sin, &re * &sin + &im * &cos], -1).reshape([dims, vec![d]].concat())
+/// `x * cos + rotate_half(x) * sin`, `x` of shape `[b, heads, t, head_dim]`.
+fn rotary(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
+    let halves = x.chunk(2, -1);
+    let rotated = Tensor::cat(&[halves[1].neg(), halves[0].shallow_clone()], -1);
+    x * cos + rotated * sin
 }
 
 impl Attention {
-    fn new(p: nn::Path, cfg: Config) -> Self {
-        Attention {
-            c_attn: linear(&p / "c_attn", cfg.n_embd, 3 * cfg.n_embd),
-            c_proj: linear(&p / "c_proj", cfg.n_embd, cfg.n_embd),
-            head_dim: cfg.n_embd / cfg.n_head,
-        }
-    }
-
-    fn forward(&self, x: &Tensor, rope: &Tensor) -> Tensor {
-        let (b, t, _) = x.size3().unwrap();
-        let qkv = self.c_attn.forward(x).chunk(3, -1);
+    fn forward(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
+        let (b, t, _) = x.size3().expect("activations are [batch, seq, hidden]");
         // -1 heads: all of them in one process, this rank's under tensor parallelism
-        let heads = |y: &Tensor| y.reshape([b, t, -1, self.head_dim]).transpose(1, 2);
-        let rope = rope.narrow(0, 0, t);
-        let (q, k, v) = (rotary(&heads(&qkv[0]), &rope), rotary(&heads(&qkv[1]), &rope), heads(&qkv[2]));
-        let y = Tensor::scaled_dot_product_attention(&q, &k, &v, None::<Tensor>, 0.0, true, None, false);
-        self.c_proj.forward(&y.transpose(1, 2).reshape([b, t, -1]))
+        let heads = |y: Tensor| y.reshape([b, t, -1, self.head_dim]).transpose(1, 2);
+        let q = rotary(&heads(self.q_proj.forward(x)), cos, sin);
+        let k = rotary(&heads(self.k_proj.forward(x)), cos, sin);
+        let v = heads(self.v_proj.forward(x));
+        let y = Tensor::scaled_dot_product_attention(&q, &k, &v, None::<Tensor>, 0.0, true, None, self.gqa);
+        self.o_proj.forward(&y.transpose(1, 2).reshape([b, t, -1]))
     }
 }
 
 #[derive(Debug)]
-struct Block {
-    rms_1: RmsNorm,
-    attn: Attention,
-    rms_2: RmsNorm,
+struct Layer {
+    input_layernorm: RmsNorm,
+    self_attn: Attention,
+    post_attention_layernorm: RmsNorm,
     mlp: Mlp,
 }
 
-impl Block {
-    fn new(p: nn::Path, cfg: Config) -> Self {
-        Block {
-            rms_1: RmsNorm::new(&p / "rms_1", cfg.n_embd),
-            attn: Attention::new(&p / "attn", cfg),
-            rms_2: RmsNorm::new(&p / "rms_2", cfg.n_embd),
-            mlp: Mlp::new(&p / "mlp", cfg.n_embd),
+impl Layer {
+    fn new(p: nn::Path, cfg: &Config) -> Self {
+        let (a, m) = (&p / "self_attn", &p / "mlp");
+        let (h, q, kv) = (cfg.hidden, cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim);
+        Layer {
+            input_layernorm: RmsNorm::new(&p / "input_layernorm", cfg),
+            self_attn: Attention {
+                q_proj: linear(&a / "q_proj", h, q, cfg),
+                k_proj: linear(&a / "k_proj", h, kv, cfg),
+                v_proj: linear(&a / "v_proj", h, kv, cfg),
+                o_proj: linear(&a / "o_proj", q, h, cfg),
+                head_dim: cfg.head_dim,
+                gqa: cfg.kv_heads != cfg.heads,
+            },
+            post_attention_layernorm: RmsNorm::new(&p / "post_attention_layernorm", cfg),
+            mlp: Mlp {
+                gate_proj: linear(&m / "gate_proj", h, cfg.intermediate, cfg),
+                up_proj: linear(&m / "up_proj", h, cfg.intermediate, cfg),
+                down_proj: linear(&m / "down_proj", cfg.intermediate, h, cfg),
+            },
         }
     }
 
-    /// Two inputs: the activations and the rotary table.
-    fn forward(&self, x: &Tensor, rope: &Tensor) -> Tensor {
-        let x = self.attn.forward(&self.rms_1.forward(x), rope) + x;
-        self.mlp.forward(&self.rms_2.forward(&x)) + x
+    fn forward(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
+        let x = x + self.self_attn.forward(&self.input_layernorm.forward(x), cos, sin);
+        &x + self.mlp.forward(&self.post_attention_layernorm.forward(&x))
     }
 }
 
 #[derive(Debug)]
 struct Llama {
-    wte: nn::Embedding,
-    blocks: Vec<Unit<Block>>,
-    ln_f: RmsNorm,
-    lm_head: Linear,
-    rope: Tensor,
+    embed_tokens: nn::Embedding,
+    layers: Vec<Unit<Layer>>,
+    norm: RmsNorm,
+    /// `None` when tied: the embedding's weight.
+    lm_head: Option<Linear>,
+    inv_freq: Tensor,
 }
 
 impl Llama {
-    fn new(p: nn::Path, cfg: Config, context: i64) -> Self {
-        let t = &p / "transformer";
-        let blocks = (0..cfg.n_layer)
+    /// Hugging Face's names: `model.embed_tokens`, `model.layers.{i}.…`, `model.norm`, `lm_head`.
+    fn new(root: nn::Path, cfg: &Config) -> Self {
+        let m = &root / "model";
+        let embed =
+            nn::EmbeddingConfig { ws_init: nn::Init::Randn { mean: 0.0, stdev: cfg.init_std }, ..Default::default() };
+        let layers = (0..cfg.layers)
             .map(|i| {
-                let bp = &t / "h" / i;
-                parallelize::unit(&bp, Block::new(bp.clone(), cfg)).unwrap() // an FSDP unit per block
+                let p = &m / "layers" / i;
+                // an FSDP unit per layer
+                parallelize::unit(&p, Layer::new(p.clone(), cfg)).expect("built inside plan.build")
             })
             .collect();
         Llama {
-            wte: nn::embedding(&t / "wte", cfg.vocab_size, cfg.n_embd, Default::default()),
-            blocks,
-            ln_f: RmsNorm::new(&t / "ln_f", cfg.n_embd),
-            lm_head: linear(&p / "lm_head", cfg.n_embd, cfg.vocab_size),
-            rope: rope_table(cfg.n_embd / cfg.n_head, context).to_device(p.device()),
+            embed_tokens: nn::embedding(&m / "embed_tokens", cfg.vocab, cfg.hidden, embed),
+            layers,
+            norm: RmsNorm::new(&m / "norm", cfg),
+            lm_head: (!cfg.tied).then(|| linear(&root / "lm_head", cfg.hidden, cfg.vocab, cfg)),
+            inv_freq: Tensor::from_slice(&cfg.inv_freq).to_kind(Kind::Float).to_device(root.device()),
         }
     }
 }
 
 impl Module for Llama {
     fn forward(&self, ids: &Tensor) -> Tensor {
-        let mut x = self.wte.forward(ids);
-        for block in &self.blocks {
-            x = block.forward_with(&x, |b, x| b.forward(x, &self.rope));
+        let t = ids.size()[1];
+        let pos = Tensor::arange(t, (Kind::Float, self.inv_freq.device()));
+        let freqs = pos.outer(&self.inv_freq);
+        let emb = Tensor::cat(&[&freqs, &freqs], -1);
+        let (cos, sin) = (emb.cos(), emb.sin());
+        let mut x = self.embed_tokens.forward(ids);
+        for layer in &self.layers {
+            x = layer.forward_with(&x, |l, x| l.forward(x, &cos, &sin));
         }
-        self.lm_head.forward(&self.ln_f.forward(&x))
+        let x = self.norm.forward(&x);
+        match &self.lm_head {
+            Some(head) => head.forward(&x),
+            None => x.matmul(&self.embed_tokens.ws.tr()),
+        }
     }
 }
 
-/// `[context, head_dim / 2, 2]`: the cosine and sine of position × frequency.
-fn rope_table(head_dim: i64, context: i64) -> Tensor {
-    let freqs = Tensor::arange_start_step(0, head_dim, 2, (Kind::Float, Device::Cpu)) / head_dim as f64;
-    let freqs = (freqs * -(10000f64.ln())).exp();
-    let angles = Tensor::arange(context, (Kind::Float, Device::Cpu)).outer(&freqs);
-    Tensor::stack(&[angles.cos(), angles.sin()], -1)
+/// The layout's data parallelism, and tensor parallelism by Hugging Face's names (Megatron's split:
+/// q, k, v, gate and up by columns, o and down by rows).
+fn plan(mesh: &ParallelMesh) -> Plan {
+    mesh.plan()
+        .styles(&["*.q_proj", "*.k_proj", "*.v_proj", "*.gate_proj", "*.up_proj"], Style::colwise())
+        .styles(&["*.o_proj", "*.down_proj"], Style::rowwise())
 }
 
-/// Tensor parallelism by name (the fused projection split block by block), and the data parallelism
-/// of the flags.
-fn plan(dims: &ParallelMesh) -> Plan {
-    dims.plan()
-        .style("*.attn.c_attn", Style::colwise_fused(3))
-        .styles(&["*.c_fc1", "*.c_fc2"], Style::colwise())
-        .style("*.c_proj", Style::rowwise())
+/// Token ids read from a file on demand: sequence `i` of a step is tokens `i * seq_len ..` (wrapping).
+struct Tokens {
+    file: std::fs::File,
+    width: u64,
+    count: u64,
+}
+
+impl Tokens {
+    fn open(path: &str, dtype: &str) -> Result<Tokens> {
+        let file = std::fs::File::open(path).map_err(|e| format!("--data {path}: {e}"))?;
+        let width = if dtype == "u32" { 4 } else { 2 };
+        let count = file.metadata()?.len() / width;
+        Ok(Tokens { file, width, count })
+    }
+
+    /// Rows `rows` of the global batch of `step` (`global` sequences of `len + 1` tokens), as int64.
+    fn batch(&self, step: usize, global: i64, rows: std::ops::Range<i64>, len: i64) -> Result<Tensor> {
+        let span = (len + 1) as u64;
+        if self.count < span {
+            return Err(format!("--data holds {} tokens, fewer than one sequence of {span}", self.count).into());
+        }
+        let starts = (self.count - span) / len as u64 + 1; // windows that fit
+        let mut ids = Vec::with_capacity((rows.end - rows.start) as usize * span as usize);
+        let mut buf = vec![0u8; (span * self.width) as usize];
+        for r in rows {
+            let at = (step as u64 * global as u64 + r as u64) % starts * len as u64;
+            self.file.read_exact_at(&mut buf, at * self.width)?;
+            ids.extend(buf.chunks(self.width as usize).map(|c| match c {
+                [a, b] => u16::from_le_bytes([*a, *b]) as i64,
+                _ => u32::from_le_bytes([c[0], c[1], c[2], c[3]]) as i64,
+            }));
+        }
+        Ok(Tensor::from_slice(&ids).view([-1, span as i64]))
+    }
 }
 
 fn main() -> Result<()> {
     let a = Args::parse();
+    if a.pp > 1 {
+        return Err("--pp: this example has no pipeline stages yet (use --dp-shard, --dp-replicate, --tp)".into());
+    }
     tch::set_num_threads(1);
     let world = Arc::new(ProcessGroup::from_env()?);
-    let dims = a.degrees.dims()?.build(&world)?;
-    let rows = dims.rows(a.batch_size)?; // this rank's rows of each batch
-    let data = TextData::new(&a.corpus).map_err(|e| format!("--corpus {}: {e}", a.corpus))?;
-    let cfg = Config { vocab_size: data.labels(), n_layer: a.layers, n_head: a.n_head, n_embd: a.n_embd };
+    let dims = ParallelDims { dp_replicate: a.dp_replicate, dp_shard: a.dp_shard, tp: a.tp, ..Default::default() };
+    let mesh = dims.build(&world)?;
+    let source = a.from_hf.as_ref().map(HfCheckpoint::open).transpose()?;
+    let config = match (&source, &a.config) {
+        (Some(hf), None) => hf.config()?,
+        (None, Some(path)) => {
+            serde_json::from_slice(&std::fs::read(path).map_err(|e| format!("--config {path}: {e}"))?)?
+        }
+        _ => return Err("give one of --from-hf DIR and --config config.json".into()),
+    };
+    let cfg = Config::from_json(&config)?;
+    for (what, n) in [
+        ("num_attention_heads", cfg.heads),
+        ("num_key_value_heads", cfg.kv_heads),
+        ("intermediate_size", cfg.intermediate),
+    ] {
+        if n % a.tp as i64 != 0 {
+            return Err(format!("--tp {}: config.json's {what} ({n}) is not divisible by it", a.tp).into());
+        }
+    }
     let vs = nn::VarStore::new(Device::Cpu);
-    let plan = plan(&dims);
-    tch::manual_seed(42); // every rank and every layout: the same model
-    let model = plan.build(&vs, || Llama::new(vs.root(), cfg, a.block_size))?;
-    let mut opt = nn::AdamW::default().build(&vs, a.lr)?; // after the model: under FSDP, over its shards
+    tch::manual_seed(a.seed); // every rank and every layout: the same fresh model
+    let model = plan(&mesh).build(&vs, || Llama::new(vs.root(), &cfg))?;
+    if let Some(hf) = &source {
+        let loaded = hf.load(&world, &vs, HfSlot::same)?;
+        if world.rank() == 0 {
+            println!(
+                "loaded {} tensors from {} ({} bytes read on rank 0)",
+                loaded.tensors,
+                hf.dir().display(),
+                loaded.bytes_read
+            );
+        }
+    }
+    let global = a.batch * mesh.dims().dp() as i64;
+    let data = a.data.as_ref().map(|p| Tokens::open(p, &a.data_dtype)).transpose()?;
+    let need_data = || data.as_ref().ok_or("--data FILE is needed to train or to dump logits");
 
-    let mut start = 0;
-    let mut ck = a.checkpoint.as_ref().map(|dir| Checkpointer::new(world.clone(), dir)).transpose()?;
-    if let (true, Some(ck)) = (a.resume, ck.as_mut()) {
-        let step = ck.load(StateDict::new().var_store("model", &vs).tch_optimizer("optim", &mut opt, &vs))?;
-        start = step.ok_or("--resume: no checkpoint under --checkpoint")? as usize;
+    if let Some(path) = &a.dump_logits {
+        // every rank runs the whole first batch (the forward is collective under FSDP and TP)
+        let ids = need_data()?.batch(0, global, 0..global, a.seq_len)?.narrow(1, 0, a.seq_len).contiguous();
+        let logits = tch::no_grad(|| model.forward(&ids)).to_kind(Kind::Float).contiguous();
+        if world.rank() == 0 {
+            Tensor::write_safetensors(&[("input_ids", &ids), ("logits", &logits)], path)?;
+        }
     }
 
-    // the same batches on every rank; each data-parallel rank trains on its rows
-    tch::manual_seed(1);
-    let batches = data.iter_shuffle(a.block_size + 1, a.batch_size);
-    let mut out = match (&a.losses, world.rank()) {
-        (Some(f), 0) => Some(std::fs::OpenOptions::new().create(true).append(true).open(f)?),
-        _ => None,
-    };
-    for (step, batch) in batches.enumerate().take(a.steps).skip(start) {
-        let batch = batch.i(rows.clone());
-        let xs = batch.narrow(1, 0, a.block_size).to_kind(Kind::Int64);
-        let ys = batch.narrow(1, 1, a.block_size).to_kind(Kind::Int64);
+    let mut opt = nn::AdamW::default().build(&vs, a.lr)?; // after the model: under FSDP, over its shards
+    let rows = mesh.rows(global)?;
+    for step in 0..a.steps {
+        let batch = need_data()?.batch(step, global, rows.clone(), a.seq_len)?;
+        let (xs, ys) = (batch.narrow(1, 0, a.seq_len), batch.narrow(1, 1, a.seq_len));
         let logits = model.forward(&xs);
-        let loss = logits.view([-1, cfg.vocab_size]).cross_entropy_for_logits(&ys.view([-1]));
+        let loss = logits.view([-1, cfg.vocab]).cross_entropy_for_logits(&ys.reshape([-1]));
         opt.zero_grad();
-        model.backward(&loss)?; // DDP's and FSDP's reductions; plain autograd otherwise
+        model.backward(&loss)?;
         opt.step();
-        // averaged (a collective: on every rank alike) and read only where it is shown or written
-        let logs = step.is_multiple_of(20) || step + 1 == a.steps;
-        if logs || a.losses.is_some() {
-            let l = dims.average_loss(&loss)?.double_value(&[]);
-            if world.rank() == 0 && logs {
+        if step % 10 == 0 || step + 1 == a.steps {
+            let l = mesh.average_loss(&loss)?.double_value(&[]);
+            if mesh.is_reporter() {
                 println!("step {step}: loss {l:.4}");
-            }
-            if let Some(f) = out.as_mut() {
-                writeln!(f, "{step} {l:.8}")?;
             }
         }
     }
-    if let Some(ck) = ck.as_mut() {
-        ck.save(a.steps as u64, StateDict::new().var_store("model", &vs).tch_optimizer("optim", &mut opt, &vs))?;
+    if let Some(dir) = &a.to_hf {
+        save_hf(&world, dir, &vs, &HfSaveOptions { config: Some(config), ..Default::default() }, HfPart::same)?;
     }
     Ok(())
 }

@@ -3,7 +3,7 @@
 # TCH_DIST_TORCH_VERSION picks the libtorch (2.13.0 by default; 2.11.0 and 2.12.0 are supported, each in a
 # venv of its own; the tch version that pairs with it is chosen by scripts/torch-version.sh).
 export TCH_DIST_TORCH_VERSION=${TCH_DIST_TORCH_VERSION:-2.13.0}
-TCH_DIST_SETUP_VERSION=3
+TCH_DIST_SETUP_VERSION=4
 export TCH_DIST_CACHE=${TCH_DIST_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/tch-dist}
 export TCH_DIST_VENV=$TCH_DIST_CACHE/venv-torch-$TCH_DIST_TORCH_VERSION
 export TCH_DIST_PYTHON_BIN="$TCH_DIST_VENV/bin/python"

@@ -25,10 +25,12 @@ fi
 # numpy, scikit-learn: data for the training example (the 8x8 digits ship inside scikit-learn).
 # safetensors: to show that PyTorch users can open our checkpoints.
 # matplotlib: the benchmark charts (scripts/bench-memory.sh).
+# transformers (pinned): the Hugging Face checkpoint parity tests (tests/models/hf.rs) build, save and run
+# a tiny Llama with it.
 "$TCH_DIST_VENV/bin/python" -m pip install -q \
   "torch==$TCH_DIST_TORCH_VERSION" \
   "nvidia-cuda-crt==13.0.88" "nvidia-cuda-cccl==13.0.85" \
-  numpy scikit-learn safetensors matplotlib
+  numpy scikit-learn safetensors matplotlib "transformers==5.23.0"
 "$TCH_DIST_VENV/bin/python" - <<'PY'
 import torch, torch.distributed as dist
 import os

@@ -253,6 +253,7 @@ impl ParallelMesh {
                 format!("the loss must be a scalar, not {:?}", loss.size()),
             ));
         }
+        let _call = self.loss.enter_call("ParallelDims::average_loss");
         let _g = tch::no_grad_guard();
         // a copy in float32 (the allreduce writes into it, not into the caller's)
         let mut t = loss.f_detach()?.f_reshape([1])?.f_to_dtype(tch::Kind::Float, false, true)?;

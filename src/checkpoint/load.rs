@@ -53,8 +53,15 @@ impl Checkpointer {
 pub fn load_dir(dir: &Path, sd: &mut StateDict) -> Result<LoadedInfo> {
     sd.check()?;
     let meta = format::read_metadata(dir)?;
+    load_stored(dir, &meta, sd)
+}
+
+/// Loads into `sd` what `meta` describes of the files in `dir` (ours, or another format's described as
+/// ours).
+pub(crate) fn load_stored(dir: &Path, meta: &Metadata, sd: &mut StateDict) -> Result<LoadedInfo> {
+    sd.check()?;
     let _g = tch::no_grad_guard();
-    let mut reader = Reader { dir, meta: &meta, files: HashMap::new() };
+    let mut reader = Reader { dir, meta, files: HashMap::new(), bytes_read: 0 };
     // the model's tensors: in place (through a contiguous copy where the local tensor is not)
     let mut targets = Vec::new();
     let mut copy_back = Vec::new();
@@ -178,7 +185,7 @@ pub fn load_dir(dir: &Path, sd: &mut StateDict) -> Result<LoadedInfo> {
     for ((_, opt), state) in sd.optimizers.iter_mut().zip(states) {
         opt.load_state_dict(&state)?;
     }
-    Ok(LoadedInfo { step: meta.step, layout: meta.layout.clone() })
+    Ok(LoadedInfo { step: meta.step, layout: meta.layout.clone(), bytes_read: reader.bytes_read })
 }
 
 /// What a loaded checkpoint was.
@@ -187,12 +194,15 @@ pub struct LoadedInfo {
     pub step: u64,
     /// The layout it was saved from (`world_size`, and what its state dict described).
     pub layout: std::collections::BTreeMap<String, i64>,
+    /// The bytes this rank read from the checkpoint's files (its parts, not the whole model).
+    pub bytes_read: u64,
 }
 
 struct Reader<'m> {
     dir: &'m Path,
     meta: &'m Metadata,
     files: HashMap<usize, File>,
+    bytes_read: u64,
 }
 
 impl Reader<'_> {
@@ -234,9 +244,11 @@ impl Reader<'_> {
                 let (f, fname) = self.file(c.file)?;
                 if common == c.bx() && common == bx && format::read_into(f, &fname, &t.source, c, kind, &dst)? {
                     covered += common.volume();
+                    self.bytes_read += c.end - c.begin;
                     continue;
                 }
                 let mut src = format::read_rows(f, &fname, &t.source, c, kind, r0, r1)?;
+                self.bytes_read += (src.numel() * kind.elt_size_in_bytes()) as u64;
                 let mut d = dst.shallow_clone();
                 for dim in 0..common.lengths.len() {
                     if dim > 0 {
@@ -261,16 +273,24 @@ impl Reader<'_> {
 /// Every tensor of the checkpoint in `dir`, whole, by name (for tools and tests; no process group).
 pub fn read_full(dir: &Path) -> Result<(u64, Vec<(String, Tensor)>)> {
     let meta = format::read_metadata(dir)?;
-    let mut reader = Reader { dir, meta: &meta, files: HashMap::new() };
     let mut out = Vec::new();
     for (name, t) in &meta.tensors {
-        let local = Tensor::f_zeros(t.shape.as_slice(), (format::dtype_kind(&t.dtype)?, tch::Device::Cpu))?;
-        let target =
-            Target { source: name.clone(), global: t.shape.clone(), region: Region::Box(Bx::whole(&t.shape)), local };
-        reader.fill(&target)?;
-        out.push((name.clone(), target.local));
+        out.push((name.clone(), read_box(dir, &meta, name, Bx::whole(&t.shape))?));
     }
     Ok((meta.step, out))
+}
+
+/// The box `bx` of the stored tensor `name` (in its stored dtype), read from the files in `dir` that
+/// `meta` describes.
+pub(crate) fn read_box(dir: &Path, meta: &Metadata, name: &str, bx: Bx) -> Result<Tensor> {
+    let t = meta
+        .tensors
+        .get(name)
+        .ok_or_else(|| Error::invalid(format!("checkpoint {}", dir.display()), format!("has no tensor {name}")))?;
+    let local = Tensor::f_zeros(bx.lengths.as_slice(), (format::dtype_kind(&t.dtype)?, tch::Device::Cpu))?;
+    let target = Target { source: name.to_string(), global: t.shape.clone(), region: Region::Box(bx), local };
+    Reader { dir, meta, files: HashMap::new(), bytes_read: 0 }.fill(&target)?;
+    Ok(target.local)
 }
 
 /// Checks every file of the checkpoint in `dir` against its size and CRC-32 in the metadata.

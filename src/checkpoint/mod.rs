@@ -8,6 +8,8 @@
 //!   `scripts/ckpt_to_torch.py` reads it into a PyTorch state dict.
 //! - **Single file** ([`save_var_store`], [`load_var_store`]): rank 0 writes everything; for small
 //!   models every rank holds whole (a variable a layout splits is refused by name).
+//! - **Hugging Face checkpoints** ([`hf`]): a model directory as `transformers` writes it, read into any
+//!   layout (each rank reading only its parts) and written back from one.
 //! - **The whole model, one file, any layout** ([`save_full`]): FSDP's shards, tensor-parallel slices
 //!   and other ranks' pipeline stages written whole, for export or inference (tch's `vs.save` writes
 //!   only this rank's part: under FSDP, its shards).
@@ -27,6 +29,7 @@
 mod file;
 pub(crate) mod format;
 mod full;
+pub mod hf;
 mod load;
 mod plan;
 mod region;

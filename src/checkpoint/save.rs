@@ -398,6 +398,7 @@ impl Writer {
                     begin: w.begin,
                     end: w.end,
                     block_crc32: w.block_crc32,
+                    unchecked: false,
                 });
             }
         }

@@ -6,3 +6,4 @@ mod common;
 mod checkpoint;
 mod checkpoint_reshard;
 mod checkpoint_sharded;
+mod hf;

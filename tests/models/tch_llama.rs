@@ -15,19 +15,19 @@ fn every_layout_trains_like_one_process() {
     let layouts: [(usize, &[&str]); 4] =
         [(2, &["--dp", "2"]), (2, &["--fsdp", "2"]), (4, &["--hsdp", "2x2"]), (2, &["--tp", "2"])];
     let args = [&MODEL[..], &["--lr", "0.003", "--steps", "15"]].concat();
-    common::layouts_train_like_one_process("llama", &args, 15, &layouts, 1e-4);
+    common::layouts_train_like_one_process("tch_llama", &args, 15, &layouts, 1e-4);
 }
 
 #[test]
 fn tch_s_adamw_saved_in_one_layout_resumes_in_another() {
-    let dir = std::env::temp_dir().join(format!("tch-dist-llama-resume-{}", std::process::id()));
+    let dir = std::env::temp_dir().join(format!("tch-dist-tch-llama-resume-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     let corpus = common::corpus();
     let run = |procs: usize, layout: &[&str], steps: &str, extra: &[&str], file: &str| {
         let args =
             [&["--corpus", corpus.as_str(), "--lr", "0.003", "--steps", steps][..], &MODEL, layout, extra].concat();
-        common::example_losses("llama", procs, &args, &dir.join(file))
+        common::example_losses("tch_llama", procs, &args, &dir.join(file))
     };
     let reference = run(1, &[], "10", &[], "one.txt");
     assert_eq!(reference.len(), 10);

@@ -1,0 +1,190 @@
+//! Reading a Hugging Face checkpoint into a model under any layout: the checkpoint is described as one
+//! of ours (each of its tensors a chunk of the variable it maps to, unchecked by CRCs), so the sharded
+//! loader reads each rank's part of each chunk and nothing else.
+use std::collections::BTreeMap;
+
+use tch::{nn, Kind};
+
+use super::{HfCheckpoint, HfSlot};
+use crate::checkpoint::format::{self, Metadata, TensorMeta};
+use crate::checkpoint::region::Bx;
+use crate::checkpoint::{load::load_stored, StateDict};
+use crate::error::{Error, Result};
+use crate::group::{ProcessGroup, ReduceOp};
+
+/// What [`HfCheckpoint::load`] did on this rank.
+#[derive(Clone, Debug)]
+pub struct HfLoaded {
+    /// The checkpoint's tensors that went into this rank's model.
+    pub tensors: usize,
+    /// The bytes this rank read from the files (its parts, not the whole model).
+    pub bytes_read: u64,
+}
+
+const PREFIX: &str = "model";
+
+impl HfCheckpoint {
+    /// Loads the checkpoint into `vs`'s variables (in place, in their dtype), whatever the layout:
+    /// `map` says where each of the checkpoint's tensors goes ([`HfSlot::same`] when the VarStore's paths
+    /// are the checkpoint's names). Collective over `pg`, every rank of the layout: a tensor no rank's
+    /// model takes, a variable no tensor fills, a shape or dtype that does not fit fails every rank,
+    /// naming the tensor, its file and both shapes, before any variable changes.
+    pub fn load(&self, pg: &ProcessGroup, vs: &nn::VarStore, map: impl Fn(&str) -> HfSlot) -> Result<HfLoaded> {
+        let _call = pg.enter_call("HfCheckpoint::load");
+        let mut sd = StateDict::new();
+        sd.var_store(PREFIX, vs);
+        let planned = pg.meta().outcome("Hugging Face load", self.plan(&sd, &map));
+        let (meta, unclaimed, tensors) = planned?;
+        // a tensor is unexpected when no rank's model takes it (a pipeline stage takes only its layers)
+        let unclaimed = pg.meta().allreduce("Hugging Face load", &unclaimed, ReduceOp::Min)?;
+        let names: Vec<&String> = self.stored().keys().collect();
+        let stray: Vec<String> =
+            names.iter().zip(&unclaimed).filter(|(_, u)| **u != 0).map(|(n, _)| n.to_string()).collect();
+        if let Some(first) = stray.first() {
+            let vars: Vec<String> = sd.items.iter().filter_map(|i| i.param.clone()).collect::<Vec<_>>();
+            let t = &self.stored()[first];
+            return Err(Error::invalid(
+                format!("Hugging Face checkpoint file {}", self.file_path(t.file).display()),
+                format!(
+                    "{} of its tensors go to no variable of the model: {first} (mapped to {:?}; the model's closest: \
+                     {}){}",
+                    stray.len(),
+                    map(first),
+                    crate::names::closest(first, &vars).join(", "),
+                    if stray.len() > 1 { format!(", and {}", stray[1..].join(", ")) } else { String::new() }
+                ),
+            ));
+        }
+        let loaded = load_stored(self.dir(), &meta, &mut sd);
+        let info = pg.meta().outcome("Hugging Face load", loaded)?;
+        Ok(HfLoaded { tensors, bytes_read: info.bytes_read })
+    }
+
+    /// The checkpoint described as ours for this rank's variables; for each of the checkpoint's tensors,
+    /// 1 when this rank's model does not take it; and how many it takes.
+    fn plan(&self, sd: &StateDict, map: &impl Fn(&str) -> HfSlot) -> Result<(Metadata, Vec<i64>, usize)> {
+        sd.check()?;
+        // this rank's variables: path -> (global shape, dtype)
+        let vars: BTreeMap<String, (Vec<i64>, Kind)> =
+            sd.items.iter().filter_map(|i| i.param.clone().map(|p| (p, (i.global.clone(), i.local.kind())))).collect();
+        let mut tensors: BTreeMap<String, TensorMeta> = BTreeMap::new();
+        let mut unclaimed = Vec::new();
+        let mut taken = 0;
+        for (name, t) in self.stored() {
+            let file = self.file_path(t.file);
+            let what = || format!("Hugging Face checkpoint file {}", file.display());
+            let (var, start) = match map(name) {
+                HfSlot::Skip => {
+                    unclaimed.push(0);
+                    continue;
+                }
+                HfSlot::Var(v) => (v, None),
+                HfSlot::Rows { var, start } => (var, Some(start)),
+            };
+            let Some((global, kind)) = vars.get(&var) else {
+                unclaimed.push(1);
+                continue;
+            };
+            unclaimed.push(0);
+            taken += 1;
+            let stored_kind = format::dtype_kind(&t.dtype)
+                .map_err(|_| Error::invalid(what(), format!("{name}: dtype {} cannot be read", t.dtype)))?;
+            if is_float(stored_kind) != is_float(*kind) {
+                return Err(Error::mismatch(
+                    what(),
+                    format!("{name} is {}, the model's {var} is {kind:?}: one is a float, the other not", t.dtype),
+                ));
+            }
+            let offsets = match start {
+                None if t.shape == *global => vec![0; global.len()],
+                None => {
+                    return Err(Error::mismatch(
+                        what(),
+                        format!("{name} has shape {:?}, the model's {var} has {global:?}", t.shape),
+                    ))
+                }
+                Some(s) => {
+                    let bx = Bx {
+                        offsets: [vec![s], vec![0; global.len().saturating_sub(1)]].concat(),
+                        lengths: t.shape.clone(),
+                    };
+                    if !bx.fits(global) || t.shape.len() != global.len() {
+                        return Err(Error::mismatch(
+                            what(),
+                            format!(
+                                "{name} has shape {:?}: rows {s}.. of the model's {var}, of shape {global:?}, cannot \
+                                 hold it",
+                                t.shape
+                            ),
+                        ));
+                    }
+                    bx.offsets
+                }
+            };
+            let entry = tensors.entry(format!("{PREFIX}.{var}")).or_insert_with(|| TensorMeta {
+                shape: global.clone(),
+                dtype: t.dtype.clone(),
+                chunks: Vec::new(),
+            });
+            if entry.dtype != t.dtype {
+                return Err(Error::mismatch(
+                    what(),
+                    format!("{name} is {}, other parts of the model's {var} are {}", t.dtype, entry.dtype),
+                ));
+            }
+            entry.chunks.push(self.chunk(t, offsets));
+        }
+        // every variable filled exactly: no part missing, none twice
+        for (var, (global, _)) in &vars {
+            let key = format!("{PREFIX}.{var}");
+            let dir = format!("Hugging Face checkpoint {}", self.dir().display());
+            let Some(t) = tensors.get(&key) else {
+                let names: Vec<String> = self.stored().keys().cloned().collect();
+                return Err(Error::invalid(
+                    dir,
+                    format!(
+                        "no tensor goes to the model's {var} (shape {global:?}; the checkpoint's closest names: {})",
+                        crate::names::closest(var, &names).join(", ")
+                    ),
+                ));
+            };
+            let boxes: Vec<Bx> = t.chunks.iter().map(|c| c.bx()).collect();
+            for (i, a) in boxes.iter().enumerate() {
+                if let Some(b) = boxes[i + 1..].iter().find(|b| a.intersect(b).is_some()) {
+                    return Err(Error::invalid(
+                        dir,
+                        format!("two of its tensors fill the same part of the model's {var}: {a:?} and {b:?}"),
+                    ));
+                }
+            }
+            let filled: i64 = boxes.iter().map(Bx::volume).sum();
+            if filled != global.iter().product::<i64>() {
+                return Err(Error::invalid(
+                    dir,
+                    format!(
+                        "its tensors fill {filled} of the {} elements of the model's {var} (shape {global:?})",
+                        global.iter().product::<i64>()
+                    ),
+                ));
+            }
+        }
+        let files = self
+            .files()
+            .iter()
+            .map(|name| format::FileMeta { name: name.clone(), rank: 0, bytes: 0, crc32: 0 })
+            .collect();
+        let meta = Metadata {
+            format: format::FORMAT.into(),
+            version: format::VERSION,
+            step: 0,
+            layout: BTreeMap::new(),
+            files,
+            tensors,
+        };
+        Ok((meta, unclaimed, taken))
+    }
+}
+
+fn is_float(k: Kind) -> bool {
+    matches!(k, Kind::Float | Kind::Double | Kind::Half | Kind::BFloat16)
+}

@@ -1,0 +1,211 @@
+//! Hugging Face checkpoints without Python: written from one process and from FSDP's shards, read back
+//! whole, sharded or into a fused variable, each rank reading only its part; every mistake named before
+//! anything changes. (tests/models/hf.rs checks the files against `transformers` itself.)
+use crate::common;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tch::{nn, Device, Kind, Tensor};
+use tch_dist::checkpoint::hf::{save_hf, HfCheckpoint, HfPart, HfSaveOptions, HfSlot};
+use tch_dist::fsdp::{FsdpBuilder, FsdpOptions};
+use tch_dist::{ProcessGroup, Store};
+
+fn solo() -> Arc<ProcessGroup> {
+    Arc::new(ProcessGroup::new(&Store::hash().unwrap(), 0, 1, &common::gloo_opts(Duration::from_secs(30))).unwrap())
+}
+
+fn tmp(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("tdx-hf-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    d
+}
+
+/// Two layers under Hugging Face-like names, filled by name (threads share tch's generator), `shift`
+/// apart from one another model's values.
+fn model(vs: &nn::VarStore, shift: f64) -> Vec<(nn::Path<'_>, nn::Linear)> {
+    let r = vs.root();
+    let (p1, p2) = (&r / "model" / "layers" / 0 / "up_proj", &r / "lm_head");
+    let (l1, l2) = (nn::linear(&p1, 8, 12, Default::default()), nn::linear(&p2, 12, 5, Default::default()));
+    let mut vars: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+    vars.sort_by(|a, b| a.0.cmp(&b.0));
+    tch::no_grad(|| {
+        for (i, (_, t)) in vars.iter().enumerate() {
+            let v = (Tensor::arange(t.numel() as i64, (Kind::Float, Device::Cpu)) * 0.37 + i as f64 + shift).sin();
+            t.shallow_clone().copy_(&v.view(t.size().as_slice()));
+        }
+    });
+    vec![(p1, l1), (p2, l2)]
+}
+
+fn values(vs: &nn::VarStore) -> Vec<(String, Tensor)> {
+    let mut v: Vec<(String, Tensor)> = vs.variables().into_iter().map(|(n, t)| (n, t.detach().copy())).collect();
+    v.sort_by(|a, b| a.0.cmp(&b.0));
+    v
+}
+
+fn same(a: &[(String, Tensor)], b: &[(String, Tensor)]) {
+    assert_eq!(a.len(), b.len());
+    for ((n, x), (m, y)) in a.iter().zip(b) {
+        assert_eq!(n, m);
+        assert!(x.equal(y), "{n} differs");
+    }
+}
+
+#[test]
+fn written_whole_or_in_several_files_and_read_back_the_same() {
+    let pg = solo();
+    let one = nn::VarStore::new(Device::Cpu);
+    let _ = model(&one, 0.0);
+    let (single, sharded) = (tmp("single"), tmp("sharded"));
+    let config = serde_json::json!({"model_type": "test"});
+    let opts = HfSaveOptions { config: Some(config.clone()), ..Default::default() };
+    save_hf(&pg, &single, &one, &opts, HfPart::same).unwrap();
+    // 400 bytes a file: up_proj's weight (384 bytes) alone, and the rest in the others
+    save_hf(&pg, &sharded, &one, &HfSaveOptions { max_shard_size: 400, ..opts }, HfPart::same).unwrap();
+    assert!(single.join("model.safetensors").exists() && !single.join("model.safetensors.index.json").exists());
+    let files: Vec<_> = std::fs::read_dir(&sharded).unwrap().flatten().map(|e| e.file_name()).collect();
+    assert!(sharded.join("model.safetensors.index.json").exists(), "{files:?}");
+    assert!(files.len() >= 4, "three or more files, an index and the config: {files:?}");
+    for dir in [&single, &sharded] {
+        let hf = HfCheckpoint::open(dir).unwrap();
+        assert_eq!(hf.config().unwrap(), config);
+        assert_eq!(hf.names().len(), 4);
+        let back = nn::VarStore::new(Device::Cpu);
+        let _ = model(&back, 1.0);
+        let loaded = hf.load(&pg, &back, HfSlot::same).unwrap();
+        assert_eq!(loaded.tensors, 4);
+        same(&values(&back), &values(&one));
+    }
+    // a save with fewer files leaves no file of the earlier one behind
+    save_hf(&pg, &sharded, &one, &HfSaveOptions::default(), HfPart::same).unwrap();
+    let mut left: Vec<_> = std::fs::read_dir(&sharded).unwrap().flatten().map(|e| e.file_name()).collect();
+    left.sort();
+    assert_eq!(left, ["config.json", "model.safetensors"], "the earlier files and index are gone");
+    let _ = (std::fs::remove_dir_all(&single), std::fs::remove_dir_all(&sharded));
+}
+
+/// A variable made of several of the checkpoint's tensors (q, k and v in one), both ways.
+#[test]
+fn separate_tensors_fill_rows_of_a_fused_variable_and_are_written_back_apart() {
+    let pg = solo();
+    let dir = tmp("fused");
+    let sep = nn::VarStore::new(Device::Cpu);
+    let _ = model(&sep, 0.0);
+    save_hf(&pg, &dir, &sep, &HfSaveOptions::default(), HfPart::same).unwrap();
+    // up_proj [12, 8] and lm_head's weight [5, 12] do not stack; up_proj's weight with itself does
+    let fused = nn::VarStore::new(Device::Cpu);
+    let qkv = fused.root().zeros("qkv", &[24, 8]);
+    let map = |n: &str| match n {
+        "model.layers.0.up_proj.weight" => HfSlot::Rows { var: "qkv".into(), start: 12 },
+        _ => HfSlot::Skip,
+    };
+    let err = HfCheckpoint::open(&dir).unwrap().load(&pg, &fused, map).unwrap_err().to_string();
+    assert!(err.contains("fill 96 of the 192 elements of the model's qkv"), "{err}");
+    assert!(qkv.abs().sum(Kind::Float).double_value(&[]) == 0.0, "a refused load changed the variable");
+    // rows 0..12 and 12..24 from the same tensor: the whole variable
+    let back = HfCheckpoint::open(&dir).unwrap();
+    let whole = back.read("model.layers.0.up_proj.weight").unwrap();
+    let dir2 = tmp("fused2");
+    let halves = |v: &str, _: &[i64]| {
+        assert_eq!(v, "qkv");
+        vec![HfPart { name: "q".into(), rows: Some(0..12) }, HfPart { name: "k".into(), rows: Some(12..24) }]
+    };
+    tch::no_grad(|| {
+        qkv.shallow_clone().copy_(&Tensor::cat(&[&whole, &(&whole * 2.0)], 0));
+    });
+    save_hf(&pg, &dir2, &fused, &HfSaveOptions::default(), halves).unwrap();
+    let two = HfCheckpoint::open(&dir2).unwrap();
+    assert!(two.read("q").unwrap().equal(&whole) && two.read("k").unwrap().equal(&(&whole * 2.0)));
+    let again = nn::VarStore::new(Device::Cpu);
+    let qkv2 = again.root().zeros("qkv", &[24, 8]);
+    let rows = |n: &str| HfSlot::Rows { var: "qkv".into(), start: if n == "q" { 0 } else { 12 } };
+    two.load(&pg, &again, rows).unwrap();
+    assert!(qkv2.equal(&qkv));
+    let _ = (std::fs::remove_dir_all(&dir), std::fs::remove_dir_all(&dir2));
+}
+
+#[test]
+fn a_missing_unexpected_or_mis_shaped_tensor_is_named_and_nothing_changes() {
+    let pg = solo();
+    let dir = tmp("errors");
+    let one = nn::VarStore::new(Device::Cpu);
+    let _ = model(&one, 0.0);
+    save_hf(&pg, &dir, &one, &HfSaveOptions::default(), HfPart::same).unwrap();
+    let hf = HfCheckpoint::open(&dir).unwrap();
+    let file = dir.join("model.safetensors").display().to_string();
+    let check = |vs: &nn::VarStore, map: &dyn Fn(&str) -> HfSlot, wants: &[&str]| {
+        let before = values(vs);
+        let e = hf.load(&pg, vs, map).unwrap_err().to_string();
+        for w in wants {
+            assert!(e.contains(w), "{w:?} not in: {e}");
+        }
+        same(&values(vs), &before);
+    };
+    // a variable no tensor fills
+    let extra = nn::VarStore::new(Device::Cpu);
+    let _ = model(&extra, 1.0);
+    let _ = (extra.root() / "model" / "norm").zeros("weight", &[8]);
+    check(&extra, &HfSlot::same, &["no tensor goes to the model's model.norm.weight", "shape [8]"]);
+    // a tensor no variable takes
+    let fewer = nn::VarStore::new(Device::Cpu);
+    let _ = nn::linear(fewer.root() / "lm_head", 12, 5, Default::default());
+    check(&fewer, &HfSlot::same, &[&file, "go to no variable of the model: model.layers.0.up_proj.bias"]);
+    // a shape that differs
+    let wide = nn::VarStore::new(Device::Cpu);
+    let _ = nn::linear(wide.root() / "model" / "layers" / 0 / "up_proj", 8, 13, Default::default());
+    let _ = nn::linear(wide.root() / "lm_head", 12, 5, Default::default());
+    check(&wide, &HfSlot::same, &[&file, "model.layers.0.up_proj.bias has shape [12]", "has [13]"]);
+    // integers into a float
+    let floats = nn::VarStore::new(Device::Cpu);
+    let _ = (floats.root() / "lm_head").zeros("bias", &[5]);
+    let dir2 = tmp("ints");
+    std::fs::create_dir_all(&dir2).unwrap();
+    let ids = Tensor::from_slice(&[1i64, 2, 3, 4, 5]);
+    Tensor::write_safetensors(&[("lm_head.bias", &ids)], dir2.join("model.safetensors")).unwrap();
+    let e = HfCheckpoint::open(&dir2).unwrap().load(&pg, &floats, HfSlot::same).unwrap_err().to_string();
+    assert!(e.contains("lm_head.bias is I64, the model's lm_head.bias is Float"), "{e}");
+    // a directory that is not a checkpoint
+    let e = HfCheckpoint::open(tmp("empty")).unwrap_err().to_string();
+    assert!(e.contains("holds neither model.safetensors.index.json nor model.safetensors"), "{e}");
+    let _ = (std::fs::remove_dir_all(&dir), std::fs::remove_dir_all(&dir2));
+}
+
+/// Under FSDP on 2 ranks each rank reads about half the bytes (its rows), the sharded model equals the
+/// one-process model loaded from the same directory, and a save from the shards writes the same files.
+#[test]
+fn fsdp_ranks_read_only_their_rows_and_write_the_same_checkpoint() {
+    let pg = solo();
+    let dir = tmp("fsdp");
+    let one = nn::VarStore::new(Device::Cpu);
+    let net = model(&one, 0.0).into_iter().fold(nn::seq(), |s, (_, l)| s.add(l));
+    save_hf(&pg, &dir, &one, &HfSaveOptions::default(), HfPart::same).unwrap();
+    let total: u64 = values(&one).iter().map(|(_, t)| t.numel() as u64 * 4).sum();
+    let input = || Tensor::arange(24, (Kind::Float, Device::Cpu)).view([3, 8]).sin();
+    let want = tch::no_grad(|| nn::Module::forward(&net, &input()));
+    let (d, out) = (dir.clone(), tmp("fsdp-out"));
+    let o = out.clone();
+    let got = common::run_threads(2, Duration::from_secs(60), move |pg| {
+        let pg = Arc::new(pg);
+        let vs = nn::VarStore::new(Device::Cpu);
+        let fsdp = FsdpBuilder::new(&vs, FsdpOptions::default().process_group(pg.clone())).unwrap();
+        let layers = model(&vs, 1.0); // other values: the load must replace them
+        let net = layers.into_iter().fold(nn::seq(), |s, (p, l)| s.add(fsdp.fully_shard(&p, l).unwrap()));
+        let net = fsdp.finish(net).unwrap();
+        let loaded = HfCheckpoint::open(&d).unwrap().load(&pg, &vs, HfSlot::same).unwrap();
+        let y = tch::no_grad(|| nn::Module::forward(&net, &input()));
+        save_hf(&pg, &o, &vs, &HfSaveOptions::default(), HfPart::same).unwrap();
+        (loaded.bytes_read, y)
+    });
+    for (rank, (bytes, y)) in got.iter().enumerate() {
+        assert!(*bytes > 0 && *bytes * 10 <= total * 6, "rank {rank} read {bytes} of {total} bytes");
+        assert!(y.allclose(&want, 1e-6, 1e-6, false), "rank {rank}: the sharded model's output differs");
+    }
+    let (a, b) = (HfCheckpoint::open(&dir).unwrap(), HfCheckpoint::open(&out).unwrap());
+    assert_eq!(a.names(), b.names());
+    for n in a.names() {
+        assert!(a.read(n).unwrap().equal(&b.read(n).unwrap()), "{n} written from the shards differs");
+    }
+    let _ = (std::fs::remove_dir_all(&dir), std::fs::remove_dir_all(&out));
+}

@@ -1,0 +1,104 @@
+//! examples/llama against `transformers` itself (tests/py/hf_llama.py): a tiny random Llama saved by
+//! `save_pretrained` loads in every layout with `transformers`' logits, sharded or not, and a model
+//! trained under FSDP and written with `--to-hf` loads in `transformers` with our logits.
+use crate::common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn tmp(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("tdx-hf-llama-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn py(args: &[&str]) -> String {
+    let o = Command::new(common::python())
+        .arg(common::repo_path("tests/py/hf_llama.py"))
+        .args(args)
+        .output()
+        .expect("python runs");
+    assert!(o.status.success(), "hf_llama.py {args:?}: {}", common::show(&o));
+    String::from_utf8_lossy(&o.stdout).to_string()
+}
+
+/// A tiny random `LlamaForCausalLM` in `dir` (files of at most `shard` each), and `dir/train.bin`.
+fn make(dir: &Path, shard: &str) {
+    py(&["make", &dir.display().to_string(), "--max-shard-size", shard]);
+}
+
+/// The largest difference between `transformers`' logits with the model in `dir` and the dump's.
+fn diff(dir: &Path, dump: &Path) -> f64 {
+    let out = py(&["logits", &dir.display().to_string(), &dump.display().to_string()]);
+    out.lines()
+        .find_map(|l| l.strip_prefix("max_diff ").and_then(|x| x.trim().parse().ok()))
+        .unwrap_or_else(|| panic!("no max_diff line in: {out}"))
+}
+
+fn llama(procs: usize, args: &[&str]) {
+    let o = Command::new(common::tchrun())
+        .args(["--standalone", "--nproc-per-node", &procs.to_string(), "--"])
+        .arg(common::example("llama"))
+        .args(args)
+        .output()
+        .expect("tchrun runs");
+    assert!(o.status.success(), "llama {args:?} on {procs} processes: {}", common::show(&o));
+}
+
+/// `--from-hf dir --data data --steps 0 --dump-logits dump` with the layout's flags.
+fn dump(dir: &Path, data: &Path, procs: usize, layout: &[&str], dump: &Path) {
+    let (d, data, out) = (dir.display().to_string(), data.display().to_string(), dump.display().to_string());
+    let mut args = vec!["--from-hf", &d, "--data", &data, "--steps", "0", "--seq-len", "16", "--batch", "2"];
+    args.extend(["--dump-logits", &out]);
+    args.extend(layout);
+    llama(procs, &args);
+}
+
+#[test]
+fn a_hugging_face_llama_gives_transformers_logits_in_every_layout() {
+    let dir = tmp("layouts");
+    make(&dir, "5GB");
+    let layouts: [(usize, &[&str]); 4] =
+        [(1, &[]), (2, &["--dp-shard", "2"]), (2, &["--tp", "2"]), (4, &["--dp-replicate", "2", "--dp-shard", "2"])];
+    for (procs, layout) in layouts {
+        let out = dir.join(format!("dump{}.safetensors", layout.join("")));
+        dump(&dir, &dir.join("train.bin"), procs, layout, &out);
+        let d = diff(&dir, &out);
+        assert!(d < 1e-4, "{layout:?}: logits differ from transformers' by {d}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_sharded_hugging_face_checkpoint_loads_like_a_single_file() {
+    let dir = tmp("sharded");
+    make(&dir, "20KB");
+    let files =
+        std::fs::read_dir(&dir).unwrap().flatten().filter(|e| e.file_name().to_string_lossy().starts_with("model-"));
+    assert!(files.count() >= 3, "save_pretrained wrote several files");
+    assert!(dir.join("model.safetensors.index.json").exists());
+    let out = dir.join("dump.safetensors");
+    dump(&dir, &dir.join("train.bin"), 2, &["--dp-shard", "2"], &out);
+    let d = diff(&dir, &out);
+    assert!(d < 1e-4, "logits differ from transformers' by {d}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn trained_under_fsdp_and_written_with_to_hf_transformers_gives_our_logits() {
+    let dir = tmp("trained");
+    make(&dir, "5GB");
+    let (d, data, to) = (dir.display().to_string(), dir.join("train.bin"), dir.join("tuned"));
+    let (data, to_s) = (data.display().to_string(), to.display().to_string());
+    let train = ["--from-hf", &d, "--data", &data, "--steps", "3", "--seq-len", "16", "--batch", "2", "--lr", "1e-2"];
+    llama(2, &[&train[..], &["--dp-shard", "2", "--to-hf", &to_s]].concat());
+    assert!(to.join("config.json").exists() && to.join("model.safetensors").exists());
+    let out = dir.join("dump.safetensors");
+    dump(&to, &dir.join("train.bin"), 1, &[], &out);
+    let ours = diff(&to, &out);
+    assert!(ours < 1e-4, "transformers' logits with the written model differ from ours by {ours}");
+    let before = diff(&dir, &out);
+    assert!(before > 1e-3, "three steps at lr 1e-2 left the model as it was ({before})");
+    let _ = std::fs::remove_dir_all(&dir);
+}
