@@ -14,11 +14,13 @@ use std::os::unix::fs::FileExt;
 use std::sync::Arc;
 
 use clap::Parser;
-use tch::nn::{self, Module, OptimizerConfig};
+use tch::nn::{self, Module};
 use tch::{Device, Kind, Tensor};
-use tch_dist::checkpoint::hf::{save_hf, HfCheckpoint, HfPart, HfSaveOptions, HfSlot};
+use tch_dist::checkpoint::hf::{save_hf, save_hf_stores, HfCheckpoint, HfPart, HfSaveOptions, HfSlot};
+use tch_dist::optim::{AdamW, Optimizer};
 use tch_dist::parallel_dims::{ParallelDims, ParallelMesh};
 use tch_dist::parallelize::{self, Linear, Plan, Style, Unit};
+use tch_dist::pipeline::{LayerList, Partition, PipelineConfig, PipelineRank};
 use tch_dist::{DistModule, ProcessGroup};
 
 type Result<T> = std::result::Result<T, Box<dyn std::error::Error>>;
@@ -55,8 +57,12 @@ struct Args {
     dp_replicate: usize,
     #[arg(long, default_value_t = 1)]
     tp: usize,
+    /// Pipeline stages (untied embeddings only).
     #[arg(long, default_value_t = 1)]
     pp: usize,
+    /// With --pp: microbatches per step (they divide --batch).
+    #[arg(long, default_value_t = 2)]
+    microbatches: usize,
     /// The first global batch's `input_ids` and `logits`, before any step, as safetensors (rank 0).
     #[arg(long)]
     dump_logits: Option<String>,
@@ -289,13 +295,16 @@ impl Llama {
     }
 }
 
+/// The rotary table of positions `0..t`: `(cos, sin)`, each `[t, head_dim]` (the frequencies twice).
+fn rope(inv_freq: &Tensor, t: i64) -> (Tensor, Tensor) {
+    let freqs = Tensor::arange(t, (Kind::Float, inv_freq.device())).outer(inv_freq);
+    let emb = Tensor::cat(&[&freqs, &freqs], -1);
+    (emb.cos(), emb.sin())
+}
+
 impl Module for Llama {
     fn forward(&self, ids: &Tensor) -> Tensor {
-        let t = ids.size()[1];
-        let pos = Tensor::arange(t, (Kind::Float, self.inv_freq.device()));
-        let freqs = pos.outer(&self.inv_freq);
-        let emb = Tensor::cat(&[&freqs, &freqs], -1);
-        let (cos, sin) = (emb.cos(), emb.sin());
+        let (cos, sin) = rope(&self.inv_freq, ids.size()[1]);
         let mut x = self.embed_tokens.forward(ids);
         for layer in &self.layers {
             x = layer.forward_with(&x, |l, x| l.forward(x, &cos, &sin));
@@ -306,6 +315,59 @@ impl Module for Llama {
             None => x.matmul(&self.embed_tokens.ws.tr()),
         }
     }
+}
+
+/// The model as pipeline layers (`--pp`): the embedding, each decoder layer (with its own rotary
+/// table) and the head, each under its layer's name, then Hugging Face's (`layer3.model.layers.3.mlp…`).
+/// The embedding and the head sit in different stages, so their weights cannot be tied.
+fn layer_list(cfg: &Config, seed: i64) -> LayerList {
+    #[derive(Debug)]
+    struct Decoder(Layer, Tensor);
+    impl Module for Decoder {
+        fn forward(&self, x: &Tensor) -> Tensor {
+            let (cos, sin) = rope(&self.1, x.size()[1]);
+            self.0.forward(x, &cos, &sin)
+        }
+    }
+    #[derive(Debug)]
+    struct Head(RmsNorm, Linear);
+    impl Module for Head {
+        fn forward(&self, x: &Tensor) -> Tensor {
+            self.1.forward(&self.0.forward(x))
+        }
+    }
+    let c = cfg.clone();
+    let init =
+        nn::EmbeddingConfig { ws_init: nn::Init::Randn { mean: 0.0, stdev: cfg.init_std }, ..Default::default() };
+    let mut list = LayerList::new()
+        .seed(seed)
+        .add("embed", move |p| nn::embedding(p / "model" / "embed_tokens", c.vocab, c.hidden, init));
+    for i in 0..cfg.layers {
+        let c = cfg.clone();
+        list = list.add(&format!("layer{i}"), move |p| {
+            let inv_freq = Tensor::from_slice(&c.inv_freq).to_kind(Kind::Float).to_device(p.device());
+            Decoder(Layer::new(p / "model" / "layers" / i, &c), inv_freq)
+        });
+    }
+    let c = cfg.clone();
+    list.add("head", move |p| {
+        Head(RmsNorm::new(p / "model" / "norm", &c), linear(p / "lm_head", c.hidden, c.vocab, &c))
+    })
+}
+
+/// Hugging Face's name of a tensor -> its path in [`layer_list`]'s stages.
+fn staged(name: &str) -> HfSlot {
+    let layer = match name.strip_prefix("model.layers.").and_then(|r| r.split('.').next()) {
+        Some(i) => format!("layer{i}"),
+        None if name.starts_with("model.embed_tokens.") => "embed".into(),
+        None => "head".into(),
+    };
+    HfSlot::Var(format!("{layer}.{name}"))
+}
+
+/// A stage's path -> Hugging Face's name (the layer's name dropped).
+fn unstaged(var: &str, _shape: &[i64]) -> Vec<HfPart> {
+    vec![HfPart { name: var.split_once('.').map_or(var, |(_, n)| n).to_string(), rows: None }]
 }
 
 /// The layout's data parallelism, and tensor parallelism by Hugging Face's names (Megatron's split:
@@ -354,12 +416,10 @@ impl Tokens {
 
 fn main() -> Result<()> {
     let a = Args::parse();
-    if a.pp > 1 {
-        return Err("--pp: this example has no pipeline stages yet (use --dp-shard, --dp-replicate, --tp)".into());
-    }
     tch::set_num_threads(1);
     let world = Arc::new(ProcessGroup::from_env()?);
-    let dims = ParallelDims { dp_replicate: a.dp_replicate, dp_shard: a.dp_shard, tp: a.tp, ..Default::default() };
+    let dims =
+        ParallelDims { pp: a.pp, dp_replicate: a.dp_replicate, dp_shard: a.dp_shard, tp: a.tp, ..Default::default() };
     let mesh = dims.build(&world)?;
     let source = a.from_hf.as_ref().map(HfCheckpoint::open).transpose()?;
     let config = match (&source, &a.config) {
@@ -379,6 +439,11 @@ fn main() -> Result<()> {
             return Err(format!("--tp {}: config.json's {what} ({n}) is not divisible by it", a.tp).into());
         }
     }
+    let global = a.batch * mesh.dims().dp() as i64;
+    let data = a.data.as_ref().map(|p| Tokens::open(p, &a.data_dtype)).transpose()?;
+    if a.pp > 1 {
+        return pipelined(&a, &world, &mesh, &cfg, config, source.as_ref(), data.as_ref());
+    }
     let vs = nn::VarStore::new(Device::Cpu);
     tch::manual_seed(a.seed); // every rank and every layout: the same fresh model
     let model = plan(&mesh).build(&vs, || Llama::new(vs.root(), &cfg))?;
@@ -393,8 +458,6 @@ fn main() -> Result<()> {
             );
         }
     }
-    let global = a.batch * mesh.dims().dp() as i64;
-    let data = a.data.as_ref().map(|p| Tokens::open(p, &a.data_dtype)).transpose()?;
     let need_data = || data.as_ref().ok_or("--data FILE is needed to train or to dump logits");
 
     if let Some(path) = &a.dump_logits {
@@ -406,16 +469,17 @@ fn main() -> Result<()> {
         }
     }
 
-    let mut opt = nn::AdamW::default().build(&vs, a.lr)?; // after the model: under FSDP, over its shards
+    // after the model: under FSDP, over its shards
+    let mut opt = AdamW::new(vs.trainable_variables(), a.lr);
     let rows = mesh.rows(global)?;
     for step in 0..a.steps {
         let batch = need_data()?.batch(step, global, rows.clone(), a.seq_len)?;
         let (xs, ys) = (batch.narrow(1, 0, a.seq_len), batch.narrow(1, 1, a.seq_len));
         let logits = model.forward(&xs);
         let loss = logits.view([-1, cfg.vocab]).cross_entropy_for_logits(&ys.reshape([-1]));
-        opt.zero_grad();
+        opt.zero_grad()?;
         model.backward(&loss)?;
-        opt.step();
+        opt.step()?;
         if step % 10 == 0 || step + 1 == a.steps {
             let l = mesh.average_loss(&loss)?.double_value(&[]);
             if mesh.is_reporter() {
@@ -425,6 +489,71 @@ fn main() -> Result<()> {
     }
     if let Some(dir) = &a.to_hf {
         save_hf(&world, dir, &vs, &HfSaveOptions { config: Some(config), ..Default::default() }, HfPart::same)?;
+    }
+    Ok(())
+}
+
+/// `--pp`: the same model as pipeline stages, each stage's ranks under the plan's data and tensor
+/// parallelism; a step is `--batch` sequences per data-parallel rank in `--microbatches` microbatches
+/// (gradient accumulation: each microbatch's mean loss, averaged).
+fn pipelined(
+    a: &Args,
+    world: &Arc<ProcessGroup>,
+    mesh: &ParallelMesh,
+    cfg: &Config,
+    config: serde_json::Value,
+    source: Option<&HfCheckpoint>,
+    data: Option<&Tokens>,
+) -> Result<()> {
+    if cfg.tied {
+        return Err("--pp: tie_word_embeddings is true, and the embedding and the head sit in different stages".into());
+    }
+    let layers = layer_list(cfg, a.seed);
+    let part = Partition::balanced(&vec![1.0; layers.len()], a.pp)?;
+    let pcfg = PipelineConfig { microbatches: a.microbatches, plan: plan(mesh), ..Default::default() };
+    let mut stage = PipelineRank::build(mesh.pp_group().clone(), &layers, &part, pcfg)?;
+    if let Some(hf) = source {
+        hf.load_stores(world, &stage.var_stores(), staged)?;
+    }
+    let global = a.batch * mesh.dims().dp() as i64;
+    let need_data = || data.ok_or("--data FILE is needed to train or to dump logits");
+    let vocab = cfg.vocab;
+    if let Some(path) = &a.dump_logits {
+        // every pipeline runs the whole first batch; the last stage keeps its microbatches' logits
+        let batch = need_data()?.batch(0, global, 0..global, a.seq_len)?;
+        let (ids, ys) = (batch.narrow(1, 0, a.seq_len).contiguous(), batch.narrow(1, 1, a.seq_len));
+        let kept = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let k = kept.clone();
+        let keep = move |logits: &Tensor, y: &Tensor| {
+            k.lock().expect("not poisoned").push(logits.detach().to_kind(Kind::Float));
+            logits.view([-1, vocab]).cross_entropy_for_logits(&y.reshape([-1]))
+        };
+        stage.step(&ids, &ys, &keep)?;
+        stage.zero_grad()?; // the step was for its logits
+        if mesh.is_reporter() {
+            let logits = Tensor::cat(&kept.lock().expect("not poisoned"), 0).contiguous();
+            Tensor::write_safetensors(&[("input_ids", &ids), ("logits", &logits)], path)?;
+        }
+    }
+    let mut opt = AdamW::new(stage.parameters(), a.lr);
+    let loss = move |logits: &Tensor, y: &Tensor| logits.view([-1, vocab]).cross_entropy_for_logits(&y.reshape([-1]));
+    let rows = mesh.rows(global)?;
+    for step in 0..a.steps {
+        let batch = need_data()?.batch(step, global, rows.clone(), a.seq_len)?;
+        let (xs, ys) = (batch.narrow(1, 0, a.seq_len), batch.narrow(1, 1, a.seq_len));
+        let report = stage.step(&xs, &ys, &loss)?;
+        opt.step()?;
+        stage.zero_grad()?;
+        if let (Some(l), true) = (report.loss, step % 10 == 0 || step + 1 == a.steps) {
+            let l = mesh.average_loss(&l)?.double_value(&[]);
+            if mesh.is_reporter() {
+                println!("step {step}: loss {l:.4}");
+            }
+        }
+    }
+    if let Some(dir) = &a.to_hf {
+        let opts = HfSaveOptions { config: Some(config), ..Default::default() };
+        save_hf_stores(world, dir, &stage.var_stores(), &opts, unstaged)?;
     }
     Ok(())
 }

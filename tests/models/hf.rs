@@ -85,20 +85,36 @@ fn a_sharded_hugging_face_checkpoint_loads_like_a_single_file() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Three AdamW steps under FSDP 2 and under pp 2 x FSDP 2 give the same model (the same global batch,
+/// two microbatches a step in the pipeline); written with `--to-hf`, `transformers` loads each with our
+/// logits, which differ from the untrained model's.
 #[test]
-fn trained_under_fsdp_and_written_with_to_hf_transformers_gives_our_logits() {
+fn trained_in_two_layouts_and_written_with_to_hf_transformers_gives_our_logits() {
     let dir = tmp("trained");
     make(&dir, "5GB");
-    let (d, data, to) = (dir.display().to_string(), dir.join("train.bin"), dir.join("tuned"));
-    let (data, to_s) = (data.display().to_string(), to.display().to_string());
-    let train = ["--from-hf", &d, "--data", &data, "--steps", "3", "--seq-len", "16", "--batch", "2", "--lr", "1e-2"];
-    llama(2, &[&train[..], &["--dp-shard", "2", "--to-hf", &to_s]].concat());
-    assert!(to.join("config.json").exists() && to.join("model.safetensors").exists());
-    let out = dir.join("dump.safetensors");
-    dump(&to, &dir.join("train.bin"), 1, &[], &out);
-    let ours = diff(&to, &out);
-    assert!(ours < 1e-4, "transformers' logits with the written model differ from ours by {ours}");
-    let before = diff(&dir, &out);
-    assert!(before > 1e-3, "three steps at lr 1e-2 left the model as it was ({before})");
+    let (d, data) = (dir.display().to_string(), dir.join("train.bin"));
+    let data_s = data.display().to_string();
+    let train = ["--from-hf", &d, "--data", &data_s, "--steps", "3", "--seq-len", "16", "--batch", "2", "--lr", "1e-2"];
+    let mut dumps = Vec::new();
+    for (procs, layout) in [(2, &["--dp-shard", "2"][..]), (4, &["--pp", "2", "--dp-shard", "2"][..])] {
+        let to = dir.join(format!("tuned{}", layout.join("")));
+        let to_s = to.display().to_string();
+        llama(procs, &[&train[..], layout, &["--to-hf", &to_s]].concat());
+        assert!(to.join("config.json").exists() && to.join("model.safetensors").exists(), "{layout:?}");
+        let out = dir.join(format!("dump{}.safetensors", layout.join("")));
+        dump(&to, &data, 1, &[], &out);
+        let ours = diff(&to, &out);
+        assert!(ours < 1e-4, "{layout:?}: transformers' logits with the written model differ from ours by {ours}");
+        let before = diff(&dir, &out);
+        assert!(before > 1e-3, "{layout:?}: three steps at lr 1e-2 left the model as it was ({before})");
+        dumps.push(out);
+    }
+    let logits = |p: &Path| {
+        let all = tch::Tensor::read_safetensors(p).unwrap();
+        all.into_iter().find(|(n, _)| n == "logits").unwrap().1
+    };
+    let (a, b) = (logits(&dumps[0]), logits(&dumps[1]));
+    let gap = (&a - &b).abs().max().double_value(&[]);
+    assert!(gap < 1e-4, "FSDP and pp x FSDP trained different models: logits differ by {gap}");
     let _ = std::fs::remove_dir_all(&dir);
 }

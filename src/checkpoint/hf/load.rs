@@ -30,9 +30,22 @@ impl HfCheckpoint {
     /// model takes, a variable no tensor fills, a shape or dtype that does not fit fails every rank,
     /// naming the tensor, its file and both shapes, before any variable changes.
     pub fn load(&self, pg: &ProcessGroup, vs: &nn::VarStore, map: impl Fn(&str) -> HfSlot) -> Result<HfLoaded> {
+        self.load_stores(pg, &[vs], map)
+    }
+
+    /// [`load`](Self::load) into several VarStores of this rank at once: a pipeline rank's chunks
+    /// (`PipelineRank::var_stores`), whose paths begin with their layers' names.
+    pub fn load_stores(
+        &self,
+        pg: &ProcessGroup,
+        stores: &[&nn::VarStore],
+        map: impl Fn(&str) -> HfSlot,
+    ) -> Result<HfLoaded> {
         let _call = pg.enter_call("HfCheckpoint::load");
         let mut sd = StateDict::new();
-        sd.var_store(PREFIX, vs);
+        for vs in stores {
+            sd.var_store(PREFIX, vs);
+        }
         let planned = pg.meta().outcome("Hugging Face load", self.plan(&sd, &map));
         let (meta, unclaimed, tensors) = planned?;
         // a tensor is unexpected when no rank's model takes it (a pipeline stage takes only its layers)

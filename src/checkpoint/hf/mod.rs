@@ -38,7 +38,7 @@ use super::format;
 use crate::error::{Error, Result};
 
 pub use load::HfLoaded;
-pub use save::{save_hf, HfSaveOptions};
+pub use save::{save_hf, save_hf_stores, HfSaveOptions};
 
 /// The index of a sharded Hugging Face checkpoint.
 pub(crate) const INDEX: &str = "model.safetensors.index.json";

@@ -60,11 +60,27 @@ pub fn save_hf(
     opts: &HfSaveOptions,
     names: impl Fn(&str, &[i64]) -> Vec<HfPart>,
 ) -> Result<()> {
+    save_hf_stores(pg, dir, &[vs], opts, names)
+}
+
+/// [`save_hf`] of several VarStores of this rank at once: a pipeline rank's chunks
+/// (`PipelineRank::var_stores`), whose paths begin with their layers' names.
+pub fn save_hf_stores(
+    pg: &Arc<ProcessGroup>,
+    dir: impl AsRef<Path>,
+    stores: &[&nn::VarStore],
+    opts: &HfSaveOptions,
+    names: impl Fn(&str, &[i64]) -> Vec<HfPart>,
+) -> Result<()> {
     let dir = dir.as_ref();
     let _call = pg.enter_call("checkpoint::hf::save_hf");
     let parts = parts_dir(dir);
     let saved = Checkpointer::new(pg.clone(), &parts).and_then(|mut ck| {
-        ck.save(0, StateDict::new().var_store(PREFIX, vs))?;
+        let mut sd = StateDict::new();
+        for vs in stores {
+            sd.var_store(PREFIX, vs);
+        }
+        ck.save(0, &sd)?;
         let parts = step_dir(&parts, 0);
         let local = format::read_metadata(&parts).and_then(|meta| {
             let files = cut(dir, &meta, opts, &names)?;
