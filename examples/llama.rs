@@ -16,11 +16,13 @@ use std::sync::Arc;
 use clap::Parser;
 use tch::nn::{self, Module};
 use tch::{Device, Kind, Tensor};
-use tch_dist::checkpoint::hf::{save_hf, save_hf_stores, HfCheckpoint, HfPart, HfSaveOptions, HfSlot};
+use tch_dist::checkpoint::hf::{save_hf_stores, HfCheckpoint, HfPart, HfSaveOptions, HfSlot};
+use tch_dist::checkpoint::{Checkpointer, StateDict};
 use tch_dist::optim::{AdamW, Optimizer};
 use tch_dist::parallel_dims::{ParallelDims, ParallelMesh};
-use tch_dist::parallelize::{self, Linear, Plan, Style, Unit};
+use tch_dist::parallelize::{self, Linear, Parallel, Plan, Style, Unit};
 use tch_dist::pipeline::{LayerList, Partition, PipelineConfig, PipelineRank};
+use tch_dist::throughput::{transformer_flops_per_token, Throughput, ThroughputConfig};
 use tch_dist::{DistModule, ProcessGroup};
 
 type Result<T> = std::result::Result<T, Box<dyn std::error::Error>>;
@@ -60,9 +62,25 @@ struct Args {
     /// Pipeline stages (untied embeddings only).
     #[arg(long, default_value_t = 1)]
     pp: usize,
-    /// With --pp: microbatches per step (they divide --batch).
-    #[arg(long, default_value_t = 2)]
-    microbatches: usize,
+    /// Microbatches per step, which divide --batch: gradient accumulation (under --pp, the pipeline's;
+    /// by default 1, or --pp's stages).
+    #[arg(long)]
+    microbatches: Option<usize>,
+    /// Steps of linear warm-up of the learning rate, before its cosine decay to a tenth at --steps.
+    #[arg(long, default_value_t = 0)]
+    warmup: usize,
+    /// A sharded checkpoint (model, optimizer, position in the data) is saved here every
+    /// --checkpoint-every steps and after the last.
+    #[arg(long)]
+    checkpoint: Option<String>,
+    #[arg(long, default_value_t = 100)]
+    checkpoint_every: usize,
+    /// First load the newest checkpoint under --checkpoint and go on from its step.
+    #[arg(long)]
+    resume: bool,
+    /// Loss, learning rate, throughput and memory every N steps.
+    #[arg(long, default_value_t = 10)]
+    log_every: usize,
     /// The first global batch's `input_ids` and `logits`, before any step, as safetensors (rank 0).
     #[arg(long)]
     dump_logits: Option<String>,
@@ -117,6 +135,16 @@ impl Config {
             init_std: float("initializer_range", 0.02),
             inv_freq: inv_freq(v, head_dim)?,
         })
+    }
+}
+
+impl Config {
+    /// Training FLOPs per token at `seq_len` (torchtitan's count; the embeddings left out).
+    fn flops_per_token(&self, seq_len: i64) -> f64 {
+        let (h, q, kv) = (self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim);
+        let layer = h * (2 * q + 2 * kv) + 3 * h * self.intermediate + 2 * h;
+        let params = self.layers * layer + h + if self.tied { 0 } else { h * self.vocab };
+        transformer_flops_per_token(params, self.layers, self.heads, self.head_dim, seq_len)
     }
 }
 
@@ -378,7 +406,8 @@ fn plan(mesh: &ParallelMesh) -> Plan {
         .styles(&["*.o_proj", "*.down_proj"], Style::rowwise())
 }
 
-/// Token ids read from a file on demand: sequence `i` of a step is tokens `i * seq_len ..` (wrapping).
+/// Token ids read from a file on demand: sequence `i` is tokens `i * seq_len ..` (wrapping), and the
+/// position in the data is the next sequence to read.
 struct Tokens {
     file: std::fs::File,
     width: u64,
@@ -393,8 +422,8 @@ impl Tokens {
         Ok(Tokens { file, width, count })
     }
 
-    /// Rows `rows` of the global batch of `step` (`global` sequences of `len + 1` tokens), as int64.
-    fn batch(&self, step: usize, global: i64, rows: std::ops::Range<i64>, len: i64) -> Result<Tensor> {
+    /// Sequences `position + rows` of `len + 1` tokens each, as int64 `[rows, len + 1]`.
+    fn batch(&self, position: i64, rows: std::ops::Range<i64>, len: i64) -> Result<Tensor> {
         let span = (len + 1) as u64;
         if self.count < span {
             return Err(format!("--data holds {} tokens, fewer than one sequence of {span}", self.count).into());
@@ -403,7 +432,7 @@ impl Tokens {
         let mut ids = Vec::with_capacity((rows.end - rows.start) as usize * span as usize);
         let mut buf = vec![0u8; (span * self.width) as usize];
         for r in rows {
-            let at = (step as u64 * global as u64 + r as u64) % starts * len as u64;
+            let at = (position + r) as u64 % starts * len as u64;
             self.file.read_exact_at(&mut buf, at * self.width)?;
             ids.extend(buf.chunks(self.width as usize).map(|c| match c {
                 [a, b] => u16::from_le_bytes([*a, *b]) as i64,
@@ -412,6 +441,126 @@ impl Tokens {
         }
         Ok(Tensor::from_slice(&ids).view([-1, span as i64]))
     }
+}
+
+/// The model in either form: whole (DDP, FSDP, TP) or this rank's pipeline stages.
+enum Model {
+    Whole(Parallel<Llama>, nn::VarStore),
+    Staged(PipelineRank),
+}
+
+fn cross_entropy(logits: &Tensor, y: &Tensor) -> Tensor {
+    logits.view([-1, logits.size()[2]]).cross_entropy_for_logits(&y.reshape([-1]))
+}
+
+impl Model {
+    fn build(a: &Args, mesh: &ParallelMesh, cfg: &Config, microbatches: usize) -> Result<Model> {
+        if a.pp == 1 {
+            let vs = nn::VarStore::new(Device::Cpu);
+            tch::manual_seed(a.seed); // every rank and every layout: the same fresh model
+            let model = plan(mesh).build(&vs, || Llama::new(vs.root(), cfg))?;
+            return Ok(Model::Whole(model, vs));
+        }
+        if cfg.tied {
+            return Err(
+                "--pp: tie_word_embeddings is true, and the embedding and the head sit in different stages".into()
+            );
+        }
+        let layers = layer_list(cfg, a.seed);
+        let part = Partition::balanced(&vec![1.0; layers.len()], a.pp)?;
+        let pcfg = PipelineConfig { microbatches, plan: plan(mesh), ..Default::default() };
+        Ok(Model::Staged(PipelineRank::build(mesh.pp_group().clone(), &layers, &part, pcfg)?))
+    }
+
+    fn stores(&self) -> Vec<&nn::VarStore> {
+        match self {
+            Model::Whole(_, vs) => vec![vs],
+            Model::Staged(stage) => stage.var_stores(),
+        }
+    }
+
+    /// What the optimizer steps (FSDP's shards).
+    fn parameters(&self) -> Vec<Tensor> {
+        match self {
+            Model::Whole(_, vs) => vs.trainable_variables(),
+            Model::Staged(stage) => stage.parameters(),
+        }
+    }
+
+    /// Hugging Face's name -> the variable's path.
+    fn slot(&self) -> fn(&str) -> HfSlot {
+        match self {
+            Model::Whole(..) => HfSlot::same,
+            Model::Staged(_) => staged,
+        }
+    }
+
+    /// The variable's path -> Hugging Face's name.
+    fn hf_names(&self) -> fn(&str, &[i64]) -> Vec<HfPart> {
+        match self {
+            Model::Whole(..) => HfPart::same,
+            Model::Staged(_) => unstaged,
+        }
+    }
+
+    /// Forward and backward of a batch in `m` microbatches, each's mean loss over `m` (the batch's mean
+    /// over its tokens, whatever the split), the gradients reduced once, after the last. Returns the
+    /// loss where this rank has it (under a pipeline, the last stage), and with `keep` each
+    /// microbatch's logits there.
+    fn step(&mut self, xs: &Tensor, ys: &Tensor, m: usize, keep: bool) -> Result<(Option<Tensor>, Vec<Tensor>)> {
+        let kept = Arc::new(std::sync::Mutex::new(Vec::new()));
+        match self {
+            Model::Whole(model, _) => {
+                let mut total: Option<Tensor> = None; // on the loss's device
+                let (xs, ys) = (xs.chunk(m as i64, 0), ys.chunk(m as i64, 0));
+                for (i, (x, y)) in xs.iter().zip(&ys).enumerate() {
+                    model.set_requires_gradient_sync(i + 1 == m); // DDP's and FSDP's no_sync
+                    let logits = model.forward(x);
+                    if keep {
+                        kept.lock().expect("not poisoned").push(logits.detach().to_kind(Kind::Float));
+                    }
+                    let loss = cross_entropy(&logits, y) / m as f64;
+                    model.backward(&loss)?;
+                    let loss = loss.detach();
+                    total = Some(match total {
+                        Some(t) => t + loss,
+                        None => loss,
+                    });
+                }
+                Ok((total, std::mem::take(&mut *kept.lock().expect("not poisoned"))))
+            }
+            Model::Staged(stage) => {
+                let k = kept.clone();
+                let loss = move |logits: &Tensor, y: &Tensor| {
+                    if keep {
+                        k.lock().expect("not poisoned").push(logits.detach().to_kind(Kind::Float));
+                    }
+                    cross_entropy(logits, y)
+                };
+                let report = stage.step(xs, ys, &loss)?;
+                Ok((report.loss, std::mem::take(&mut *kept.lock().expect("not poisoned"))))
+            }
+        }
+    }
+
+    fn zero_grad(&self) -> Result<()> {
+        match self {
+            Model::Whole(model, _) => model.zero_grad()?,
+            Model::Staged(stage) => stage.zero_grad()?,
+        }
+        Ok(())
+    }
+}
+
+/// `--lr` after a linear warm-up of `warmup` steps, then down a cosine to a tenth of it at `steps`
+/// (torchtitan's warmup_stable_decay with no stable phase, and its `lr_min` 0.1).
+fn learning_rate(a: &Args, step: usize) -> f64 {
+    if step < a.warmup {
+        return a.lr * (step + 1) as f64 / (a.warmup + 1) as f64;
+    }
+    let decay = (a.steps.saturating_sub(a.warmup)).max(1) as f64;
+    let progress = ((step - a.warmup) as f64 / decay).min(1.0);
+    a.lr * (0.1 + 0.9 * 0.5 * (1.0 + (std::f64::consts::PI * progress).cos()))
 }
 
 fn main() -> Result<()> {
@@ -439,121 +588,84 @@ fn main() -> Result<()> {
             return Err(format!("--tp {}: config.json's {what} ({n}) is not divisible by it", a.tp).into());
         }
     }
-    let global = a.batch * mesh.dims().dp() as i64;
-    let data = a.data.as_ref().map(|p| Tokens::open(p, &a.data_dtype)).transpose()?;
-    if a.pp > 1 {
-        return pipelined(&a, &world, &mesh, &cfg, config, source.as_ref(), data.as_ref());
+    let microbatches = a.microbatches.unwrap_or(a.pp);
+    if microbatches == 0 || a.batch % microbatches as i64 != 0 {
+        return Err(format!("--microbatches {microbatches} does not divide --batch {}", a.batch).into());
     }
-    let vs = nn::VarStore::new(Device::Cpu);
-    tch::manual_seed(a.seed); // every rank and every layout: the same fresh model
-    let model = plan(&mesh).build(&vs, || Llama::new(vs.root(), &cfg))?;
+    let mut model = Model::build(&a, &mesh, &cfg, microbatches)?;
     if let Some(hf) = &source {
-        let loaded = hf.load(&world, &vs, HfSlot::same)?;
+        let loaded = hf.load_stores(&world, &model.stores(), model.slot())?;
         if world.rank() == 0 {
-            println!(
-                "loaded {} tensors from {} ({} bytes read on rank 0)",
-                loaded.tensors,
-                hf.dir().display(),
-                loaded.bytes_read
-            );
+            let (n, bytes) = (loaded.tensors, loaded.bytes_read);
+            println!("loaded {n} tensors from {} ({bytes} bytes read on rank 0)", hf.dir().display());
         }
     }
+    let global = a.batch * mesh.dims().dp() as i64;
+    let data = a.data.as_ref().map(|p| Tokens::open(p, &a.data_dtype)).transpose()?;
     let need_data = || data.as_ref().ok_or("--data FILE is needed to train or to dump logits");
 
     if let Some(path) = &a.dump_logits {
-        // every rank runs the whole first batch (the forward is collective under FSDP and TP)
-        let ids = need_data()?.batch(0, global, 0..global, a.seq_len)?.narrow(1, 0, a.seq_len).contiguous();
-        let logits = tch::no_grad(|| model.forward(&ids)).to_kind(Kind::Float).contiguous();
-        if world.rank() == 0 {
-            Tensor::write_safetensors(&[("input_ids", &ids), ("logits", &logits)], path)?;
-        }
-    }
-
-    // after the model: under FSDP, over its shards
-    let mut opt = AdamW::new(vs.trainable_variables(), a.lr);
-    let rows = mesh.rows(global)?;
-    for step in 0..a.steps {
-        let batch = need_data()?.batch(step, global, rows.clone(), a.seq_len)?;
-        let (xs, ys) = (batch.narrow(1, 0, a.seq_len), batch.narrow(1, 1, a.seq_len));
-        let logits = model.forward(&xs);
-        let loss = logits.view([-1, cfg.vocab]).cross_entropy_for_logits(&ys.reshape([-1]));
-        opt.zero_grad()?;
-        model.backward(&loss)?;
-        opt.step()?;
-        if step % 10 == 0 || step + 1 == a.steps {
-            let l = mesh.average_loss(&loss)?.double_value(&[]);
-            if mesh.is_reporter() {
-                println!("step {step}: loss {l:.4}");
-            }
-        }
-    }
-    if let Some(dir) = &a.to_hf {
-        save_hf(&world, dir, &vs, &HfSaveOptions { config: Some(config), ..Default::default() }, HfPart::same)?;
-    }
-    Ok(())
-}
-
-/// `--pp`: the same model as pipeline stages, each stage's ranks under the plan's data and tensor
-/// parallelism; a step is `--batch` sequences per data-parallel rank in `--microbatches` microbatches
-/// (gradient accumulation: each microbatch's mean loss, averaged).
-fn pipelined(
-    a: &Args,
-    world: &Arc<ProcessGroup>,
-    mesh: &ParallelMesh,
-    cfg: &Config,
-    config: serde_json::Value,
-    source: Option<&HfCheckpoint>,
-    data: Option<&Tokens>,
-) -> Result<()> {
-    if cfg.tied {
-        return Err("--pp: tie_word_embeddings is true, and the embedding and the head sit in different stages".into());
-    }
-    let layers = layer_list(cfg, a.seed);
-    let part = Partition::balanced(&vec![1.0; layers.len()], a.pp)?;
-    let pcfg = PipelineConfig { microbatches: a.microbatches, plan: plan(mesh), ..Default::default() };
-    let mut stage = PipelineRank::build(mesh.pp_group().clone(), &layers, &part, pcfg)?;
-    if let Some(hf) = source {
-        hf.load_stores(world, &stage.var_stores(), staged)?;
-    }
-    let global = a.batch * mesh.dims().dp() as i64;
-    let need_data = || data.ok_or("--data FILE is needed to train or to dump logits");
-    let vocab = cfg.vocab;
-    if let Some(path) = &a.dump_logits {
-        // every pipeline runs the whole first batch; the last stage keeps its microbatches' logits
-        let batch = need_data()?.batch(0, global, 0..global, a.seq_len)?;
+        // every rank runs the whole first batch (collective under FSDP, TP and the pipeline); the last
+        // stage has the logits
+        let batch = need_data()?.batch(0, 0..global, a.seq_len)?;
         let (ids, ys) = (batch.narrow(1, 0, a.seq_len).contiguous(), batch.narrow(1, 1, a.seq_len));
-        let kept = Arc::new(std::sync::Mutex::new(Vec::new()));
-        let k = kept.clone();
-        let keep = move |logits: &Tensor, y: &Tensor| {
-            k.lock().expect("not poisoned").push(logits.detach().to_kind(Kind::Float));
-            logits.view([-1, vocab]).cross_entropy_for_logits(&y.reshape([-1]))
-        };
-        stage.step(&ids, &ys, &keep)?;
-        stage.zero_grad()?; // the step was for its logits
+        let (_, kept) = model.step(&ids, &ys, microbatches, true)?;
+        model.zero_grad()?; // the step was for its logits
         if mesh.is_reporter() {
-            let logits = Tensor::cat(&kept.lock().expect("not poisoned"), 0).contiguous();
+            let logits = Tensor::cat(&kept, 0).contiguous();
             Tensor::write_safetensors(&[("input_ids", &ids), ("logits", &logits)], path)?;
         }
     }
-    let mut opt = AdamW::new(stage.parameters(), a.lr);
-    let loss = move |logits: &Tensor, y: &Tensor| logits.view([-1, vocab]).cross_entropy_for_logits(&y.reshape([-1]));
+
+    let mut opt = AdamW::new(model.parameters(), a.lr);
+    // the position in the data (the next sequence to read) is saved and resumed with the model
+    let position = Tensor::zeros([1], (Kind::Int64, Device::Cpu));
+    let mut ck = a.checkpoint.as_ref().map(|dir| Checkpointer::new(world.clone(), dir)).transpose()?;
+    let state = |model: &Model, opt: &mut AdamW, position: &Tensor, f: &mut dyn FnMut(&mut StateDict) -> Result<()>| {
+        let mut sd = StateDict::new();
+        for vs in model.stores() {
+            sd.var_store("model", vs);
+        }
+        sd.optimizer("optim", opt).tensor("data.position", position);
+        f(&mut sd)
+    };
+    let mut start = 0;
+    if let (true, Some(ck)) = (a.resume, ck.as_mut()) {
+        state(&model, &mut opt, &position, &mut |sd| {
+            start = ck.load(sd)?.unwrap_or(0) as usize;
+            Ok(())
+        })?;
+    }
     let rows = mesh.rows(global)?;
-    for step in 0..a.steps {
-        let batch = need_data()?.batch(step, global, rows.clone(), a.seq_len)?;
+    let tokens = (rows.end - rows.start) as f64 * a.seq_len as f64 / (a.pp * a.tp) as f64;
+    let mut meter =
+        Throughput::new(ThroughputConfig { flops_per_token: cfg.flops_per_token(a.seq_len), ..Default::default() })?;
+    for step in start..a.steps {
+        let at = position.int64_value(&[0]);
+        let batch = need_data()?.batch(at, rows.clone(), a.seq_len)?;
         let (xs, ys) = (batch.narrow(1, 0, a.seq_len), batch.narrow(1, 1, a.seq_len));
-        let report = stage.step(&xs, &ys, &loss)?;
+        opt.lr = learning_rate(&a, step);
+        let (loss, _) = model.step(&xs, &ys, microbatches, false)?;
         opt.step()?;
-        stage.zero_grad()?;
-        if let (Some(l), true) = (report.loss, step % 10 == 0 || step + 1 == a.steps) {
+        model.zero_grad()?;
+        let _ = position.shallow_clone().fill_(at + global);
+        meter.add_tokens(tokens);
+        if let (Some(l), true) = (loss, step % a.log_every == 0 || step + 1 == a.steps) {
+            // the mean over the ranks with the loss (a collective among them, alike on each)
             let l = mesh.average_loss(&l)?.double_value(&[]);
             if mesh.is_reporter() {
-                println!("step {step}: loss {l:.4}");
+                println!("step {step}: loss {l:.6} lr {:.3e}  {}", opt.lr, meter.report()?);
+            }
+        }
+        if let Some(ck) = ck.as_mut() {
+            if (step + 1) % a.checkpoint_every == 0 || step + 1 == a.steps {
+                state(&model, &mut opt, &position, &mut |sd| Ok(ck.save(step as u64 + 1, sd)?))?;
             }
         }
     }
     if let Some(dir) = &a.to_hf {
         let opts = HfSaveOptions { config: Some(config), ..Default::default() };
-        save_hf_stores(world, dir, &stage.var_stores(), &opts, unstaged)?;
+        save_hf_stores(&world, dir, &model.stores(), &opts, model.hf_names())?;
     }
     Ok(())
 }

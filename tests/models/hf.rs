@@ -6,7 +6,7 @@ use crate::common;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-fn tmp(name: &str) -> PathBuf {
+pub fn tmp(name: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("tdx-hf-llama-{}-{name}", std::process::id()));
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).unwrap();
@@ -24,7 +24,7 @@ fn py(args: &[&str]) -> String {
 }
 
 /// A tiny random `LlamaForCausalLM` in `dir` (files of at most `shard` each), and `dir/train.bin`.
-fn make(dir: &Path, shard: &str) {
+pub fn make(dir: &Path, shard: &str) {
     py(&["make", &dir.display().to_string(), "--max-shard-size", shard]);
 }
 
@@ -36,7 +36,7 @@ fn diff(dir: &Path, dump: &Path) -> f64 {
         .unwrap_or_else(|| panic!("no max_diff line in: {out}"))
 }
 
-fn llama(procs: usize, args: &[&str]) {
+pub fn llama(procs: usize, args: &[&str]) -> String {
     let o = Command::new(common::tchrun())
         .args(["--standalone", "--nproc-per-node", &procs.to_string(), "--"])
         .arg(common::example("llama"))
@@ -44,6 +44,7 @@ fn llama(procs: usize, args: &[&str]) {
         .output()
         .expect("tchrun runs");
     assert!(o.status.success(), "llama {args:?} on {procs} processes: {}", common::show(&o));
+    String::from_utf8_lossy(&o.stdout).to_string()
 }
 
 /// `--from-hf dir --data data --steps 0 --dump-logits dump` with the layout's flags.
@@ -52,7 +53,7 @@ fn dump(dir: &Path, data: &Path, procs: usize, layout: &[&str], dump: &Path) {
     let mut args = vec!["--from-hf", &d, "--data", &data, "--steps", "0", "--seq-len", "16", "--batch", "2"];
     args.extend(["--dump-logits", &out]);
     args.extend(layout);
-    llama(procs, &args);
+    let _ = llama(procs, &args);
 }
 
 #[test]
@@ -99,7 +100,7 @@ fn trained_in_two_layouts_and_written_with_to_hf_transformers_gives_our_logits()
     for (procs, layout) in [(2, &["--dp-shard", "2"][..]), (4, &["--pp", "2", "--dp-shard", "2"][..])] {
         let to = dir.join(format!("tuned{}", layout.join("")));
         let to_s = to.display().to_string();
-        llama(procs, &[&train[..], layout, &["--to-hf", &to_s]].concat());
+        let _ = llama(procs, &[&train[..], layout, &["--to-hf", &to_s]].concat());
         assert!(to.join("config.json").exists() && to.join("model.safetensors").exists(), "{layout:?}");
         let out = dir.join(format!("dump{}.safetensors", layout.join("")));
         dump(&to, &data, 1, &[], &out);

@@ -10,6 +10,7 @@ mod gpu_kit;
 mod hf;
 mod launches;
 mod layout;
+mod llama;
 mod min_gpt;
 mod tch_llama;
 mod train;

@@ -1,0 +1,54 @@
+//! examples/llama as a trainer: a run resumed from its checkpoint reads the next batch it would have
+//! read and trains bit-identically, and gradient accumulation over microbatches trains the model one
+//! batch does.
+use crate::hf::{llama, make, tmp};
+
+/// The `step N: loss X` lines of a run's output.
+fn losses(out: &str) -> Vec<(usize, f64)> {
+    out.lines()
+        .filter_map(|l| {
+            let rest = l.strip_prefix("[rank0]: step ").or_else(|| l.strip_prefix("step "))?;
+            let (step, rest) = rest.split_once(": loss ")?;
+            Some((step.parse().ok()?, rest.split_whitespace().next()?.parse().ok()?))
+        })
+        .collect()
+}
+
+#[test]
+fn a_resumed_run_reads_the_next_batch_and_trains_bit_identically() {
+    let dir = tmp("resume");
+    make(&dir, "5GB");
+    let (d, data) = (dir.display().to_string(), dir.join("train.bin").display().to_string());
+    let (ck, whole, resumed) = (dir.join("ck"), dir.join("whole"), dir.join("resumed"));
+    let (ck, whole_s, resumed_s) =
+        (ck.display().to_string(), whole.display().to_string(), resumed.display().to_string());
+    let args = ["--from-hf", &d, "--data", &data, "--steps", "6", "--seq-len", "16", "--batch", "2", "--lr", "1e-2"];
+    let args = [&args[..], &["--warmup", "2", "--log-every", "1", "--dp-shard", "2", "--checkpoint", &ck]].concat();
+    let first = llama(2, &[&args[..], &["--checkpoint-every", "3", "--to-hf", &whole_s]].concat());
+    let first = losses(&first);
+    assert_eq!(first.iter().map(|l| l.0).collect::<Vec<_>>(), (0..6).collect::<Vec<_>>(), "{first:?}");
+    // as if the job died after step 3's checkpoint
+    std::fs::remove_dir_all(dir.join("ck").join("step-0000000006")).expect("the last checkpoint");
+    let again = losses(&llama(2, &[&args[..], &["--resume", "--to-hf", &resumed_s]].concat()));
+    assert_eq!(again, first[3..], "the resumed steps 3..6");
+    let bytes = |p: &std::path::Path| std::fs::read(p.join("model.safetensors")).expect("a written model");
+    assert!(bytes(&whole) == bytes(&resumed), "the resumed run's model differs from the whole run's");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn microbatches_accumulate_the_gradient_of_the_whole_batch() {
+    let dir = tmp("accumulate");
+    make(&dir, "5GB");
+    let (d, data) = (dir.display().to_string(), dir.join("train.bin").display().to_string());
+    let args = ["--from-hf", &d, "--data", &data, "--steps", "3", "--seq-len", "16", "--batch", "4", "--lr", "1e-2"];
+    let args = [&args[..], &["--log-every", "1", "--dp-shard", "2"]].concat();
+    let one = losses(&llama(2, &args));
+    let four = losses(&llama(2, &[&args[..], &["--microbatches", "4"]].concat()));
+    assert_eq!(one.len(), 3);
+    for ((s, a), (_, b)) in one.iter().zip(&four) {
+        assert!((a - b).abs() < 1e-5, "step {s}: one batch {a}, four microbatches {b}");
+    }
+    assert!(one[2].1 != one[0].1, "the model trained");
+    let _ = std::fs::remove_dir_all(&dir);
+}
