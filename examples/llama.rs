@@ -22,6 +22,7 @@ use tch_dist::optim::{AdamW, Optimizer};
 use tch_dist::parallel_dims::{ParallelDims, ParallelMesh};
 use tch_dist::parallelize::{self, Linear, Parallel, Plan, Style, Unit};
 use tch_dist::pipeline::{LayerList, Partition, PipelineConfig, PipelineRank};
+use tch_dist::recompute::Checkpointed;
 use tch_dist::throughput::{transformer_flops_per_token, Throughput, ThroughputConfig};
 use tch_dist::{DistModule, ProcessGroup};
 
@@ -78,6 +79,9 @@ struct Args {
     /// First load the newest checkpoint under --checkpoint and go on from its step.
     #[arg(long)]
     resume: bool,
+    /// Recompute each decoder layer's activations in backward instead of keeping them.
+    #[arg(long)]
+    recompute: bool,
     /// Loss, learning rate, throughput and memory every N steps.
     #[arg(long, default_value_t = 10)]
     log_every: usize,
@@ -290,19 +294,61 @@ impl Layer {
     }
 }
 
+/// A decoder layer with its own rotary frequencies: a module of the activations alone.
+#[derive(Debug)]
+struct Decoder {
+    layer: Layer,
+    inv_freq: Tensor,
+}
+
+impl Module for Decoder {
+    fn forward(&self, x: &Tensor) -> Tensor {
+        let (cos, sin) = rope(&self.inv_freq, x.size()[1]);
+        self.layer.forward(x, &cos, &sin)
+    }
+}
+
+/// A decoder layer, its activations kept or recomputed in backward (`--recompute`: torchtitan's full
+/// activation checkpointing, per layer).
+#[derive(Debug)]
+enum Block {
+    Kept(Box<Decoder>),
+    Recomputed(Checkpointed<Decoder>),
+}
+
+impl Block {
+    fn new(p: nn::Path, cfg: &Config, recompute: bool) -> Block {
+        let inv_freq = Tensor::from_slice(&cfg.inv_freq).to_kind(Kind::Float).to_device(p.device());
+        let d = Decoder { layer: Layer::new(p, cfg), inv_freq };
+        if recompute {
+            Block::Recomputed(Checkpointed::new(d))
+        } else {
+            Block::Kept(Box::new(d))
+        }
+    }
+}
+
+impl Module for Block {
+    fn forward(&self, x: &Tensor) -> Tensor {
+        match self {
+            Block::Kept(d) => d.forward(x),
+            Block::Recomputed(d) => d.forward(x),
+        }
+    }
+}
+
 #[derive(Debug)]
 struct Llama {
     embed_tokens: nn::Embedding,
-    layers: Vec<Unit<Layer>>,
+    layers: Vec<Unit<Block>>,
     norm: RmsNorm,
     /// `None` when tied: the embedding's weight.
     lm_head: Option<Linear>,
-    inv_freq: Tensor,
 }
 
 impl Llama {
     /// Hugging Face's names: `model.embed_tokens`, `model.layers.{i}.…`, `model.norm`, `lm_head`.
-    fn new(root: nn::Path, cfg: &Config) -> Self {
+    fn new(root: nn::Path, cfg: &Config, recompute: bool) -> Self {
         let m = &root / "model";
         let embed =
             nn::EmbeddingConfig { ws_init: nn::Init::Randn { mean: 0.0, stdev: cfg.init_std }, ..Default::default() };
@@ -310,7 +356,7 @@ impl Llama {
             .map(|i| {
                 let p = &m / "layers" / i;
                 // an FSDP unit per layer
-                parallelize::unit(&p, Layer::new(p.clone(), cfg)).expect("built inside plan.build")
+                parallelize::unit(&p, Block::new(p.clone(), cfg, recompute)).expect("built inside plan.build")
             })
             .collect();
         Llama {
@@ -318,7 +364,6 @@ impl Llama {
             layers,
             norm: RmsNorm::new(&m / "norm", cfg),
             lm_head: (!cfg.tied).then(|| linear(&root / "lm_head", cfg.hidden, cfg.vocab, cfg)),
-            inv_freq: Tensor::from_slice(&cfg.inv_freq).to_kind(Kind::Float).to_device(root.device()),
         }
     }
 }
@@ -332,10 +377,9 @@ fn rope(inv_freq: &Tensor, t: i64) -> (Tensor, Tensor) {
 
 impl Module for Llama {
     fn forward(&self, ids: &Tensor) -> Tensor {
-        let (cos, sin) = rope(&self.inv_freq, ids.size()[1]);
         let mut x = self.embed_tokens.forward(ids);
         for layer in &self.layers {
-            x = layer.forward_with(&x, |l, x| l.forward(x, &cos, &sin));
+            x = layer.forward(&x);
         }
         let x = self.norm.forward(&x);
         match &self.lm_head {
@@ -348,15 +392,7 @@ impl Module for Llama {
 /// The model as pipeline layers (`--pp`): the embedding, each decoder layer (with its own rotary
 /// table) and the head, each under its layer's name, then Hugging Face's (`layer3.model.layers.3.mlp…`).
 /// The embedding and the head sit in different stages, so their weights cannot be tied.
-fn layer_list(cfg: &Config, seed: i64) -> LayerList {
-    #[derive(Debug)]
-    struct Decoder(Layer, Tensor);
-    impl Module for Decoder {
-        fn forward(&self, x: &Tensor) -> Tensor {
-            let (cos, sin) = rope(&self.1, x.size()[1]);
-            self.0.forward(x, &cos, &sin)
-        }
-    }
+fn layer_list(cfg: &Config, seed: i64, recompute: bool) -> LayerList {
     #[derive(Debug)]
     struct Head(RmsNorm, Linear);
     impl Module for Head {
@@ -372,10 +408,7 @@ fn layer_list(cfg: &Config, seed: i64) -> LayerList {
         .add("embed", move |p| nn::embedding(p / "model" / "embed_tokens", c.vocab, c.hidden, init));
     for i in 0..cfg.layers {
         let c = cfg.clone();
-        list = list.add(&format!("layer{i}"), move |p| {
-            let inv_freq = Tensor::from_slice(&c.inv_freq).to_kind(Kind::Float).to_device(p.device());
-            Decoder(Layer::new(p / "model" / "layers" / i, &c), inv_freq)
-        });
+        list = list.add(&format!("layer{i}"), move |p| Block::new(p / "model" / "layers" / i, &c, recompute));
     }
     let c = cfg.clone();
     list.add("head", move |p| {
@@ -458,7 +491,7 @@ impl Model {
         if a.pp == 1 {
             let vs = nn::VarStore::new(Device::Cpu);
             tch::manual_seed(a.seed); // every rank and every layout: the same fresh model
-            let model = plan(mesh).build(&vs, || Llama::new(vs.root(), cfg))?;
+            let model = plan(mesh).build(&vs, || Llama::new(vs.root(), cfg, a.recompute))?;
             return Ok(Model::Whole(model, vs));
         }
         if cfg.tied {
@@ -466,7 +499,7 @@ impl Model {
                 "--pp: tie_word_embeddings is true, and the embedding and the head sit in different stages".into()
             );
         }
-        let layers = layer_list(cfg, a.seed);
+        let layers = layer_list(cfg, a.seed, a.recompute);
         let part = Partition::balanced(&vec![1.0; layers.len()], a.pp)?;
         let pcfg = PipelineConfig { microbatches, plan: plan(mesh), ..Default::default() };
         Ok(Model::Staged(PipelineRank::build(mesh.pp_group().clone(), &layers, &part, pcfg)?))

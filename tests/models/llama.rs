@@ -1,6 +1,6 @@
 //! examples/llama as a trainer: a run resumed from its checkpoint reads the next batch it would have
-//! read and trains bit-identically, and gradient accumulation over microbatches trains the model one
-//! batch does.
+//! read and trains bit-identically; gradient accumulation over microbatches, and recomputed layers,
+//! train the model that one batch with kept activations trains.
 use crate::hf::{llama, make, tmp};
 
 /// The `step N: loss X` lines of a run's output.
@@ -50,5 +50,21 @@ fn microbatches_accumulate_the_gradient_of_the_whole_batch() {
         assert!((a - b).abs() < 1e-5, "step {s}: one batch {a}, four microbatches {b}");
     }
     assert!(one[2].1 != one[0].1, "the model trained");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `--recompute` (each decoder layer checkpointed, inside its FSDP unit) trains the model that keeping
+/// the activations trains.
+#[test]
+fn recomputed_layers_train_the_same_model_under_fsdp() {
+    let dir = tmp("recompute");
+    make(&dir, "5GB");
+    let (d, data) = (dir.display().to_string(), dir.join("train.bin").display().to_string());
+    let args = ["--from-hf", &d, "--data", &data, "--steps", "3", "--seq-len", "16", "--batch", "2", "--lr", "1e-2"];
+    let args = [&args[..], &["--log-every", "1", "--dp-shard", "2"]].concat();
+    let kept = losses(&llama(2, &args));
+    let recomputed = losses(&llama(2, &[&args[..], &["--recompute"]].concat()));
+    assert_eq!(kept.len(), 3);
+    assert_eq!(kept, recomputed, "recomputing the layers changed the training");
     let _ = std::fs::remove_dir_all(&dir);
 }
