@@ -16,8 +16,11 @@ use std::sync::Arc;
 use clap::Parser;
 use tch::nn::{self, Module};
 use tch::{Device, Kind, Tensor};
+use tch_dist::amp::AutocastGuard;
 use tch_dist::checkpoint::hf::{save_hf_stores, HfCheckpoint, HfPart, HfSaveOptions, HfSlot};
 use tch_dist::checkpoint::{Checkpointer, StateDict};
+use tch_dist::ddp::DdpOptions;
+use tch_dist::fsdp::FsdpOptions;
 use tch_dist::optim::{AdamW, Optimizer};
 use tch_dist::parallel_dims::{ParallelDims, ParallelMesh};
 use tch_dist::parallelize::{self, Linear, Parallel, Plan, Style, Unit};
@@ -79,6 +82,10 @@ struct Args {
     /// First load the newest checkpoint under --checkpoint and go on from its step.
     #[arg(long)]
     resume: bool,
+    /// Compute in bfloat16 (FSDP's param_dtype under --dp-shard, autocast otherwise); the variables,
+    /// AdamW's state and the reductions stay float32.
+    #[arg(long)]
+    bf16: bool,
     /// Recompute each decoder layer's activations in backward instead of keeping them.
     #[arg(long)]
     recompute: bool,
@@ -433,8 +440,11 @@ fn unstaged(var: &str, _shape: &[i64]) -> Vec<HfPart> {
 
 /// The layout's data parallelism, and tensor parallelism by Hugging Face's names (Megatron's split:
 /// q, k, v, gate and up by columns, o and down by rows).
-fn plan(mesh: &ParallelMesh) -> Plan {
-    mesh.plan()
+fn plan(mesh: &ParallelMesh, bf16: bool) -> Plan {
+    // --bf16: FSDP gathers and computes in bfloat16, its gradients reduced in float32 (FSDP2's
+    // MixedPrecisionPolicy); the other layouts compute under autocast
+    let fsdp = if bf16 { FsdpOptions::default().param_dtype(Kind::BFloat16) } else { FsdpOptions::default() };
+    mesh.plan_with(DdpOptions::default(), fsdp)
         .styles(&["*.q_proj", "*.k_proj", "*.v_proj", "*.gate_proj", "*.up_proj"], Style::colwise())
         .styles(&["*.o_proj", "*.down_proj"], Style::rowwise())
 }
@@ -483,15 +493,15 @@ enum Model {
 }
 
 fn cross_entropy(logits: &Tensor, y: &Tensor) -> Tensor {
-    logits.view([-1, logits.size()[2]]).cross_entropy_for_logits(&y.reshape([-1]))
+    logits.to_kind(Kind::Float).view([-1, logits.size()[2]]).cross_entropy_for_logits(&y.reshape([-1]))
 }
 
 impl Model {
-    fn build(a: &Args, mesh: &ParallelMesh, cfg: &Config, microbatches: usize) -> Result<Model> {
+    fn build(a: &Args, mesh: &ParallelMesh, cfg: &Config, microbatches: usize, device: Device) -> Result<Model> {
         if a.pp == 1 {
-            let vs = nn::VarStore::new(Device::Cpu);
+            let vs = nn::VarStore::new(device);
             tch::manual_seed(a.seed); // every rank and every layout: the same fresh model
-            let model = plan(mesh).build(&vs, || Llama::new(vs.root(), cfg, a.recompute))?;
+            let model = plan(mesh, a.bf16).build(&vs, || Llama::new(vs.root(), cfg, a.recompute))?;
             return Ok(Model::Whole(model, vs));
         }
         if cfg.tied {
@@ -501,7 +511,7 @@ impl Model {
         }
         let layers = layer_list(cfg, a.seed, a.recompute);
         let part = Partition::balanced(&vec![1.0; layers.len()], a.pp)?;
-        let pcfg = PipelineConfig { microbatches, plan: plan(mesh), ..Default::default() };
+        let pcfg = PipelineConfig { microbatches, plan: plan(mesh, a.bf16), device, ..Default::default() };
         Ok(Model::Staged(PipelineRank::build(mesh.pp_group().clone(), &layers, &part, pcfg)?))
     }
 
@@ -540,7 +550,16 @@ impl Model {
     /// over its tokens, whatever the split), the gradients reduced once, after the last. Returns the
     /// loss where this rank has it (under a pipeline, the last stage), and with `keep` each
     /// microbatch's logits there.
-    fn step(&mut self, xs: &Tensor, ys: &Tensor, m: usize, keep: bool) -> Result<(Option<Tensor>, Vec<Tensor>)> {
+    fn step(
+        &mut self,
+        xs: &Tensor,
+        ys: &Tensor,
+        m: usize,
+        keep: bool,
+        bf16: bool,
+    ) -> Result<(Option<Tensor>, Vec<Tensor>)> {
+        // bfloat16 matmuls and attention, float32 where autocast keeps it (and in RMSNorm, the loss)
+        let _autocast = bf16.then(|| AutocastGuard::new(xs.device(), Kind::BFloat16)).transpose()?;
         let kept = Arc::new(std::sync::Mutex::new(Vec::new()));
         match self {
             Model::Whole(model, _) => {
@@ -625,7 +644,8 @@ fn main() -> Result<()> {
     if microbatches == 0 || a.batch % microbatches as i64 != 0 {
         return Err(format!("--microbatches {microbatches} does not divide --batch {}", a.batch).into());
     }
-    let mut model = Model::build(&a, &mesh, &cfg, microbatches)?;
+    let device = world.device(); // the GPU NCCL binds, else the CPU
+    let mut model = Model::build(&a, &mesh, &cfg, microbatches, device)?;
     if let Some(hf) = &source {
         let loaded = hf.load_stores(&world, &model.stores(), model.slot())?;
         if world.rank() == 0 {
@@ -640,12 +660,12 @@ fn main() -> Result<()> {
     if let Some(path) = &a.dump_logits {
         // every rank runs the whole first batch (collective under FSDP, TP and the pipeline); the last
         // stage has the logits
-        let batch = need_data()?.batch(0, 0..global, a.seq_len)?;
+        let batch = need_data()?.batch(0, 0..global, a.seq_len)?.to_device(device);
         let (ids, ys) = (batch.narrow(1, 0, a.seq_len).contiguous(), batch.narrow(1, 1, a.seq_len));
-        let (_, kept) = model.step(&ids, &ys, microbatches, true)?;
+        let (_, kept) = model.step(&ids, &ys, microbatches, true, a.bf16)?;
         model.zero_grad()?; // the step was for its logits
         if mesh.is_reporter() {
-            let logits = Tensor::cat(&kept, 0).contiguous();
+            let (ids, logits) = (ids.to_device(Device::Cpu), Tensor::cat(&kept, 0).to_device(Device::Cpu).contiguous());
             Tensor::write_safetensors(&[("input_ids", &ids), ("logits", &logits)], path)?;
         }
     }
@@ -675,10 +695,10 @@ fn main() -> Result<()> {
         Throughput::new(ThroughputConfig { flops_per_token: cfg.flops_per_token(a.seq_len), ..Default::default() })?;
     for step in start..a.steps {
         let at = position.int64_value(&[0]);
-        let batch = need_data()?.batch(at, rows.clone(), a.seq_len)?;
+        let batch = need_data()?.batch(at, rows.clone(), a.seq_len)?.to_device(device);
         let (xs, ys) = (batch.narrow(1, 0, a.seq_len), batch.narrow(1, 1, a.seq_len));
         opt.lr = learning_rate(&a, step);
-        let (loss, _) = model.step(&xs, &ys, microbatches, false)?;
+        let (loss, _) = model.step(&xs, &ys, microbatches, false, a.bf16)?;
         opt.step()?;
         model.zero_grad()?;
         let _ = position.shallow_clone().fill_(at + global);

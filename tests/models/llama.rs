@@ -68,3 +68,22 @@ fn recomputed_layers_train_the_same_model_under_fsdp() {
     assert_eq!(kept, recomputed, "recomputing the layers changed the training");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `--bf16` (FSDP's bfloat16 parameters and compute, float32 shards and reductions) trains close to
+/// float32, and not identically: it took effect.
+#[test]
+fn bf16_compute_trains_close_to_float32_under_fsdp() {
+    let dir = tmp("bf16");
+    make(&dir, "5GB");
+    let (d, data) = (dir.display().to_string(), dir.join("train.bin").display().to_string());
+    let args = ["--from-hf", &d, "--data", &data, "--steps", "3", "--seq-len", "16", "--batch", "2", "--lr", "1e-2"];
+    let args = [&args[..], &["--log-every", "1", "--dp-shard", "2"]].concat();
+    let f32s = losses(&llama(2, &args));
+    let bf16 = losses(&llama(2, &[&args[..], &["--bf16"]].concat()));
+    assert_eq!(f32s.len(), 3);
+    for ((s, a), (_, b)) in f32s.iter().zip(&bf16) {
+        assert!((a - b).abs() < 2e-2, "step {s}: float32 {a}, bfloat16 {b}");
+    }
+    assert!(f32s != bf16, "--bf16 changed nothing: {f32s:?}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
