@@ -43,11 +43,14 @@ struct Args {
     /// Where the trained model is written as a Hugging Face directory.
     #[arg(long)]
     to_hf: Option<String>,
-    /// Token ids, little-endian (u16 unless --data-dtype u32).
+    /// Token ids, little-endian (u16 unless --data-dtype u32); with --tokenizer, text.
     #[arg(long)]
     data: Option<String>,
     #[arg(long, default_value = "u16", value_parser = ["u16", "u32"])]
     data_dtype: String,
+    /// A Hugging Face tokenizer.json: --data is then text, tokenised with it (Hugging Face's tokenizers).
+    #[arg(long)]
+    tokenizer: Option<String>,
     #[arg(long, default_value_t = 10)]
     steps: usize,
     #[arg(long, default_value_t = 128)]
@@ -449,38 +452,57 @@ fn plan(mesh: &ParallelMesh, bf16: bool) -> Plan {
         .styles(&["*.o_proj", "*.down_proj"], Style::rowwise())
 }
 
-/// Token ids read from a file on demand: sequence `i` is tokens `i * seq_len ..` (wrapping), and the
-/// position in the data is the next sequence to read.
-struct Tokens {
-    file: std::fs::File,
-    width: u64,
-    count: u64,
+/// The training data: token ids read from a file on demand, or a text tokenised once (`--tokenizer`).
+/// Sequence `i` is tokens `i * seq_len ..` (wrapping), and the position in the data is the next sequence
+/// to read.
+enum Tokens {
+    File { file: std::fs::File, width: u64, count: u64 },
+    Text(Vec<u32>),
 }
 
 impl Tokens {
-    fn open(path: &str, dtype: &str) -> Result<Tokens> {
+    fn open(path: &str, dtype: &str, tokenizer: Option<&str>) -> Result<Tokens> {
+        if let Some(t) = tokenizer {
+            let tok = tokenizers::Tokenizer::from_file(t).map_err(|e| format!("--tokenizer {t}: {e}"))?;
+            let text =
+                std::fs::read_to_string(path).map_err(|e| format!("--data {path} (text, for --tokenizer): {e}"))?;
+            let ids = tok.encode(text, false).map_err(|e| format!("--tokenizer {t} on --data {path}: {e}"))?;
+            return Ok(Tokens::Text(ids.get_ids().to_vec()));
+        }
         let file = std::fs::File::open(path).map_err(|e| format!("--data {path}: {e}"))?;
         let width = if dtype == "u32" { 4 } else { 2 };
         let count = file.metadata()?.len() / width;
-        Ok(Tokens { file, width, count })
+        Ok(Tokens::File { file, width, count })
+    }
+
+    fn count(&self) -> u64 {
+        match self {
+            Tokens::File { count, .. } => *count,
+            Tokens::Text(ids) => ids.len() as u64,
+        }
     }
 
     /// Sequences `position + rows` of `len + 1` tokens each, as int64 `[rows, len + 1]`.
     fn batch(&self, position: i64, rows: std::ops::Range<i64>, len: i64) -> Result<Tensor> {
-        let span = (len + 1) as u64;
-        if self.count < span {
-            return Err(format!("--data holds {} tokens, fewer than one sequence of {span}", self.count).into());
+        let (span, count) = ((len + 1) as u64, self.count());
+        if count < span {
+            return Err(format!("--data holds {count} tokens, fewer than one sequence of {span}").into());
         }
-        let starts = (self.count - span) / len as u64 + 1; // windows that fit
+        let starts = (count - span) / len as u64 + 1; // windows that fit
         let mut ids = Vec::with_capacity((rows.end - rows.start) as usize * span as usize);
-        let mut buf = vec![0u8; (span * self.width) as usize];
         for r in rows {
             let at = (position + r) as u64 % starts * len as u64;
-            self.file.read_exact_at(&mut buf, at * self.width)?;
-            ids.extend(buf.chunks(self.width as usize).map(|c| match c {
-                [a, b] => u16::from_le_bytes([*a, *b]) as i64,
-                _ => u32::from_le_bytes([c[0], c[1], c[2], c[3]]) as i64,
-            }));
+            match self {
+                Tokens::File { file, width, .. } => {
+                    let mut buf = vec![0u8; (span * width) as usize];
+                    file.read_exact_at(&mut buf, at * width)?;
+                    ids.extend(buf.chunks(*width as usize).map(|c| match c {
+                        [a, b] => u16::from_le_bytes([*a, *b]) as i64,
+                        _ => u32::from_le_bytes([c[0], c[1], c[2], c[3]]) as i64,
+                    }));
+                }
+                Tokens::Text(all) => ids.extend(all[at as usize..(at + span) as usize].iter().map(|&t| t as i64)),
+            }
         }
         Ok(Tensor::from_slice(&ids).view([-1, span as i64]))
     }
@@ -654,7 +676,7 @@ fn main() -> Result<()> {
         }
     }
     let global = a.batch * mesh.dims().dp() as i64;
-    let data = a.data.as_ref().map(|p| Tokens::open(p, &a.data_dtype)).transpose()?;
+    let data = a.data.as_ref().map(|p| Tokens::open(p, &a.data_dtype, a.tokenizer.as_deref())).transpose()?;
     let need_data = || data.as_ref().ok_or("--data FILE is needed to train or to dump logits");
 
     if let Some(path) = &a.dump_logits {

@@ -13,7 +13,7 @@ pub fn tmp(name: &str) -> PathBuf {
     d
 }
 
-fn py(args: &[&str]) -> String {
+pub fn py(args: &[&str]) -> String {
     let o = Command::new(common::python())
         .arg(common::repo_path("tests/py/hf_llama.py"))
         .args(args)
@@ -29,7 +29,7 @@ pub fn make(dir: &Path, shard: &str) {
 }
 
 /// The largest difference between `transformers`' logits with the model in `dir` and the dump's.
-fn diff(dir: &Path, dump: &Path) -> f64 {
+pub fn diff(dir: &Path, dump: &Path) -> f64 {
     let out = py(&["logits", &dir.display().to_string(), &dump.display().to_string()]);
     out.lines()
         .find_map(|l| l.strip_prefix("max_diff ").and_then(|x| x.trim().parse().ok()))
@@ -48,7 +48,7 @@ pub fn llama(procs: usize, args: &[&str]) -> String {
 }
 
 /// `--from-hf dir --data data --steps 0 --dump-logits dump` with the layout's flags.
-fn dump(dir: &Path, data: &Path, procs: usize, layout: &[&str], dump: &Path) {
+pub fn dump(dir: &Path, data: &Path, procs: usize, layout: &[&str], dump: &Path) {
     let (d, data, out) = (dir.display().to_string(), data.display().to_string(), dump.display().to_string());
     let mut args = vec!["--from-hf", &d, "--data", &data, "--steps", "0", "--seq-len", "16", "--batch", "2"];
     args.extend(["--dump-logits", &out]);

@@ -87,3 +87,27 @@ fn bf16_compute_trains_close_to_float32_under_fsdp() {
     assert!(f32s != bf16, "--bf16 changed nothing: {f32s:?}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `--tokenizer tokenizer.json` over a text reads the ids Hugging Face's Python `tokenizers` gives the
+/// same text: the dump of the first batch equals the one from those ids, and the logits `transformers`'.
+#[test]
+fn a_text_through_a_hugging_face_tokenizer_reads_the_ids_python_gives() {
+    let dir = tmp("tokenizer");
+    make(&dir, "5GB");
+    crate::hf::py(&["text", &dir.display().to_string()]);
+    let tok = dir.join("tokenizer.json").display().to_string();
+    let (from_text, from_ids) = (dir.join("text.safetensors"), dir.join("ids.safetensors"));
+    crate::hf::dump(&dir, &dir.join("text.txt"), 1, &["--tokenizer", &tok], &from_text);
+    crate::hf::dump(&dir, &dir.join("text.bin"), 1, &[], &from_ids);
+    let read = |p: &std::path::Path| {
+        let mut all = tch::Tensor::read_safetensors(p).unwrap();
+        all.sort_by(|a, b| a.0.cmp(&b.0));
+        all
+    };
+    for ((n, a), (m, b)) in read(&from_text).iter().zip(read(&from_ids).iter()) {
+        assert!(n == m && a.equal(b), "{n}: through the tokenizer differs from Python's ids");
+    }
+    let d = crate::hf::diff(&dir, &from_text);
+    assert!(d < 1e-4, "logits differ from transformers' by {d}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -3,6 +3,9 @@
   make DIR [--max-shard-size S]   a tiny random LlamaForCausalLM (grouped-query attention, untied
                                   embeddings, rope theta 5000) saved with save_pretrained, and DIR/train.bin:
                                   4096 little-endian u16 token ids
+  text DIR                        DIR/text.txt (lower-case words), DIR/tokenizer.json (a BPE of at most
+                                  96 tokens trained on it with Hugging Face's tokenizers) and
+                                  DIR/text.bin: the text's ids as that tokenizer gives them, u16
   logits DIR DUMP                 transformers' logits of DUMP's input_ids with the model in DIR; prints the
                                   largest difference from DUMP's logits
 """
@@ -40,6 +43,23 @@ def make(a):
     ids.tofile(os.path.join(a.dir, "train.bin"))
 
 
+def text(a):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    rng = np.random.default_rng(5)
+    words = ["the", "model", "trains", "on", "many", "ranks", "and", "shards", "its", "weights", "over", "them"]
+    body = " ".join(rng.choice(words, 3000))
+    with open(os.path.join(a.dir, "text.txt"), "w") as f:
+        f.write(body)
+    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator([body], trainers.BpeTrainer(vocab_size=96, special_tokens=["[UNK]"]))
+    tok.save(os.path.join(a.dir, "tokenizer.json"))
+    ids = np.array(tok.encode(body).ids, dtype="<u2")
+    assert ids.max() < 96, ids.max()
+    ids.tofile(os.path.join(a.dir, "text.bin"))
+
+
 def logits(a):
     model = LlamaForCausalLM.from_pretrained(a.dir, dtype=torch.float32).eval()
     dump = load_file(a.dump)
@@ -53,8 +73,10 @@ sub = p.add_subparsers(dest="cmd", required=True)
 m = sub.add_parser("make")
 m.add_argument("dir")
 m.add_argument("--max-shard-size", default="5GB")
+t = sub.add_parser("text")
+t.add_argument("dir")
 lg = sub.add_parser("logits")
 lg.add_argument("dir")
 lg.add_argument("dump")
 a = p.parse_args()
-{"make": make, "logits": logits}[a.cmd](a)
+{"make": make, "text": text, "logits": logits}[a.cmd](a)
