@@ -92,6 +92,9 @@ struct Args {
     /// Recompute each decoder layer's activations in backward instead of keeping them.
     #[arg(long)]
     recompute: bool,
+    /// Every rank reports what loading --from-hf read and cost (else rank 0 alone).
+    #[arg(long)]
+    load_report: bool,
     /// Loss, learning rate, throughput and memory every N steps.
     #[arg(long, default_value_t = 10)]
     log_every: usize,
@@ -639,6 +642,7 @@ fn learning_rate(a: &Args, step: usize) -> f64 {
 
 fn main() -> Result<()> {
     let a = Args::parse();
+    tch_dist::memory::install_cpu_counter()?; // before any tensor, so the CPU's bytes are all counted
     tch::set_num_threads(1);
     let world = Arc::new(ProcessGroup::from_env()?);
     let dims =
@@ -669,10 +673,18 @@ fn main() -> Result<()> {
     let device = world.device(); // the GPU NCCL binds, else the CPU
     let mut model = Model::build(&a, &mesh, &cfg, microbatches, device)?;
     if let Some(hf) = &source {
+        // what loading costs on top of the model as the layout holds it (the allocator's count)
+        let held = tch_dist::memory::allocated(device)?;
+        tch_dist::memory::reset_peak(device)?;
         let loaded = hf.load_stores(&world, &model.stores(), model.slot())?;
-        if world.rank() == 0 {
+        let extra = tch_dist::memory::peak(device)? - held;
+        if world.rank() == 0 || a.load_report {
             let (n, bytes) = (loaded.tensors, loaded.bytes_read);
-            println!("loaded {n} tensors from {} ({bytes} bytes read on rank 0)", hf.dir().display());
+            let dir = hf.dir().display();
+            println!(
+                "load rank {}: {n} tensors from {dir}, {bytes} bytes read, {held} bytes held, peak +{extra}",
+                world.rank()
+            );
         }
     }
     let global = a.batch * mesh.dims().dp() as i64;

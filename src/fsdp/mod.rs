@@ -343,7 +343,9 @@ impl FsdpBuilder {
         let id = self.rt.add_unit(name.to_string(), flat, role)?;
         // registered while the parameters have their shapes and compute dtype (their accumulators keep them)
         let hooks = unit::grad_hooks(&self.rt, id, &params)?;
-        if role == Role::Layer {
+        // the root too (FSDP2's root is sharded until its first forward): only the small parameters'
+        // units stay gathered from the start
+        if role != Role::Small {
             self.rt.reshard(id)?;
         }
         Ok((id, hooks))

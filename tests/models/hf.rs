@@ -119,3 +119,32 @@ fn trained_in_two_layouts_and_written_with_to_hf_transformers_gives_our_logits()
     assert!(gap < 1e-4, "FSDP and pp x FSDP trained different models: logits differ by {gap}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Loading under FSDP on 2 ranks reads about half the file on each rank and costs, on top of the shards
+/// the rank holds, less than one tensor: no rank materialises the whole model (the counting allocator's
+/// peak during the load).
+#[test]
+fn loading_under_fsdp_reads_and_allocates_a_rank_s_part_only() {
+    let dir = tmp("memory");
+    py(&["make", &dir.display().to_string(), "--vocab", "512", "--hidden", "128", "--layers", "4"]);
+    let (d, data) = (dir.display().to_string(), dir.join("train.bin").display().to_string());
+    let out = llama(2, &["--from-hf", &d, "--data", &data, "--steps", "0", "--dp-shard", "2", "--load-report"]);
+    let file = std::fs::metadata(dir.join("model.safetensors")).unwrap().len() as f64;
+    let largest = 512.0 * 128.0 * 4.0; // the embedding and the head
+    let mut ranks = 0;
+    for line in out.lines().filter(|l| l.contains("load rank")) {
+        let num = |key: &str| -> f64 {
+            let at = line.find(key).unwrap_or_else(|| panic!("no {key:?} in {line}"));
+            let before = line[..at].trim_end().rsplit(' ').next().unwrap();
+            before.trim_start_matches('+').replace(',', "").parse().unwrap()
+        };
+        let (read, held) = (num(" bytes read"), num(" bytes held"));
+        let extra: f64 = line.rsplit('+').next().unwrap().trim().parse().unwrap();
+        assert!(read < 0.6 * file && read > 0.4 * file, "{line}: read {read} of a {file}-byte file");
+        assert!(held < 0.6 * file, "{line}: holds {held} bytes of a {file}-byte model: more than its shards");
+        assert!(extra < largest, "{line}: the load allocated {extra} bytes, more than one tensor ({largest})");
+        ranks += 1;
+    }
+    assert_eq!(ranks, 2, "{out}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -1,8 +1,10 @@
 """transformers' side of tests/models/hf.rs.
 
-  make DIR [--max-shard-size S]   a tiny random LlamaForCausalLM (grouped-query attention, untied
-                                  embeddings, rope theta 5000) saved with save_pretrained, and DIR/train.bin:
-                                  4096 little-endian u16 token ids
+  make DIR [--max-shard-size S] [--vocab V --hidden H --layers L]
+                                  a tiny random LlamaForCausalLM (grouped-query attention, untied
+                                  embeddings, rope theta 5000; 96 tokens, 32 features, 2 layers by default)
+                                  saved with save_pretrained, and DIR/train.bin: 4096 little-endian u16
+                                  token ids
   text DIR                        DIR/text.txt (lower-case words), DIR/tokenizer.json (a BPE of at most
                                   96 tokens trained on it with Hugging Face's tokenizers) and
                                   DIR/text.bin: the text's ids as that tokenizer gives them, u16
@@ -21,10 +23,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 def make(a):
     torch.manual_seed(7)
     cfg = LlamaConfig(
-        vocab_size=96,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
+        vocab_size=a.vocab,
+        hidden_size=a.hidden,
+        intermediate_size=2 * a.hidden,
+        num_hidden_layers=a.layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         rope_theta=5000.0,
@@ -39,7 +41,7 @@ def make(a):
             if n.endswith("norm.weight"):
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
     model.save_pretrained(a.dir, max_shard_size=a.max_shard_size)
-    ids = np.random.default_rng(3).integers(0, cfg.vocab_size, 4096).astype("<u2")
+    ids = np.random.default_rng(3).integers(0, min(cfg.vocab_size, 96), 4096).astype("<u2")
     ids.tofile(os.path.join(a.dir, "train.bin"))
 
 
@@ -73,6 +75,9 @@ sub = p.add_subparsers(dest="cmd", required=True)
 m = sub.add_parser("make")
 m.add_argument("dir")
 m.add_argument("--max-shard-size", default="5GB")
+m.add_argument("--vocab", type=int, default=96)
+m.add_argument("--hidden", type=int, default=32)
+m.add_argument("--layers", type=int, default=2)
 t = sub.add_parser("text")
 t.add_argument("dir")
 lg = sub.add_parser("logits")
