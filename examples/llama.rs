@@ -58,6 +58,7 @@ struct Args {
     /// Sequences per step on each data-parallel rank.
     #[arg(long, default_value_t = 4)]
     batch: i64,
+    /// The peak learning rate (AdamW), after --warmup, decaying on a cosine to a tenth at --steps.
     #[arg(long, default_value_t = 3e-4)]
     lr: f64,
     #[arg(long, default_value_t = 1)]
@@ -98,7 +99,8 @@ struct Args {
     /// Loss, learning rate, throughput and memory every N steps.
     #[arg(long, default_value_t = 10)]
     log_every: usize,
-    /// The first global batch's `input_ids` and `logits`, before any step, as safetensors (rank 0).
+    /// The first global batch's `input_ids` and `logits`, before any step, as safetensors (written by
+    /// the reporting rank, on the last pipeline stage).
     #[arg(long)]
     dump_logits: Option<String>,
     /// Seeds a fresh model's initialisation.
@@ -640,8 +642,15 @@ fn learning_rate(a: &Args, step: usize) -> f64 {
     a.lr * (0.1 + 0.9 * 0.5 * (1.0 + (std::f64::consts::PI * progress).cos()))
 }
 
-fn main() -> Result<()> {
-    let a = Args::parse();
+fn main() {
+    // the error's own words (a `main` returning it would print its Debug form)
+    if let Err(e) = run(Args::parse()) {
+        eprintln!("Error: {e}");
+        std::process::exit(1);
+    }
+}
+
+fn run(a: Args) -> Result<()> {
     tch_dist::memory::install_cpu_counter()?; // before any tensor, so the CPU's bytes are all counted
     tch::set_num_threads(1);
     let world = Arc::new(ProcessGroup::from_env()?);
@@ -654,7 +663,10 @@ fn main() -> Result<()> {
         (None, Some(path)) => {
             serde_json::from_slice(&std::fs::read(path).map_err(|e| format!("--config {path}: {e}"))?)?
         }
-        _ => return Err("give one of --from-hf DIR and --config config.json".into()),
+        (Some(_), Some(_)) => return Err("give --from-hf DIR or --config config.json, not both".into()),
+        (None, None) => {
+            return Err("give --from-hf DIR (a model to start from) or --config config.json (a fresh one)".into())
+        }
     };
     let cfg = Config::from_json(&config)?;
     for (what, n) in [
@@ -670,6 +682,13 @@ fn main() -> Result<()> {
     if microbatches == 0 || a.batch % microbatches as i64 != 0 {
         return Err(format!("--microbatches {microbatches} does not divide --batch {}", a.batch).into());
     }
+    // the data checked before the model is built and loaded: a mistake there costs no load
+    let global = a.batch * mesh.dims().dp() as i64;
+    let data = a.data.as_ref().map(|p| Tokens::open(p, &a.data_dtype, a.tokenizer.as_deref())).transpose()?;
+    if let Some(d) = &data {
+        let _ = d.batch(0, 0..1, a.seq_len)?; // its first sequence: the file is long enough
+    }
+    let need_data = || data.as_ref().ok_or("--data FILE is needed to train or to dump logits");
     let device = world.device(); // the GPU NCCL binds, else the CPU
     let mut model = Model::build(&a, &mesh, &cfg, microbatches, device)?;
     if let Some(hf) = &source {
@@ -687,10 +706,6 @@ fn main() -> Result<()> {
             );
         }
     }
-    let global = a.batch * mesh.dims().dp() as i64;
-    let data = a.data.as_ref().map(|p| Tokens::open(p, &a.data_dtype, a.tokenizer.as_deref())).transpose()?;
-    let need_data = || data.as_ref().ok_or("--data FILE is needed to train or to dump logits");
-
     if let Some(path) = &a.dump_logits {
         // every rank runs the whole first batch (collective under FSDP, TP and the pipeline); the last
         // stage has the logits

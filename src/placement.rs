@@ -60,7 +60,10 @@ pub enum Extent {
     Box { offsets: Vec<i64>, lengths: Vec<i64> },
     /// Elements `[offset, offset + len)` of the flattened whole (past its end: padding).
     Flat { offset: i64, len: i64 },
-    /// A part no box or range describes (a flat shard of a tensor-parallel slice).
+    /// Elements `[offset, offset + len)` of the row-major flattening of the box at `offsets` of
+    /// `lengths` (FSDP's shard of a tensor-parallel slice).
+    FlatOfBox { offsets: Vec<i64>, lengths: Vec<i64>, offset: i64, len: i64 },
+    /// A part no box or range describes.
     Other,
 }
 
@@ -392,6 +395,9 @@ pub(crate) fn record_flat_shard(
         };
         let extent = match extent {
             Extent::Whole => Extent::Flat { offset, len: shard.numel() as i64 },
+            Extent::Box { offsets, lengths } => {
+                Extent::FlatOfBox { offsets, lengths, offset, len: shard.numel() as i64 }
+            }
             _ => Extent::Other,
         };
         along_.push(along(group, Placement::Flat { offset }));

@@ -115,7 +115,23 @@ impl<'a> StateDict<'a> {
             Extent::Flat { offset, .. } => {
                 self.flat_shard(full, Some(name), &global, *offset, &local)?;
             }
-            Extent::Other => {
+            // FSDP's shard of a tensor-parallel slice: its run of the slice's flattening, as boxes of
+            // the slice moved to where the slice lies
+            Extent::FlatOfBox { offsets, lengths, offset, .. } if global.len() == lengths.len() => {
+                let volume: i64 = lengths.iter().product();
+                let len = (local.numel() as i64).min((volume - offset).max(0));
+                let local = local.f_reshape([-1])?.f_narrow(0, 0, len)?;
+                let boxes = Region::Flat { start: *offset, len }
+                    .boxes(lengths)
+                    .into_iter()
+                    .map(|(mut b, at)| {
+                        b.offsets.iter_mut().zip(offsets).for_each(|(o, s)| *o += s);
+                        (b, at)
+                    })
+                    .collect();
+                self.items.push(Item { name: full, param: Some(name), global, region: Region::Boxes(boxes), local });
+            }
+            Extent::FlatOfBox { .. } | Extent::Other => {
                 return Err(Error::invalid(
                     "checkpoint",
                     format!(

@@ -78,6 +78,14 @@ fn written_whole_or_in_several_files_and_read_back_the_same() {
         assert_eq!(loaded.tensors, 4);
         same(&values(&back), &values(&one));
     }
+    // written in bfloat16: the files hold it, and the config says so (transformers loads in it)
+    let bf = tmp("bf16");
+    let opts = HfSaveOptions { dtype: Some(Kind::BFloat16), config: Some(config.clone()), ..Default::default() };
+    save_hf(&pg, &bf, &one, &opts, HfPart::same).unwrap();
+    let hf = HfCheckpoint::open(&bf).unwrap();
+    assert_eq!(hf.read("lm_head.weight").unwrap().kind(), Kind::BFloat16);
+    assert_eq!(hf.config().unwrap()["dtype"], "bfloat16");
+    let _ = std::fs::remove_dir_all(&bf);
     // a save with fewer files leaves no file of the earlier one behind
     save_hf(&pg, &sharded, &one, &HfSaveOptions::default(), HfPart::same).unwrap();
     let mut left: Vec<_> = std::fs::read_dir(&sharded).unwrap().flatten().map(|e| e.file_name()).collect();
@@ -116,6 +124,21 @@ fn separate_tensors_fill_rows_of_a_fused_variable_and_are_written_back_apart() {
         qkv.shallow_clone().copy_(&Tensor::cat(&[&whole, &(&whole * 2.0)], 0));
     });
     save_hf(&pg, &dir2, &fused, &HfSaveOptions::default(), halves).unwrap();
+    // a map that drops rows, repeats them or writes nothing of a variable is refused, naming the rows
+    let cases: [(Vec<HfPart>, &str); 3] = [
+        (vec![HfPart { name: "q".into(), rows: Some(0..12) }], "writes none of rows 12..24 of qkv"),
+        (
+            vec![HfPart { name: "q".into(), rows: Some(0..16) }, HfPart { name: "k".into(), rows: Some(12..24) }],
+            "writes twice rows 12..16 of qkv",
+        ),
+        (vec![], "writes none of rows 0..24 of qkv"),
+    ];
+    for (parts, want) in cases {
+        let e = save_hf(&pg, tmp("bad-map"), &fused, &HfSaveOptions::default(), |_: &str, _: &[i64]| parts.clone())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(want), "{want:?} not in: {e}");
+    }
     let two = HfCheckpoint::open(&dir2).unwrap();
     assert!(two.read("q").unwrap().equal(&whole) && two.read("k").unwrap().equal(&(&whole * 2.0)));
     let again = nn::VarStore::new(Device::Cpu);
@@ -166,9 +189,34 @@ fn a_missing_unexpected_or_mis_shaped_tensor_is_named_and_nothing_changes() {
     Tensor::write_safetensors(&[("lm_head.bias", &ids)], dir2.join("model.safetensors")).unwrap();
     let e = HfCheckpoint::open(&dir2).unwrap().load(&pg, &floats, HfSlot::same).unwrap_err().to_string();
     assert!(e.contains("lm_head.bias is I64, the model's lm_head.bias is Float"), "{e}");
-    // a directory that is not a checkpoint
-    let e = HfCheckpoint::open(tmp("empty")).unwrap_err().to_string();
+    // a directory that is not a checkpoint, one that does not exist, a file
+    let empty = tmp("empty");
+    std::fs::create_dir_all(&empty).unwrap();
+    let e = HfCheckpoint::open(&empty).unwrap_err().to_string();
     assert!(e.contains("holds neither model.safetensors.index.json nor model.safetensors"), "{e}");
+    let e = HfCheckpoint::open(tmp("nowhere")).unwrap_err().to_string();
+    assert!(e.contains("does not exist"), "{e}");
+    let e = HfCheckpoint::open(dir.join("model.safetensors")).unwrap_err().to_string();
+    assert!(e.contains("is a file: give the directory"), "{e}");
+    // a tensor mapped away from the variable it fills: named as the likely culprit
+    let map = |n: &str| if n == "lm_head.weight" { HfSlot::Skip } else { HfSlot::same(n) };
+    check(
+        &one,
+        &map,
+        &["no tensor goes to the model's lm_head.weight", "tensors of that shape no variable takes: lm_head.weight"],
+    );
+    // two tensors into the same rows: both named, with their rows
+    let parts = nn::VarStore::new(Device::Cpu);
+    let (_, _) = (parts.root().zeros("a", &[4, 8]), parts.root().zeros("b", &[4, 8]));
+    let dir3 = tmp("overlap");
+    save_hf(&pg, &dir3, &parts, &HfSaveOptions::default(), HfPart::same).unwrap();
+    let fused = nn::VarStore::new(Device::Cpu);
+    let _ = fused.root().zeros("qkv", &[8, 8]);
+    let both = |n: &str| HfSlot::Rows { var: "qkv".into(), start: if n == "a" { 0 } else { 2 } };
+    let e = HfCheckpoint::open(&dir3).unwrap().load(&pg, &fused, both).unwrap_err().to_string();
+    assert!(e.contains("a (rows 0..4) and b (rows 2..6) fill the same part of the model's qkv"), "{e}");
+    let _ = std::fs::remove_dir_all(&dir3);
+    let _ = std::fs::remove_dir_all(&empty);
     let _ = (std::fs::remove_dir_all(&dir), std::fs::remove_dir_all(&dir2));
 }
 

@@ -1,6 +1,6 @@
 """transformers' side of tests/models/hf.rs.
 
-  make DIR [--max-shard-size S] [--vocab V --hidden H --layers L]
+  make DIR [--max-shard-size S] [--vocab V --hidden H --layers L] [--bf16: saved in bfloat16]
                                   a tiny random LlamaForCausalLM (grouped-query attention, untied
                                   embeddings, rope theta 5000; 96 tokens, 32 features, 2 layers by default)
                                   saved with save_pretrained, and DIR/train.bin: 4096 little-endian u16
@@ -40,6 +40,8 @@ def make(a):
         for n, p in model.named_parameters():
             if n.endswith("norm.weight"):
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
+    if a.bf16:
+        model = model.to(torch.bfloat16)  # as models are published: read back into float32 variables
     model.save_pretrained(a.dir, max_shard_size=a.max_shard_size)
     ids = np.random.default_rng(3).integers(0, min(cfg.vocab_size, 96), 4096).astype("<u2")
     ids.tofile(os.path.join(a.dir, "train.bin"))
@@ -78,6 +80,7 @@ m.add_argument("--max-shard-size", default="5GB")
 m.add_argument("--vocab", type=int, default=96)
 m.add_argument("--hidden", type=int, default=32)
 m.add_argument("--layers", type=int, default=2)
+m.add_argument("--bf16", action="store_true")
 t = sub.add_parser("text")
 t.add_argument("dir")
 lg = sub.add_parser("logits")

@@ -81,6 +81,9 @@ impl HfCheckpoint {
         let vars: BTreeMap<String, (Vec<i64>, Kind)> =
             sd.items.iter().filter_map(|i| i.param.clone().map(|p| (p, (i.global.clone(), i.local.kind())))).collect();
         let mut tensors: BTreeMap<String, TensorMeta> = BTreeMap::new();
+        // the checkpoint's tensors each variable takes, and those no variable here takes
+        let mut sources: BTreeMap<String, Vec<String>> = BTreeMap::new();
+        let mut untaken: Vec<&String> = Vec::new();
         let mut unclaimed = Vec::new();
         let mut taken = 0;
         for (name, t) in self.stored() {
@@ -89,6 +92,7 @@ impl HfCheckpoint {
             let (var, start) = match map(name) {
                 HfSlot::Skip => {
                     unclaimed.push(0);
+                    untaken.push(name);
                     continue;
                 }
                 HfSlot::Var(v) => (v, None),
@@ -96,6 +100,7 @@ impl HfCheckpoint {
             };
             let Some((global, kind)) = vars.get(&var) else {
                 unclaimed.push(1);
+                untaken.push(name);
                 continue;
             };
             unclaimed.push(0);
@@ -111,10 +116,16 @@ impl HfCheckpoint {
             let offsets = match start {
                 None if t.shape == *global => vec![0; global.len()],
                 None => {
+                    // under FSDP a variable is empty between uses: its place is known after finish
+                    let hint = if global.contains(&0) {
+                        " (an empty variable: load after plan.finish, or FsdpBuilder::finish, which places the shards)"
+                    } else {
+                        ""
+                    };
                     return Err(Error::mismatch(
                         what(),
-                        format!("{name} has shape {:?}, the model's {var} has {global:?}", t.shape),
-                    ))
+                        format!("{name} has shape {:?}, the model's {var} has {global:?}{hint}", t.shape),
+                    ));
                 }
                 Some(s) => {
                     let bx = Bx {
@@ -146,27 +157,44 @@ impl HfCheckpoint {
                 ));
             }
             entry.chunks.push(self.chunk(t, offsets));
+            sources.entry(var).or_default().push(name.clone());
         }
         // every variable filled exactly: no part missing, none twice
         for (var, (global, _)) in &vars {
             let key = format!("{PREFIX}.{var}");
             let dir = format!("Hugging Face checkpoint {}", self.dir().display());
             let Some(t) = tensors.get(&key) else {
+                // the likely culprits first: tensors no variable here takes, of this shape
+                let fits: Vec<&str> =
+                    untaken.iter().filter(|n| self.stored()[**n].shape == *global).map(|n| n.as_str()).collect();
                 let names: Vec<String> = self.stored().keys().cloned().collect();
+                let hint = if fits.is_empty() {
+                    format!("the checkpoint's closest names: {}", crate::names::closest(var, &names).join(", "))
+                } else {
+                    format!("tensors of that shape no variable takes: {}", fits.join(", "))
+                };
                 return Err(Error::invalid(
                     dir,
-                    format!(
-                        "no tensor goes to the model's {var} (shape {global:?}; the checkpoint's closest names: {})",
-                        crate::names::closest(var, &names).join(", ")
-                    ),
+                    format!("no tensor goes to the model's {var} (shape {global:?}; {hint})"),
                 ));
             };
             let boxes: Vec<Bx> = t.chunks.iter().map(|c| c.bx()).collect();
+            let names = &sources[var];
+            let rows = |b: &Bx| match b.offsets.first().zip(b.lengths.first()) {
+                Some((o, l)) => format!("rows {o}..{}", o + l),
+                None => "its one element".to_string(),
+            };
             for (i, a) in boxes.iter().enumerate() {
-                if let Some(b) = boxes[i + 1..].iter().find(|b| a.intersect(b).is_some()) {
+                if let Some(j) = (i + 1..boxes.len()).find(|&j| a.intersect(&boxes[j]).is_some()) {
                     return Err(Error::invalid(
                         dir,
-                        format!("two of its tensors fill the same part of the model's {var}: {a:?} and {b:?}"),
+                        format!(
+                            "{} ({}) and {} ({}) fill the same part of the model's {var}",
+                            names[i],
+                            rows(a),
+                            names[j],
+                            rows(&boxes[j])
+                        ),
                     ));
                 }
             }

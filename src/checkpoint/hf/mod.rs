@@ -105,6 +105,13 @@ impl HfCheckpoint {
     /// on is an error naming the file.
     pub fn open(dir: impl AsRef<Path>) -> Result<HfCheckpoint> {
         let dir = dir.as_ref().to_path_buf();
+        let what = format!("Hugging Face checkpoint {}", dir.display());
+        if dir.is_file() {
+            return Err(Error::invalid(what, "is a file: give the directory that holds it"));
+        }
+        if !dir.exists() {
+            return Err(Error::invalid(what, "does not exist"));
+        }
         let index = dir.join(INDEX);
         let (files, listed): (Vec<String>, Option<BTreeMap<String, String>>) = if index.exists() {
             let what = format!("Hugging Face index {}", index.display());
@@ -129,10 +136,7 @@ impl HfCheckpoint {
         } else if dir.join(SINGLE).exists() {
             (vec![SINGLE.to_string()], None)
         } else {
-            return Err(Error::invalid(
-                format!("Hugging Face checkpoint {}", dir.display()),
-                format!("holds neither {INDEX} nor {SINGLE}"),
-            ));
+            return Err(Error::invalid(what, format!("holds neither {INDEX} nor {SINGLE}")));
         };
         let mut tensors = BTreeMap::new();
         for (i, name) in files.iter().enumerate() {

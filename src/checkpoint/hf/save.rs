@@ -132,8 +132,32 @@ fn cut(
             Some(k) => k.elt_size_in_bytes(),
             None => format::dtype_kind(&t.dtype)?.elt_size_in_bytes(),
         } as u64;
-        for part in names(var, &t.shape) {
-            let rows = part.rows.clone().unwrap_or(0..t.shape.first().copied().unwrap_or(1));
+        let parts = names(var, &t.shape);
+        // every row written exactly once: a map that drops or repeats rows would write a model
+        // `transformers` fills with fresh values where they are missing
+        let n = t.shape.first().copied().unwrap_or(1);
+        let mut covered: Vec<std::ops::Range<i64>> = parts.iter().map(|p| p.rows.clone().unwrap_or(0..n)).collect();
+        covered.sort_by_key(|r| r.start);
+        let mut next = 0;
+        for r in &covered {
+            if r.start != next {
+                let what_rows = if r.start > next { "writes none of" } else { "writes twice" };
+                let (a, b) = if r.start > next { (next, r.start) } else { (r.start, next.min(r.end)) };
+                return Err(Error::invalid(
+                    what(),
+                    format!("the name map {what_rows} rows {a}..{b} of {var} (shape {:?}): each row goes to exactly one tensor", t.shape),
+                ));
+            }
+            next = r.end;
+        }
+        if next != n {
+            return Err(Error::invalid(
+                what(),
+                format!("the name map writes none of rows {next}..{n} of {var} (shape {:?}): each row goes to exactly one tensor", t.shape),
+            ));
+        }
+        for part in parts {
+            let rows = part.rows.clone().unwrap_or(0..n);
             let first = t.shape.first().copied();
             if first.is_some_and(|n| rows.start < 0 || rows.end > n || rows.start >= rows.end) {
                 return Err(Error::invalid(
@@ -269,7 +293,22 @@ fn finish(dir: &Path, files: &[(String, Vec<Out>)], opts: &HfSaveOptions) -> Res
         let _ = std::fs::remove_file(dir.join(INDEX));
     }
     if let Some(config) = &opts.config {
-        write_json(CONFIG, config)?;
+        let mut config = config.clone();
+        // the dtype written, as save_pretrained records it (transformers loads in it by default)
+        if let (Some(k), Some(obj)) = (opts.dtype, config.as_object_mut()) {
+            let name = match k {
+                Kind::BFloat16 => "bfloat16",
+                Kind::Half => "float16",
+                Kind::Double => "float64",
+                _ => "float32",
+            };
+            for key in ["dtype", "torch_dtype"] {
+                if obj.contains_key(key) || key == "dtype" {
+                    obj.insert(key.to_string(), serde_json::Value::String(name.to_string()));
+                }
+            }
+        }
+        write_json(CONFIG, &config)?;
     }
     Ok(())
 }
