@@ -443,7 +443,7 @@ fn staged(name: &str) -> HfSlot {
 
 /// A stage's path -> Hugging Face's name (the layer's name dropped).
 fn unstaged(var: &str, _shape: &[i64]) -> Vec<HfPart> {
-    vec![HfPart { name: var.split_once('.').map_or(var, |(_, n)| n).to_string(), rows: None }]
+    vec![HfPart::whole(var.split_once('.').map_or(var, |(_, n)| n))]
 }
 
 /// The layout's data parallelism, and tensor parallelism by Hugging Face's names (Megatron's split:

@@ -34,7 +34,7 @@ mod load;
 mod plan;
 mod region;
 mod save;
-mod state;
+pub(crate) mod state;
 
 pub use file::{
     load, load_var_store, read, save, save_var_store, var_store_tensors, write_atomic, CHECKSUM_KEY, STEP_KEY,

@@ -118,7 +118,7 @@ fn separate_tensors_fill_rows_of_a_fused_variable_and_are_written_back_apart() {
     let dir2 = tmp("fused2");
     let halves = |v: &str, _: &[i64]| {
         assert_eq!(v, "qkv");
-        vec![HfPart { name: "q".into(), rows: Some(0..12) }, HfPart { name: "k".into(), rows: Some(12..24) }]
+        vec![HfPart::rows("q", 0..12), HfPart::rows("k", 12..24)]
     };
     tch::no_grad(|| {
         qkv.shallow_clone().copy_(&Tensor::cat(&[&whole, &(&whole * 2.0)], 0));
@@ -126,11 +126,8 @@ fn separate_tensors_fill_rows_of_a_fused_variable_and_are_written_back_apart() {
     save_hf(&pg, &dir2, &fused, &HfSaveOptions::default(), halves).unwrap();
     // a map that drops rows, repeats them or writes nothing of a variable is refused, naming the rows
     let cases: [(Vec<HfPart>, &str); 3] = [
-        (vec![HfPart { name: "q".into(), rows: Some(0..12) }], "writes none of rows 12..24 of qkv"),
-        (
-            vec![HfPart { name: "q".into(), rows: Some(0..16) }, HfPart { name: "k".into(), rows: Some(12..24) }],
-            "writes twice rows 12..16 of qkv",
-        ),
+        (vec![HfPart::rows("q", 0..12)], "writes none of rows 12..24 of qkv"),
+        (vec![HfPart::rows("q", 0..16), HfPart::rows("k", 12..24)], "writes twice rows 12..16 of qkv"),
         (vec![], "writes none of rows 0..24 of qkv"),
     ];
     for (parts, want) in cases {
@@ -256,4 +253,43 @@ fn fsdp_ranks_read_only_their_rows_and_write_the_same_checkpoint() {
         assert!(a.read(n).unwrap().equal(&b.read(n).unwrap()), "{n} written from the shards differs");
     }
     let _ = (std::fs::remove_dir_all(&dir), std::fs::remove_dir_all(&out));
+}
+
+/// A checkpoint whose 2-D weights are stored transposed (GPT-2's `Conv1D`): written so with
+/// `HfPart::transposed`, read back with `HfSlot::Transposed` in one process and under FSDP on 2 ranks.
+#[test]
+fn transposed_weights_are_written_and_read_in_any_layout() {
+    let pg = solo();
+    let dir = tmp("transposed");
+    let one = nn::VarStore::new(Device::Cpu);
+    let net = model(&one, 0.0).into_iter().fold(nn::seq(), |s, (_, l)| s.add(l));
+    let flip = |v: &str, s: &[i64]| vec![if s.len() == 2 { HfPart::transposed(v) } else { HfPart::whole(v) }];
+    save_hf(&pg, &dir, &one, &HfSaveOptions::default(), flip).unwrap();
+    let hf = HfCheckpoint::open(&dir).unwrap();
+    assert_eq!(hf.shape("model.layers.0.up_proj.weight"), Some(&[8i64, 12][..]));
+    let unflip = |n: &str| if n.ends_with("weight") { HfSlot::Transposed(n.into()) } else { HfSlot::same(n) };
+    let back = nn::VarStore::new(Device::Cpu);
+    let _ = model(&back, 1.0);
+    hf.load(&pg, &back, unflip).unwrap();
+    same(&values(&back), &values(&one));
+    // a transposed tensor that does not fit, named
+    let e = hf.load(&pg, &back, HfSlot::same).unwrap_err().to_string();
+    assert!(e.contains("lm_head.weight has shape [12, 5], the model's lm_head.weight has [5, 12]"), "{e}");
+    let input = || Tensor::arange(24, (Kind::Float, Device::Cpu)).view([3, 8]).sin();
+    let want = tch::no_grad(|| nn::Module::forward(&net, &input()));
+    let d = dir.clone();
+    let got = common::run_threads(2, Duration::from_secs(60), move |pg| {
+        let pg = Arc::new(pg);
+        let vs = nn::VarStore::new(Device::Cpu);
+        let fsdp = FsdpBuilder::new(&vs, FsdpOptions::default().process_group(pg.clone())).unwrap();
+        let layers = model(&vs, 1.0);
+        let net = layers.into_iter().fold(nn::seq(), |s, (p, l)| s.add(fsdp.fully_shard(&p, l).unwrap()));
+        let net = fsdp.finish(net).unwrap();
+        HfCheckpoint::open(&d).unwrap().load(&pg, &vs, unflip).unwrap();
+        tch::no_grad(|| nn::Module::forward(&net, &input()))
+    });
+    for (rank, y) in got.iter().enumerate() {
+        assert!(y.allclose(&want, 1e-6, 1e-6, false), "rank {rank}: the sharded model's output differs");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -47,7 +47,7 @@ impl HfCheckpoint {
             sd.var_store(PREFIX, vs);
         }
         let planned = pg.meta().outcome("Hugging Face load", self.plan(&sd, &map));
-        let (meta, unclaimed, tensors) = planned?;
+        let (meta, unclaimed, tensors, flipped) = planned?;
         // a tensor is unexpected when no rank's model takes it (a pipeline stage takes only its layers)
         let unclaimed = pg.meta().allreduce("Hugging Face load", &unclaimed, ReduceOp::Min)?;
         let names: Vec<&String> = self.stored().keys().collect();
@@ -68,14 +68,44 @@ impl HfCheckpoint {
                 ),
             ));
         }
-        let loaded = load_stored(self.dir(), &meta, &mut sd);
-        let info = pg.meta().outcome("Hugging Face load", loaded)?;
-        Ok(HfLoaded { tensors, bytes_read: info.bytes_read })
+        // the transposed tensors' variables are filled apart: our description has no chunk for them
+        let is_flipped =
+            |i: &crate::checkpoint::state::Item| flipped.iter().any(|(_, v)| i.param.as_deref() == Some(v));
+        let (flip_items, rest): (Vec<_>, Vec<_>) = std::mem::take(&mut sd.items).into_iter().partition(is_flipped);
+        sd.items = rest;
+        let loaded = load_stored(self.dir(), &meta, &mut sd).and_then(|info| {
+            // the transposed tensors: each read whole once, transposed, each item's part copied
+            let _g = tch::no_grad_guard();
+            let mut bytes = info.bytes_read;
+            for (name, var) in &flipped {
+                let full = self.read(name)?;
+                bytes += (full.numel() * full.kind().elt_size_in_bytes()) as u64;
+                let full = full.f_tr()?;
+                for item in flip_items.iter().filter(|i| i.param.as_deref() == Some(var.as_str())) {
+                    for (bx, dst) in item.pieces()? {
+                        let mut src = full.shallow_clone();
+                        for d in 0..bx.offsets.len() {
+                            src = src.f_narrow(d as i64, bx.offsets[d], bx.lengths[d])?;
+                        }
+                        dst.shallow_clone().f_copy_(&src)?;
+                    }
+                }
+            }
+            Ok(bytes)
+        });
+        let bytes_read = pg.meta().outcome("Hugging Face load", loaded)?;
+        Ok(HfLoaded { tensors, bytes_read })
     }
 
     /// The checkpoint described as ours for this rank's variables; for each of the checkpoint's tensors,
-    /// 1 when this rank's model does not take it; and how many it takes.
-    fn plan(&self, sd: &StateDict, map: &impl Fn(&str) -> HfSlot) -> Result<(Metadata, Vec<i64>, usize)> {
+    /// 1 when this rank's model does not take it; how many it takes; and the transposed ones
+    /// (checkpoint name, variable), which the description leaves out.
+    #[allow(clippy::type_complexity)]
+    fn plan(
+        &self,
+        sd: &StateDict,
+        map: &impl Fn(&str) -> HfSlot,
+    ) -> Result<(Metadata, Vec<i64>, usize, Vec<(String, String)>)> {
         sd.check()?;
         // this rank's variables: path -> (global shape, dtype)
         let vars: BTreeMap<String, (Vec<i64>, Kind)> =
@@ -84,6 +114,7 @@ impl HfCheckpoint {
         // the checkpoint's tensors each variable takes, and those no variable here takes
         let mut sources: BTreeMap<String, Vec<String>> = BTreeMap::new();
         let mut untaken: Vec<&String> = Vec::new();
+        let mut flipped: Vec<(String, String)> = Vec::new();
         let mut unclaimed = Vec::new();
         let mut taken = 0;
         for (name, t) in self.stored() {
@@ -97,6 +128,7 @@ impl HfCheckpoint {
                 }
                 HfSlot::Var(v) => (v, None),
                 HfSlot::Rows { var, start } => (var, Some(start)),
+                HfSlot::Transposed(v) => (v, Some(-1)),
             };
             let Some((global, kind)) = vars.get(&var) else {
                 unclaimed.push(1);
@@ -112,6 +144,20 @@ impl HfCheckpoint {
                     what(),
                     format!("{name} is {}, the model's {var} is {kind:?}: one is a float, the other not", t.dtype),
                 ));
+            }
+            if start == Some(-1) {
+                let reversed: Vec<i64> = t.shape.iter().rev().copied().collect();
+                if t.shape.len() != 2 || reversed != *global {
+                    return Err(Error::mismatch(
+                        what(),
+                        format!(
+                            "{name} has shape {:?}: transposed, it does not fit the model's {var} of shape {global:?}",
+                            t.shape
+                        ),
+                    ));
+                }
+                flipped.push((name.clone(), var.clone()));
+                continue;
             }
             let offsets = match start {
                 None if t.shape == *global => vec![0; global.len()],
@@ -163,6 +209,19 @@ impl HfCheckpoint {
         for (var, (global, _)) in &vars {
             let key = format!("{PREFIX}.{var}");
             let dir = format!("Hugging Face checkpoint {}", self.dir().display());
+            let from_flipped: Vec<&str> = flipped.iter().filter(|(_, v)| v == var).map(|(n, _)| n.as_str()).collect();
+            if let Some(first) = from_flipped.first() {
+                // a transposed tensor fills the whole variable: nothing else may
+                let other =
+                    from_flipped.get(1).copied().or(sources.get(var).and_then(|s| s.first()).map(String::as_str));
+                if let Some(other) = other {
+                    return Err(Error::invalid(
+                        dir,
+                        format!("{first} (transposed) and {other} both fill the model's {var}"),
+                    ));
+                }
+                continue;
+            }
             let Some(t) = tensors.get(&key) else {
                 // the likely culprits first: tensors no variable here takes, of this shape
                 let fits: Vec<&str> =
@@ -222,7 +281,7 @@ impl HfCheckpoint {
             files,
             tensors,
         };
-        Ok((meta, unclaimed, taken))
+        Ok((meta, unclaimed, taken, flipped))
     }
 }
 

@@ -55,6 +55,9 @@ pub enum HfSlot {
     /// Rows `start..start + n` (along dimension 0; `n` the tensor's first dimension) of the variable at
     /// `var`: a fused projection made of several of the checkpoint's tensors (q, k and v in one).
     Rows { var: String, start: i64 },
+    /// The whole of the 2-D variable at `var`, stored transposed (GPT-2's `Conv1D` weights, `[in, out]`,
+    /// into a tch `Linear`'s `[out, in]`): read whole once, transposed, and each rank's part copied.
+    Transposed(String),
     /// Not part of the model (a buffer the file carries, such as an old `rotary_emb.inv_freq`).
     Skip,
 }
@@ -66,18 +69,34 @@ impl HfSlot {
     }
 }
 
-/// One tensor [`save_hf`] writes for a variable: its Hugging Face name and the variable's rows it holds
-/// (`None`: the whole variable).
+/// One tensor [`save_hf`] writes for a variable: its Hugging Face name, the variable's rows it holds
+/// (`None`: the whole variable), and whether it is written transposed (a whole 2-D variable).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct HfPart {
     pub name: String,
     pub rows: Option<std::ops::Range<i64>>,
+    pub transposed: bool,
 }
 
 impl HfPart {
+    /// The whole variable, as `name`.
+    pub fn whole(name: &str) -> HfPart {
+        HfPart { name: name.to_string(), rows: None, transposed: false }
+    }
+
+    /// Rows `rows` of the variable (a part of a fused projection), as `name`.
+    pub fn rows(name: &str, rows: std::ops::Range<i64>) -> HfPart {
+        HfPart { name: name.to_string(), rows: Some(rows), transposed: false }
+    }
+
+    /// The whole 2-D variable transposed, as `name` ([`HfSlot::Transposed`]'s way back).
+    pub fn transposed(name: &str) -> HfPart {
+        HfPart { name: name.to_string(), rows: None, transposed: true }
+    }
+
     /// The map of a model whose VarStore paths are Hugging Face's names: each variable whole, by its path.
     pub fn same(var: &str, _shape: &[i64]) -> Vec<HfPart> {
-        vec![HfPart { name: var.to_string(), rows: None }]
+        vec![HfPart::whole(var)]
     }
 }
 

@@ -45,6 +45,7 @@ struct Out {
     name: String,
     source: String,
     bx: Bx,
+    transposed: bool,
     bytes: u64,
 }
 
@@ -157,6 +158,15 @@ fn cut(
             ));
         }
         for part in parts {
+            if part.transposed && (t.shape.len() != 2 || part.rows.is_some()) {
+                return Err(Error::invalid(
+                    what(),
+                    format!(
+                        "{}: only a whole 2-D variable is written transposed; {var} has shape {:?}",
+                        part.name, t.shape
+                    ),
+                ));
+            }
             let rows = part.rows.clone().unwrap_or(0..n);
             let first = t.shape.first().copied();
             if first.is_some_and(|n| rows.start < 0 || rows.end > n || rows.start >= rows.end) {
@@ -174,7 +184,7 @@ fn cut(
                 bx.lengths[0] = rows.end - rows.start;
             }
             let bytes = bx.volume() as u64 * elt;
-            outs.push(Out { name: part.name, source: source.clone(), bx, bytes });
+            outs.push(Out { name: part.name, source: source.clone(), bx, transposed: part.transposed, bytes });
         }
     }
     if outs.is_empty() {
@@ -251,6 +261,9 @@ fn write(parts: &Path, meta: &Metadata, path: &Path, outs: &[Out], dtype: Option
     let mut views = Vec::with_capacity(outs.len());
     for o in outs {
         let mut t = read_box(parts, meta, &o.source, o.bx.clone())?;
+        if o.transposed {
+            t = t.f_tr()?;
+        }
         if let Some(k) = dtype.filter(|k| *k != t.kind()) {
             t = t.f_to_kind(k)?;
         }
