@@ -39,6 +39,14 @@ fn model(vs: &nn::VarStore, shift: f64) -> Vec<(nn::Path<'_>, nn::Linear)> {
     vec![(p1, l1), (p2, l2)]
 }
 
+/// [`model`] in one process, saved whole as a Hugging Face directory in a fresh folder `name`.
+fn saved(name: &str) -> (Arc<ProcessGroup>, PathBuf, nn::VarStore) {
+    let (pg, dir, vs) = (solo(), tmp(name), nn::VarStore::new(Device::Cpu));
+    let _ = model(&vs, 0.0);
+    save_hf(&pg, &dir, &vs, &HfSaveOptions::default(), HfPart::same).unwrap();
+    (pg, dir, vs)
+}
+
 fn values(vs: &nn::VarStore) -> Vec<(String, Tensor)> {
     let mut v: Vec<(String, Tensor)> = vs.variables().into_iter().map(|(n, t)| (n, t.detach().copy())).collect();
     v.sort_by(|a, b| a.0.cmp(&b.0));
@@ -97,11 +105,7 @@ fn written_whole_or_in_several_files_and_read_back_the_same() {
 /// A variable made of several of the checkpoint's tensors (q, k and v in one), both ways.
 #[test]
 fn separate_tensors_fill_rows_of_a_fused_variable_and_are_written_back_apart() {
-    let pg = solo();
-    let dir = tmp("fused");
-    let sep = nn::VarStore::new(Device::Cpu);
-    let _ = model(&sep, 0.0);
-    save_hf(&pg, &dir, &sep, &HfSaveOptions::default(), HfPart::same).unwrap();
+    let (pg, dir, _) = saved("fused");
     // up_proj [12, 8] and lm_head's weight [5, 12] do not stack; up_proj's weight with itself does
     let fused = nn::VarStore::new(Device::Cpu);
     let qkv = fused.root().zeros("qkv", &[24, 8]);
@@ -148,11 +152,7 @@ fn separate_tensors_fill_rows_of_a_fused_variable_and_are_written_back_apart() {
 
 #[test]
 fn a_missing_unexpected_or_mis_shaped_tensor_is_named_and_nothing_changes() {
-    let pg = solo();
-    let dir = tmp("errors");
-    let one = nn::VarStore::new(Device::Cpu);
-    let _ = model(&one, 0.0);
-    save_hf(&pg, &dir, &one, &HfSaveOptions::default(), HfPart::same).unwrap();
+    let (pg, dir, one) = saved("errors");
     let hf = HfCheckpoint::open(&dir).unwrap();
     let file = dir.join("model.safetensors").display().to_string();
     let check = |vs: &nn::VarStore, map: &dyn Fn(&str) -> HfSlot, wants: &[&str]| {

@@ -56,6 +56,14 @@ pub fn dump(dir: &Path, data: &Path, procs: usize, layout: &[&str], dump: &Path)
     let _ = llama(procs, &args);
 }
 
+/// The first batch's logits from the model in `dir` under `layout` equal `transformers`' within 1e-4.
+fn gives_transformers_logits(dir: &Path, procs: usize, layout: &[&str]) {
+    let out = dir.join(format!("dump{}.safetensors", layout.join("")));
+    dump(dir, &dir.join("train.bin"), procs, layout, &out);
+    let d = diff(dir, &out);
+    assert!(d < 1e-4, "{layout:?}: logits differ from transformers' by {d}");
+}
+
 #[test]
 fn a_hugging_face_llama_gives_transformers_logits_in_every_layout() {
     let dir = tmp("layouts");
@@ -69,10 +77,7 @@ fn a_hugging_face_llama_gives_transformers_logits_in_every_layout() {
         (4, &["--pp", "2", "--dp-shard", "2"]),
     ];
     for (procs, layout) in layouts {
-        let out = dir.join(format!("dump{}.safetensors", layout.join("")));
-        dump(&dir, &dir.join("train.bin"), procs, layout, &out);
-        let d = diff(&dir, &out);
-        assert!(d < 1e-4, "{layout:?}: logits differ from transformers' by {d}");
+        gives_transformers_logits(&dir, procs, layout);
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -87,10 +92,7 @@ fn a_sharded_bf16_hugging_face_checkpoint_loads_like_a_single_file() {
         std::fs::read_dir(&dir).unwrap().flatten().filter(|e| e.file_name().to_string_lossy().starts_with("model-"));
     assert!(files.count() >= 3, "save_pretrained wrote several files");
     assert!(dir.join("model.safetensors.index.json").exists());
-    let out = dir.join("dump.safetensors");
-    dump(&dir, &dir.join("train.bin"), 2, &["--dp-shard", "2"], &out);
-    let d = diff(&dir, &out);
-    assert!(d < 1e-4, "logits differ from transformers' by {d}");
+    gives_transformers_logits(&dir, 2, &["--dp-shard", "2"]);
     let _ = std::fs::remove_dir_all(&dir);
 }
 

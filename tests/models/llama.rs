@@ -14,22 +14,35 @@ fn losses(out: &str) -> Vec<(usize, f64)> {
         .collect()
 }
 
-#[test]
-fn a_resumed_run_reads_the_next_batch_and_trains_bit_identically() {
-    let dir = tmp("resume");
+/// A tiny Llama in a fresh folder `name`, and the flags of `steps` steps on it under FSDP 2 (`batch`
+/// sequences a rank, the loss every step).
+fn fsdp_run(name: &str, steps: &str, batch: &str) -> (std::path::PathBuf, Vec<String>) {
+    let dir = tmp(name);
     make(&dir, "5GB");
     let (d, data) = (dir.display().to_string(), dir.join("train.bin").display().to_string());
+    let args = ["--from-hf", &d, "--data", &data, "--steps", steps, "--seq-len", "16", "--batch", batch];
+    let args = [&args[..], &["--lr", "1e-2", "--log-every", "1", "--dp-shard", "2"]].concat();
+    (dir, args.iter().map(|a| a.to_string()).collect())
+}
+
+/// [`llama`] on 2 processes with `args` and `more`.
+fn run2(args: &[String], more: &[&str]) -> Vec<(usize, f64)> {
+    let all: Vec<&str> = args.iter().map(String::as_str).chain(more.iter().copied()).collect();
+    losses(&llama(2, &all))
+}
+
+#[test]
+fn a_resumed_run_reads_the_next_batch_and_trains_bit_identically() {
+    let (dir, args) = fsdp_run("resume", "6", "2");
     let (ck, whole, resumed) = (dir.join("ck"), dir.join("whole"), dir.join("resumed"));
     let (ck, whole_s, resumed_s) =
         (ck.display().to_string(), whole.display().to_string(), resumed.display().to_string());
-    let args = ["--from-hf", &d, "--data", &data, "--steps", "6", "--seq-len", "16", "--batch", "2", "--lr", "1e-2"];
-    let args = [&args[..], &["--warmup", "2", "--log-every", "1", "--dp-shard", "2", "--checkpoint", &ck]].concat();
-    let first = llama(2, &[&args[..], &["--checkpoint-every", "3", "--to-hf", &whole_s]].concat());
-    let first = losses(&first);
+    let args: Vec<String> = args.into_iter().chain(["--warmup", "2", "--checkpoint", &ck].map(String::from)).collect();
+    let first = run2(&args, &["--checkpoint-every", "3", "--to-hf", &whole_s]);
     assert_eq!(first.iter().map(|l| l.0).collect::<Vec<_>>(), (0..6).collect::<Vec<_>>(), "{first:?}");
     // as if the job died after step 3's checkpoint
     std::fs::remove_dir_all(dir.join("ck").join("step-0000000006")).expect("the last checkpoint");
-    let again = losses(&llama(2, &[&args[..], &["--resume", "--to-hf", &resumed_s]].concat()));
+    let again = run2(&args, &["--resume", "--to-hf", &resumed_s]);
     assert_eq!(again, first[3..], "the resumed steps 3..6");
     let bytes = |p: &std::path::Path| std::fs::read(p.join("model.safetensors")).expect("a written model");
     assert!(bytes(&whole) == bytes(&resumed), "the resumed run's model differs from the whole run's");
@@ -38,13 +51,9 @@ fn a_resumed_run_reads_the_next_batch_and_trains_bit_identically() {
 
 #[test]
 fn microbatches_accumulate_the_gradient_of_the_whole_batch() {
-    let dir = tmp("accumulate");
-    make(&dir, "5GB");
-    let (d, data) = (dir.display().to_string(), dir.join("train.bin").display().to_string());
-    let args = ["--from-hf", &d, "--data", &data, "--steps", "3", "--seq-len", "16", "--batch", "4", "--lr", "1e-2"];
-    let args = [&args[..], &["--log-every", "1", "--dp-shard", "2"]].concat();
-    let one = losses(&llama(2, &args));
-    let four = losses(&llama(2, &[&args[..], &["--microbatches", "4"]].concat()));
+    let (dir, args) = fsdp_run("accumulate", "3", "4");
+    let one = run2(&args, &[]);
+    let four = run2(&args, &["--microbatches", "4"]);
     assert_eq!(one.len(), 3);
     for ((s, a), (_, b)) in one.iter().zip(&four) {
         assert!((a - b).abs() < 1e-5, "step {s}: one batch {a}, four microbatches {b}");
@@ -57,13 +66,9 @@ fn microbatches_accumulate_the_gradient_of_the_whole_batch() {
 /// the activations trains.
 #[test]
 fn recomputed_layers_train_the_same_model_under_fsdp() {
-    let dir = tmp("recompute");
-    make(&dir, "5GB");
-    let (d, data) = (dir.display().to_string(), dir.join("train.bin").display().to_string());
-    let args = ["--from-hf", &d, "--data", &data, "--steps", "3", "--seq-len", "16", "--batch", "2", "--lr", "1e-2"];
-    let args = [&args[..], &["--log-every", "1", "--dp-shard", "2"]].concat();
-    let kept = losses(&llama(2, &args));
-    let recomputed = losses(&llama(2, &[&args[..], &["--recompute"]].concat()));
+    let (dir, args) = fsdp_run("recompute", "3", "2");
+    let kept = run2(&args, &[]);
+    let recomputed = run2(&args, &["--recompute"]);
     assert_eq!(kept.len(), 3);
     assert_eq!(kept, recomputed, "recomputing the layers changed the training");
     let _ = std::fs::remove_dir_all(&dir);
@@ -73,13 +78,9 @@ fn recomputed_layers_train_the_same_model_under_fsdp() {
 /// float32, and not identically: it took effect.
 #[test]
 fn bf16_compute_trains_close_to_float32_under_fsdp() {
-    let dir = tmp("bf16");
-    make(&dir, "5GB");
-    let (d, data) = (dir.display().to_string(), dir.join("train.bin").display().to_string());
-    let args = ["--from-hf", &d, "--data", &data, "--steps", "3", "--seq-len", "16", "--batch", "2", "--lr", "1e-2"];
-    let args = [&args[..], &["--log-every", "1", "--dp-shard", "2"]].concat();
-    let f32s = losses(&llama(2, &args));
-    let bf16 = losses(&llama(2, &[&args[..], &["--bf16"]].concat()));
+    let (dir, args) = fsdp_run("bf16", "3", "2");
+    let f32s = run2(&args, &[]);
+    let bf16 = run2(&args, &["--bf16"]);
     assert_eq!(f32s.len(), 3);
     for ((s, a), (_, b)) in f32s.iter().zip(&bf16) {
         assert!((a - b).abs() < 2e-2, "step {s}: float32 {a}, bfloat16 {b}");
