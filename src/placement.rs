@@ -395,7 +395,8 @@ pub(crate) fn record_flat_shard(
         };
         let extent = match extent {
             Extent::Whole => Extent::Flat { offset, len: shard.numel() as i64 },
-            Extent::Box { offsets, lengths } => {
+            // a slice of the variable's own shape (not a fused projection's view `[parts, out / parts, ..]`)
+            Extent::Box { offsets, lengths } if lengths.len() == shape.len() => {
                 Extent::FlatOfBox { offsets, lengths, offset, len: shard.numel() as i64 }
             }
             _ => Extent::Other,

@@ -118,9 +118,17 @@ impl<'a> StateDict<'a> {
             // FSDP's shard of a tensor-parallel slice: its run of the slice's flattening, as boxes of
             // the slice moved to where the slice lies
             Extent::FlatOfBox { offsets, lengths, offset, .. } if global.len() == lengths.len() => {
-                let volume: i64 = lengths.iter().product();
-                let len = (local.numel() as i64).min((volume - offset).max(0));
-                let local = local.f_reshape([-1])?.f_narrow(0, 0, len)?;
+                // the shard itself (it holds no padding): its identity names its optimizer state
+                let len = local.numel() as i64;
+                if local.dim() != 1
+                    || !local.is_contiguous()
+                    || (len > 0 && offset + len > lengths.iter().product::<i64>())
+                {
+                    return Err(Error::invalid(
+                        "checkpoint",
+                        format!("{full}: a shard of {len} elements at {offset} does not lie in its slice {lengths:?}"),
+                    ));
+                }
                 let boxes = Region::Flat { start: *offset, len }
                     .boxes(lengths)
                     .into_iter()

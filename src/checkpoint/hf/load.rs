@@ -120,15 +120,15 @@ impl HfCheckpoint {
         for (name, t) in self.stored() {
             let file = self.file_path(t.file);
             let what = || format!("Hugging Face checkpoint file {}", file.display());
-            let (var, start) = match map(name) {
+            let (var, start, transposed) = match map(name) {
                 HfSlot::Skip => {
                     unclaimed.push(0);
                     untaken.push(name);
                     continue;
                 }
-                HfSlot::Var(v) => (v, None),
-                HfSlot::Rows { var, start } => (var, Some(start)),
-                HfSlot::Transposed(v) => (v, Some(-1)),
+                HfSlot::Var(v) => (v, None, false),
+                HfSlot::Rows { var, start } => (var, Some(start), false),
+                HfSlot::Transposed(v) => (v, None, true),
             };
             let Some((global, kind)) = vars.get(&var) else {
                 unclaimed.push(1);
@@ -145,7 +145,7 @@ impl HfCheckpoint {
                     format!("{name} is {}, the model's {var} is {kind:?}: one is a float, the other not", t.dtype),
                 ));
             }
-            if start == Some(-1) {
+            if transposed {
                 let reversed: Vec<i64> = t.shape.iter().rev().copied().collect();
                 if t.shape.len() != 2 || reversed != *global {
                     return Err(Error::mismatch(

@@ -264,7 +264,9 @@ fn write(parts: &Path, meta: &Metadata, path: &Path, outs: &[Out], dtype: Option
         if o.transposed {
             t = t.f_tr()?;
         }
-        if let Some(k) = dtype.filter(|k| *k != t.kind()) {
+        // floats only, as save_pretrained casts (an integer buffer keeps its dtype)
+        let float = |k: Kind| matches!(k, Kind::Float | Kind::Double | Kind::Half | Kind::BFloat16);
+        if let Some(k) = dtype.filter(|k| *k != t.kind() && float(t.kind())) {
             t = t.f_to_kind(k)?;
         }
         let t = t.f_contiguous()?;
