@@ -22,14 +22,26 @@ at::Tensor allreduce_sum(const c10::intrusive_ptr<Backend>& pg, const at::Tensor
 }
 
 // all_gather along `dim` (-1: the hidden dimension; 0: the sequence, sequence parallelism's layout [s, b, h])
+// into one buffer (c10d's _allgather_base, NCCL's all_gather_into_tensor), whose rows are the ranks' parts
+// in rank order: along dim 0 that is the result itself; along another dimension one copy moves each part
+// into place (as DTensor's gather does), where a list all_gather and a cat copied twice.
 at::Tensor gather(const c10::intrusive_ptr<Backend>& pg, const at::Tensor& t, int64_t dim) {
+  TORCH_CHECK_VALUE(t.dim() > 0, "a tensor-parallel gather needs at least one dimension, got a scalar");
   auto in = t.contiguous();
-  std::vector<at::Tensor> parts;
-  for (int i = 0; i < pg->getSize(); i++) parts.push_back(at::empty_like(in));
-  std::vector<std::vector<at::Tensor>> outs{parts};
-  std::vector<at::Tensor> ins{in};
-  pg->allgather(outs, ins)->wait();
-  return at::cat(outs[0], dim);
+  auto n = static_cast<int64_t>(pg->getSize());
+  auto shape = in.sizes().vec();
+  auto flat = shape;
+  flat[0] *= n;
+  auto out = at::empty(flat, in.options());
+  pg->_allgather_base(out, in)->wait();
+  auto d = dim < 0 ? dim + in.dim() : dim;
+  if (d == 0 || n == 1) return out;
+  std::vector<int64_t> parts{n};
+  parts.insert(parts.end(), shape.begin(), shape.end());
+  auto merged = shape;
+  merged[d] *= n;
+  // [n, ..., s_d, ...] -> [..., n, s_d, ...] -> [..., n * s_d, ...]
+  return out.view(parts).movedim(0, d).reshape(merged);
 }
 
 at::Tensor own_chunk(const c10::intrusive_ptr<Backend>& pg, const at::Tensor& t, int64_t dim) {

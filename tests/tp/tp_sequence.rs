@@ -147,3 +147,41 @@ fn sequence_parallel_gradients_take_one_allreduce_per_dtype() {
         }
     }
 }
+
+/// A gather is one all_gather into one buffer: along the sequence (dimension 0) the buffer is the result,
+/// with no copy of ours and no cat; along the last dimension one reshape moves the parts into place. The values
+/// are the cat of the ranks' parts, forward and (scatter's backward) backward.
+#[test]
+fn gathers_copy_at_most_once() {
+    use tch_dist::tp::ops::{gather_from_parallel_region, gather_from_sequence_parallel_region};
+    let out = common::run_threads(3, T, |pg| {
+        let r = pg.rank() as f64;
+        let x = formula(&[2, B, D], 1.0 + r);
+        let parts: Vec<Tensor> = (0..3).map(|k| formula(&[2, B, D], 1.0 + k as f64)).collect();
+        // one counter at a time in the process: rank 0 counts, the others run alongside
+        let count = |f: &dyn Fn() -> Tensor| {
+            if pg.rank() == 0 {
+                tch_dist::reference::count_ops(f).unwrap()
+            } else {
+                (f(), Default::default())
+            }
+        };
+        let (seq, seq_ops) = count(&|| gather_from_sequence_parallel_region(&x, &pg).unwrap());
+        let (last, last_ops) = count(&|| gather_from_parallel_region(&x, &pg).unwrap());
+        let d = diff(&seq, &Tensor::cat(&parts, 0)).max(diff(&last, &Tensor::cat(&parts, -1)));
+        (d, seq_ops, last_ops)
+    });
+    for (rank, (d, _, _)) in out.iter().enumerate() {
+        assert!(*d < TOL, "rank {rank}: a gather differs from the cat of the parts by {d:e}");
+    }
+    let (_, seq_ops, last_ops) = &out[0];
+    let n = |ops: &std::collections::BTreeMap<String, i64>, k: &str| ops.get(k).copied().unwrap_or(0);
+    // ours, not the engine's: Gloo's all_gather_into_tensor copies each rank's part into the buffer on
+    // this thread (aten::copy_, one a rank), where NCCL receives into it
+    assert!(n(seq_ops, "aten::empty") > 0, "nothing counted: {seq_ops:?}");
+    for k in ["aten::cat", "aten::reshape", "aten::clone", "aten::contiguous", "aten::empty_like"] {
+        assert_eq!(n(seq_ops, k), 0, "the sequence gather calls {k}: {seq_ops:?}");
+    }
+    assert_eq!(n(last_ops, "aten::cat") + n(last_ops, "aten::empty_like"), 0, "{last_ops:?}");
+    assert_eq!(n(last_ops, "aten::reshape"), 1, "the last dimension's gather moves the parts once: {last_ops:?}");
+}
