@@ -67,7 +67,9 @@ fn written_whole_or_in_several_files_and_read_back_the_same() {
     let one = nn::VarStore::new(Device::Cpu);
     let _ = model(&one, 0.0);
     let (single, sharded) = (tmp("single"), tmp("sharded"));
-    let config = serde_json::json!({"model_type": "test"});
+    // a config from a bfloat16 release: a save in the variables' own dtype (float32) records that
+    let config = serde_json::json!({"model_type": "test", "torch_dtype": "bfloat16"});
+    let as_written = serde_json::json!({"model_type": "test", "torch_dtype": "float32", "dtype": "float32"});
     let opts = HfSaveOptions { config: Some(config.clone()), ..Default::default() };
     save_hf(&pg, &single, &one, &opts, HfPart::same).unwrap();
     // 400 bytes a file: up_proj's weight (384 bytes) alone, and the rest in the others
@@ -78,7 +80,7 @@ fn written_whole_or_in_several_files_and_read_back_the_same() {
     assert!(files.len() >= 4, "three or more files, an index and the config: {files:?}");
     for dir in [&single, &sharded] {
         let hf = HfCheckpoint::open(dir).unwrap();
-        assert_eq!(hf.config().unwrap(), config);
+        assert_eq!(hf.config().unwrap(), as_written);
         assert_eq!(hf.names().len(), 4);
         let back = nn::VarStore::new(Device::Cpu);
         let _ = model(&back, 1.0);
@@ -275,6 +277,21 @@ fn transposed_weights_are_written_and_read_in_any_layout() {
     // a transposed tensor that does not fit, named
     let e = hf.load(&pg, &back, HfSlot::same).unwrap_err().to_string();
     assert!(e.contains("lm_head.weight has shape [12, 5], the model's lm_head.weight has [5, 12]"), "{e}");
+    // a transposed tensor that cannot be read (the file cut short after it was opened: its last tensor,
+    // up_proj.weight by name): an error naming it, and every variable as it was
+    let cut = tmp("transposed-cut");
+    std::fs::create_dir_all(&cut).unwrap();
+    std::fs::copy(dir.join("model.safetensors"), cut.join("model.safetensors")).unwrap();
+    let short = HfCheckpoint::open(&cut).unwrap();
+    let file = std::fs::OpenOptions::new().write(true).open(cut.join("model.safetensors")).unwrap();
+    file.set_len(file.metadata().unwrap().len() - 4).unwrap();
+    let fresh = nn::VarStore::new(Device::Cpu);
+    let _ = model(&fresh, 2.0);
+    let before = values(&fresh);
+    let e = short.load(&pg, &fresh, unflip).unwrap_err().to_string();
+    assert!(e.contains("model.layers.0.up_proj.weight"), "{e}");
+    same(&values(&fresh), &before);
+    let _ = std::fs::remove_dir_all(&cut);
     let input = || Tensor::arange(24, (Kind::Float, Device::Cpu)).view([3, 8]).sin();
     let want = tch::no_grad(|| nn::Module::forward(&net, &input()));
     let d = dir.clone();

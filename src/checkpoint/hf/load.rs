@@ -3,7 +3,7 @@
 //! loader reads each rank's part of each chunk and nothing else.
 use std::collections::BTreeMap;
 
-use tch::{nn, Kind};
+use tch::{nn, Kind, Tensor};
 
 use super::{HfCheckpoint, HfSlot};
 use crate::checkpoint::format::{self, Metadata, TensorMeta};
@@ -73,10 +73,11 @@ impl HfCheckpoint {
             |i: &crate::checkpoint::state::Item| flipped.iter().any(|(_, v)| i.param.as_deref() == Some(v));
         let (flip_items, rest): (Vec<_>, Vec<_>) = std::mem::take(&mut sd.items).into_iter().partition(is_flipped);
         sd.items = rest;
-        let loaded = load_stored(self.dir(), &meta, &mut sd).and_then(|info| {
-            // the transposed tensors: each read whole once, transposed, each item's part copied
-            let _g = tch::no_grad_guard();
-            let mut bytes = info.bytes_read;
+        // the transposed tensors first (each read whole once, transposed, each item's part kept), so that
+        // a failed read leaves every variable as it was
+        let _g = tch::no_grad_guard();
+        let flips = (|| -> Result<(u64, Vec<(Tensor, Tensor)>)> {
+            let (mut bytes, mut copies) = (0, Vec::new());
             for (name, var) in &flipped {
                 let full = self.read(name)?;
                 bytes += (full.numel() * full.kind().elt_size_in_bytes()) as u64;
@@ -87,11 +88,19 @@ impl HfCheckpoint {
                         for d in 0..bx.offsets.len() {
                             src = src.f_narrow(d as i64, bx.offsets[d], bx.lengths[d])?;
                         }
-                        dst.shallow_clone().f_copy_(&src)?;
+                        let kept = src.f_to_kind(dst.kind())?.f_contiguous()?;
+                        copies.push((dst, kept));
                     }
                 }
             }
-            Ok(bytes)
+            Ok((bytes, copies))
+        })();
+        let loaded = flips.and_then(|(flipped_bytes, copies)| {
+            let info = load_stored(self.dir(), &meta, &mut sd)?;
+            for (dst, src) in copies {
+                dst.shallow_clone().f_copy_(&src)?;
+            }
+            Ok(info.bytes_read + flipped_bytes)
         });
         let bytes_read = pg.meta().outcome("Hugging Face load", loaded)?;
         Ok(HfLoaded { tensors, bytes_read })

@@ -26,7 +26,8 @@ pub struct HfSaveOptions {
     /// The dtype written (`None`: each variable's own; `Some(Kind::BFloat16)` for the usual release).
     pub dtype: Option<Kind>,
     /// Written as `config.json` (a loaded checkpoint's [`HfCheckpoint::config`], or one made for the
-    /// model); `None` writes none.
+    /// model), once every rank's files are written, with its `dtype` (and `torch_dtype`, if present) set
+    /// to the dtype written when the floating tensors share one; `None` writes none.
     ///
     /// [`HfCheckpoint::config`]: super::HfCheckpoint::config
     pub config: Option<serde_json::Value>,
@@ -92,12 +93,12 @@ pub fn save_hf_stores(
                     write(&parts, &meta, &dir.join(file), outs, opts.dtype)?;
                 }
             }
-            if pg.rank() == 0 {
-                finish(dir, &files, opts)?;
-            }
-            Ok(files)
+            Ok((files, opts.dtype.or_else(|| float_kind(&meta))))
         });
-        let files = pg.meta().outcome("Hugging Face save", local)?;
+        let (files, written) = pg.meta().outcome("Hugging Face save", local)?;
+        // the index and config once every rank's files are in place: they name those files
+        let finished = if pg.rank() == 0 { finish(dir, &files, written, opts) } else { Ok(()) };
+        pg.meta().outcome("Hugging Face save", finished)?;
         if pg.rank() == 0 {
             remove_stale(dir, &files);
         }
@@ -289,7 +290,20 @@ fn write(parts: &Path, meta: &Metadata, path: &Path, outs: &[Out], dtype: Option
 }
 
 /// The index (several files) and `config.json`, by rank 0 once every file is written.
-fn finish(dir: &Path, files: &[(String, Vec<Out>)], opts: &HfSaveOptions) -> Result<()> {
+/// The one floating dtype of the stored tensors, when they share one: what a save in their own dtypes
+/// writes, and its config records.
+fn float_kind(meta: &Metadata) -> Option<Kind> {
+    let mut kinds = meta
+        .tensors
+        .values()
+        .filter_map(|t| format::dtype_kind(&t.dtype).ok())
+        .filter(|k| matches!(k, Kind::Float | Kind::Double | Kind::Half | Kind::BFloat16));
+    let first = kinds.next()?;
+    kinds.all(|k| k == first).then_some(first)
+}
+
+/// Writes the index (when there is more than one file) and the config, with `written` as its dtype.
+fn finish(dir: &Path, files: &[(String, Vec<Out>)], written: Option<Kind>, opts: &HfSaveOptions) -> Result<()> {
     let write_json = |name: &str, v: &serde_json::Value| {
         let path = dir.join(name);
         let what = format!("Hugging Face checkpoint file {}", path.display());
@@ -310,7 +324,7 @@ fn finish(dir: &Path, files: &[(String, Vec<Out>)], opts: &HfSaveOptions) -> Res
     if let Some(config) = &opts.config {
         let mut config = config.clone();
         // the dtype written, as save_pretrained records it (transformers loads in it by default)
-        if let (Some(k), Some(obj)) = (opts.dtype, config.as_object_mut()) {
+        if let (Some(k), Some(obj)) = (written, config.as_object_mut()) {
             let name = match k {
                 Kind::BFloat16 => "bfloat16",
                 Kind::Half => "float16",
