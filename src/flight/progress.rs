@@ -59,10 +59,6 @@ pub struct PeerProgress {
     pub now_calls: u64,
     #[serde(default)]
     pub now_call: String,
-    /// What failed on it, when an operation it ran alone failed and it told the group instead of
-    /// exchanging the outcome (see [`GroupTrace::announce_failure`]); empty otherwise.
-    #[serde(default)]
-    pub failed: String,
 }
 
 /// Which collective call of the API a collective was made inside: how many had been entered, and the
@@ -141,7 +137,7 @@ static DEFAULT_CONTEXT: CallContext = CallContext { calls: 0, name: String::new(
 impl PeerProgress {
     fn encode(&self) -> String {
         format!(
-            "{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}",
+            "{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}",
             self.seq,
             self.entered,
             now(),
@@ -151,8 +147,7 @@ impl PeerProgress {
             self.now_calls,
             self.now_call.replace('\t', " "),
             self.op.replace('\t', " "),
-            self.label.replace('\t', " "),
-            self.failed.replace('\t', " ")
+            self.label.replace('\t', " ")
         )
     }
 
@@ -160,7 +155,7 @@ impl PeerProgress {
         if text == LEFT {
             return PeerProgress { rank, op: LEFT.into(), seen: true, left: true, ..PeerProgress::default() };
         }
-        let f: Vec<&str> = text.splitn(11, '\t').collect();
+        let f: Vec<&str> = text.splitn(10, '\t').collect();
         let num = |i: usize| f.get(i).and_then(|s| s.parse::<f64>().ok()).unwrap_or(0.0);
         let int = |i: usize| f.get(i).and_then(|s| s.parse::<u64>().ok()).unwrap_or(0);
         PeerProgress {
@@ -175,7 +170,6 @@ impl PeerProgress {
             now_call: f.get(7).unwrap_or(&"").to_string(),
             op: f.get(8).unwrap_or(&"").to_string(),
             label: f.get(9).unwrap_or(&"").to_string(),
-            failed: f.get(10).unwrap_or(&"").to_string(),
             seen: true,
             left: false,
         }
@@ -206,10 +200,6 @@ pub(crate) struct GroupTrace {
     left: std::sync::atomic::AtomicBool,
     /// Its failures are handled by the caller: no dumps, no requests for the others' dumps.
     survivable: std::sync::atomic::AtomicBool,
-    /// Set once this rank told the group that an operation it ran alone failed: every later operation
-    /// of the group fails at once on this rank (see [`GroupTrace::announce_failure`]).
-    own_failure: Mutex<Option<String>>,
-    has_failed: std::sync::atomic::AtomicBool,
     /// Held while publishing or leaving.
     publishing: Mutex<()>,
     /// NCCL operations whose host wait returned (their stream waits on them) but whose end event may
@@ -299,8 +289,6 @@ impl GroupTrace {
             answered: std::sync::atomic::AtomicBool::new(false),
             left: std::sync::atomic::AtomicBool::new(false),
             survivable: std::sync::atomic::AtomicBool::new(false),
-            own_failure: Mutex::new(None),
-            has_failed: std::sync::atomic::AtomicBool::new(false),
             publishing: Mutex::new(()),
             unfinished: Mutex::new(Vec::new()),
             contexts: Mutex::new(Contexts::default()),
@@ -499,34 +487,6 @@ impl GroupTrace {
         let _ = self.store.set(&self.rank.to_string(), LEFT.as_bytes());
     }
 
-    /// An operation this rank ran alone, between collectives, failed (its shard of a ZeRO step): the
-    /// cheap way of telling the others, in place of a collective exchange of every step's outcome. The
-    /// failure is published with this rank's progress at once, and every later operation of the group
-    /// fails on this rank; the others then wait for it at their next collective of the group, and their
-    /// heartbeat check (within [`HEARTBEAT_CHECK_EVERY`]) ends that wait with this rank and `msg`.
-    /// Only where [`watches_heartbeats`](Self::watches_heartbeats) holds.
-    pub(crate) fn announce_failure(&self, msg: &str) {
-        if let Ok(mut own) = self.own_failure.lock() {
-            own.get_or_insert_with(|| msg.to_string());
-        }
-        self.has_failed.store(true, Ordering::SeqCst);
-        if let Ok(mut last) = self.last.lock() {
-            if last.failed.is_empty() {
-                last.failed = msg.to_string();
-            }
-        }
-        // now, not at the next heartbeat: this rank may return from `main` at once
-        self.publish();
-    }
-
-    /// What this rank announced with [`announce_failure`](Self::announce_failure), if it did.
-    pub(crate) fn own_failure(&self) -> Option<String> {
-        if !self.has_failed.load(Ordering::Relaxed) {
-            return None;
-        }
-        self.own_failure.lock().ok().and_then(|o| o.clone())
-    }
-
     /// A failure of this group is survived by the caller (a fault-tolerant replicate group): it is
     /// reported without dumping the flight recorder or waiting for the others' dumps.
     pub(crate) fn set_survivable(&self) {
@@ -582,11 +542,6 @@ impl GroupTrace {
         let peers: Vec<PeerProgress> =
             peers.into_iter().filter(|p| among.is_none_or(|a| a.contains(&p.rank))).collect();
         let at = std::time::Instant::now();
-        // the cause, when a rank told the group: what the others wait for never comes
-        if let Some(p) = peers.iter().find(|p| !p.failed.is_empty()) {
-            self.abandoned.store(true, Ordering::SeqCst);
-            return Some(Error::RankFailed { op: op.to_string(), rank: p.rank, msg: p.failed.clone() });
-        }
         if let Some(e) = self.call_mismatch(&peers, op) {
             self.abandoned.store(true, Ordering::SeqCst);
             return Some(e);
@@ -630,14 +585,6 @@ impl GroupTrace {
             return err;
         }
         let peers = if self.size > 1 { self.peers() } else { Some(Vec::new()) };
-        // a rank that told the group it failed is the cause (its exit closed the connection)
-        if let Some(p) = peers.iter().flatten().find(|p| !p.failed.is_empty()) {
-            let op = match &err {
-                Error::Timeout { op, .. } | Error::PeerGone { op, .. } | Error::Mismatch { op, .. } => op.clone(),
-                other => other.to_string(),
-            };
-            return Error::RankFailed { op, rank: p.rank, msg: p.failed.clone() };
-        }
         let note = match &peers {
             Some(p) => blame(if p2p { None } else { Some(seq) }, &self.name, p),
             None => format!("the other ranks' progress could not be read from the store within {READ_DEADLINE:?}"),

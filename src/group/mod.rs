@@ -347,27 +347,6 @@ impl ProcessGroup {
     pub(crate) fn set_survivable(&self) {
         self.trace.set_survivable();
     }
-
-    /// Shares the outcome of a step every rank did on its own, as [`Meta::outcome`](meta::Meta::outcome)
-    /// does, without a collective where the group can tell a failure otherwise: a rank whose step failed
-    /// announces it in its published progress and fails every later operation of the group, so the
-    /// others learn it, with this rank and `local`'s message, at their next collective of the group on
-    /// `device` (within a heartbeat check). A step that succeeded everywhere then costs nothing.
-    ///
-    /// That needs host waits that watch heartbeats: Gloo's (the strict mode's included), with recording
-    /// and the heartbeat timeout on. NCCL's waits return at once (the stream waits), and a peer's next
-    /// collective would stall its GPU until the timeout; there, and where heartbeats are not watched, the
-    /// outcome is exchanged (on the group's CPU backend when it has one: a host round trip, no device sync).
-    pub(crate) fn outcome_later<T>(&self, what: &str, device: Device, local: Result<T>) -> Result<T> {
-        let host_waits = self.slot(device).is_some_and(|e| e.backend != Backend::Nccl);
-        if !host_waits || !self.trace.watches_heartbeats() {
-            return self.meta().outcome(what, local);
-        }
-        if let Err(e) = &local {
-            self.trace.announce_failure(&format!("{what}: {e}"));
-        }
-        local
-    }
     /// The group's name (`default`, or the name a subgroup or mesh dimension was given).
     pub fn name(&self) -> &str {
         &self.trace.name
@@ -653,13 +632,6 @@ impl ProcessGroup {
         finish: Option<Finish>,
         start: impl FnOnce(&dyn Fn() -> String) -> Result<Handle>,
     ) -> Result<Work> {
-        if let Some(msg) = self.trace.own_failure() {
-            return Err(Error::RankFailed {
-                op: format!("{op} on {}", self.ctx()),
-                rank: self.rank,
-                msg: format!("this rank failed earlier and left the group for good ({msg})"),
-            });
-        }
         let (seq, recording) = self.trace.enter(&op, e.backend.name());
         let p2p = crate::flight::is_p2p(&op);
         let ctx = format!("rank {} of {} ({}, #{seq} of group {})", self.rank, self.size, e.backend, self.trace.name);

@@ -250,10 +250,7 @@ impl Optimizer for ShardedOptimizer {
             w.wait()?;
         }
         self.prepared = None;
-        // no exchange of every step's outcome: a failed shard's rank tells the others at their next
-        // collective (each rank's shard went out with the gathers above, stepped or not)
-        let device = self.params.first().map_or(tch::Device::Cpu, |p| p.device());
-        self.pg.outcome_later("ZeRO step", device, local)
+        self.pg.meta().outcome("ZeRO step", local)
     }
 
     /// Drops the parameters' gradients (set to none, as every optimizer here) and zeroes what the next
