@@ -27,6 +27,8 @@ at::Tensor allreduce_sum(const c10::intrusive_ptr<Backend>& pg, const at::Tensor
 // into place (as DTensor's gather does), where a list all_gather and a cat copied twice.
 at::Tensor gather(const c10::intrusive_ptr<Backend>& pg, const at::Tensor& t, int64_t dim) {
   TORCH_CHECK_VALUE(t.dim() > 0, "a tensor-parallel gather needs at least one dimension, got a scalar");
+  auto d = dim < 0 ? dim + t.dim() : dim;
+  TORCH_CHECK_INDEX(d >= 0 && d < t.dim(), "gather dimension ", dim, " is out of range for ", t.dim(), " dimensions");
   auto in = t.contiguous();
   auto n = static_cast<int64_t>(pg->getSize());
   auto shape = in.sizes().vec();
@@ -34,7 +36,6 @@ at::Tensor gather(const c10::intrusive_ptr<Backend>& pg, const at::Tensor& t, in
   flat[0] *= n;
   auto out = at::empty(flat, in.options());
   pg->_allgather_base(out, in)->wait();
-  auto d = dim < 0 ? dim + in.dim() : dim;
   if (d == 0 || n == 1) return out;
   std::vector<int64_t> parts{n};
   parts.insert(parts.end(), shape.begin(), shape.end());

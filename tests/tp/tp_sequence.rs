@@ -149,8 +149,9 @@ fn sequence_parallel_gradients_take_one_allreduce_per_dtype() {
 }
 
 /// A gather is one all_gather into one buffer: along the sequence (dimension 0) the buffer is the result,
-/// with no copy of ours and no cat; along the last dimension one reshape moves the parts into place. The values
-/// are the cat of the ranks' parts, forward and (scatter's backward) backward.
+/// with no copy of ours and no cat; along the last dimension one reshape moves the parts into place. The
+/// values are the cat of the ranks' parts. (The same gather is the backward of the scatters, whose
+/// gradients the block tests above check.)
 #[test]
 fn gathers_copy_at_most_once() {
     use tch_dist::tp::ops::{gather_from_parallel_region, gather_from_sequence_parallel_region};
