@@ -152,35 +152,39 @@ impl Work {
         self.wait_for(timeout, false)
     }
 
-    fn wait_for(mut self, timeout: Duration, plain: bool) -> Result<()> {
-        // one deadline for this work and the ones before it
-        let deadline = Instant::now() + timeout;
+    fn wait_for(self, timeout: Duration, plain: bool) -> Result<()> {
+        self.wait_until(Instant::now() + timeout, timeout, plain)
+    }
+
+    /// Waits until `deadline`, for this work and the ones before it; a timeout is reported as `whole`
+    /// (the wait's, not what was left of it for the last part).
+    fn wait_until(mut self, deadline: Instant, whole: Duration, plain: bool) -> Result<()> {
         let left = || deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
         for w in std::mem::take(&mut self.before) {
-            w.wait_for(left(), plain)?;
+            w.wait_until(deadline, whole, plain)?;
         }
         let timeout = left();
         let waited = match &self.handle {
-            Handle::Engine { ptr, stream_wait } if plain && *stream_wait => self.engine_wait(*ptr, None, timeout),
+            Handle::Engine { ptr, stream_wait } if plain && *stream_wait => self.engine_wait(*ptr, None, whole),
             // waited for whole: c10d's Gloo send and recv fail for good when a wait times out, and
             // NCCL's wait with a timeout counts from the work's start and aborts the communicator
             Handle::Engine { ptr, stream_wait } if *stream_wait || self.trace.as_ref().is_some_and(|t| t.p2p) => {
-                self.engine_wait(*ptr, Some(timeout), timeout)
+                self.engine_wait(*ptr, Some(timeout), whole)
             }
-            Handle::Engine { ptr, .. } => self.watching(Some(timeout), |slice| {
+            Handle::Engine { ptr, .. } => self.watching(Some(timeout), whole, |slice| {
                 let slice = slice.unwrap_or(timeout);
                 match self.engine_wait(*ptr, Some(slice), slice) {
                     Ok(()) => Some(Ok(())),
                     // still running: the slice ended
                     Err(_) if !self.is_completed().unwrap_or(true) => None,
                     // it ended (perhaps as the slice did): c10d's wait again gives its own outcome
-                    Err(_) => Some(self.engine_wait(*ptr, Some(Duration::from_millis(1)), slice)),
+                    Err(_) => Some(self.engine_wait(*ptr, Some(Duration::from_millis(1)), whole)),
                 }
             }),
             // the queue's worker holds each operation to the group's timeout (as NCCL's watchdog does)
             // and reports why it failed: a plain wait leaves that to it
-            Handle::Ticket(t) if plain => self.watching(None, |slice| t.wait_slice(slice)),
-            Handle::Ticket(t) => self.watching(Some(timeout), |slice| t.wait_slice(slice)),
+            Handle::Ticket(t) if plain => self.watching(None, whole, |slice| t.wait_slice(slice)),
+            Handle::Ticket(t) => self.watching(Some(timeout), whole, |slice| t.wait_slice(slice)),
         };
         if waited.is_ok() {
             // on NCCL the stream now waits on the operation: what runs next on it comes after
@@ -233,17 +237,16 @@ impl Work {
     /// A host wait of at most `timeout` (`None`: the engine's own), in slices of
     /// [`HEARTBEAT_CHECK_EVERY`] when the group watches heartbeats: between slices, a rank whose heartbeat
     /// stood still for the heartbeat timeout ends the wait. `wait` waits at most one slice (`None`: no
-    /// limit) and returns the operation's outcome, or `None` when the slice ended first.
+    /// limit) and returns the operation's outcome, or `None` when the slice ended first. A timeout is
+    /// reported as `whole`.
     fn watching(
         &self,
         timeout: Option<Duration>,
+        whole: Duration,
         mut wait: impl FnMut(Option<Duration>) -> Option<Result<()>>,
     ) -> Result<()> {
-        let expired = || Error::Timeout {
-            op: (self.desc)(),
-            timeout: timeout.unwrap_or_default(),
-            msg: "the operation did not complete".into(),
-        };
+        let expired =
+            || Error::Timeout { op: (self.desc)(), timeout: whole, msg: "the operation did not complete".into() };
         let Some(group) = self.trace.as_ref().map(|t| &t.group).filter(|g| g.watches_heartbeats()) else {
             return wait(timeout).unwrap_or_else(|| Err(expired()));
         };

@@ -342,3 +342,34 @@ fn a_fuzz_of_mismatched_collectives_ends_in_an_error_on_every_rank() {
         }
     }
 }
+
+/// A collective made of several operations (Gloo's ring all-gather: a chain of sends and receives) that
+/// times out reports the timeout it was given, not what was left of it for its last part.
+#[test]
+fn a_chained_collective_alone_reports_its_whole_timeout() {
+    let opts = tch_dist::GroupOptions {
+        verify: false,
+        strict_nccl: false,
+        collectives: tch_dist::Collectives::Ring,
+        ..common::gloo_opts(Duration::from_secs(3))
+    };
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let out = common::run_threads_with(3, opts, move |pg| {
+        if pg.rank() != 0 {
+            // alive, in no collective, until rank 0 has its error
+            while !done.load(std::sync::atomic::Ordering::SeqCst) {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            return None;
+        }
+        let x = Tensor::ones([4], (Kind::Float, Device::Cpu));
+        let mut out = Tensor::zeros([12], (Kind::Float, Device::Cpu));
+        let start = Instant::now();
+        let e = pg.all_gather_into_tensor(&mut out, &x).unwrap_err();
+        done.store(true, std::sync::atomic::Ordering::SeqCst);
+        Some((e, start.elapsed()))
+    });
+    let (e, took) = out[0].as_ref().unwrap();
+    assert!(matches!(e, Error::Timeout { timeout, .. } if *timeout == Duration::from_secs(3)), "{e}");
+    assert!(*took < Duration::from_secs(20), "took {took:?}");
+}
