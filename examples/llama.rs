@@ -40,7 +40,8 @@ struct Args {
     /// Without --from-hf: a Hugging Face config.json for a freshly initialised model.
     #[arg(long)]
     config: Option<String>,
-    /// Where the trained model is written as a Hugging Face directory.
+    /// Where the trained model is written as a Hugging Face directory (with --from-hf's generation config
+    /// and tokenizer files, or --tokenizer's tokenizer.json, beside it).
     #[arg(long)]
     to_hf: Option<String>,
     /// Token ids, little-endian (u16 unless --data-dtype u32); with --tokenizer, text.
@@ -768,6 +769,42 @@ fn run(a: Args) -> Result<()> {
     if let Some(dir) = &a.to_hf {
         let opts = HfSaveOptions { config: Some(config), ..Default::default() };
         save_hf_stores(&world, dir, &model.stores(), &opts, model.hf_names())?;
+        if world.rank() == 0 {
+            beside_the_weights(&a, std::path::Path::new(dir))?;
+        }
+    }
+    Ok(())
+}
+
+/// What `save_pretrained` and a tokenizer's save leave beside the weights, copied from `--from-hf` (and
+/// `--tokenizer` as tokenizer.json when the source had none), so that the trained directory loads and
+/// generates as the source did.
+fn beside_the_weights(a: &Args, dir: &std::path::Path) -> Result<()> {
+    const FILES: [&str; 7] = [
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "tokenizer.model",
+        "vocab.json",
+        "merges.txt",
+    ];
+    let copy = |from: &std::path::Path, to: &std::path::Path| -> Result<()> {
+        std::fs::copy(from, to).map_err(|e| format!("--to-hf {}: copying {}: {e}", dir.display(), from.display()))?;
+        Ok(())
+    };
+    if let Some(src) = &a.from_hf {
+        for f in FILES {
+            let from = std::path::Path::new(src).join(f);
+            if from.is_file() {
+                copy(&from, &dir.join(f))?;
+            }
+        }
+    }
+    if let Some(t) = &a.tokenizer {
+        if !dir.join("tokenizer.json").exists() {
+            copy(std::path::Path::new(t), &dir.join("tokenizer.json"))?;
+        }
     }
     Ok(())
 }

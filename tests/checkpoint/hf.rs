@@ -131,10 +131,13 @@ fn separate_tensors_fill_rows_of_a_fused_variable_and_are_written_back_apart() {
     });
     save_hf(&pg, &dir2, &fused, &HfSaveOptions::default(), halves).unwrap();
     // a map that drops rows, repeats them or writes nothing of a variable is refused, naming the rows
-    let cases: [(Vec<HfPart>, &str); 3] = [
+    // (and rows outside the variable are named as such)
+    let cases: [(Vec<HfPart>, &str); 5] = [
         (vec![HfPart::rows("q", 0..12)], "writes none of rows 12..24 of qkv"),
         (vec![HfPart::rows("q", 0..16), HfPart::rows("k", 12..24)], "writes twice rows 12..16 of qkv"),
         (vec![], "writes none of rows 0..24 of qkv"),
+        (vec![HfPart::rows("q", 0..12), HfPart::rows("k", 12..30)], "k: rows 12..30 of qkv, which has shape [24, 8]"),
+        (vec![HfPart::rows("q", 0..24), HfPart::rows("k", 5..5)], "k: rows 5..5 of qkv"),
     ];
     for (parts, want) in cases {
         let e = save_hf(&pg, tmp("bad-map"), &fused, &HfSaveOptions::default(), |_: &str, _: &[i64]| parts.clone())

@@ -97,8 +97,8 @@ fn a_sharded_bf16_hugging_face_checkpoint_loads_like_a_single_file() {
 }
 
 /// Three AdamW steps under FSDP 2, pp 2 x FSDP 2 and FSDP 2 x TP 2 give the same model (the same global
-/// batch, two microbatches a step in the pipeline); written with `--to-hf`, `transformers` loads each
-/// with our logits, which differ from the untrained model's.
+/// batch, two microbatches a step in the pipeline); written with `--to-hf` (the source's generation
+/// config beside it), `transformers` loads each with our logits, which differ from the untrained model's.
 #[test]
 fn trained_in_three_layouts_and_written_with_to_hf_transformers_gives_our_logits() {
     let dir = tmp("trained");
@@ -114,6 +114,10 @@ fn trained_in_three_layouts_and_written_with_to_hf_transformers_gives_our_logits
         let to_s = to.display().to_string();
         let _ = llama(procs, &[&train[..], layout, &["--to-hf", &to_s]].concat());
         assert!(to.join("config.json").exists() && to.join("model.safetensors").exists(), "{layout:?}");
+        // what save_pretrained left beside the weights comes along (transformers' generate reads it)
+        let generation =
+            std::fs::read(dir.join("generation_config.json")).expect("save_pretrained's generation config");
+        assert_eq!(std::fs::read(to.join("generation_config.json")).ok(), Some(generation), "{layout:?}");
         let out = dir.join(format!("dump{}.safetensors", layout.join("")));
         dump(&to, &data, 1, &[], &out);
         let ours = diff(&to, &out);

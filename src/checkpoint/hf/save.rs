@@ -138,6 +138,16 @@ fn cut(
         // every row written exactly once: a map that drops or repeats rows would write a model
         // `transformers` fills with fresh values where they are missing
         let n = t.shape.first().copied().unwrap_or(1);
+        // each part's rows inside the variable, before the coverage of them all is judged
+        for part in &parts {
+            let rows = part.rows.clone().unwrap_or(0..n);
+            if !t.shape.is_empty() && (rows.start < 0 || rows.end > n || rows.start >= rows.end) {
+                return Err(Error::invalid(
+                    what(),
+                    format!("{}: rows {rows:?} of {var}, which has shape {:?} (rows 0..{n})", part.name, t.shape),
+                ));
+            }
+        }
         let mut covered: Vec<std::ops::Range<i64>> = parts.iter().map(|p| p.rows.clone().unwrap_or(0..n)).collect();
         covered.sort_by_key(|r| r.start);
         let mut next = 0;
@@ -169,13 +179,6 @@ fn cut(
                 ));
             }
             let rows = part.rows.clone().unwrap_or(0..n);
-            let first = t.shape.first().copied();
-            if first.is_some_and(|n| rows.start < 0 || rows.end > n || rows.start >= rows.end) {
-                return Err(Error::invalid(
-                    what(),
-                    format!("{}: rows {rows:?} of {var}, which has shape {:?}", part.name, t.shape),
-                ));
-            }
             if let Some(other) = seen.insert(part.name.clone(), var.to_string()) {
                 return Err(Error::invalid(what(), format!("{} is the name of both {other} and {var}", part.name)));
             }
