@@ -6,17 +6,12 @@ use std::thread::ThreadId;
 
 use tch::{Kind, Tensor};
 
-use crate::error::{check, Error, Result};
-use crate::ffi::{self, adopt};
+use crate::error::{Error, Result};
+use crate::ffi;
 
 /// `torch.randperm(n, generator=torch.Generator().manual_seed(seed))`.
 pub(crate) fn randperm(n: i64, seed: u64) -> Result<Vec<i64>> {
-    let mut out: ffi::tdx_tensor = std::ptr::null_mut();
-    // SAFETY: `out` is valid for the call.
-    let code = unsafe { ffi::tdx_randperm(n, seed, &mut out) };
-    check(code, std::time::Duration::ZERO, || format!("randperm({n}) with seed {seed}"))?;
-    // SAFETY: `out` is null or the tensor the shim just made for this call.
-    Ok(Vec::<i64>::try_from(&unsafe { adopt(out, "randperm") }?)?)
+    Ok(Vec::<i64>::try_from(&ffi::randperm(n, seed)?)?)
 }
 
 /// The default generators' states (the CPU's and every CUDA device's), put back when dropped:
@@ -30,25 +25,15 @@ pub(crate) fn randperm(n: i64, seed: u64) -> Result<Vec<i64>> {
 /// activation-checkpointing recompute putting the generators' state back) still moves the generator a
 /// Fork seeded. Programs that seed must not draw on other threads meanwhile, as in PyTorch.
 pub(crate) struct Fork {
-    saved: *mut ffi::tdx_rng_saved,
-    // dropped after `saved` is restored (fields drop after `Drop::drop`)
+    _saved: ffi::SavedRng,
+    // dropped after `_saved` has put the states back (fields drop in declaration order)
     _held: Held,
 }
 
 impl Fork {
     pub(crate) fn new() -> Result<Fork> {
         let held = Held::take();
-        let mut p = std::ptr::null_mut();
-        // SAFETY: `p` is valid for the call; on success it owns the saved states until `Drop`.
-        check(unsafe { ffi::tdx_rng_save(&mut p) }, std::time::Duration::ZERO, || "save the generators".into())?;
-        Ok(Fork { saved: p, _held: held })
-    }
-}
-
-impl Drop for Fork {
-    fn drop(&mut self) {
-        // SAFETY: the states the shim saved for this Fork, restored and freed once.
-        unsafe { ffi::tdx_rng_restore(self.saved) }
+        Ok(Fork { _saved: ffi::SavedRng::save()?, _held: held })
     }
 }
 
@@ -89,25 +74,5 @@ pub(crate) fn randn_seq(seed: u64, kind: Kind, shapes: &[Vec<i64>]) -> Result<Ve
 
 fn draw_seq(seed: u64, kind: Kind, shapes: &[Vec<i64>]) -> Result<Vec<Tensor>> {
     let dtype = crate::dtype::code(kind).ok_or_else(|| Error::invalid("random draws", format!("dtype {kind:?}")))?;
-    let ndims: Vec<i64> = shapes.iter().map(|s| s.len() as i64).collect();
-    let sizes: Vec<i64> = shapes.iter().flatten().copied().collect();
-    let mut outs: Vec<ffi::tdx_tensor> = vec![std::ptr::null_mut(); shapes.len()];
-    // SAFETY: the arrays are valid for the call (no bounds: normal draws) and `outs` has one slot per shape.
-    let code = unsafe {
-        ffi::tdx_draw_seq(
-            seed,
-            dtype,
-            shapes.len(),
-            ndims.as_ptr(),
-            sizes.as_ptr(),
-            std::ptr::null(),
-            outs.as_mut_ptr(),
-        )
-    };
-    // on failure the shim created none, or some: take ownership of those either way
-    // SAFETY: each non-null slot is a tensor the shim just made for this call, adopted once.
-    let made: Vec<Result<Tensor>> =
-        outs.into_iter().filter(|p| !p.is_null()).map(|p| unsafe { adopt(p, "random draw") }).collect();
-    check(code, std::time::Duration::ZERO, || format!("random draws with seed {seed}"))?;
-    made.into_iter().collect()
+    ffi::draw_seq(seed, dtype, shapes)
 }

@@ -10,18 +10,14 @@ use std::sync::Mutex;
 
 use tch::Tensor;
 
-use crate::error::{check, Error, Result};
+use crate::error::{Error, Result};
 use crate::ffi;
 
 /// Storages with collectives in flight, by identity, and how many.
 static PENDING: Mutex<BTreeMap<i64, usize>> = Mutex::new(BTreeMap::new());
 
 fn id(t: &Tensor) -> Result<i64> {
-    let mut out = 0i64;
-    // SAFETY: t is live for the call.
-    let code = unsafe { ffi::tdx_storage_id(t.as_ptr() as ffi::tdx_tensor, &mut out) };
-    check(code, std::time::Duration::ZERO, || "read a storage's identity".into())?;
-    Ok(out)
+    ffi::storage_id(t)
 }
 
 /// The storages of a collective in flight, registered until this is dropped (after its wait).
@@ -65,9 +61,7 @@ fn refuse_if_pending(t: &Tensor, what: &str) -> Result<()> {
 }
 
 fn resize(t: &Tensor, nbytes: i64) -> Result<()> {
-    // SAFETY: t is live for the call; the shim swaps the storage's data pointer under libtorch's own API.
-    let code = unsafe { ffi::tdx_storage_resize(t.as_ptr() as ffi::tdx_tensor, nbytes) };
-    check(code, std::time::Duration::ZERO, || format!("resize the storage of {:?} to {nbytes} bytes", t.size()))
+    ffi::storage_resize(t, nbytes)
 }
 
 /// Frees `t`'s storage. Until [`allocate`] gives it memory again, nothing may read a tensor sharing it.
@@ -89,27 +83,17 @@ pub(crate) fn bytes_of(t: &Tensor) -> i64 {
 
 /// Bytes `t`'s storage holds now (0 when freed).
 pub(crate) fn nbytes(t: &Tensor) -> Result<i64> {
-    let mut out = 0i64;
-    // SAFETY: t is live for the call.
-    let code = unsafe { ffi::tdx_storage_nbytes(t.as_ptr() as ffi::tdx_tensor, &mut out) };
-    check(code, std::time::Duration::ZERO, || "read a storage's size".into())?;
-    Ok(out)
+    ffi::storage_nbytes(t)
 }
 
 /// Whether no other tensor shares `t`'s storage: no view of it, no copy autograd saved for backward.
 pub(crate) fn sole_owner(t: &Tensor) -> Result<bool> {
-    let mut out = 0i64;
-    // SAFETY: t is live for the call.
-    let code = unsafe { ffi::tdx_storage_use_count(t.as_ptr() as ffi::tdx_tensor, &mut out) };
-    check(code, std::time::Duration::ZERO, || "read a storage's use count".into())?;
-    Ok(out == 1)
+    Ok(ffi::storage_use_count(t)? == 1)
 }
 
 /// Moves `src`'s memory into `dst`'s freed storage, leaving `src`'s freed: a buffer handed from one
 /// tensor to another without a trip through the allocator.
 pub(crate) fn move_into(dst: &Tensor, src: &Tensor) -> Result<()> {
     refuse_if_pending(src, "hand over the storage")?;
-    // SAFETY: both are live for the call; the shim moves the DataPtr between the two StorageImpls.
-    let code = unsafe { ffi::tdx_storage_move(dst.as_ptr() as ffi::tdx_tensor, src.as_ptr() as ffi::tdx_tensor) };
-    check(code, std::time::Duration::ZERO, || "move a storage's memory".into())
+    ffi::storage_move(dst, src)
 }

@@ -20,6 +20,11 @@ pub(crate) use optim::{
     fused_adamw, AdamScalars,
 };
 
+mod random;
+pub(crate) use random::{draw_seq, randperm, SavedRng};
+mod storage;
+pub(crate) use storage::{storage_id, storage_move, storage_nbytes, storage_resize, storage_use_count};
+
 fn handle(t: &tch::Tensor) -> tdx_tensor {
     t.as_ptr() as tdx_tensor
 }
