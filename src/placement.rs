@@ -53,6 +53,7 @@ impl Placement {
 
 /// Where this rank's values lie in the whole variable.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Extent {
     /// All of it.
     Whole,
