@@ -89,7 +89,7 @@ impl Pipeline {
             ));
         }
         let (p, chunks) = (devices.len(), cfg.chunks);
-        let schedule = plan("Pipeline::new", partition, cfg.schedule, p, cfg.microbatches, chunks)?;
+        let schedule = plan("Pipeline::new", layers, partition, cfg.schedule, p, cfg.microbatches, chunks)?;
         let vdevices: Vec<Device> = (0..p * chunks).map(|k| devices[k % p]).collect();
         let mut built: Vec<Option<Stage>> = layers.build(partition, &vdevices)?.into_iter().map(Some).collect();
         let ranks = (0..p)
@@ -146,12 +146,24 @@ impl Pipeline {
 /// The schedule for `p` stages, checking that the partition has one part per virtual stage.
 fn plan(
     what: &str,
+    layers: &LayerList,
     partition: &Partition,
     kind: schedule::ScheduleKind,
     p: usize,
     m: usize,
     v: usize,
 ) -> Result<Schedule> {
+    // every layer in exactly one stage: a partition of fewer layers would train a shorter model silently
+    let covered = partition.ranges().last().map_or(0, |r| r.end);
+    if covered != layers.len() {
+        return Err(Error::invalid(
+            what.to_string(),
+            format!(
+                "the partition covers {covered} layers, the layer list has {}: each layer goes to exactly one stage",
+                layers.len()
+            ),
+        ));
+    }
     let schedule = Schedule::new(kind, p, m, v)?;
     if schedule.splits_backward() {
         return Err(Error::invalid(
@@ -251,7 +263,7 @@ impl PipelineRank {
     ) -> Result<PipelineRank> {
         cfg.plan.mark_applied();
         let p = pg.size();
-        let schedule = plan("PipelineRank::build", partition, cfg.schedule, p, cfg.microbatches, cfg.chunks)?;
+        let schedule = plan("PipelineRank::build", layers, partition, cfg.schedule, p, cfg.microbatches, cfg.chunks)?;
         if let DataParallelism::Replicate(_, Some(stage)) = cfg.plan.data_parallelism() {
             // ZeRO's optimizer steps DDP's buckets: one model's, not a rank's several chunks
             return Err(Error::invalid(

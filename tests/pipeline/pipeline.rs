@@ -235,6 +235,18 @@ fn partitions_by_hand_and_balanced() {
 fn bad_settings_give_clear_errors() {
     let l = layers();
     let part = Partition::sizes(&[4, 4], l.len()).unwrap();
+    // a partition of fewer layers than the list would drop the rest: refused in either runtime, on every
+    // rank alike (before any transfer)
+    let short = Partition::sizes(&[3, 4], l.len() - 1).unwrap();
+    let e = Pipeline::new(&l, &short, &[Device::Cpu; 2], PipelineConfig::default()).err().unwrap().to_string();
+    assert!(e.contains("the partition covers 7 layers, the layer list has 8"), "{e}");
+    let outs = common::run_threads(2, Duration::from_secs(30), |pg| {
+        let short = Partition::sizes(&[3, 4], 7).unwrap();
+        PipelineRank::build(Arc::new(pg), &layers(), &short, PipelineConfig::default()).err().unwrap().to_string()
+    });
+    for e in outs {
+        assert!(e.contains("PipelineRank::build") && e.contains("covers 7 layers, the layer list has 8"), "{e}");
+    }
     let e = Pipeline::new(
         &l,
         &part,
