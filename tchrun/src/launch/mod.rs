@@ -403,7 +403,7 @@ fn attempt(cfg: &LaunchConfig, restart: usize, watch: &mut dyn FnMut() -> Result
                 .iter()
                 .map(|w| {
                     let how = w.status.as_ref().map_or("no exit status".into(), describe_status);
-                    let stopped = if ended.contains(&w.rank) { "" } else { ", after tchrun stopped it" };
+                    let stopped = if ended.contains(&w.rank) { "" } else { STOPPED };
                     (w.rank, format!("{how}{stopped}"))
                 })
                 .collect();
@@ -421,6 +421,9 @@ fn attempt(cfg: &LaunchConfig, restart: usize, watch: &mut dyn FnMut() -> Result
     }
     Ok(outcome)
 }
+
+/// How a worker's exit reads when tchrun stopped it (it did not end on its own).
+const STOPPED: &str = ", after tchrun stopped it";
 
 /// After a failure: what the workers' flight-recorder dumps say (which rank never arrived where), if
 /// they left any.
@@ -496,13 +499,21 @@ fn report_failure(
 ) {
     let flight = read_flight(cfg, restart, exits);
     let analysis = flight.as_ref().and_then(|(_, a)| a.as_ref().ok());
+    // ranks that end between two polls (a failure and the peer errors it causes) are found lowest rank
+    // first: a rank the flight recorder names that also ended on its own, failing, is the one that failed
+    let named = analysis.and_then(|a| a.culprits.first().copied()).filter(|&c| {
+        c != rank && exits.get(&c).is_some_and(|how| !how.ends_with(STOPPED) && !summary::exited_normally(how))
+    });
+    let (rank, how) = match named {
+        Some(c) => (c, exits.get(&c).cloned().unwrap_or_default()),
+        None => (rank, describe_status(status)),
+    };
     for l in summary::headline(rank, analysis, tails, exits) {
         eprintln!("tchrun: {l}");
     }
     eprintln!(
-        "tchrun: rank {rank} (local rank {}) failed with {}; stopped the other workers",
+        "tchrun: rank {rank} (local rank {}) failed with {how}; stopped the other workers",
         rank - cfg.node_rank * cfg.nproc_per_node,
-        describe_status(status)
     );
     let tail = tails.get(&rank).map(Vec::as_slice).unwrap_or_default();
     if !tail.is_empty() {

@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 
 use tch_dist::flight::Analysis;
 
-fn exited_normally(how: &str) -> bool {
+pub(super) fn exited_normally(how: &str) -> bool {
     how == "exit code 0"
 }
 
