@@ -243,10 +243,22 @@ impl ParallelMesh {
     }
 
     /// The mean of `loss` (a scalar) over the [`loss_group`](Self::loss_group), on its device: every
-    /// rank of the group calls this (under a pipeline, the last stage's ranks, which have the loss).
-    /// Nothing is read on the host: `double_value` it where it is logged (torchtitan's `dist_mean`,
-    /// then `.item()` at the log step).
+    /// rank of the group calls this (under a pipeline, the last stage's ranks, which have the loss; an
+    /// earlier stage's call is refused, as its loss would be a placeholder). Nothing is read on the host:
+    /// `double_value` it where it is logged (torchtitan's `dist_mean`, then `.item()` at the log step).
     pub fn average_loss(&self, loss: &tch::Tensor) -> Result<tch::Tensor> {
+        // every rank of an earlier stage's loss group is refused alike, before any collective
+        if self.at("pp") + 1 != self.dims.pp {
+            return Err(crate::Error::invalid(
+                "ParallelDims::average_loss",
+                format!(
+                    "this rank is on pipeline stage {} of {}, which has no loss: only the last stage's ranks \
+                     average it (where RankReport::loss is Some)",
+                    self.at("pp"),
+                    self.dims.pp
+                ),
+            ));
+        }
         if loss.numel() != 1 {
             return Err(crate::Error::invalid(
                 "average_loss",
