@@ -10,7 +10,7 @@
 //!   extra@R:S      rank R runs S more steps than the others (uneven inputs without `join`); no final barrier
 //!   torcherr@R:S   rank R runs a tensor operation on mismatched shapes at step S (a libtorch error)
 //!
-//!   fault_drill --mode ddp|zero2|fsdp|pipeline [--steps 8]
+//!   fault_drill --mode ddp|zero2|fsdp|pipeline|pipeline-dp [--steps 8]
 //!
 //! Rank 0 prints `step S` after each step; every rank prints `done` at the end.
 use std::sync::Arc;
@@ -21,6 +21,7 @@ use tch::{nn, Device, Kind, Tensor};
 use tch_dist::ddp::{DdpOptions, DistributedDataParallel};
 use tch_dist::fsdp::{FsdpBuilder, FsdpOptions};
 use tch_dist::optim::{Optimizer, Sgd};
+use tch_dist::parallel_dims::ParallelDims;
 use tch_dist::pipeline::schedule::ScheduleKind;
 use tch_dist::pipeline::{LayerList, Partition, PipelineConfig, PipelineRank};
 use tch_dist::zero::{ShardedOptimizer, ZeroStage};
@@ -29,7 +30,7 @@ use tch_dist::{ProcessGroup, ReduceOp};
 
 #[derive(Parser)]
 struct Args {
-    /// ddp, zero2 or pipeline (2 ranks, one stage each)
+    /// ddp, zero2, fsdp, pipeline (2 ranks, one stage each) or pipeline-dp (4 ranks: pp 2 x DDP 2)
     #[arg(long, default_value = "ddp")]
     mode: String,
     #[arg(long, default_value_t = 8)]
@@ -87,7 +88,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let pg = Arc::new(ProcessGroup::from_env()?);
     let rank = pg.rank();
     let f = fault();
-    if args.mode == "pipeline" {
+    if args.mode.starts_with("pipeline") {
         return pipeline(&args, pg, &f);
     }
     tch::manual_seed(0);
@@ -204,21 +205,31 @@ fn fsdp(args: &Args, pg: Arc<ProcessGroup>, f: &Option<Fault>) -> Result<(), Box
     finish(&pg, f)
 }
 
+/// Two stages, one process each; with `--mode pipeline-dp`, 4 ranks: pp 2 x DDP 2 from `ParallelDims`, so
+/// that a stage's rank in its pipeline group differs from its world rank (faults name world ranks).
 fn pipeline(args: &Args, pg: Arc<ProcessGroup>, f: &Option<Fault>) -> Result<(), Box<dyn std::error::Error>> {
     let rank = pg.rank();
+    let (stages, plan, rows) = if args.mode == "pipeline-dp" {
+        let mesh = ParallelDims { pp: 2, dp_replicate: 2, ..Default::default() }.build(&pg)?;
+        (mesh.pp_group().clone(), mesh.plan(), mesh.rows(8)?)
+    } else {
+        (pg.clone(), tch_dist::parallelize::Plan::new(), 0..8)
+    };
     let layers = LayerList::new()
         .seed(3)
         .add("l1", |p| nn::linear(p, 32, 64, Default::default()))
         .add_fn("relu", |x| x.relu())
         .add("l2", |p| nn::linear(p, 64, 4, Default::default()));
-    let cfg = PipelineConfig { schedule: ScheduleKind::OneFOneB, microbatches: 4, ..Default::default() };
-    let mut st = PipelineRank::build(pg.clone(), &layers, &Partition::sizes(&[2, 1], 3)?, cfg)?;
+    let cfg = PipelineConfig { schedule: ScheduleKind::OneFOneB, microbatches: 4, plan, ..Default::default() };
+    let mut st = PipelineRank::build(stages, &layers, &Partition::sizes(&[2, 1], 3)?, cfg)?;
     let mut opts: Vec<Sgd> = st.var_stores().iter().map(|vs| Sgd::new(vs.trainable_variables(), 0.05)).collect();
     let loss = |out: &Tensor, y: &Tensor| out.mse_loss(y, tch::Reduction::Mean);
     for step in 0..args.steps {
         let bad = strike(f, rank, step) == Some("badloss");
         let (x, y) = batch(step, 0);
-        let y = if bad { Tensor::zeros([8, 7], (Kind::Float, Device::Cpu)) } else { y };
+        let n = rows.end - rows.start;
+        let (x, y) = (x.narrow(0, rows.start, n), y.narrow(0, rows.start, n));
+        let y = if bad { Tensor::zeros([n, 7], (Kind::Float, Device::Cpu)) } else { y };
         st.step(&x, &y, &loss)?;
         for o in &mut opts {
             o.step()?;

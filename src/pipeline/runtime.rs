@@ -196,7 +196,7 @@ pub(crate) fn run_rank(step: &RankStep, net: &mut dyn Transport) -> Result<RankR
         }))
         .unwrap_or_else(|p| Err(Error::invalid(format!("pipeline stage {rank}"), panic_message(&*p))));
         if let Err(e) = done {
-            warn_neighbours(&steps[i..], net, rank, &e);
+            warn_neighbours(&steps[i..], net, &e);
             return Err(e);
         }
     }
@@ -212,11 +212,7 @@ pub(crate) fn run_rank(step: &RankStep, net: &mut dyn Transport) -> Result<RankR
 
 /// This rank failed before the batches of `rest`: they go out anyway, with placeholders, so the failure
 /// travels down the pipeline at once.
-fn warn_neighbours(rest: &[Step], net: &mut dyn Transport, rank: usize, e: &Error) {
-    let origin = match e {
-        Error::RankFailed { rank, .. } => *rank,
-        _ => rank,
-    };
+fn warn_neighbours(rest: &[Step], net: &mut dyn Transport, e: &Error) {
     let batches: Vec<_> = rest
         .iter()
         .filter_map(|s| match s {
@@ -224,7 +220,7 @@ fn warn_neighbours(rest: &[Step], net: &mut dyn Transport, rank: usize, e: &Erro
             Step::Compute(_) => None,
         })
         .collect();
-    let _ = net.abort(&batches, origin, &e.to_string());
+    let _ = net.abort(&batches, &e.to_string());
 }
 
 fn last_loss(step: &RankStep, out: &Tensor, mb: usize, scale: f64) -> Result<Tensor> {

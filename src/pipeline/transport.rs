@@ -48,11 +48,11 @@ pub(crate) trait Transport {
     fn recv(&mut self, from_rank: usize, key: Key) -> Result<Tensor>;
     /// Completes outstanding sends (end of a step).
     fn flush(&mut self) -> Result<()>;
-    /// This rank failed (`origin` is the rank where the failure began, this one or an earlier one whose
-    /// failure reached it) before posting the batches in `rest`: posts them anyway, with placeholders
-    /// for what it sends, so every other rank finds its batches matched and learns of the failure at
-    /// once rather than waiting for its timeout.
-    fn abort(&mut self, rest: &Rest, origin: usize, msg: &str) -> Result<()>;
+    /// This rank failed (with `msg`, its own failure or an earlier stage's that reached it) before
+    /// posting the batches in `rest`: posts them anyway, with placeholders for what it sends, so every
+    /// other rank finds its batches matched and learns of the failure at once rather than waiting for
+    /// its timeout.
+    fn abort(&mut self, rest: &Rest, msg: &str) -> Result<()>;
 }
 
 /// Channels between stage threads. A failing stage raises `abort`, so the others stop waiting.
@@ -126,7 +126,7 @@ impl Transport for ChannelTransport {
         Ok(())
     }
 
-    fn abort(&mut self, _rest: &Rest, _origin: usize, _msg: &str) -> Result<()> {
+    fn abort(&mut self, _rest: &Rest, _msg: &str) -> Result<()> {
         // threads share an abort flag, raised by the runner
         Ok(())
     }
@@ -264,15 +264,17 @@ impl GroupTransport {
         )
     }
 
-    /// Rank `origin`'s failure, as it left it in the store, reported as `op`'s.
+    /// Rank `origin`'s failure, as it left it in the store, reported as `op`'s, naming the failed rank by
+    /// its launcher rank (what tchrun and the flight recorder call it), which its message carries.
     fn failed(&self, origin: usize, op: String) -> Error {
-        let msg = self
-            .pg
-            .store()
-            .get(&self.abort_key())
-            .map(|m| String::from_utf8_lossy(&m).to_string())
-            .unwrap_or_else(|e| format!("(its message could not be read: {e})"));
-        Error::RankFailed { op, rank: origin, msg }
+        match self.pg.store().get(&self.abort_key()) {
+            Ok(m) => {
+                let m = String::from_utf8_lossy(&m);
+                let (rank, msg) = launch_rank_of(&m).unwrap_or((origin, m.to_string()));
+                Error::RankFailed { op, rank, msg }
+            }
+            Err(e) => Error::RankFailed { op, rank: origin, msg: format!("(its message could not be read: {e})") },
+        }
     }
 
     /// Whether a stage failed this step: the origin its message names.
@@ -292,6 +294,13 @@ impl GroupTransport {
         bytes.f_narrow(0, 0, n)?.f_copy_(&Tensor::from_slice(&PLACEHOLDER[..n as usize]))?;
         Ok(t.f_to_device(device)?)
     }
+}
+
+/// The launcher rank and the message of a stage's abort message (`rank O world W: MSG`).
+fn launch_rank_of(m: &str) -> Option<(usize, String)> {
+    let (head, msg) = m.split_once(": ")?;
+    let w = head.split_whitespace().nth(3)?.parse().ok()?;
+    Some((w, msg.to_string()))
 }
 
 fn origin_of(msg: &[u8]) -> usize {
@@ -474,10 +483,20 @@ impl Transport for GroupTransport {
         Ok(())
     }
 
-    fn abort(&mut self, rest: &Rest, origin: usize, msg: &str) -> Result<()> {
-        if origin == self.pg.rank() {
-            self.pg.store().set(&self.abort_key(), format!("rank {origin}: {msg}").as_bytes())?;
-        }
+    fn abort(&mut self, rest: &Rest, msg: &str) -> Result<()> {
+        // the stage whose message is in the store began it; none there: this one did (a failure of its
+        // own, or one from another group, as a data-parallel collective's)
+        let origin = match self.failure()? {
+            Some(o) => o,
+            None => {
+                let me = self.pg.rank();
+                // with the launcher's RANK (a pipeline group is often a subgroup of the world), as the
+                // flight recorder names ranks
+                let world = crate::settings::launch_rank().unwrap_or(me);
+                self.pg.store().set(&self.abort_key(), format!("rank {me} world {world}: {msg}").as_bytes())?;
+                me
+            }
+        };
         let _l = crate::flight::label("pipeline abort: the rest of this stage's batches, with placeholders");
         let device = self.device;
         for (sends, recvs) in rest {

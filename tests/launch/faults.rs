@@ -124,6 +124,18 @@ fn a_failing_stage_tells_the_other_stages_at_once() {
     assert!(t.contains("[rank0]: Error: pipeline stage 0 waiting for Grad of microbatch 0: rank 1 failed"), "{t}");
 }
 
+/// pp 2 x DDP 2: world rank 3 is rank 1 of its pipeline group [1, 3]. The others, and tchrun's headline,
+/// name it by its world rank (before, rank 1 read "rank 1 failed": its own number).
+#[test]
+fn a_failing_stage_is_named_by_its_world_rank_under_data_parallelism() {
+    let (o, secs) = drill(4, "pipeline-dp", "badloss@3:2", &[]);
+    let t = text(&o);
+    assert_failed_in_time(&o, secs, SLACK);
+    assert!(t.contains("[rank1]: Error: pipeline stage 0 waiting for Grad of microbatch 0: rank 3 failed"), "{t}");
+    assert!(t.contains("culprit: rank 3"), "{t}");
+    assert!(!t.contains("culprit: rank 1 "), "{t}");
+}
+
 #[test]
 fn an_unwritable_checkpoint_fails_every_rank_at_once_naming_rank_0_and_the_file() {
     let (o, secs) = drill(2, "ddp", "none@0:0", &["--ckpt", "/dev/null/ckpt.safetensors"]);
