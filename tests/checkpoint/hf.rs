@@ -75,6 +75,9 @@ fn written_whole_or_in_several_files_and_read_back_the_same() {
     // 400 bytes a file: up_proj's weight (384 bytes) alone, and the rest in the others
     save_hf(&pg, &sharded, &one, &HfSaveOptions { max_shard_size: 400, ..opts }, HfPart::same).unwrap();
     assert!(single.join("model.safetensors").exists() && !single.join("model.safetensors.index.json").exists());
+    // the weights get the mode the config gets (0666 less the umask), not the writer's private 0600
+    let mode = |p: PathBuf| std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(p).unwrap().permissions());
+    assert_eq!(mode(single.join("model.safetensors")), mode(single.join("config.json")), "file modes");
     let files: Vec<_> = std::fs::read_dir(&sharded).unwrap().flatten().map(|e| e.file_name()).collect();
     assert!(sharded.join("model.safetensors.index.json").exists(), "{files:?}");
     assert!(files.len() >= 4, "three or more files, an index and the config: {files:?}");
@@ -136,8 +139,11 @@ fn separate_tensors_fill_rows_of_a_fused_variable_and_are_written_back_apart() {
         (vec![HfPart::rows("q", 0..12)], "writes none of rows 12..24 of qkv"),
         (vec![HfPart::rows("q", 0..16), HfPart::rows("k", 12..24)], "writes twice rows 12..16 of qkv"),
         (vec![], "writes none of rows 0..24 of qkv"),
-        (vec![HfPart::rows("q", 0..12), HfPart::rows("k", 12..30)], "k: rows 12..30 of qkv, which has shape [24, 8]"),
-        (vec![HfPart::rows("q", 0..24), HfPart::rows("k", 5..5)], "k: rows 5..5 of qkv"),
+        (
+            vec![HfPart::rows("q", 0..12), HfPart::rows("k", 12..30)],
+            "k: rows 12..30 of qkv (outside the variable), which has shape [24, 8]",
+        ),
+        (vec![HfPart::rows("q", 0..24), HfPart::rows("k", 5..5)], "k: rows 5..5 of qkv (an empty range)"),
     ];
     for (parts, want) in cases {
         let e = save_hf(&pg, tmp("bad-map"), &fused, &HfSaveOptions::default(), |_: &str, _: &[i64]| parts.clone())

@@ -142,9 +142,13 @@ fn cut(
         for part in &parts {
             let rows = part.rows.clone().unwrap_or(0..n);
             if !t.shape.is_empty() && (rows.start < 0 || rows.end > n || rows.start >= rows.end) {
+                let why = if rows.start >= rows.end { "an empty range" } else { "outside the variable" };
                 return Err(Error::invalid(
                     what(),
-                    format!("{}: rows {rows:?} of {var}, which has shape {:?} (rows 0..{n})", part.name, t.shape),
+                    format!(
+                        "{}: rows {rows:?} of {var} ({why}), which has shape {:?} (rows 0..{n})",
+                        part.name, t.shape
+                    ),
                 ));
             }
         }
@@ -280,8 +284,15 @@ fn write(parts: &Path, meta: &Metadata, path: &Path, outs: &[Out], dtype: Option
     }
     let tmp = path.with_extension("safetensors.tmp");
     let info: HashMap<String, String> = [("format".to_string(), "pt".to_string())].into();
+    // the mode a file created here gets (0666 less the umask, as `save_pretrained`'s): the writer
+    // renames a private temporary file (0600) into place
+    let mode = std::fs::File::create(&tmp)
+        .and_then(|f| f.metadata())
+        .map(|m| m.permissions())
+        .map_err(|e| Error::invalid(what(), e.to_string()))?;
     let written = safetensors::serialize_to_file(views.iter().map(|(n, v)| (n.as_str(), v)), Some(info), &tmp)
         .map_err(|e| Error::invalid(what(), format!("{e:?}")))
+        .and_then(|()| std::fs::set_permissions(&tmp, mode).map_err(|e| Error::invalid(what(), e.to_string())))
         .and_then(|()| {
             std::fs::File::open(&tmp).and_then(|f| f.sync_all()).map_err(|e| Error::invalid(what(), e.to_string()))
         })
