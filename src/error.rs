@@ -1,5 +1,4 @@
 //! One error type for the crate: what failed, and the message libtorch gave.
-use std::ffi::CStr;
 use std::time::Duration;
 
 use crate::ffi;
@@ -163,27 +162,13 @@ pub(crate) fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
     inner.strip_suffix("\")").unwrap_or(inner).to_string()
 }
 
-fn last_error() -> String {
-    // SAFETY: the shim returns a pointer to a thread-local NUL-terminated string that lives until the next
-    // failing call on this thread; we copy it at once.
-    unsafe {
-        let p = ffi::tdx_last_error();
-        if p.is_null() {
-            return String::new();
-        }
-        // c10d's messages can span lines; errors read best (and log best) as one line.
-        let msg = CStr::from_ptr(p).to_string_lossy();
-        msg.lines().map(str::trim).filter(|l| !l.is_empty()).collect::<Vec<_>>().join(" ")
-    }
-}
-
 /// Turns a shim return code into a `Result`, reading the thread's last error message.
 /// `op` is evaluated only on failure, so hot paths do not format strings.
 pub(crate) fn check(code: libc::c_int, timeout: Duration, op: impl FnOnce() -> String) -> Result<()> {
     if code == ffi::TDX_OK {
         return Ok(());
     }
-    let msg = last_error();
+    let msg = ffi::last_error();
     let op = op();
     Err(match code {
         ffi::TDX_ETIMEOUT => Error::Timeout { op, timeout, msg },

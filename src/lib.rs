@@ -27,7 +27,6 @@ macro_rules! module {
 
 mod dtype;
 mod ffi;
-mod function;
 mod names;
 #[cfg(feature = "plot")]
 mod plot;
@@ -46,7 +45,7 @@ pub mod flight;
 pub mod fsdp;
 pub mod ft;
 pub mod group;
-pub mod hooks;
+pub use ffi::hooks;
 pub mod init;
 pub mod memory;
 pub mod mesh;
@@ -61,8 +60,8 @@ pub mod recompute;
 #[doc(hidden)] // libtorch's own bucket assignment and object layouts, for tests to compare with
 pub mod reference;
 mod settings;
-pub mod store;
-pub mod stream;
+pub use ffi::store;
+pub use ffi::stream;
 pub mod sync_batch_norm;
 pub mod sync_debug;
 pub mod throughput;

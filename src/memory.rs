@@ -18,29 +18,22 @@ use crate::ffi;
 
 /// Installs the counting CPU allocator (idempotent). Tensors allocated before are not counted.
 pub fn install_cpu_counter() -> Result<()> {
-    // SAFETY: no arguments; the shim serialises installation.
-    match unsafe { ffi::tdx_cpu_counter_install() } {
-        ffi::TDX_OK => Ok(()),
-        _ => Err(Error::Backend {
-            op: "install CPU memory counter".into(),
-            msg: "another CPU allocator with higher priority is installed".into(),
-        }),
+    if ffi::cpu_counter_install() {
+        return Ok(());
     }
+    Err(Error::Backend {
+        op: "install CPU memory counter".into(),
+        msg: "another CPU allocator with higher priority is installed".into(),
+    })
 }
 
 /// Whether the CPU counter is installed.
 pub fn cpu_counter_installed() -> bool {
-    // SAFETY: reads a flag.
-    unsafe { ffi::tdx_cpu_counter_installed() != 0 }
+    ffi::cpu_counter_installed()
 }
 
 fn cuda_stats(index: usize) -> Result<(i64, i64)> {
-    let (mut a, mut p) = (0i64, 0i64);
-    // SAFETY: out-pointers valid for the call.
-    match unsafe { ffi::tdx_cuda_memory(index as i32, &mut a, &mut p) } {
-        ffi::TDX_OK => Ok((a, p)),
-        _ => Err(unavailable(index)),
-    }
+    ffi::cuda_memory(index).ok_or_else(|| unavailable(index))
 }
 
 fn unavailable(index: usize) -> Error {
@@ -63,8 +56,7 @@ pub fn allocated(device: Device) -> Result<i64> {
     match device {
         Device::Cpu => {
             install_cpu_counter()?;
-            // SAFETY: reads an atomic.
-            Ok(unsafe { ffi::tdx_cpu_allocated() })
+            Ok(ffi::cpu_allocated())
         }
         Device::Cuda(i) => Ok(cuda_stats(i)?.0),
         d => Err(unsupported(d)),
@@ -76,8 +68,7 @@ pub fn peak(device: Device) -> Result<i64> {
     match device {
         Device::Cpu => {
             install_cpu_counter()?;
-            // SAFETY: reads an atomic.
-            Ok(unsafe { ffi::tdx_cpu_peak() })
+            Ok(ffi::cpu_peak())
         }
         Device::Cuda(i) => Ok(cuda_stats(i)?.1),
         d => Err(unsupported(d)),
@@ -89,15 +80,11 @@ pub fn reset_peak(device: Device) -> Result<()> {
     match device {
         Device::Cpu => {
             install_cpu_counter()?;
-            // SAFETY: writes an atomic.
-            unsafe { ffi::tdx_cpu_reset_peak() };
+            ffi::cpu_reset_peak();
             Ok(())
         }
-        // SAFETY: plain call; failure is reported by code.
-        Device::Cuda(i) => match unsafe { ffi::tdx_cuda_reset_peak(i as i32) } {
-            ffi::TDX_OK => Ok(()),
-            _ => Err(unavailable(i)),
-        },
+        Device::Cuda(i) if ffi::cuda_reset_peak(i) => Ok(()),
+        Device::Cuda(i) => Err(unavailable(i)),
         d => Err(unsupported(d)),
     }
 }
@@ -105,24 +92,12 @@ pub fn reset_peak(device: Device) -> Result<()> {
 /// The caching allocator's highest reserved bytes on `cuda:index` since the last [`reset_peak`]
 /// (`torch.cuda.max_memory_reserved`): what the process holds from the driver, cached blocks included.
 pub fn cuda_peak_reserved(index: usize) -> Result<i64> {
-    let mut out = 0;
-    // SAFETY: out-pointer valid for the call.
-    match unsafe { ffi::tdx_cuda_peak_reserved(index as i32, &mut out) } {
-        ffi::TDX_OK => Ok(out),
-        _ => Err(unavailable(index)),
-    }
+    ffi::cuda_peak_reserved(index).ok_or_else(|| unavailable(index))
 }
 
 /// The name of `cuda:index` as CUDA reports it (`torch.cuda.get_device_name`), if CUDA is usable.
 pub fn cuda_device_name(index: usize) -> Option<String> {
-    let mut buf = [0u8; 256];
-    // SAFETY: `buf` is writable for its length; the shim writes a NUL-terminated name within it.
-    let code = unsafe { ffi::tdx_cuda_device_name(index as i32, buf.as_mut_ptr() as *mut libc::c_char, buf.len()) };
-    if code != ffi::TDX_OK {
-        return None;
-    }
-    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
-    Some(String::from_utf8_lossy(&buf[..end]).into_owned())
+    ffi::cuda_device_name(index)
 }
 
 /// The highest resident set of this process so far (the kernel's `VmHWM`), in bytes: what the CPU's
@@ -140,31 +115,24 @@ pub fn peak_rss() -> Result<i64> {
 
 /// Number of CUDA devices this build can use (0 without the `cuda` feature or without a GPU).
 pub fn cuda_device_count() -> usize {
-    let mut n = 0;
-    // SAFETY: out-pointer valid for the call.
-    unsafe { ffi::tdx_cuda_device_count(&mut n) };
-    n.max(0) as usize
+    ffi::cuda_device_count()
 }
 
 /// The calling thread's current CUDA device (`torch.cuda.current_device`), if CUDA is usable.
 pub fn current_cuda_device() -> Option<usize> {
-    let mut d = -1;
-    // SAFETY: out-pointer valid for the call.
-    let code = unsafe { ffi::tdx_cuda_current_device(&mut d) };
-    (code == ffi::TDX_OK && d >= 0).then_some(d as usize)
+    ffi::cuda_current_device()
 }
 
 /// Makes `cuda:index` the current CUDA device of the calling thread (`torch.cuda.set_device`): where the
 /// caching allocator puts what is allocated without a device of its own.
 pub fn set_cuda_device(index: usize) -> Result<()> {
-    // SAFETY: plain call.
-    match unsafe { ffi::tdx_cuda_set_device(index as i32) } {
-        ffi::TDX_OK => Ok(()),
-        _ => Err(Error::Unavailable {
-            what: format!("cuda:{index}"),
-            msg: format!("cannot make it the current device ({} CUDA device(s) usable)", cuda_device_count()),
-        }),
+    if ffi::cuda_set_device(index) {
+        return Ok(());
     }
+    Err(Error::Unavailable {
+        what: format!("cuda:{index}"),
+        msg: format!("cannot make it the current device ({} CUDA device(s) usable)", cuda_device_count()),
+    })
 }
 
 /// Path of `libtch_dist_memory.so`, the CPU ruler for Python processes (ctypes), as built with this crate.

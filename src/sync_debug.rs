@@ -21,15 +21,13 @@ pub fn set_mode(mode: SyncDebugMode) -> Result<SyncDebugMode> {
         SyncDebugMode::Warn => 1,
         SyncDebugMode::Error => 2,
     };
-    let mut previous = 0;
-    // SAFETY: the out-pointer is valid for the call.
-    match unsafe { ffi::tdx_cuda_set_sync_debug_mode(code, &mut previous) } {
-        ffi::TDX_OK => Ok(match previous {
+    match ffi::cuda_set_sync_debug_mode(code) {
+        Some(previous) => Ok(match previous {
             1 => SyncDebugMode::Warn,
             2 => SyncDebugMode::Error,
             _ => SyncDebugMode::Off,
         }),
-        _ => Err(Error::Unavailable {
+        None => Err(Error::Unavailable {
             what: "CUDA sync debug mode".into(),
             msg: "this build has no CUDA (the `cuda` feature is off)".into(),
         }),

@@ -60,8 +60,7 @@ fn timeline() -> Option<&'static Timeline> {
         let dir = crate::settings::timeline_dir()?;
         let rank = crate::settings::launch_rank().unwrap_or(0) as u64;
         let cap = crate::settings::timeline_events();
-        // SAFETY: registers a plain extern "C" function with no arguments, run once at normal exit.
-        unsafe { libc::atexit(write_at_exit) };
+        crate::ffi::at_exit(write_at_exit);
         Some(Timeline { dir, rank, cap, events: Mutex::new(State::default()) })
     })
     .as_ref()

@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use tch::{Device, Kind, Tensor};
 
-use crate::error::{check, Error, Result};
+use crate::error::{Error, Result};
 use crate::ffi;
 use crate::group::{ProcessGroup, ReduceOp};
 use crate::optim::Optimizer;
@@ -134,19 +134,8 @@ impl GradScaler {
         for (device, gs) in &by_device {
             let flag = Tensor::f_zeros([1], (Kind::Float, *device))?;
             let inv_t = Tensor::f_full([1], inv, (Kind::Float, *device))?;
-            let mut ptrs: Vec<ffi::tdx_tensor> = gs.iter().map(|g| g.as_ptr() as ffi::tdx_tensor).collect();
-            // SAFETY: the tensors outlive the call; the kernel writes the gradients and the flag in place.
-            let code = unsafe {
-                ffi::tdx_amp_unscale(
-                    ptrs.as_mut_ptr(),
-                    ptrs.len(),
-                    flag.as_ptr() as ffi::tdx_tensor,
-                    inv_t.as_ptr() as ffi::tdx_tensor,
-                )
-            };
-            check(code, std::time::Duration::ZERO, || {
-                format!("GradScaler::unscale of {} gradients on {device:?}", gs.len())
-            })?;
+            ffi::amp_unscale(gs, &flag, &inv_t)
+                .map_err(|e| e.in_op(format!("GradScaler::unscale of {} gradients on {device:?}", gs.len())))?;
             // (a copy between devices only where the gradients span several: offload)
             found = found.f_maximum(&flag.f_to_device(home)?)?;
         }

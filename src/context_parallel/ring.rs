@@ -443,7 +443,7 @@ pub(crate) fn attention(ring: Ring, q: &Tensor, k: &Tensor, v: &Tensor) -> Resul
     // a copy, not an alias of what the backward reads (an in-place edit of the result must not change it)
     let mut y = out.f_empty_like()?.f_to_kind(q.kind())?;
     y.f_copy_(&out)?;
-    let mut outs = crate::function::attach("RingAttentionBackward", &[q, k, v], &[y], move |g| {
+    let mut outs = crate::ffi::function::attach("RingAttentionBackward", &[q, k, v], &[y], move |g| {
         let [q, k, v] = &saved;
         let grads = ring.backward(&g[0], q, k, v, &out_saved, &lse)?;
         Ok(grads.into_iter().map(Some).collect())

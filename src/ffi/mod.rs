@@ -1,4 +1,6 @@
-//! The shim's raw bindings (the `tch-dist-sys` crate), and [`adopt`] for the tensors it hands over.
+//! The shim's raw bindings (the `tch-dist-sys` crate), [`adopt`] for the tensors it hands over, and the
+//! safe wrappers of its calls (and of the few C library calls the crate makes): `unsafe` lives here, so
+//! that the modules above call only safe functions.
 pub(crate) use tch_dist_sys::*;
 
 /// Takes ownership of `p`, a new `at::Tensor*` the shim returned through an out-parameter (null when it
@@ -14,15 +16,29 @@ pub(crate) unsafe fn adopt(p: tdx_tensor, what: &str) -> crate::error::Result<tc
     Ok(unsafe { tch::Tensor::from_ptr(p as *mut torch_sys::C_tensor) })
 }
 
+pub(crate) mod function;
+pub mod hooks;
 mod optim;
 pub(crate) use optim::{
-    adamw_step, adamw_two_pass_variant, add_scaled, foreach_adamw, foreach_mul_, foreach_norms, foreach_sgd,
-    fused_adamw, AdamScalars,
+    adamw_step, adamw_two_pass_variant, add_scaled, amp_unscale, foreach_adamw, foreach_mul_, foreach_norms,
+    foreach_sgd, fused_adamw, AdamScalars,
 };
 
+mod device;
+pub(crate) use device::{
+    cpu_allocated, cpu_counter_install, cpu_counter_installed, cpu_peak, cpu_reset_peak, cuda_current_device,
+    cuda_device_count, cuda_device_name, cuda_memory, cuda_peak_reserved, cuda_reset_peak, cuda_set_device,
+    cuda_set_sync_debug_mode, last_error,
+};
+mod os;
+#[cfg(feature = "testing")]
+pub(crate) use os::kill_self;
+pub(crate) use os::{at_exit, hostname, peer_closed};
 mod random;
 pub(crate) use random::{draw_seq, randperm, SavedRng};
 mod storage;
+pub mod store;
+pub mod stream;
 pub(crate) use storage::{storage_id, storage_move, storage_nbytes, storage_resize, storage_use_count};
 
 fn handle(t: &tch::Tensor) -> tdx_tensor {

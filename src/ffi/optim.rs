@@ -203,3 +203,14 @@ pub(crate) fn add_scaled(a: &Tensor, b: &Tensor, alpha: f64, in_place: bool) -> 
         unsafe { super::adopt(out, "SGD's add") }
     }
 }
+
+/// ATen's `_amp_foreach_non_finite_check_and_unscale_` over gradients of one device: each multiplied by
+/// `inv_scale` in place, and `found_inf` (float32, one element, their device) set to 1 where any is inf or
+/// NaN.
+pub(crate) fn amp_unscale(grads: &[Tensor], found_inf: &Tensor, inv_scale: &Tensor) -> Result<()> {
+    let mut hg = handles(grads);
+    // SAFETY: every handle points to a tensor borrowed for the call; the kernel writes the gradients and
+    // the flag in place.
+    let code = unsafe { super::tdx_amp_unscale(hg.as_mut_ptr(), hg.len(), handle(found_inf), handle(inv_scale)) };
+    check(code, std::time::Duration::ZERO, || format!("unscaling {} gradients", grads.len()))
+}

@@ -25,7 +25,7 @@ pub use record::{clear_dumps, dump, entries, label, probe, Dump, Entry, EntrySta
 pub(crate) use progress::{
     describe_call, odd_one_out, CallGuard, EngineProbe, GroupTrace, HeartbeatWatch, HEARTBEAT_CHECK_EVERY,
 };
-pub(crate) use record::{current_label, enabled as recording, hostname, is_p2p, now, Recording};
+pub(crate) use record::{current_label, enabled as recording, is_p2p, now, Recording};
 
 /// c10d's own NCCL flight recorder, as JSON (`torch.distributed` `_dump_nccl_trace_json`): its entries
 /// and `pg_config` name every NCCL group by the names tch-dist gives them. c10d records 2,000 entries by

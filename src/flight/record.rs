@@ -217,7 +217,7 @@ pub(crate) fn dump_with(reason: &str, peers: Vec<PeerProgress>, group_rank: Opti
     let d = Dump {
         rank,
         pid: std::process::id(),
-        host: hostname(),
+        host: crate::ffi::hostname(),
         time: now(),
         reason: reason.to_string(),
         peers,
@@ -277,16 +277,4 @@ pub fn clear_dumps(dir: &std::path::Path, ranks: std::ops::Range<usize>) -> Resu
         }
     }
     Ok(())
-}
-
-pub(crate) fn hostname() -> String {
-    let mut buf = [0u8; 256];
-    // SAFETY: the buffer is valid for its length; gethostname NUL-terminates within it on success.
-    let ok = unsafe { libc::gethostname(buf.as_mut_ptr() as *mut libc::c_char, buf.len()) } == 0;
-    let end = buf.iter().position(|&b| b == 0).unwrap_or(0);
-    if ok {
-        String::from_utf8_lossy(&buf[..end]).to_string()
-    } else {
-        String::new()
-    }
 }

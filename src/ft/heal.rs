@@ -139,9 +139,6 @@ fn receive(g: &ProcessGroup, src: usize) -> Result<(u64, Vec<(String, Tensor)>)>
 fn fault_point(name: &str) {
     if crate::settings::ft_fault().is_some_and(|f| f == name) {
         eprintln!("tch-dist: fault injected: {name}");
-        // SAFETY: raising a signal on this process has no memory-safety preconditions.
-        unsafe {
-            libc::kill(libc::getpid(), libc::SIGKILL);
-        }
+        crate::ffi::kill_self();
     }
 }

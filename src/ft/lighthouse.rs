@@ -257,7 +257,7 @@ fn quorum(shared: &Shared, stream: &TcpStream, replica: String, w: Waiting) -> R
         if shared.stop.load(Ordering::SeqCst) {
             return Response::Refused("the lighthouse is stopping".into());
         }
-        if closed(stream) {
+        if crate::ffi::peer_closed(stream) {
             if st.waiting.get(&replica).is_some_and(|w| w.conn == conn) {
                 st.waiting.remove(&replica);
             }
@@ -275,18 +275,6 @@ fn quorum(shared: &Shared, stream: &TcpStream, replica: String, w: Waiting) -> R
             Err(p) => p.into_inner().0,
         };
     }
-}
-
-/// Whether the peer closed `stream` (a look at its input without taking any, never blocking).
-fn closed(stream: &TcpStream) -> bool {
-    use std::os::fd::AsRawFd;
-    let mut byte = 0u8;
-    // SAFETY: the descriptor is open for the duration of the call (`stream` owns it), and the buffer is
-    // one valid byte; MSG_PEEK | MSG_DONTWAIT neither consumes input nor blocks.
-    let n = unsafe {
-        libc::recv(stream.as_raw_fd(), (&mut byte as *mut u8).cast(), 1, libc::MSG_PEEK | libc::MSG_DONTWAIT)
-    };
-    n == 0
 }
 
 fn try_form(st: &mut State, shared: &Shared) {

@@ -72,7 +72,7 @@ struct Launch {
 impl Launch {
     fn of_this_process(rank: usize, world: usize) -> Launch {
         let (node, per_node) = crate::settings::node_and_per_node();
-        Launch { rank, world, node, per_node, host: crate::flight::hostname(), pid: std::process::id() }
+        Launch { rank, world, node, per_node, host: crate::ffi::hostname(), pid: std::process::id() }
     }
 
     fn encode(&self) -> String {
