@@ -35,6 +35,8 @@ mod os;
 pub(crate) use os::kill_self;
 pub(crate) use os::{at_exit, hostname, peer_closed};
 mod random;
+pub(crate) mod recompute;
+pub(crate) mod tch_optimizer;
 pub(crate) use random::{draw_seq, randperm, SavedRng};
 mod storage;
 pub mod store;
