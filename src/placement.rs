@@ -26,8 +26,8 @@ use std::sync::{Arc, Mutex, Weak};
 
 use tch::Tensor;
 
-use crate::error::{check, Error, Result};
-use crate::ffi;
+use crate::error::{Error, Result};
+use crate::ffi::{tensor_identity, WeakRef};
 use crate::group::ProcessGroup;
 
 /// How a variable lies across the ranks of one group.
@@ -206,27 +206,6 @@ impl Layout {
     }
 }
 
-/// A weak reference to a tensor, from the shim.
-struct WeakRef(*mut ffi::tdx_weak);
-
-// SAFETY: the weak reference is c10's weak_intrusive_ptr, whose counts are atomic; it is only read
-// (expired) and freed, never dereferenced to the tensor.
-unsafe impl Send for WeakRef {}
-
-impl WeakRef {
-    fn expired(&self) -> bool {
-        // SAFETY: self.0 is a live handle from tdx_tensor_identity, freed only in drop.
-        unsafe { ffi::tdx_weak_expired(self.0) != 0 }
-    }
-}
-
-impl Drop for WeakRef {
-    fn drop(&mut self) {
-        // SAFETY: self.0 came from tdx_tensor_identity and is freed once, here.
-        unsafe { ffi::tdx_weak_free(self.0) }
-    }
-}
-
 struct Entry {
     weak: WeakRef,
     layout: Layout,
@@ -244,20 +223,10 @@ struct Registry {
 /// record exists.
 static REGISTRY: Mutex<Option<Registry>> = Mutex::new(None);
 
-/// `t`'s identity, and with `weak` a weak reference to it.
-fn identity(t: &Tensor, weak: bool) -> Result<(i64, Option<WeakRef>)> {
-    let (mut id, mut w): (i64, *mut ffi::tdx_weak) = (0, std::ptr::null_mut());
-    let out = if weak { &mut w as *mut *mut ffi::tdx_weak } else { std::ptr::null_mut() };
-    // SAFETY: t is live for the call; out is null or a slot for the new weak handle the shim hands over.
-    let code = unsafe { ffi::tdx_tensor_identity(t.as_ptr() as ffi::tdx_tensor, &mut id, out) };
-    check(code, std::time::Duration::ZERO, || "read a tensor's identity".into())?;
-    Ok((id, (!w.is_null()).then_some(WeakRef(w))))
-}
-
 /// Whether `a` and `b` are handles to one tensor (not merely views of the same memory): how an empty
 /// tensor, which has no memory to compare, is told apart from another.
 pub(crate) fn identical(a: &Tensor, b: &Tensor) -> bool {
-    match (identity(a, false), identity(b, false)) {
+    match (tensor_identity(a, false), tensor_identity(b, false)) {
         (Ok((x, _)), Ok((y, _))) => x == y,
         _ => false,
     }
@@ -268,7 +237,7 @@ pub fn of(t: &Tensor) -> Option<Layout> {
     if !t.defined() {
         return None;
     }
-    let (id, _) = identity(t, false).ok()?;
+    let (id, _) = tensor_identity(t, false).ok()?;
     let reg = REGISTRY.lock().unwrap_or_else(|e| e.into_inner());
     reg.as_ref()?.records.get(&id).filter(|e| !e.weak.expired()).map(|e| e.layout.clone())
 }
@@ -289,7 +258,7 @@ pub(crate) fn held_elements(t: &Tensor) -> i64 {
 
 /// Replaces `t`'s record by what `f` makes of it (`None`: it had none).
 fn update(t: &Tensor, f: impl FnOnce(Option<Layout>) -> Result<Layout>) -> Result<()> {
-    let (id, weak) = identity(t, true)?;
+    let (id, weak) = tensor_identity(t, true)?;
     let weak = weak.ok_or_else(|| Error::invalid("tensor placement", "the shim gave no weak reference"))?;
     let mut guard = REGISTRY.lock().unwrap_or_else(|e| e.into_inner());
     let reg = guard.get_or_insert_with(Registry::default);
@@ -458,7 +427,7 @@ mod tests {
         assert!(of(&t.copy()).is_none());
         let err = record_shard(&t, &pg, 0, &[8, 2], &[6, 0], &[4, 2]).unwrap_err();
         assert!(err.to_string().contains("does not fit"), "{err}");
-        let id = identity(&t, false).unwrap().0;
+        let id = tensor_identity(&t, false).unwrap().0;
         drop(t);
         assert!(of(&Tensor::zeros([4, 2], (Kind::Float, Device::Cpu))).is_none());
         // pruning comes with inserts, once the count doubles

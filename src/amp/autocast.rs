@@ -2,7 +2,7 @@
 //! the thread that entered the region; backward needs none (it follows the forward's dtypes).
 use tch::{Device, Kind};
 
-use crate::error::{check, Error, Result};
+use crate::error::{Error, Result};
 use crate::ffi;
 
 /// An autocast region; dropping it restores the thread's previous autocast state. Autocast state is per
@@ -32,26 +32,14 @@ impl AutocastGuard {
                 return Err(Error::invalid("autocast", format!("device {other:?}: autocast supports the CPU and CUDA")))
             }
         };
-        let (mut prev_enabled, mut prev_dtype) = (0, 0);
-        // SAFETY: plain ints; the shim catches every exception.
-        let code = unsafe {
-            ffi::tdx_autocast_enter(
-                device,
-                1,
-                if kind == Kind::Half { 5 } else { 15 },
-                &mut prev_enabled,
-                &mut prev_dtype,
-            )
-        };
-        check(code, std::time::Duration::ZERO, || "enter autocast".to_string())?;
+        let (prev_enabled, prev_dtype) = ffi::autocast_enter(device, if kind == Kind::Half { 5 } else { 15 })?;
         Ok(AutocastGuard { device, prev_enabled, prev_dtype, _this_thread: std::marker::PhantomData })
     }
 }
 
 impl Drop for AutocastGuard {
     fn drop(&mut self) {
-        // SAFETY: as in new; restoring cannot fail short of a libtorch bug, and Drop cannot report it.
-        let _ = unsafe { ffi::tdx_autocast_exit(self.device, self.prev_enabled, self.prev_dtype) };
+        ffi::autocast_exit(self.device, self.prev_enabled, self.prev_dtype);
     }
 }
 

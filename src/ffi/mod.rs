@@ -16,8 +16,14 @@ pub(crate) unsafe fn adopt(p: tdx_tensor, what: &str) -> crate::error::Result<tc
     Ok(unsafe { tch::Tensor::from_ptr(p as *mut torch_sys::C_tensor) })
 }
 
+mod autocast;
+pub(crate) use autocast::{autocast_enter, autocast_exit};
+mod c10d;
+pub(crate) use c10d::nccl_trace_json;
 pub(crate) mod function;
 pub mod hooks;
+mod identity;
+pub(crate) use identity::{tensor_identity, WeakRef};
 mod optim;
 pub(crate) use optim::{
     adamw_step, adamw_two_pass_variant, add_scaled, amp_unscale, foreach_adamw, foreach_mul_, foreach_norms,
@@ -36,6 +42,8 @@ pub(crate) use os::kill_self;
 pub(crate) use os::{at_exit, hostname, peer_closed};
 mod random;
 pub(crate) mod recompute;
+#[cfg(feature = "testing")]
+pub mod reference;
 pub(crate) mod tch_optimizer;
 pub(crate) use random::{draw_seq, randperm, SavedRng};
 mod storage;

@@ -31,13 +31,5 @@ pub(crate) use record::{current_label, enabled as recording, is_p2p, now, Record
 /// and `pg_config` name every NCCL group by the names tch-dist gives them. c10d records 2,000 entries by
 /// default (`TORCH_FR_BUFFER_SIZE`, read before the first NCCL group); an error without the `cuda` feature.
 pub fn nccl_trace_json() -> crate::Result<String> {
-    let mut buf = std::ptr::null_mut();
-    let mut len = 0usize;
-    // SAFETY: out-pointers valid for the call; on success `buf` is a malloc'ed buffer of `len` bytes,
-    // copied and freed here.
-    let code = unsafe { crate::ffi::tdx_nccl_trace_json(&mut buf, &mut len) };
-    crate::error::check(code, std::time::Duration::ZERO, || "c10d's NCCL flight recorder".to_string())?;
-    let v = unsafe { std::slice::from_raw_parts(buf, len).to_vec() };
-    unsafe { crate::ffi::tdx_buf_free(buf) };
-    Ok(String::from_utf8_lossy(&v).into_owned())
+    Ok(String::from_utf8_lossy(&crate::ffi::nccl_trace_json()?).into_owned())
 }

@@ -319,3 +319,30 @@ fn transposed_weights_are_written_and_read_in_any_layout() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A damaged file is named with what is wrong with it, and opening it reads only its header: a file cut
+/// short, one with bytes added, one with a header length past its end, and one that is not safetensors.
+#[test]
+fn a_damaged_file_is_refused_naming_the_file_and_what_is_wrong() {
+    let (_, dir, _) = saved("damaged");
+    let file = dir.join("model.safetensors");
+    let good = std::fs::read(&file).unwrap();
+    let mut longer = good.clone();
+    longer.extend_from_slice(&[0; 4]);
+    let mut past_end = good.clone();
+    past_end[..8].copy_from_slice(&(good.len() as u64).to_le_bytes());
+    let cases: [(&[u8], &str); 4] = [
+        (&good[..good.len() - 4], "describes"),
+        (&longer, "describes"),
+        (&past_end, "a header of"),
+        (b"not a checkpoint at all", "not a safetensors file"),
+    ];
+    for (bytes, want) in cases {
+        std::fs::write(&file, bytes).unwrap();
+        let e = HfCheckpoint::open(&dir).map(|_| ()).unwrap_err().to_string();
+        assert!(e.contains(want) && e.contains("model.safetensors"), "{want:?} not in: {e}");
+    }
+    std::fs::write(&file, &good).unwrap();
+    assert_eq!(HfCheckpoint::open(&dir).unwrap().names().len(), 4, "the file put back opens");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -30,6 +30,7 @@ mod save;
 
 use std::collections::BTreeMap;
 use std::fs::File;
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use tch::Tensor;
@@ -248,18 +249,36 @@ impl HfCheckpoint {
     }
 }
 
+/// The largest header read (the safetensors format's own limit, 100 MB).
+const HEADER_MAX: u64 = 100_000_000;
+
 /// The tensors a safetensors file's header lists, checked by the format's own reader (offsets in
 /// order, inside the file, of the size their dtype and shape give).
 fn header(path: &Path, file: usize) -> Result<Vec<(String, Stored)>> {
     let what = || format!("Hugging Face checkpoint file {}", path.display());
     let f = File::open(path).map_err(|e| Error::invalid(what(), e.to_string()))?;
-    // SAFETY: the map is read-only, lives only in this function, and only its header is read; a file
-    // truncated meanwhile by another process is the one case a map cannot guard against, and a
-    // checkpoint being loaded is not being written.
-    let map = unsafe { memmap2::Mmap::map(&f) }.map_err(|e| Error::invalid(what(), e.to_string()))?;
-    let (n, meta) = safetensors::SafeTensors::read_metadata(&map)
-        .map_err(|e| Error::invalid(what(), format!("not a safetensors file: {e:?}")))?;
-    let base = 8 + n as u64;
+    let len = f.metadata().map_err(|e| Error::invalid(what(), e.to_string()))?.len();
+    let bad = |why: String| Error::invalid(what(), format!("not a safetensors file: {why}"));
+    // the header only, read (a map of the file would end the process with SIGBUS if it were truncated
+    // meanwhile); the format's own parser checks the offsets, in order and of the size each dtype and
+    // shape give, and the data must end where the file does
+    let mut n = [0u8; 8];
+    f.read_exact_at(&mut n, 0).map_err(|e| bad(format!("{len} bytes, no header length: {e}")))?;
+    let n = u64::from_le_bytes(n);
+    if n > HEADER_MAX || 8 + n > len {
+        return Err(bad(format!("a header of {n} bytes in a file of {len}")));
+    }
+    let mut text = vec![0u8; n as usize];
+    f.read_exact_at(&mut text, 8).map_err(|e| bad(format!("its header: {e}")))?;
+    let meta: safetensors::tensor::Metadata = serde_json::from_slice(&text).map_err(|e| bad(e.to_string()))?;
+    let base = 8 + n;
+    if base + meta.data_len() as u64 != len {
+        return Err(bad(format!(
+            "its header describes {} bytes of data after {base}, the file has {}",
+            meta.data_len(),
+            len.saturating_sub(base)
+        )));
+    }
     let mut out = Vec::new();
     for (name, info) in meta.tensors() {
         out.push((
