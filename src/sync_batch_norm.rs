@@ -28,7 +28,7 @@ use std::sync::Arc;
 use tch::{nn, Tensor};
 
 use crate::error::{Error, Result};
-use crate::ffi;
+use crate::ffi::c10d::SyncBnTensors;
 use crate::group::shim_op::{self, Collectives};
 use crate::group::ProcessGroup;
 
@@ -115,14 +115,14 @@ impl SyncBatchNorm {
             forward: Some(format!("all_gather of {}", t(2 * c + 1))),
             backward: Some(format!("allreduce(Sum) of {}", t(2 * c))),
         };
-        let ptr = |t: Option<&Tensor>| t.map_or(std::ptr::null_mut(), |t| t.as_ptr() as ffi::tdx_tensor);
-        let (w, b) = (ptr(self.ws.as_ref()), ptr(self.bs.as_ref()));
-        let (rm, rv) = (ptr(Some(&self.running_mean)), ptr(Some(&self.running_var)));
-        shim_op::run(xs, &self.pg, "SyncBatchNorm", collectives, |engine, input, out| {
-            // SAFETY: the input, the layer's tensors and the engine are live for the call (the autograd
-            // node keeps its own references); on success `out` receives a new at::Tensor* that `run`
-            // takes over.
-            unsafe { ffi::tdx_sync_batch_norm(engine, input, w, b, rm, rv, cfg.eps, cfg.momentum, out) }
+        let p = SyncBnTensors {
+            weight: self.ws.as_ref(),
+            bias: self.bs.as_ref(),
+            running_mean: &self.running_mean,
+            running_var: &self.running_var,
+        };
+        shim_op::run(xs, &self.pg, "SyncBatchNorm", collectives, |engine, input| {
+            engine.sync_batch_norm(input, p, cfg.eps, cfg.momentum)
         })
     }
 }

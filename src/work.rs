@@ -1,10 +1,9 @@
 //! Handles to collectives in flight, as `torch.distributed`'s `Work` objects.
-use std::ptr::NonNull;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::error::{check, Error, Result};
-use crate::ffi;
+use crate::ffi::c10d::WorkHandle;
 use crate::flight::{GroupTrace, HeartbeatWatch, Recording, HEARTBEAT_CHECK_EVERY};
 use crate::store::millis;
 
@@ -31,7 +30,7 @@ pub struct Work {
 /// What a work waits on: c10d's own handle, or a ticket that a queue of ours completes (the strict NCCL
 /// mode's point-to-point).
 pub(crate) enum Handle {
-    Engine { ptr: NonNull<ffi::tdx_work>, stream_wait: bool },
+    Engine { work: WorkHandle, stream_wait: bool },
     Ticket(Arc<Ticket>),
 }
 
@@ -87,22 +86,20 @@ pub(crate) struct WorkTrace {
     pub recording: Option<Recording>,
 }
 
-// SAFETY: c10d::Work is internally synchronised (mutex + condition variable).
-unsafe impl Send for Work {}
+// a Work is waited for on any thread (its handle is c10d's, internally synchronised)
+const _: fn() = || {
+    fn send<T: Send>() {}
+    send::<Work>();
+};
 
 impl Work {
     pub(crate) fn new(
-        ptr: *mut ffi::tdx_work,
+        work: WorkHandle,
         timeout: Duration,
         desc: Box<dyn Fn() -> String + Send>,
         finish: Option<Finish>,
     ) -> Work {
-        let ptr = match NonNull::new(ptr) {
-            Some(p) => p,
-            // The shim only returns TDX_OK with a handle; a null here is a broken invariant, not input.
-            None => std::process::abort(),
-        };
-        Work::with_handle(Handle::Engine { ptr, stream_wait: false }, timeout, desc, finish)
+        Work::with_handle(Handle::Engine { work, stream_wait: false }, timeout, desc, finish)
     }
 
     pub(crate) fn with_handle(
@@ -165,20 +162,20 @@ impl Work {
         }
         let timeout = left();
         let waited = match &self.handle {
-            Handle::Engine { ptr, stream_wait } if plain && *stream_wait => self.engine_wait(*ptr, None, whole),
+            Handle::Engine { work, stream_wait } if plain && *stream_wait => self.engine_wait(work, None, whole),
             // waited for whole: c10d's Gloo send and recv fail for good when a wait times out, and
             // NCCL's wait with a timeout counts from the work's start and aborts the communicator
-            Handle::Engine { ptr, stream_wait } if *stream_wait || self.trace.as_ref().is_some_and(|t| t.p2p) => {
-                self.engine_wait(*ptr, Some(timeout), whole)
+            Handle::Engine { work, stream_wait } if *stream_wait || self.trace.as_ref().is_some_and(|t| t.p2p) => {
+                self.engine_wait(work, Some(timeout), whole)
             }
-            Handle::Engine { ptr, .. } => self.watching(Some(timeout), whole, |slice| {
+            Handle::Engine { work, .. } => self.watching(Some(timeout), whole, |slice| {
                 let slice = slice.unwrap_or(timeout);
-                match self.engine_wait(*ptr, Some(slice), slice) {
+                match self.engine_wait(work, Some(slice), slice) {
                     Ok(()) => Some(Ok(())),
                     // still running: the slice ended
                     Err(_) if !self.is_completed().unwrap_or(true) => None,
                     // it ended (perhaps as the slice did): c10d's wait again gives its own outcome
-                    Err(_) => Some(self.engine_wait(*ptr, Some(Duration::from_millis(1)), whole)),
+                    Err(_) => Some(self.engine_wait(work, Some(Duration::from_millis(1)), whole)),
                 }
             }),
             // the queue's worker holds each operation to the group's timeout (as NCCL's watchdog does)
@@ -200,8 +197,8 @@ impl Work {
                     match (&self.handle, t.recording.take()) {
                         // the stream waits; the GPU may still run it: it is complete when its end event
                         // is, which the group's trace polls
-                        (Handle::Engine { ptr, stream_wait: true }, Some(r)) if plain => {
-                            match crate::flight::EngineProbe::of(*ptr) {
+                        (Handle::Engine { work, stream_wait: true }, Some(r)) if plain => {
+                            match crate::flight::EngineProbe::of(work) {
                                 Some(probe) => t.group.end_when_done(r, probe),
                                 None => r.end(None),
                             }
@@ -228,9 +225,8 @@ impl Work {
 
     /// c10d's wait on the engine's handle: at most `limit` (`None`: without one, which on NCCL makes the
     /// current stream wait and returns); errors name this work and `timeout`.
-    fn engine_wait(&self, ptr: NonNull<ffi::tdx_work>, limit: Option<Duration>, timeout: Duration) -> Result<()> {
-        // SAFETY: we own the handle.
-        let code = unsafe { ffi::tdx_work_wait(ptr.as_ptr(), limit.map_or(-1, millis)) };
+    fn engine_wait(&self, work: &WorkHandle, limit: Option<Duration>, timeout: Duration) -> Result<()> {
+        let code = work.wait(limit.map_or(-1, millis));
         check(code, timeout, || (self.desc)())
     }
 
@@ -275,12 +271,10 @@ impl Work {
     /// Whether the operation has finished (successfully or not), without blocking.
     pub fn is_completed(&self) -> Result<bool> {
         let mine = match &self.handle {
-            Handle::Engine { ptr, .. } => {
-                let mut out = 0;
-                // SAFETY: we own the handle.
-                let code = unsafe { ffi::tdx_work_is_completed(ptr.as_ptr(), &mut out) };
+            Handle::Engine { work, .. } => {
+                let (code, done) = work.is_completed();
                 check(code, self.timeout, || (self.desc)())?;
-                out != 0
+                done
             }
             Handle::Ticket(t) => t.is_done(),
         };
@@ -300,10 +294,6 @@ impl Drop for Work {
             if self.is_completed().unwrap_or(false) {
                 r.end(None);
             }
-        }
-        if let Handle::Engine { ptr, .. } = &self.handle {
-            // SAFETY: we own the handle.
-            unsafe { ffi::tdx_work_free(ptr.as_ptr()) }
         }
     }
 }

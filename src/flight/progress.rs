@@ -223,32 +223,16 @@ impl Drop for CallGuard {
 }
 
 /// A second handle on an engine's work, to ask whether it finished (its end event, on NCCL).
-pub(crate) struct EngineProbe(std::ptr::NonNull<crate::ffi::tdx_work>);
-
-// SAFETY: c10d's works are queried from any thread (its watchdog does); this handle is only queried and
-// freed.
-unsafe impl Send for EngineProbe {}
+pub(crate) struct EngineProbe(crate::ffi::c10d::WorkHandle);
 
 impl EngineProbe {
-    pub(crate) fn of(w: std::ptr::NonNull<crate::ffi::tdx_work>) -> Option<EngineProbe> {
-        let mut out = std::ptr::null_mut();
-        // SAFETY: `w` is a live work handle; the clone is ours to free.
-        let code = unsafe { crate::ffi::tdx_work_clone(w.as_ptr(), &mut out) };
-        (code == crate::ffi::TDX_OK).then(|| std::ptr::NonNull::new(out).map(EngineProbe)).flatten()
+    pub(crate) fn of(w: &crate::ffi::c10d::WorkHandle) -> Option<EngineProbe> {
+        w.probe().map(EngineProbe)
     }
 
     fn done(&self) -> bool {
-        let mut out = 0;
-        // SAFETY: we own the handle.
-        let code = unsafe { crate::ffi::tdx_work_is_completed(self.0.as_ptr(), &mut out) };
-        code != crate::ffi::TDX_OK || out != 0
-    }
-}
-
-impl Drop for EngineProbe {
-    fn drop(&mut self) {
-        // SAFETY: we own the handle.
-        unsafe { crate::ffi::tdx_work_free(self.0.as_ptr()) }
+        let (code, done) = self.0.is_completed();
+        code != crate::ffi::TDX_OK || done
     }
 }
 

@@ -10,7 +10,6 @@ use tch::{Kind, Tensor};
 
 use super::{describe, meta, ProcessGroup, Scope};
 use crate::error::{Error, Result};
-use crate::ffi;
 use crate::work::{Finish, Work};
 
 /// The agreement check's operation code (beside `meta::agree_on_op`'s).
@@ -77,18 +76,9 @@ impl ProcessGroup {
             self.agree_on_splits(input, row(input), &ins, &outs)?;
         }
         let input = input.f_contiguous()?;
-        let (op_, ip) = (output.as_mut_ptr() as ffi::tdx_tensor, input.as_ptr() as ffi::tdx_tensor);
         // the engine's work holds both tensors until it ends; an empty split list means equal chunks
         let (os, is) = if output_splits.is_empty() && input_splits.is_empty() { (vec![], vec![]) } else { (outs, ins) };
-        // SAFETY: the tensors and the split arrays are valid for the call; c10d copies the splits.
-        self.launch(
-            e,
-            desc(),
-            |pg, out| unsafe {
-                ffi::tdx_pg_alltoall_base(pg, op_, ip, os.as_ptr(), os.len(), is.as_ptr(), is.len(), out)
-            },
-            None,
-        )
+        self.launch(e, desc(), |pg| pg.alltoall_base(output, &input, &os, &is), None)
     }
 
     /// Sends `inputs[r]` to rank r and receives rank r's tensor for this rank into `outputs[r]`, as

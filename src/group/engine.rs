@@ -5,7 +5,6 @@
 //! communicators of a group with work still queued, and a group a process never dropped (the default
 //! group, in a static) would lose its queued collectives when `main` returns.
 use std::ffi::CString;
-use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, Once, Weak};
 use std::time::Duration;
@@ -13,11 +12,12 @@ use std::time::Duration;
 use super::{Backend, GroupOptions};
 use crate::error::{check, Error, Result};
 use crate::ffi;
+use crate::ffi::c10d::{GlooArgs, NcclArgs, Pg};
 use crate::flight::GroupTrace;
 use crate::store::{millis, Store};
 
 pub(crate) struct Engine {
-    ptr: NonNull<ffi::tdx_pg>,
+    pg: Pg,
     pub backend: Backend,
     /// The group's trace: a wait of it that gave up on a collective while it still ran (a peer stopped
     /// heartbeating) leaves the engine's threads waiting on that peer until the collective timeout, so
@@ -65,13 +65,8 @@ fn register(e: &Arc<Engine>) {
     let mut live = LIVE.lock().unwrap_or_else(|p| p.into_inner());
     live.retain(|w| w.strong_count() > 0);
     live.push(Arc::downgrade(e));
-    let hook = || {
-        // SAFETY: `exit_hook` is an `extern "C" fn()` that never unwinds; registering it has no other
-        // precondition.
-        unsafe {
-            libc::atexit(exit_hook);
-        }
-    };
+    // `exit_hook` never unwinds
+    let hook = || ffi::at_exit(exit_hook);
     AT_EXIT.call_once(hook);
     if e.backend == Backend::Nccl {
         AT_EXIT_NCCL.call_once(hook);
@@ -112,11 +107,6 @@ pub(crate) fn shutdown_all() -> Result<()> {
     first.map_or(Ok(()), Err)
 }
 
-// SAFETY: c10d backends queue work under their own locks. As in PyTorch, callers must still issue
-// collectives in the same order on every rank.
-unsafe impl Send for Engine {}
-unsafe impl Sync for Engine {}
-
 impl Engine {
     /// Builds the engine on `store` (already under its device prefix). Blocks until all ranks joined.
     pub(crate) fn new(
@@ -128,55 +118,35 @@ impl Engine {
         how: Creation<'_>,
         trace: Arc<GroupTrace>,
     ) -> Result<Arc<Engine>> {
-        let mut out = std::ptr::null_mut();
         let what = || format!("{backend} process group (rank {rank} of {size})");
         let c_str = |v: &str| CString::new(v).map_err(|_| Error::invalid(what(), format!("{v:?} contains a NUL byte")));
-        let code = match backend {
+        let timeout_ms = millis(opts.timeout);
+        let (code, pg) = match backend {
             Backend::Gloo => {
                 let host = opts.hostname.as_deref().map(c_str).transpose()?;
-                let host_ptr = host.as_ref().map_or(std::ptr::null(), |h| h.as_ptr());
-                // SAFETY: the store handle and strings are valid for the call.
-                unsafe {
-                    ffi::tdx_pg_gloo(
-                        store.as_ptr(),
-                        rank as i32,
-                        size as i32,
-                        millis(opts.timeout),
-                        host_ptr,
-                        opts.threads as i32,
-                        &mut out,
-                    )
-                }
+                let a = GlooArgs { rank, size, timeout_ms, hostname: host.as_deref(), threads: opts.threads };
+                Pg::gloo(store, &a)
             }
             Backend::Nccl => {
-                let device = cuda_device.map_or(-1, |d| d as i32);
                 let (name, desc) = (c_str(how.name)?, c_str(how.desc)?);
-                let (parent, color) = match how.split {
-                    Some((p, c)) if p.backend == Backend::Nccl => (p.as_ptr(), c),
-                    _ => (std::ptr::null_mut(), -1),
+                let split = how.split.filter(|(p, _)| p.backend == Backend::Nccl).map(|(p, c)| (&p.pg, c));
+                let a = NcclArgs {
+                    rank,
+                    size,
+                    timeout_ms,
+                    device: cuda_device,
+                    name: &name,
+                    desc: &desc,
+                    split,
+                    eager: how.eager,
                 };
-                // SAFETY: the store and parent handles and the strings are valid for the call.
-                unsafe {
-                    ffi::tdx_pg_nccl(
-                        store.as_ptr(),
-                        rank as i32,
-                        size as i32,
-                        millis(opts.timeout),
-                        device,
-                        name.as_ptr(),
-                        desc.as_ptr(),
-                        parent,
-                        color,
-                        how.eager as i32,
-                        &mut out,
-                    )
-                }
+                Pg::nccl(store, &a)
             }
         };
         check(code, opts.timeout, what)?;
-        let ptr = NonNull::new(out).ok_or_else(|| Error::invalid(what(), "shim returned a null group"))?;
+        let pg = pg.ok_or_else(|| Error::invalid(what(), "shim returned a null group"))?;
         let e = Arc::new(Engine {
-            ptr,
+            pg,
             backend,
             trace,
             timeout: opts.timeout,
@@ -216,20 +186,19 @@ impl Engine {
                 d(deadline);
             }
         }
-        // SAFETY: the handle is valid until drop; the shim serialises this with calls in flight.
-        let code = unsafe { ffi::tdx_pg_shutdown(self.ptr.as_ptr(), abort as i32) };
+        let code = self.pg.shutdown(abort);
         check(code, Duration::ZERO, || {
             format!("shutting down the {} process group {:?}", self.backend, self.trace.name)
         })
     }
 
-    pub(crate) fn as_ptr(&self) -> *mut ffi::tdx_pg {
-        self.ptr.as_ptr()
+    /// The c10d backend.
+    pub(crate) fn pg(&self) -> &Pg {
+        &self.pg
     }
 
     pub(crate) fn set_timeout(&self, timeout: Duration) -> Result<()> {
-        // SAFETY: the handle is valid.
-        let code = unsafe { ffi::tdx_pg_set_timeout(self.ptr.as_ptr(), millis(timeout)) };
+        let code = self.pg.set_timeout(millis(timeout));
         check(code, timeout, || format!("set_timeout ({})", self.backend))
     }
 }
@@ -237,9 +206,7 @@ impl Engine {
 impl Drop for Engine {
     fn drop(&mut self) {
         // errors of a shutdown nobody waits for have nowhere to go
+        // (the backend is freed after this, with the fields)
         let _ = self.shutdown();
-        // SAFETY: we own the handle, shut down above; collectives in flight hold their own references
-        // inside c10d.
-        unsafe { ffi::tdx_pg_free(self.ptr.as_ptr()) }
     }
 }

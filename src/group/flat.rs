@@ -10,7 +10,6 @@ use tch::{Device, Tensor};
 use super::ring::{self, RingReduce};
 use super::{describe, meta, Backend, ProcessGroup, ReduceOp};
 use crate::error::{Error, Result};
-use crate::ffi;
 use crate::work::Work;
 
 /// How the flat collectives run ([`GroupOptions::collectives`](super::GroupOptions::collectives)).
@@ -60,9 +59,7 @@ impl ProcessGroup {
         let e = self.engine(output.device(), &|| desc.clone())?;
         let (code, finish) = self.reduction(e, &desc, op, output)?;
         meta::agree_on_op(self, "reduce_scatter_tensor", 7, input, op.code() as i64)?;
-        let (op_, ip) = (output.as_mut_ptr() as ffi::tdx_tensor, input.as_ptr() as ffi::tdx_tensor);
-        // SAFETY: the tensors are valid for the call; c10d's work keeps its own references.
-        self.launch(e, desc, |pg, out| unsafe { ffi::tdx_pg_reduce_scatter_base(pg, op_, ip, code, out) }, finish)
+        self.launch(e, desc, |pg| pg.reduce_scatter_base(output, input, code), finish)
     }
 
     fn check_flat(&self, desc: &str, whole: &Tensor, part: &Tensor) -> Result<()> {
@@ -87,9 +84,7 @@ impl ProcessGroup {
     fn all_gather_base(&self, output: &mut Tensor, input: &Tensor) -> Result<Work> {
         let desc = format!("all_gather_into_tensor of {} into {}", describe(input), describe(output));
         let e = self.engine(output.device(), &|| desc.clone())?;
-        let (op_, ip) = (output.as_mut_ptr() as ffi::tdx_tensor, input.as_ptr() as ffi::tdx_tensor);
-        // SAFETY: as in reduce_scatter_tensor_async.
-        self.launch(e, desc, |pg, out| unsafe { ffi::tdx_pg_allgather_base(pg, op_, ip, out) }, None)
+        self.launch(e, desc, |pg| pg.allgather_base(output, input), None)
     }
 }
 
@@ -161,11 +156,9 @@ pub(crate) fn reduce_scatter(
     let _l = crate::flight::label(label);
     let desc = format!("reduce_scatter_tensor(Sum) of {} into {}", describe(&buf), describe(&out));
     let e = pg.engine(out.device(), &|| desc.clone())?;
-    let (op_, ip) = (out.as_ptr() as ffi::tdx_tensor, buf.as_ptr() as ffi::tdx_tensor);
     let code = ReduceOp::Sum.code();
-    // SAFETY: as in reduce_scatter_tensor_async.
     let held = crate::storage::in_use(&[&buf, &out])?;
-    let w = pg.launch(e, desc, |p, o| unsafe { ffi::tdx_pg_reduce_scatter_base(p, op_, ip, code, o) }, None)?;
+    let w = pg.launch(e, desc, |p| p.reduce_scatter_base(&out, &buf, code), None)?;
     Ok(Reduction::Native(w.holding(held)))
 }
 

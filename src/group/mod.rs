@@ -29,7 +29,7 @@ pub use p2p::P2pOp;
 use strict::Strict;
 
 use crate::error::{check, Error, Result};
-use crate::ffi;
+use crate::ffi::c10d::{Pg, Posted};
 use crate::flight::GroupTrace;
 use crate::store::Store;
 use crate::work::{Finish, Handle, Work, WorkTrace};
@@ -598,16 +598,16 @@ impl ProcessGroup {
         &self,
         e: &Engine,
         op: String,
-        start: impl FnOnce(*mut ffi::tdx_pg, *mut *mut ffi::tdx_work) -> libc::c_int,
+        start: impl FnOnce(&Pg) -> Posted,
         finish: Option<Finish>,
     ) -> Result<Work> {
         let timeout = self.timeout;
         let stream_wait = e.backend == Backend::Nccl;
         let post = |desc: &dyn Fn() -> String| {
-            let mut out = std::ptr::null_mut();
-            check(start(e.as_ptr(), &mut out), timeout, desc)?;
-            let ptr = std::ptr::NonNull::new(out).ok_or_else(|| Error::invalid(desc(), "shim returned no work"))?;
-            Ok(Handle::Engine { ptr, stream_wait })
+            let (code, work) = start(e.pg());
+            check(code, timeout, desc)?;
+            let work = work.ok_or_else(|| Error::invalid(desc(), "shim returned no work"))?;
+            Ok(Handle::Engine { work, stream_wait })
         };
         match self.strict_for(e).filter(|_| !crate::flight::is_p2p(&op)) {
             // in the strict mode a collective is a unit of the group's stream, as on NCCL
@@ -691,9 +691,8 @@ impl ProcessGroup {
         code: i32,
         finish: Option<Finish>,
     ) -> Result<Work> {
-        let tp = t.as_mut_ptr() as ffi::tdx_tensor;
-        // SAFETY: the tensor pointer is valid for the call; the shim copies the at::Tensor (shared storage).
-        self.launch(e, desc, |pg, out| unsafe { ffi::tdx_pg_allreduce(pg, tp, code, out) }, finish)
+        // the shim copies the at::Tensor (shared storage)
+        self.launch(e, desc, |pg| pg.allreduce(t, code), finish)
     }
 
     /// Copies `t` from rank `root` to every rank, in place.
@@ -711,9 +710,7 @@ impl ProcessGroup {
     pub(crate) fn broadcast_unverified(&self, t: &mut Tensor, root: usize) -> Result<Work> {
         let desc = format!("broadcast from rank {root} of {}", describe(t));
         let e = self.engine(t.device(), &|| desc.clone())?;
-        let tp = t.as_mut_ptr() as ffi::tdx_tensor;
-        // SAFETY: as in launch_allreduce.
-        self.launch(e, desc, |pg, out| unsafe { ffi::tdx_pg_broadcast(pg, tp, root as i32, out) }, None)
+        self.launch(e, desc, |pg| pg.broadcast(t, root), None)
     }
 
     /// Gathers every rank's `input` into `outputs[r]` (one tensor per rank, same shape as `input`).
@@ -734,11 +731,7 @@ impl ProcessGroup {
             return Err(Error::invalid(desc(), format!("{} output tensors for {} ranks", outputs.len(), self.size)));
         }
         check_like(&desc(), outputs, input)?;
-        let mut outs: Vec<ffi::tdx_tensor> = outputs.iter_mut().map(|t| t.as_mut_ptr() as ffi::tdx_tensor).collect();
-        let ip = input.as_ptr() as ffi::tdx_tensor;
-        let n = outs.len();
-        // SAFETY: the pointer array and tensors are valid for the call.
-        self.launch(e, desc(), |pg, out| unsafe { ffi::tdx_pg_allgather(pg, outs.as_mut_ptr(), n, ip, out) }, None)
+        self.launch(e, desc(), |pg| pg.allgather(outputs, input), None)
     }
 
     /// Reduces `inputs[r]` across ranks and leaves rank r's result in `output` (one input per rank).
@@ -755,16 +748,7 @@ impl ProcessGroup {
         check_like(&desc, inputs, output)?;
         let (code, finish) = self.reduction(e, &desc, op, output)?;
         meta::agree_on_op(self, "reduce_scatter", 4, output, op.code() as i64)?;
-        let mut ins: Vec<ffi::tdx_tensor> = inputs.iter().map(|t| t.as_ptr() as ffi::tdx_tensor).collect();
-        let op_ = output.as_mut_ptr() as ffi::tdx_tensor;
-        let n = ins.len();
-        // SAFETY: the pointer array and tensors are valid for the call.
-        self.launch(
-            e,
-            desc,
-            |pg, out| unsafe { ffi::tdx_pg_reduce_scatter(pg, op_, ins.as_mut_ptr(), n, code, out) },
-            finish,
-        )
+        self.launch(e, desc, |pg| pg.reduce_scatter(output, inputs, code), finish)
     }
 
     /// Sends `t` to rank `dst`; `tag` must match the receiver's.
@@ -807,9 +791,8 @@ impl ProcessGroup {
             let op = strict::Op { send: true, peer: dst, tensor: t };
             return self.launch_with(e, desc(), None, |d| Ok(Handle::Ticket(s.post_single(op, d())?)));
         }
-        let tp = t.as_ptr() as ffi::tdx_tensor;
-        // SAFETY: as in launch_allreduce; c10d's send work keeps its own reference to the tensor.
-        self.launch(e, desc(), |pg, out| unsafe { ffi::tdx_pg_send(pg, tp, dst as i32, tag, out) }, None)
+        // c10d's send work keeps its own reference to the tensor
+        self.launch(e, desc(), |pg| pg.send(&t, dst, tag), None)
     }
 
     /// The strict mode, for operations on engine `e`.
@@ -873,14 +856,13 @@ impl ProcessGroup {
     pub(crate) fn recv_raw(&self, t: &mut Tensor, src: usize, tag: i32) -> Result<Work> {
         let desc = || format!("recv of {} from rank {src} (tag {tag})", describe(t));
         let e = self.engine(t.device(), &desc)?;
-        let (mut into, finish) = self.stage(e, t, false)?;
+        let (into, finish) = self.stage(e, t, false)?;
         if let Some(s) = self.strict_for(e) {
             let op = strict::Op { send: false, peer: src, tensor: into };
             return self.launch_with(e, desc(), finish, |d| Ok(Handle::Ticket(s.post_single(op, d())?)));
         }
-        let tp = into.as_mut_ptr() as ffi::tdx_tensor;
-        // SAFETY: as in launch_allreduce; c10d's recv work keeps its own reference to the tensor.
-        self.launch(e, desc(), |pg, out| unsafe { ffi::tdx_pg_recv(pg, tp, src as i32, tag, out) }, finish)
+        // c10d's recv work keeps its own reference to the tensor
+        self.launch(e, desc(), |pg| pg.recv(&into, src, tag), finish)
     }
 
     /// Blocks until every rank reached the barrier.
@@ -894,8 +876,7 @@ impl ProcessGroup {
         // a barrier against another collective would pair with its messages: checked like the others
         let nothing = Tensor::f_zeros([0], (tch::Kind::Int64, self.meta_device()))?;
         meta::agree_on_op(self, "barrier", 8, &nothing, 0)?;
-        // SAFETY: the group handle is valid.
-        self.launch(e, "barrier".to_string(), |pg, out| unsafe { ffi::tdx_pg_barrier(pg, out) }, None)
+        self.launch(e, "barrier".to_string(), |pg| pg.barrier(), None)
     }
 
     /// Sets the timeout of later collectives.
@@ -911,8 +892,8 @@ impl ProcessGroup {
     }
 
     /// The engine's handle for tensors on `device` (the tensor-parallel operators run inside autograd).
-    pub(crate) fn engine_ptr(&self, device: Device, desc: &dyn Fn() -> String) -> Result<*mut ffi::tdx_pg> {
-        Ok(self.engine(device, desc)?.as_ptr())
+    pub(crate) fn engine_pg(&self, device: Device, desc: &dyn Fn() -> String) -> Result<&Pg> {
+        Ok(self.engine(device, desc)?.pg())
     }
 
     /// Records, in the flight recorder, a collective that the shim runs itself (TP's operators, inside

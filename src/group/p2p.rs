@@ -6,7 +6,6 @@ use tch::Tensor;
 
 use super::{describe, strict, Backend, ProcessGroup};
 use crate::error::{Error, Result};
-use crate::ffi;
 use crate::work::{Finish, Handle, Work};
 
 /// One operation of [`ProcessGroup::batch_isend_irecv`] (`torch.distributed.P2POp`).
@@ -97,28 +96,9 @@ impl ProcessGroup {
         let e = self.engine(ops[0].tensor.device(), &desc)?;
         match e.backend {
             Backend::Nccl => {
-                let mut ts: Vec<ffi::tdx_tensor> = ops.iter().map(|o| o.tensor.as_ptr() as ffi::tdx_tensor).collect();
-                let peers: Vec<i32> = ops.iter().map(|o| o.peer as i32).collect();
-                let sends: Vec<i32> = ops.iter().map(|o| o.send as i32).collect();
-                let tags: Vec<i32> = ops.iter().map(|o| o.tag).collect();
-                let n = ops.len();
-                // SAFETY: the arrays and tensors outlive the call; c10d's works keep their own references.
-                self.launch(
-                    e,
-                    desc(),
-                    |pg, out| unsafe {
-                        ffi::tdx_pg_batch_p2p(
-                            pg,
-                            ts.as_mut_ptr(),
-                            peers.as_ptr(),
-                            sends.as_ptr(),
-                            tags.as_ptr(),
-                            n,
-                            out,
-                        )
-                    },
-                    None,
-                )
+                let batch: Vec<(&Tensor, usize, bool, i32)> =
+                    ops.iter().map(|o| (&o.tensor, o.peer, o.send, o.tag)).collect();
+                self.launch(e, desc(), |pg| pg.batch_p2p(&batch), None)
             }
             Backend::Gloo => match self.strict_for(e) {
                 Some(s) => {

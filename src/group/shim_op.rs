@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use tch::Tensor;
 
 use crate::error::{check, Error, Result};
-use crate::ffi;
+use crate::ffi::c10d::{Made, Pg};
 use crate::flight::Recording;
 use crate::group::ProcessGroup;
 use crate::hooks;
@@ -26,18 +26,18 @@ fn lock(s: &Slot) -> std::sync::MutexGuard<'_, (String, Option<Recording>)> {
     s.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// Runs the shim's op `call(engine, input, out)` on `x` for `name`, recording `collectives`; `call`
-/// returns the shim's code and leaves a new tensor in `out`. The backward's entry is kept only when the
-/// recorder is on and `x` requires grad (the markers attach only when a backward will run).
+/// Runs the shim's op `call(backend, input)` on `x` for `name`, recording `collectives`. The backward's
+/// entry is kept only when the recorder is on and `x` requires grad (the markers attach only when a
+/// backward will run).
 pub(crate) fn run(
     x: &Tensor,
     pg: &ProcessGroup,
     name: &str,
     collectives: Collectives,
-    call: impl FnOnce(*mut ffi::tdx_pg, ffi::tdx_tensor, &mut ffi::tdx_tensor) -> i32,
+    call: impl FnOnce(&Pg, &Tensor) -> Made,
 ) -> Result<Tensor> {
     let desc = || format!("{name} of {} on {pg:?}", crate::group::describe(x));
-    let engine = pg.engine_ptr(x.device(), &desc)?;
+    let engine = pg.engine_pg(x.device(), &desc)?;
     let backward: Option<Slot> = collectives
         .backward
         .filter(|_| crate::flight::recording() && x.requires_grad())
@@ -56,18 +56,13 @@ pub(crate) fn run(
         None => x.shallow_clone(),
     };
     let forward = collectives.forward.and_then(|d| pg.record_external(x.device(), &format!("{d} ({name})")));
-    let mut out: ffi::tdx_tensor = std::ptr::null_mut();
-    let rc = call(engine, input.as_ptr() as ffi::tdx_tensor, &mut out);
+    let (rc, out) = call(engine, &input);
     let done = check(rc, pg.timeout(), desc);
     if let Some(r) = forward {
         r.end(done.as_ref().err().map(|e| e.to_string()).as_deref());
     }
     done?;
-    if out.is_null() {
-        return Err(Error::invalid(name, "shim returned no tensor"));
-    }
-    // SAFETY: on success the shim stored a new at::Tensor* in `out`, whose ownership passes to Rust.
-    let y = unsafe { Tensor::from_ptr(out as *mut torch_sys::C_tensor) };
+    let y = out.ok_or_else(|| Error::invalid(name, "shim returned no tensor"))?;
     let Some((slot, recorder)) = backward.zip(pg.external_recorder(x.device())) else { return Ok(y) };
     let (y, _) = hooks::backward_marker(&y, "ShimOpBackwardBegin", move || {
         let mut s = lock(&slot);

@@ -30,7 +30,6 @@ use tch::{Device, Kind, Tensor};
 use super::engine::Engine;
 use super::tensor_meta;
 use crate::error::{check, Error, Result};
-use crate::ffi;
 use crate::store::Store;
 use crate::work::{Ticket, Work};
 
@@ -637,19 +636,11 @@ impl Queue {
 
 /// One Gloo message of a unit.
 fn post(engine: &Engine, t: &Tensor, op: &Op, tag: i32, send: bool) -> Result<Work> {
-    let mut out = std::ptr::null_mut();
-    let tp = t.as_ptr() as ffi::tdx_tensor;
-    let peer = op.peer as i32;
-    // SAFETY: the engine and tensor are valid for the call; c10d's work keeps its own reference to the
-    // tensor until it completes.
-    let code = unsafe {
-        if send {
-            ffi::tdx_pg_send(engine.as_ptr(), tp, peer, tag, &mut out)
-        } else {
-            ffi::tdx_pg_recv(engine.as_ptr(), tp, peer, tag, &mut out)
-        }
-    };
+    let peer = op.peer;
+    // c10d's work keeps its own reference to the tensor until it completes
+    let (code, work) = if send { engine.pg().send(t, peer, tag) } else { engine.pg().recv(t, peer, tag) };
     let what = move || format!("strict {} rank {peer} (tag {tag})", if send { "send to" } else { "receive from" });
     check(code, Duration::ZERO, what)?;
-    Ok(Work::new(out, Duration::ZERO, Box::new(what), None))
+    let work = work.ok_or_else(|| Error::invalid(what(), "shim returned no work"))?;
+    Ok(Work::new(work, Duration::ZERO, Box::new(what), None))
 }

@@ -2,7 +2,6 @@
 use tch::Tensor;
 
 use crate::error::{Error, Result};
-use crate::ffi;
 use crate::group::shim_op::{self, Collectives};
 use crate::group::{describe, ProcessGroup};
 
@@ -42,10 +41,5 @@ pub fn all_to_all(x: &Tensor, pg: &ProcessGroup, output_splits: &[usize], input_
     let (os, is) = if input_splits.is_empty() { (vec![], vec![]) } else { (outs, ins) };
     let desc = format!("all_to_all_single of {}", describe(x));
     let collectives = Collectives { forward: Some(desc.clone()), backward: Some(desc) };
-    shim_op::run(x, pg, what, collectives, |engine, input, out| {
-        // SAFETY: the input, the engine and the split arrays are live for the call (the autograd node
-        // copies the splits and keeps its own reference to the engine); on success `out` receives a new
-        // at::Tensor* that `run` takes over.
-        unsafe { ffi::tdx_all_to_all_op(engine, input, os.as_ptr(), os.len(), is.as_ptr(), is.len(), out) }
-    })
+    shim_op::run(x, pg, what, collectives, |engine, input| engine.all_to_all_op(input, &os, &is))
 }

@@ -3,18 +3,13 @@
 use tch::Tensor;
 
 use crate::error::Result;
-use crate::ffi;
 use crate::group::shim_op::{self, Collectives};
 use crate::group::ProcessGroup;
 
 fn op(code: i32, name: &str, x: &Tensor, pg: &ProcessGroup) -> Result<Tensor> {
     let collectives =
         Collectives { forward: forward_collective(code, x, pg), backward: backward_collective(code, x, pg) };
-    shim_op::run(x, pg, name, collectives, |engine, input, out| {
-        // SAFETY: the input and the engine are live for the call (the autograd node keeps its own
-        // reference to the engine); on success `out` receives a new at::Tensor* that `run` takes over.
-        unsafe { ffi::tdx_tp_op(engine, code, input, out) }
-    })
+    shim_op::run(x, pg, name, collectives, |engine, input| engine.tp_op(code, input))
 }
 
 /// `x`'s description with dimension `dim` divided by the group size (a rank's part of it).
