@@ -7,22 +7,14 @@
 # (PyTorch's hook over Gloo aborts with several: its callbacks order the collectives differently per rank).
 #   scripts/bench-ddp.sh           # ROUNDS=3 by default
 set -euo pipefail
-cd "$(dirname "$0")/.."
-scripts/setup.sh
-source scripts/env.sh
-cargo build -q --release --example bench_ddp --bin tchrun
-export TCH_DIST_MEMORY_LIB=$PWD/target/release/libtch_dist_memory.so
+# shellcheck source-path=SCRIPTDIR source=bench-lib.sh
+source "$(dirname "$0")/bench-lib.sh"
+bench_init --memory-lib bench_ddp
 ROUNDS=${ROUNDS:-3}
-out=$(mktemp -d)
-trap 'rm -rf "$out"' EXIT
-run() { # run NAME WORLD CMD...: rank 0's line goes to $out/NAME
-  local name=$1 world=$2; shift 2
-  ranks "$world" "$@" >>"$out/$name"
-}
+bench_out
 rust=target/release/examples/bench_ddp
 py="$TCH_DIST_PYTHON_BIN scripts/bench_ddp.py"
-for r in $(seq "$ROUNDS"); do
-  echo "round $r/$ROUNDS" >&2
+round() {
   run torch_single 1 $py --no-ddp
   run torch_default 2 $py --view off
   run torch_view 2 $py --view on
@@ -33,19 +25,19 @@ for r in $(seq "$ROUNDS"); do
   run ours_noview 2 $rust --view off
   run torch_powersgd 2 $py --view off --powersgd 4 --bucket-mb 128
   run ours_powersgd 2 $rust --powersgd 4 --bucket-mb 128
-done
-"$TCH_DIST_PYTHON_BIN" - "$out" <<'PY'
-import os, statistics, sys
-out = sys.argv[1]
+}
+bench_rounds round
+bench_report "$out" <<'PY'
+import sys
+from benchlib import Runs, table_head, table_row
+runs = Runs(sys.argv[1])
+extra = ("flight", "timeline")  # the recorders' cost lines, beside the step lines
 def load(n):
-    rows = [l.split() for l in open(os.path.join(out, n)) if not l.startswith(("flight", "timeline"))]
-    return statistics.median(float(r[0]) for r in rows), max(int(r[1]) for r in rows)
+    return runs.median(n, 0, skip=extra), max(int(r[1]) for r in runs.rows(n, skip=extra))
 R = {n: load(n) for n in ["torch_single", "torch_default", "torch_view", "ours_single", "ours_default", "ours_norec", "ours_timeline", "ours_noview", "torch_powersgd", "ours_powersgd"]}
-ratio = {n: [l for l in open(os.path.join(out, n)) if not l.startswith(("flight", "timeline"))][0].split()[2] for n in ["torch_powersgd", "ours_powersgd"]}
-flight = [l.split() for l in open(os.path.join(out, "ours_default")) if l.startswith("flight")]
-ops, us = statistics.median(float(f[1]) for f in flight), statistics.median(float(f[2]) for f in flight)
-tl = [l.split() for l in open(os.path.join(out, "ours_timeline")) if l.startswith("timeline")]
-tl_ev, tl_us = statistics.median(float(f[1]) for f in tl), statistics.median(float(f[2]) for f in tl)
+ratio = {n: runs.rows(n, skip=extra)[0][2] for n in ["torch_powersgd", "ours_powersgd"]}
+ops, us = (runs.median("ours_default", i, only="flight") for i in (1, 2))
+tl_ev, tl_us = (runs.median("ours_timeline", i, only="timeline") for i in (1, 2))
 params = 1024 * 4096 + 4096 + 4096 * 4096 + 4096 + 4096 * 1024 + 1024
 pbytes = params * 4
 base_t, base_m = R["torch_default"]
@@ -60,12 +52,13 @@ names = {
     "ours_powersgd": "tch-dist DDP + PowerSgd (rank 4)",
 }
 print(f"MLP 1024-4096-4096-1024: {params:,} parameters ({pbytes / 1e6:.1f} MB), 2 ranks, Gloo, batch 32/rank\n")
-print("| run | step (s) | step / PyTorch default | peak MB | peak / PyTorch default | DDP overhead over single process (MB) | overhead / param size |")
-print("|---|---:|---:|---:|---:|---:|---:|")
+table_head("run", "step (s)", "step / PyTorch default", "peak MB", "peak / PyTorch default",
+           "DDP overhead over single process (MB)", "overhead / param size")
 for k, label in names.items():
     t, m = R[k]
     single = R["ours_single" if k.startswith("ours") else "torch_single"][1]
-    print(f"| {label} | {t:.3f} | {t / base_t:.2f} | {m / 1e6:.1f} | {m / base_m:.2f} | {(m - single) / 1e6:.1f} | {(m - single) / pbytes:.2f} |")
+    table_row(label, f"{t:.3f}", f"{t / base_t:.2f}", f"{m / 1e6:.1f}", f"{m / base_m:.2f}", f"{(m - single) / 1e6:.1f}",
+              f"{(m - single) / pbytes:.2f}")
 print(f"\nsingle process peaks: PyTorch {R['torch_single'][1] / 1e6:.1f} MB, tch-dist {R['ours_single'][1] / 1e6:.1f} MB")
 ours_t, ours_m = R["ours_default"]
 tv_m = R["torch_view"][1]

@@ -13,17 +13,15 @@
 # --local-addr. Rounds alternate the runs. Needs root, ip and tc.
 #   scripts/bench-network.sh                 # ROUNDS=2, RATES="1gbit 10gbit", LAYOUTS="1 2"
 set -euo pipefail
-cd "$(dirname "$0")/.."
-scripts/setup.sh
-source scripts/env.sh
-cargo build -q --release --example bench_ddp --example bench_memory --bin tchrun
-export TCH_DIST_MEMORY_LIB=$PWD/target/release/libtch_dist_memory.so
+# shellcheck source-path=SCRIPTDIR source=bench-lib.sh
+source "$(dirname "$0")/bench-lib.sh"
+bench_init --memory-lib bench_ddp bench_memory
 ROUNDS=${ROUNDS:-2}
 RATES=${RATES:-"1gbit 10gbit"}
 LAYOUTS=${LAYOUTS:-"1 2"}
 net="tdxnet$$"
-out=$(mktemp -d)
-trap 'scripts/shaped-links.sh down "$net" 2>/dev/null || true; rm -rf "$out"' EXIT
+# shellcheck disable=SC2016  # run at exit
+bench_out 'scripts/shaped-links.sh down "$net" 2>/dev/null || true'
 scripts/shaped-links.sh check || { echo "bench-network: no network namespaces with tc tbf here (root, ip, tc)" >&2; exit 2; }
 scripts/shaped-links.sh up "$net" 2 0
 port=29600
@@ -44,7 +42,8 @@ job() { # job NAME RANKS_PER_NODE CMD...: CMD on both nodes as one job; rank 0's
   sed -n 's/^\[rank0\]: //p' "$out/last.node1" | grep -E '^([0-9]|link )' >>"$out/$name" ||
     { cat "$out/last.node1" "$out/last.node2" >&2; exit 1; }
 }
-for r in $(seq "$ROUNDS"); do
+round() { # round R: every rate and layout
+  local r=$1 rate n k
   for rate in $RATES; do
     scripts/shaped-links.sh mend "$net" 1 "$rate"
     for n in $LAYOUTS; do
@@ -67,14 +66,16 @@ for r in $(seq "$ROUNDS"); do
     job "torch_hsdp.$rate" 2 $py_fsdp --hsdp 2
     job "ours_hsdp.$rate" 2 $rust_fsdp --hsdp 2
   done
-done
-"$TCH_DIST_PYTHON_BIN" - "$out" "$RATES" "$LAYOUTS" <<'PY'
-import os, statistics, sys
-out, rates, layouts = sys.argv[1], sys.argv[2].split(), sys.argv[3].split()
+}
+bench_rounds -q round
+bench_report "$out" "$RATES" "$LAYOUTS" <<'PY'
+import sys
+from benchlib import Runs, table_head, table_row
+runs, rates, layouts = Runs(sys.argv[1]), sys.argv[2].split(), sys.argv[3].split()
 def step(name):
-    return statistics.median(float(l.split()[0]) for l in open(os.path.join(out, name)) if not l.startswith("link"))
+    return runs.median(name, 0, skip="link")
 def link(name):
-    return statistics.median(float(l.split()[1]) for l in open(os.path.join(out, name)) if l.startswith("link"))
+    return runs.median(name, 1, only="link")
 params = 1024 * 4096 + 4096 + 4096 * 4096 + 4096 + 4096 * 1024 + 1024
 print(f"MLP 1024-4096-4096-1024 ({params:,} parameters), batch 32/rank, SGD, Gloo; two nodes on one link shaped "
       "in each direction; medians of 8 steps per run, over the rounds\n")
@@ -87,20 +88,21 @@ for rate in rates:
         bits = float(rate.replace("gbit", "e9").replace("mbit", "e6"))
         wire = 2 * (world - 1) / world * params * 4 * 8 / bits
         print(f"### {rate}, 2 nodes x {n} rank(s): the gradients' allreduce alone is about {wire:.2f} s on the wire\n")
-        print("| run | PyTorch step (s) | tch-dist step (s) | tch-dist / PyTorch | exposed communication, PyTorch (s) | exposed, tch-dist (s) |")
-        print("|---|---:|---:|---:|---:|---:|")
+        table_head("run", "PyTorch step (s)", "tch-dist step (s)", "tch-dist / PyTorch", "exposed communication, PyTorch (s)",
+                   "exposed, tch-dist (s)")
         tc, oc = step(f"torch_compute.{k}"), step(f"ours_compute.{k}")
-        print(f"| compute alone (no DDP) | {tc:.3f} | {oc:.3f} | {oc / tc:.2f} | | |")
+        table_row("compute alone (no DDP)", f"{tc:.3f}", f"{oc:.3f}", f"{oc / tc:.2f}", "", "")
         for run, label in [("ddp", "DDP"), ("fp16", "DDP + fp16 compression"), ("bf16", "DDP + bf16 compression"),
                            ("powersgd", "DDP + PowerSGD rank 4")]:
             t, o = step(f"torch_{run}.{k}"), step(f"ours_{run}.{k}")
-            print(f"| {label} | {t:.3f} | {o:.3f} | {o / t:.2f} | {t - tc:.3f} | {o - oc:.3f} |")
+            table_row(label, f"{t:.3f}", f"{o:.3f}", f"{o / t:.2f}", f"{t - tc:.3f}", f"{o - oc:.3f}")
         print()
     print(f"### {rate}, 2 nodes x 2 ranks: FSDP across the nodes against HSDP (24 Linear(1024, 1024), AdamW, batch 16/rank)\n")
-    print("| run | PyTorch FSDP2 step (s) | tch-dist step (s) | tch-dist / PyTorch | PyTorch MB across the link per step | tch-dist MB per step |")
-    print("|---|---:|---:|---:|---:|---:|")
+    table_head("run", "PyTorch FSDP2 step (s)", "tch-dist step (s)", "tch-dist / PyTorch", "PyTorch MB across the link per step",
+               "tch-dist MB per step")
     for run, label in [("fsdp", "FSDP: shard over all 4 ranks"), ("hsdp", "HSDP: shard within a node, replicate across")]:
         t, o = step(f"torch_{run}.{rate}"), step(f"ours_{run}.{rate}")
-        print(f"| {label} | {t:.3f} | {o:.3f} | {o / t:.2f} | {link(f'torch_{run}.{rate}') / 1e6:.1f} | {link(f'ours_{run}.{rate}') / 1e6:.1f} |")
+        table_row(label, f"{t:.3f}", f"{o:.3f}", f"{o / t:.2f}", f"{link(f'torch_{run}.{rate}') / 1e6:.1f}",
+                  f"{link(f'ours_{run}.{rate}') / 1e6:.1f}")
     print()
 PY

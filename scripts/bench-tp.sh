@@ -8,55 +8,47 @@
 # one through ctypes). Step: the median of 8 steps, median over rounds; the headline step ratio is the
 # median of the rounds' own ratios (each round's pair runs back to back), the ratio of medians beside it.
 set -euo pipefail
-cd "$(dirname "$0")/.."
-scripts/setup.sh
-source scripts/env.sh
-cargo build -q --release --example bench_tp --bin tchrun
-export TCH_DIST_MEMORY_LIB=$PWD/target/release/libtch_dist_memory.so
+# shellcheck source-path=SCRIPTDIR source=bench-lib.sh
+source "$(dirname "$0")/bench-lib.sh"
+bench_init --memory-lib bench_tp
 bin=target/release/examples/bench_tp
 ROUNDS=${ROUNDS:-7}
-out=$(mktemp -d)
-trap 'rm -rf "$out"' EXIT
-for r in $(seq "$ROUNDS"); do
-  echo "round $r/$ROUNDS" >&2
+bench_out
+py="$TCH_DIST_PYTHON_BIN scripts/bench_tp.py"
+round() {
+  local r=$1 block
   for block in mlp attention; do
-    ranks 1 $bin --block $block >>"$out/ours1_$block"
-    if ((r % 2)); then
-      ranks 2 $bin --block $block >>"$out/ours2_$block"
-      ranks 2 "$TCH_DIST_PYTHON_BIN" scripts/bench_tp.py --block $block >>"$out/torch2_$block"
-    else
-      ranks 2 "$TCH_DIST_PYTHON_BIN" scripts/bench_tp.py --block $block >>"$out/torch2_$block"
-      ranks 2 $bin --block $block >>"$out/ours2_$block"
-    fi
+    run "ours1_$block" 1 $bin --block $block
+    alternate "$r" "run ours2_$block 2 $bin --block $block" "run torch2_$block 2 $py --block $block"
   done
-done
-"$TCH_DIST_PYTHON_BIN" - "$out" <<'PY'
-import statistics
+}
+bench_rounds round
+bench_report "$out" <<'PY'
 import sys
+from benchlib import Runs, median, ratios, table_head, table_row
 
-out = sys.argv[1]
+runs = Runs(sys.argv[1])
 
 
 def load(name):
-    rows = [l.split() for l in open(f"{out}/{name}") if l.strip()]
+    rows = runs.rows(name)
     # "tp N param_bytes B step S peak P"
-    return (int(rows[0][1]), int(rows[0][3]), statistics.median(float(r[5]) for r in rows),
-            max(int(r[7]) for r in rows), len(rows), [float(r[5]) for r in rows])
+    return (int(rows[0][1]), int(rows[0][3]), runs.median(name, 5), max(int(r[7]) for r in rows), len(rows),
+            runs.column(name, 5))
 
 
 for block, title in (("mlp", "Megatron MLP d=1024, h=8192, batch 64"),
                      ("attention", "self-attention d=1024, 16 heads, batch 8 x sequence 128")):
     R = {n: load(f"{n}_{block}") for n in ("ours1", "ours2", "torch2")}
     print(f"{title}, SGD; {R['ours2'][4]} rounds\n")
-    print("| run | TP size | parameter MB per rank | peak MB per rank | step (s) |")
-    print("|---|---:|---:|---:|---:|")
+    table_head("run", "TP size", "parameter MB per rank", "peak MB per rank", "step (s)")
     for n, label in (("ours1", "tch-dist"), ("ours2", "tch-dist"), ("torch2", "PyTorch DTensor TP")):
         tp, b, t, peak, *_ = R[n]
-        print(f"| {label} | {tp} | {b / 1e6:.1f} | {peak / 1e6:.1f} | {t:.4f} |")
+        table_row(label, tp, f"{b / 1e6:.1f}", f"{peak / 1e6:.1f}", f"{t:.4f}")
     o, p = R["ours2"], R["torch2"]
-    paired = [a / b for a, b in zip(o[5], p[5])]  # each round's pair ran back to back
+    paired = ratios(o[5], p[5])  # each round's pair ran back to back
     print(f"\nTP 2, ours / PyTorch DTensor: parameters {o[1] / p[1]:.3f}, peak {o[3] / p[3]:.3f} (goal <= 1), "
-          f"step {statistics.median(paired):.3f} (goal <= 1; median of the rounds' ratios, {sum(x <= 1 for x in paired)} "
+          f"step {median(paired):.3f} (goal <= 1; median of the rounds' ratios, {sum(x <= 1 for x in paired)} "
           f"of {len(paired)} rounds <= 1; ratio of medians {o[2] / p[2]:.3f}); ours TP 2 / TP 1: step "
           f"{o[2] / R['ours1'][2]:.2f}, parameters {o[1] / R['ours1'][1]:.3f}\n")
 PY

@@ -1,10 +1,10 @@
 """Summarises scripts/bench-memory.sh's runs: a Markdown table on stdout and a bar chart.
 Usage: bench_memory_report.py RESULTS_DIR PNG"""
-import os
-import statistics
 import sys
 
-out, png = sys.argv[1], sys.argv[2]
+from benchlib import Runs, paired_ratio, table_head, table_row
+
+runs, png = Runs(sys.argv[1]), sys.argv[2]
 PSI = 24 * (1024 * 1024 + 1024)  # parameters
 N = 2
 MB = 1e6
@@ -35,21 +35,14 @@ RUNS = {
 
 
 def load(name):
-    rows = [line.split() for line in open(os.path.join(out, name)) if line.strip()]
-    step = statistics.median(float(r[0]) for r in rows)
-    peaks = [max(int(r[1]), int(r[2])) for r in rows]
-    return step, max(peaks), min(peaks)
-
-
-def steps(name):
-    """The step time of each round, in round order."""
-    return [float(line.split()[0]) for line in open(os.path.join(out, name)) if line.strip()]
+    peaks = [max(int(r[1]), int(r[2])) for r in runs.rows(name)]
+    return runs.median(name), max(peaks), min(peaks)
 
 
 def step_ratio(ours, theirs):
     """The median of the rounds' own step ratios (each round runs both, close together), and the ratio of
     the medians: 'paired (of medians)'."""
-    paired = statistics.median(a / b for a, b in zip(steps(ours), steps(theirs)))
+    paired = paired_ratio(runs.column(ours), runs.column(theirs))
     return f"{paired:.3f} (ratio of medians {R[ours][0] / R[theirs][0]:.3f})"
 
 
@@ -57,13 +50,14 @@ R = {n: load(n) for n in RUNS}
 base_t, base_m, _ = R["torch_default"]
 zero_t = R["torch_zero"][0]
 print(f"24 x Linear(1024, 1024): Ψ = {PSI:,} parameters ({4 * PSI / MB:.1f} MB in float32), AdamW, "
-      f"2 ranks (Gloo), batch 16/rank; {len(open(os.path.join(out, 'ours_ddp')).readlines())} rounds\n")
-print("| run | step (s) | step / PyTorch ZeRO | peak per rank (MB) | peak / PyTorch default | formula | formula (MB) | peak / formula |")
-print("|---|---:|---:|---:|---:|---|---:|---:|")
+      f"2 ranks (Gloo), batch 16/rank; {len(runs.rows('ours_ddp'))} rounds\n")
+table_head("run", "step (s)", "step / PyTorch ZeRO", "peak per rank (MB)", "peak / PyTorch default", "formula",
+           "formula (MB)", "peak / formula", align="lrrrrl")
 for n, (label, f, ftext) in RUNS.items():
     t, m, lo = R[n]
     spread = f" ({lo / MB:.1f}–{m / MB:.1f})" if m - lo > 0.5 * MB else ""
-    print(f"| {label} | {t:.3f} | {t / zero_t:.2f} | {m / MB:.1f}{spread} | {m / base_m:.2f} | {ftext} | {f / MB:.1f} | {m / f:.3f} |")
+    table_row(label, f"{t:.3f}", f"{t / zero_t:.2f}", f"{m / MB:.1f}{spread}", f"{m / base_m:.2f}", ftext, f"{f / MB:.1f}",
+              f"{m / f:.3f}")
 torch_best = min(R[n][1] for n in RUNS if n.startswith("torch") and "fsdp" not in n)
 print()
 print(f"ours ZeRO-2 (fp32) vs PyTorch's best DDP/ZeRO configuration: {R['ours_zero2'][1] / torch_best:.3f} (goal <= 1)")
