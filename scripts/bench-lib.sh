@@ -6,7 +6,8 @@
 #       ruler that PyTorch's processes load through ctypes)
 #   bench_out [CLEANUP]
 #       $out: a temp folder of run files, removed at exit after CLEANUP (a command, run at exit too);
-#       KEEP=DIR: DIR instead, its files removed first and the new ones kept
+#       KEEP=DIR: DIR instead (new, empty, or one a benchmark made), its files removed first and the
+#       new ones kept
 #   run NAME WORLD CMD...
 #       WORLD ranks of CMD under tchrun; rank 0's output appended to $out/NAME (one line per round)
 #   bench_rounds [-q] FN ARGS...
@@ -37,8 +38,14 @@ bench_init() {
 bench_out() {
   if [ -n "${KEEP:-}" ]; then
     out=$KEEP
+    # only a folder a benchmark made (marked) or an empty one is emptied: never a folder of the user's
+    if [ -d "$out" ] && [ ! -e "$out/.bench-keep" ] && [ -n "$(ls -A "$out")" ]; then
+      echo "KEEP=$out: not empty and not a benchmark's folder; give a new or empty folder" >&2
+      exit 1
+    fi
     mkdir -p "$out"
-    find "$out" -maxdepth 1 -type f -delete
+    find "$out" -maxdepth 1 -type f ! -name .bench-keep -delete
+    touch "$out/.bench-keep"
     # shellcheck disable=SC2064  # CLEANUP is the caller's command, fixed now
     trap "${1:-:}" EXIT
   else

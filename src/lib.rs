@@ -58,7 +58,7 @@ pub mod placement;
 pub mod recompute;
 #[cfg(feature = "testing")]
 #[doc(hidden)] // libtorch's own bucket assignment and object layouts, for tests to compare with
-pub use ffi::reference;
+pub mod reference;
 mod settings;
 pub use ffi::store;
 pub use ffi::stream;

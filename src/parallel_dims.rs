@@ -250,7 +250,7 @@ impl ParallelMesh {
         // every rank of an earlier stage's loss group is refused alike, before any collective
         if self.at("pp") + 1 != self.dims.pp {
             return Err(crate::Error::invalid(
-                "ParallelDims::average_loss",
+                "ParallelMesh::average_loss",
                 format!(
                     "this rank is on pipeline stage {} of {}, which has no loss: only the last stage's ranks \
                      average it (where RankReport::loss is Some)",
@@ -261,11 +261,11 @@ impl ParallelMesh {
         }
         if loss.numel() != 1 {
             return Err(crate::Error::invalid(
-                "average_loss",
+                "ParallelMesh::average_loss",
                 format!("the loss must be a scalar, not {:?}", loss.size()),
             ));
         }
-        let _call = self.loss.enter_call("ParallelDims::average_loss");
+        let _call = self.loss.enter_call("ParallelMesh::average_loss");
         let _g = tch::no_grad_guard();
         // a copy in float32 (the allreduce writes into it, not into the caller's)
         let mut t = loss.f_detach()?.f_reshape([1])?.f_to_dtype(tch::Kind::Float, false, true)?;

@@ -56,16 +56,23 @@ impl Drop for WorkHandle {
 }
 
 /// A work the shim left in `out` when `code` says it posted one.
-fn posted(code: c_int, out: *mut super::tdx_work) -> Posted {
+///
+/// # Safety
+/// `out` is what the shim's call returning `code` left in its out-parameter, taken once.
+unsafe fn posted(code: c_int, out: *mut super::tdx_work) -> Posted {
     (code, if code == super::TDX_OK { NonNull::new(out).map(WorkHandle) } else { None })
 }
 
 /// A tensor the shim left in `out` when `code` says it made one.
-fn made(code: c_int, out: tdx_tensor, what: &str) -> Made {
+///
+/// # Safety
+/// `out` is what the shim's call returning `code` left in its out-parameter, taken once.
+unsafe fn made(code: c_int, out: tdx_tensor, what: &str) -> Made {
     if code != super::TDX_OK {
         return (code, None);
     }
-    // SAFETY: on success `out` is null or a new tensor the shim made for this call, adopted once.
+    // SAFETY: on success `out` is null or a new tensor the shim made for this call (the caller's
+    // contract), adopted once.
     (code, unsafe { adopt(out, what) }.ok())
 }
 
@@ -102,7 +109,9 @@ pub(crate) struct NcclArgs<'a> {
 }
 
 impl Pg {
-    fn made(code: c_int, out: *mut super::tdx_pg) -> (c_int, Option<Pg>) {
+    /// # Safety
+    /// `out` is what the shim's call returning `code` left in its out-parameter, taken once.
+    unsafe fn made(code: c_int, out: *mut super::tdx_pg) -> (c_int, Option<Pg>) {
         (code, if code == super::TDX_OK { NonNull::new(out).map(Pg) } else { None })
     }
 
@@ -122,7 +131,8 @@ impl Pg {
                 &mut out,
             )
         };
-        Pg::made(code, out)
+        // SAFETY: `out` is the call's out-parameter, taken once.
+        unsafe { Pg::made(code, out) }
     }
 
     /// An NCCL backend on `store`.
@@ -145,7 +155,8 @@ impl Pg {
                 &mut out,
             )
         };
-        Pg::made(code, out)
+        // SAFETY: `out` is the call's out-parameter, taken once.
+        unsafe { Pg::made(code, out) }
     }
 
     /// c10d's `shutdown()` (pending work completes first), or its abort.
@@ -165,13 +176,13 @@ impl Pg {
     pub(crate) fn allreduce(&self, t: &Tensor, op: c_int) -> Posted {
         let mut out = std::ptr::null_mut();
         // SAFETY: the handle and the tensor are live for the call (see above).
-        posted(unsafe { super::tdx_pg_allreduce(self.0.as_ptr(), handle(t), op, &mut out) }, out)
+        unsafe { posted(super::tdx_pg_allreduce(self.0.as_ptr(), handle(t), op, &mut out), out) }
     }
 
     pub(crate) fn broadcast(&self, t: &Tensor, root: usize) -> Posted {
         let mut out = std::ptr::null_mut();
         // SAFETY: as in allreduce.
-        posted(unsafe { super::tdx_pg_broadcast(self.0.as_ptr(), handle(t), root as c_int, &mut out) }, out)
+        unsafe { posted(super::tdx_pg_broadcast(self.0.as_ptr(), handle(t), root as c_int, &mut out), out) }
     }
 
     pub(crate) fn allgather(&self, outputs: &[Tensor], input: &Tensor) -> Posted {
@@ -180,7 +191,8 @@ impl Pg {
         // SAFETY: as in allreduce; `outs` holds outputs.len() handles.
         let code =
             unsafe { super::tdx_pg_allgather(self.0.as_ptr(), outs.as_mut_ptr(), outs.len(), handle(input), &mut out) };
-        posted(code, out)
+        // SAFETY: `out` is the call's out-parameter, taken once.
+        unsafe { posted(code, out) }
     }
 
     pub(crate) fn reduce_scatter(&self, output: &Tensor, inputs: &[Tensor], op: c_int) -> Posted {
@@ -190,31 +202,32 @@ impl Pg {
         let code = unsafe {
             super::tdx_pg_reduce_scatter(self.0.as_ptr(), handle(output), ins.as_mut_ptr(), ins.len(), op, &mut out)
         };
-        posted(code, out)
+        // SAFETY: `out` is the call's out-parameter, taken once.
+        unsafe { posted(code, out) }
     }
 
     pub(crate) fn send(&self, t: &Tensor, dst: usize, tag: i32) -> Posted {
         let mut out = std::ptr::null_mut();
         // SAFETY: as in allreduce.
-        posted(unsafe { super::tdx_pg_send(self.0.as_ptr(), handle(t), dst as c_int, tag, &mut out) }, out)
+        unsafe { posted(super::tdx_pg_send(self.0.as_ptr(), handle(t), dst as c_int, tag, &mut out), out) }
     }
 
     pub(crate) fn recv(&self, t: &Tensor, src: usize, tag: i32) -> Posted {
         let mut out = std::ptr::null_mut();
         // SAFETY: as in allreduce.
-        posted(unsafe { super::tdx_pg_recv(self.0.as_ptr(), handle(t), src as c_int, tag, &mut out) }, out)
+        unsafe { posted(super::tdx_pg_recv(self.0.as_ptr(), handle(t), src as c_int, tag, &mut out), out) }
     }
 
     pub(crate) fn barrier(&self) -> Posted {
         let mut out = std::ptr::null_mut();
         // SAFETY: the handle is live.
-        posted(unsafe { super::tdx_pg_barrier(self.0.as_ptr(), &mut out) }, out)
+        unsafe { posted(super::tdx_pg_barrier(self.0.as_ptr(), &mut out), out) }
     }
 
     pub(crate) fn allgather_base(&self, output: &Tensor, input: &Tensor) -> Posted {
         let mut out = std::ptr::null_mut();
         // SAFETY: as in allreduce.
-        posted(unsafe { super::tdx_pg_allgather_base(self.0.as_ptr(), handle(output), handle(input), &mut out) }, out)
+        unsafe { posted(super::tdx_pg_allgather_base(self.0.as_ptr(), handle(output), handle(input), &mut out), out) }
     }
 
     pub(crate) fn reduce_scatter_base(&self, output: &Tensor, input: &Tensor, op: c_int) -> Posted {
@@ -222,7 +235,8 @@ impl Pg {
         // SAFETY: as in allreduce.
         let code =
             unsafe { super::tdx_pg_reduce_scatter_base(self.0.as_ptr(), handle(output), handle(input), op, &mut out) };
-        posted(code, out)
+        // SAFETY: `out` is the call's out-parameter, taken once.
+        unsafe { posted(code, out) }
     }
 
     /// `all_to_all_single`; empty split lists mean equal chunks.
@@ -247,7 +261,8 @@ impl Pg {
                 &mut out,
             )
         };
-        posted(code, out)
+        // SAFETY: `out` is the call's out-parameter, taken once.
+        unsafe { posted(code, out) }
     }
 
     /// `batch_isend_irecv`: `(tensor, peer, send, tag)` for each operation, posted as one batch.
@@ -269,7 +284,8 @@ impl Pg {
                 &mut out,
             )
         };
-        posted(code, out)
+        // SAFETY: `out` is the call's out-parameter, taken once.
+        unsafe { posted(code, out) }
     }
 
     // Autograd ops whose collectives the shim runs on this backend (the node keeps its own reference to
@@ -279,7 +295,7 @@ impl Pg {
     pub(crate) fn tp_op(&self, op: c_int, x: &Tensor) -> Made {
         let mut out: tdx_tensor = std::ptr::null_mut();
         // SAFETY: the handle and the tensor are live for the call.
-        made(unsafe { super::tdx_tp_op(self.0.as_ptr(), op, handle(x), &mut out) }, out, "tensor-parallel op")
+        unsafe { made(super::tdx_tp_op(self.0.as_ptr(), op, handle(x), &mut out), out, "tensor-parallel op") }
     }
 
     /// `all_to_all_single` inside autograd; empty split lists mean equal chunks.
@@ -297,7 +313,8 @@ impl Pg {
                 &mut out,
             )
         };
-        made(code, out, "all_to_all")
+        // SAFETY: `out` is the call's out-parameter, taken once.
+        unsafe { made(code, out, "all_to_all") }
     }
 
     /// SyncBatchNorm's forward (its backward in the same node).
@@ -318,7 +335,8 @@ impl Pg {
                 &mut out,
             )
         };
-        made(code, out, "SyncBatchNorm")
+        // SAFETY: `out` is the call's out-parameter, taken once.
+        unsafe { made(code, out, "SyncBatchNorm") }
     }
 }
 

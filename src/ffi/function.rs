@@ -53,7 +53,8 @@ unsafe extern "C" fn backward_trampoline(
         Ok(Err(e)) => crossing_autograd(e),
         Err(_) => "tch-dist: a custom backward panicked".to_string(),
     };
-    write_error(&msg, err, errlen);
+    // SAFETY: the buffer the shim handed to this callback.
+    unsafe { write_error(&msg, err, errlen) };
     1
 }
 

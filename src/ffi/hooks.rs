@@ -151,7 +151,8 @@ unsafe extern "C" fn end_trampoline(ctx: *mut c_void, err: *mut libc::c_char, er
         Ok(Err(e)) => crossing_autograd(e),
         Err(_) => "tch-dist: a backward callback panicked".to_string(),
     };
-    write_error(&msg, err, errlen);
+    // SAFETY: the buffer the shim handed to this callback.
+    unsafe { write_error(&msg, err, errlen) };
     1
 }
 
@@ -182,15 +183,19 @@ unsafe extern "C" fn marker_trampoline(ctx: *mut c_void, err: *mut libc::c_char,
         Ok(Err(e)) => crossing_autograd(e),
         Err(_) => "tch-dist: a backward marker's callback panicked".to_string(),
     };
-    write_error(&msg, err, errlen);
+    // SAFETY: the buffer the shim handed to this callback.
+    unsafe { write_error(&msg, err, errlen) };
     1
 }
 
 /// Copies `msg` into the shim's error buffer of `errlen` bytes, truncated and NUL-terminated.
-pub(crate) fn write_error(msg: &str, err: *mut libc::c_char, errlen: libc::size_t) {
+///
+/// # Safety
+/// `err` is null or the shim's buffer of `errlen` writable bytes, handed to a callback.
+pub(crate) unsafe fn write_error(msg: &str, err: *mut libc::c_char, errlen: libc::size_t) {
     if errlen > 0 && !err.is_null() {
         let n = msg.len().min(errlen - 1);
-        // SAFETY: the shim's buffer has room for errlen bytes.
+        // SAFETY: by the caller's contract the buffer has room for errlen bytes.
         unsafe {
             std::ptr::copy_nonoverlapping(msg.as_ptr(), err as *mut u8, n);
             *err.add(n) = 0;

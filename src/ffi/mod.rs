@@ -43,7 +43,7 @@ pub(crate) use os::{at_exit, hostname, peer_closed};
 mod random;
 pub(crate) mod recompute;
 #[cfg(feature = "testing")]
-pub mod reference;
+pub(crate) mod reference;
 pub(crate) mod tch_optimizer;
 pub(crate) use random::{draw_seq, randperm, SavedRng};
 mod storage;

@@ -39,7 +39,8 @@ unsafe extern "C" fn forward_trampoline(
         Ok(Err(e)) => e.to_string(),
         Err(_) => "the checkpointed block panicked".to_string(),
     };
-    write_error(&msg, err, errlen);
+    // SAFETY: the buffer the shim handed to this callback.
+    unsafe { write_error(&msg, err, errlen) };
     1
 }
 

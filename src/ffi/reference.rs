@@ -1,4 +1,5 @@
-//! libtorch's own implementations, reached through the shim, for tests that compare ours against them.
+//! Safe wrappers of the shim's references (the `testing` feature): libtorch's own implementations that
+//! tests compare ours against.
 use crate::error::{check, Error, Result};
 use crate::ffi;
 
@@ -98,15 +99,4 @@ pub fn count_ops<R>(f: impl FnOnce() -> R) -> Result<(R, std::collections::BTree
         }
     }
     Ok((r, counts))
-}
-
-/// Runs `f` with ring attention's blocks written out in matrix products on this thread (the path
-/// taken where no fused kernel is wired, as on CUDA), so that the CPU checks that path too.
-pub fn with_written_out_attention<R>(f: impl FnOnce() -> R) -> R {
-    crate::context_parallel::ring::WRITTEN_OUT.with(|w| {
-        let before = w.replace(true);
-        let r = f();
-        w.set(before);
-        r
-    })
 }

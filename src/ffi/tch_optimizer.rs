@@ -32,9 +32,14 @@ impl<'o> CppOptimizer<'o> {
         Ok(CppOptimizer { opt, raw })
     }
 
-    /// tch's optimizer (its step and zero_grad).
-    pub(crate) fn tch(&mut self) -> &mut nn::Optimizer {
-        self.opt
+    /// tch's step. (Only its step and zero_grad are reachable: replacing the optimizer would free the
+    /// C++ one under `raw`.)
+    pub(crate) fn step(&mut self) {
+        self.opt.step()
+    }
+
+    pub(crate) fn zero_grad(&mut self) {
+        self.opt.zero_grad()
     }
 
     pub(crate) fn kind(&self) -> Result<CppKind> {

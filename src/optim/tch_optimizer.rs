@@ -95,12 +95,12 @@ fn step_value(t: &Tensor) -> Result<i64> {
 
 impl Optimizer for TchOptimizer<'_> {
     fn step(&mut self) -> Result<()> {
-        self.opt.tch().step();
+        self.opt.step();
         Ok(())
     }
 
     fn zero_grad(&mut self) -> Result<()> {
-        self.opt.tch().zero_grad();
+        self.opt.zero_grad();
         Ok(())
     }
 

@@ -485,15 +485,17 @@ impl Transport for GroupTransport {
 
     fn abort(&mut self, rest: &Rest, msg: &str) -> Result<()> {
         // the stage whose message is in the store began it; none there: this one did (a failure of its
-        // own, or one from another group, as a data-parallel collective's)
-        let origin = match self.failure()? {
+        // own, or one from another group, as a data-parallel collective's). A store that cannot be read
+        // does not keep the placeholders from going out. (Two stages failing at once each send their
+        // own origin; the message is the later one's.)
+        let origin = match self.failure().ok().flatten() {
             Some(o) => o,
             None => {
                 let me = self.pg.rank();
                 // with the launcher's RANK (a pipeline group is often a subgroup of the world), as the
                 // flight recorder names ranks
                 let world = crate::settings::launch_rank().unwrap_or(me);
-                self.pg.store().set(&self.abort_key(), format!("rank {me} world {world}: {msg}").as_bytes())?;
+                let _ = self.pg.store().set(&self.abort_key(), format!("rank {me} world {world}: {msg}").as_bytes());
                 me
             }
         };

@@ -286,6 +286,8 @@ fn write(parts: &Path, meta: &Metadata, path: &Path, outs: &[Out], dtype: Option
     let info: HashMap<String, String> = [("format".to_string(), "pt".to_string())].into();
     // the mode a file created here gets (0666 less the umask, as `save_pretrained`'s): the writer
     // renames a private temporary file (0600) into place
+    // (a temporary file a killed save left keeps its mode: made anew)
+    let _ = std::fs::remove_file(&tmp);
     let mode = std::fs::File::create(&tmp)
         .and_then(|f| f.metadata())
         .map(|m| m.permissions())
