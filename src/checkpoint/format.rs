@@ -61,6 +61,9 @@ pub(crate) struct ChunkMeta {
     /// A chunk of a file we did not write (a Hugging Face checkpoint): no CRCs to check it against.
     #[serde(skip)]
     pub unchecked: bool,
+    /// The name that file gives the chunk's tensor, where it is not the tensor's own (errors name it).
+    #[serde(skip)]
+    pub stored_as: Option<String>,
 }
 
 impl ChunkMeta {
@@ -233,7 +236,7 @@ pub(crate) fn read_rows(
         f.read_exact_at(dst, c.begin + s0).map_err(|e| {
             Error::invalid(
                 format!("checkpoint file {file}"),
-                format!("{name}: cannot read bytes {}..: {e}", c.begin + s0),
+                format!("{}: cannot read bytes {}..: {e}", c.stored_as.as_deref().unwrap_or(name), c.begin + s0),
             )
         })?;
         for (k, block) in dst.chunks(BLOCK as usize).enumerate().filter(|_| !c.unchecked) {
@@ -271,8 +274,10 @@ pub(crate) fn read_into(f: &File, file: &str, name: &str, c: &ChunkMeta, kind: K
     // synchronous); the slice lives only for this read.
     let bytes = unsafe { std::slice::from_raw_parts_mut(dst.data_ptr() as *mut u8, n as usize) };
     let what = || format!("checkpoint file {file}");
-    f.read_exact_at(bytes, c.begin)
-        .map_err(|e| Error::invalid(what(), format!("{name}: cannot read bytes {}..{}: {e}", c.begin, c.end)))?;
+    f.read_exact_at(bytes, c.begin).map_err(|e| {
+        let name = c.stored_as.as_deref().unwrap_or(name);
+        Error::invalid(what(), format!("{name}: cannot read bytes {}..{}: {e}", c.begin, c.end))
+    })?;
     for (k, block) in bytes.chunks(BLOCK as usize).enumerate().filter(|_| !c.unchecked) {
         if c.block_crc32.get(k).copied() != Some(crc32fast::hash(block)) {
             let at = c.begin + k as u64 * BLOCK;

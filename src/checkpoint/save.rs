@@ -399,6 +399,7 @@ impl Writer {
                     end: w.end,
                     block_crc32: w.block_crc32,
                     unchecked: false,
+                    stored_as: None,
                 });
             }
         }

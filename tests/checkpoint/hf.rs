@@ -344,5 +344,14 @@ fn a_damaged_file_is_refused_naming_the_file_and_what_is_wrong() {
     }
     std::fs::write(&file, &good).unwrap();
     assert_eq!(HfCheckpoint::open(&dir).unwrap().names().len(), 4, "the file put back opens");
+    // cut short between open and load: the read names the file's own tensor, not our variable's path
+    let hf = HfCheckpoint::open(&dir).unwrap();
+    std::fs::write(&file, &good[..good.len() / 2]).unwrap();
+    let back = nn::VarStore::new(Device::Cpu);
+    let _ = model(&back, 1.0);
+    let e = hf.load(&solo(), &back, HfSlot::same).map(|_| ()).unwrap_err().to_string();
+    assert!(e.contains("cannot read bytes") && e.contains("model.safetensors"), "{e}");
+    assert!(!e.contains("model.model.") && !e.contains("model.lm_head"), "an internal name in: {e}");
+    std::fs::write(&file, &good).unwrap();
     let _ = std::fs::remove_dir_all(&dir);
 }

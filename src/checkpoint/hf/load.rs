@@ -211,7 +211,7 @@ impl HfCheckpoint {
                     format!("{name} is {}, other parts of the model's {var} are {}", t.dtype, entry.dtype),
                 ));
             }
-            entry.chunks.push(self.chunk(t, offsets));
+            entry.chunks.push(self.chunk(name, t, offsets));
             sources.entry(var).or_default().push(name.clone());
         }
         // every variable filled exactly: no part missing, none twice

@@ -218,7 +218,7 @@ impl HfCheckpoint {
         let file = self.file_path(t.file);
         let f = File::open(&file)
             .map_err(|e| Error::invalid(format!("Hugging Face checkpoint file {}", file.display()), e.to_string()))?;
-        let chunk = self.chunk(t, vec![0; t.shape.len()]);
+        let chunk = self.chunk(name, t, vec![0; t.shape.len()]);
         let rows = t.shape.first().copied().unwrap_or(1);
         format::read_rows(&f, &file.display().to_string(), name, &chunk, format::dtype_kind(&t.dtype)?, 0, rows)
     }
@@ -235,8 +235,8 @@ impl HfCheckpoint {
         &self.tensors
     }
 
-    /// The tensor as a chunk of our format's metadata, placed at `offsets` of a global tensor.
-    pub(crate) fn chunk(&self, t: &Stored, offsets: Vec<i64>) -> format::ChunkMeta {
+    /// The tensor `name` as a chunk of our format's metadata, placed at `offsets` of a global tensor.
+    pub(crate) fn chunk(&self, name: &str, t: &Stored, offsets: Vec<i64>) -> format::ChunkMeta {
         format::ChunkMeta {
             offsets,
             lengths: t.shape.clone(),
@@ -245,6 +245,7 @@ impl HfCheckpoint {
             end: t.end,
             block_crc32: Vec::new(),
             unchecked: true,
+            stored_as: Some(name.to_string()),
         }
     }
 }
