@@ -60,7 +60,7 @@ impl JoinOptions {
 
 pub(crate) fn exhausted(pg: &ProcessGroup, why: &str) -> Error {
     Error::UnevenInputs {
-        op: format!("DDP join on rank {} of {}", pg.rank(), pg.size()),
+        op: format!("DDP join on {} of {}", pg.who(pg.rank()), pg.size()),
         msg: format!("{why} (throw_on_early_termination)"),
     }
 }

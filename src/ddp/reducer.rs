@@ -420,7 +420,7 @@ impl Reducer {
     }
 
     fn finalize_inner(&self) -> Result<()> {
-        let op = || format!("DDP backward on rank {} of {}", self.pg.rank(), self.pg.size());
+        let op = || format!("DDP backward on {} of {}", self.pg.who(self.pg.rank()), self.pg.size());
         // 1. under the lock: this backward's error, and unused parameters marked ready (as zeros)
         let launches = {
             let mut st = lock(&self.state);
@@ -529,7 +529,7 @@ impl Reducer {
         if st.active || st.ready.iter().any(|&r| r) {
             reset_iteration(&mut st);
             return Err(Error::invalid(
-                format!("DDP forward on rank {} of {}", self.pg.rank(), self.pg.size()),
+                format!("DDP forward on {} of {}", self.pg.who(self.pg.rank()), self.pg.size()),
                 "the previous iteration did not finish reducing gradients (did its backward fail?)",
             ));
         }

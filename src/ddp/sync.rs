@@ -70,7 +70,7 @@ pub(crate) fn verify_params(pg: &ProcessGroup, params: &[Tensor], names: &[Strin
 }
 
 fn op(pg: &ProcessGroup, what: &str) -> String {
-    format!("{what} on rank {} of {}", pg.rank(), pg.size())
+    format!("{what} on {} of {}", pg.who(pg.rank()), pg.size())
 }
 
 /// Broadcasts `tensors` from `root` in place, flattened into chunks of at most `limit` bytes per dtype

@@ -181,6 +181,8 @@ pub(crate) struct GroupTrace {
     pub name: String,
     rank: usize,
     size: usize,
+    /// A subgroup's members' world ranks (`None`: the ranks are the world's).
+    world: Option<std::sync::Arc<[usize]>>,
     seq: AtomicU64,
     /// PyTorch's counts: collectives, and point-to-point operations.
     collectives: AtomicU64,
@@ -247,10 +249,11 @@ pub(crate) struct HeartbeatWatch {
 }
 
 impl GroupTrace {
+    /// `world`: a subgroup's members' world ranks, which its errors name beside their ranks here.
     pub(crate) fn new(
         name: &str,
-        rank: usize,
-        size: usize,
+        (rank, size): (usize, usize),
+        world: Option<std::sync::Arc<[usize]>>,
         store: &Store,
         heartbeat_timeout: Option<Duration>,
     ) -> Arc<GroupTrace> {
@@ -262,6 +265,7 @@ impl GroupTrace {
             name: name.to_string(),
             rank,
             size,
+            world,
             seq: AtomicU64::new(0),
             collectives: AtomicU64::new(0),
             p2p: AtomicU64::new(0),
@@ -534,7 +538,7 @@ impl GroupTrace {
             self.abandoned.store(true, Ordering::SeqCst);
             return Some(Error::PeerGone {
                 op: op.to_string(),
-                msg: format!("rank {} left group {} while this rank waited for it", p.rank, self.name),
+                msg: format!("{} left group {} while this rank waited for it", self.who(p.rank), self.name),
             });
         }
         for p in peers.iter().filter(|p| p.seen) {
@@ -547,10 +551,10 @@ impl GroupTrace {
                 return Some(Error::PeerGone {
                     op: op.to_string(),
                     msg: format!(
-                        "rank {} of group {} has published no heartbeat for {:.1}s while this rank waited for it \
+                        "{} of group {} has published no heartbeat for {:.1}s while this rank waited for it \
                          (the heartbeat timeout, TCH_DIST_HEARTBEAT_TIMEOUT_SECS): its process is stopped, \
                          dead, or cut off from the store",
-                        p.rank,
+                        self.who(p.rank),
                         self.name,
                         at.duration_since(*since).as_secs_f64()
                     ),
@@ -570,7 +574,7 @@ impl GroupTrace {
         }
         let peers = if self.size > 1 { self.peers() } else { Some(Vec::new()) };
         let note = match &peers {
-            Some(p) => blame(if p2p { None } else { Some(seq) }, &self.name, p),
+            Some(p) => self.blame(if p2p { None } else { Some(seq) }, p),
             None => format!("the other ranks' progress could not be read from the store within {READ_DEADLINE:?}"),
         };
         let err = if note.is_empty() { err } else { err.with_note(&note) };
@@ -625,36 +629,48 @@ impl GroupTrace {
         }
         let _ = self.store.set(&format!("{DUMP_KEY}ed/{}", self.rank), b"1");
     }
-}
 
-/// "rank 1 never entered it: ..." for each rank behind collective `seq`, or with a stale heartbeat (only
-/// the latter for point-to-point messages, `seq` None).
-pub(crate) fn blame(seq: Option<u64>, group: &str, peers: &[PeerProgress]) -> String {
-    let t = now();
-    let mut notes = Vec::new();
-    for p in peers {
-        let stale = p.seen && t - p.heartbeat > STALE_AFTER;
-        let life = if !p.seen {
-            "it never published its progress (not started, or not built with the flight recorder)".to_string()
-        } else if stale {
-            format!("its process has shown no sign of life for {:.1}s (stopped, dead, or cut off)", t - p.heartbeat)
-        } else {
-            // a heartbeat is a claim about the past: a process killed a moment ago still looks fresh
-            format!("its process showed signs of life {:.1}s ago", t - p.heartbeat)
-        };
-        if let Some(seq) = seq.filter(|&s| p.seq < s) {
-            let last = if p.seq == 0 {
-                "no collective yet".to_string()
-            } else {
-                let label = if p.label.is_empty() { String::new() } else { format!(", {}", p.label) };
-                format!("its last was #{} ({}{label}) {:.1}s ago", p.seq, p.op, t - p.entered)
-            };
-            notes.push(format!("rank {} never entered collective #{seq} of group {group}: {last}; {life}", p.rank));
-        } else if stale {
-            notes.push(format!("rank {} entered #{} but {life}", p.rank, p.seq));
+    /// Rank `r` of this group as errors name it: "rank 1", or "rank 1 (world rank 3)" in a subgroup.
+    pub(crate) fn who(&self, r: usize) -> String {
+        match self.world.as_ref().and_then(|w| w.get(r)) {
+            Some(&w) if w != r => format!("rank {r} (world rank {w})"),
+            _ => format!("rank {r}"),
         }
     }
-    notes.join("; ")
+
+    /// "rank 1 never entered it: ..." for each rank behind collective `seq`, or with a stale heartbeat (only
+    /// the latter for point-to-point messages, `seq` None).
+    fn blame(&self, seq: Option<u64>, peers: &[PeerProgress]) -> String {
+        let group = &self.name;
+        let t = now();
+        let mut notes = Vec::new();
+        for p in peers {
+            let stale = p.seen && t - p.heartbeat > STALE_AFTER;
+            let life = if !p.seen {
+                "it never published its progress (not started, or not built with the flight recorder)".to_string()
+            } else if stale {
+                format!("its process has shown no sign of life for {:.1}s (stopped, dead, or cut off)", t - p.heartbeat)
+            } else {
+                // a heartbeat is a claim about the past: a process killed a moment ago still looks fresh
+                format!("its process showed signs of life {:.1}s ago", t - p.heartbeat)
+            };
+            if let Some(seq) = seq.filter(|&s| p.seq < s) {
+                let last = if p.seq == 0 {
+                    "no collective yet".to_string()
+                } else {
+                    let label = if p.label.is_empty() { String::new() } else { format!(", {}", p.label) };
+                    format!("its last was #{} ({}{label}) {:.1}s ago", p.seq, p.op, t - p.entered)
+                };
+                notes.push(format!(
+                    "{} never entered collective #{seq} of group {group}: {last}; {life}",
+                    self.who(p.rank)
+                ));
+            } else if stale {
+                notes.push(format!("{} entered #{} but {life}", self.who(p.rank), p.seq));
+            }
+        }
+        notes.join("; ")
+    }
 }
 
 /// Groups whose progress the publisher thread keeps up to date.

@@ -95,7 +95,7 @@ impl Meta<'_> {
     }
 
     fn op(&self, what: &str) -> String {
-        format!("{what} on rank {} of {}", self.pg.rank(), self.pg.size())
+        format!("{what} on {} of {}", self.pg.who(self.pg.rank()), self.pg.size())
     }
 
     fn tensor<T: Element + Copy>(&self, v: &[T]) -> Result<Tensor> {

@@ -184,6 +184,9 @@ pub struct ProcessGroup {
     /// forms it alike, so the count numbers each formation the same on all of them (PyTorch numbers every
     /// group it forms) and a second formation never reads the first one's rendezvous keys.
     formations: std::sync::Mutex<std::collections::HashMap<String, u64>>,
+    /// Each member's rank in the group this one was formed from at the root (the world, for a job's
+    /// groups): what errors name a peer by, beside its rank here.
+    world_ranks: Arc<[usize]>,
 }
 
 pub(crate) fn describe(t: &Tensor) -> String {
@@ -233,7 +236,7 @@ impl ProcessGroup {
         name: &str,
         connect: bool,
     ) -> Result<ProcessGroup> {
-        let how = Formation { split: None, connect, bound: opts.cuda_device.is_some() };
+        let how = Formation { split: None, connect, bound: opts.cuda_device.is_some(), world: None };
         ProcessGroup::create(store, (rank, size), opts, name, how)
     }
 
@@ -245,7 +248,7 @@ impl ProcessGroup {
         name: &str,
         how: Formation,
     ) -> Result<ProcessGroup> {
-        let Formation { split, connect, bound } = how;
+        let Formation { split, connect, bound, world } = how;
         if size == 0 || rank >= size {
             return Err(Error::invalid(
                 "ProcessGroup::new",
@@ -267,7 +270,7 @@ impl ProcessGroup {
         } else {
             None
         };
-        let trace = GroupTrace::new(name, rank, size, store, opts.heartbeat_timeout);
+        let trace = GroupTrace::new(name, (rank, size), world.clone(), store, opts.heartbeat_timeout);
         let desc = if name == "default" { "default_pg" } else { name.split(' ').next().unwrap_or(name) };
         let (mut cpu, mut cuda) = (None, None);
         for (prefix, backend, serves_cpu, serves_cuda) in opts.backend.engines() {
@@ -323,11 +326,25 @@ impl ProcessGroup {
             collectives: opts.collectives,
             rings: std::sync::atomic::AtomicU64::new(0),
             formations: Default::default(),
+            world_ranks: world.unwrap_or_else(|| (0..size).collect()),
         })
     }
 
     pub fn rank(&self) -> usize {
         self.rank
+    }
+
+    /// The world rank of this group's rank `group_rank` (PyTorch's `get_global_rank`): its rank in the
+    /// group this one was formed from at the root, through [`new_subgroup`](Self::new_subgroup) or a mesh
+    /// (the world group made by [`from_env`](Self::from_env) for a launched job). `None` when the group
+    /// has no such rank.
+    pub fn global_rank(&self, group_rank: usize) -> Option<usize> {
+        self.world_ranks.get(group_rank).copied()
+    }
+
+    /// Every member's world rank, in group rank order (PyTorch's `get_process_group_ranks`).
+    pub fn global_ranks(&self) -> &[usize] {
+        &self.world_ranks
     }
 
     /// This rank enters the collective call `name` of the public API on this group (`state_dict`, a
@@ -494,6 +511,7 @@ impl ProcessGroup {
             split,
             connect: false,
             bound: self.bound,
+            world: ranks.iter().map(|&r| self.world_ranks[r]).collect(),
         }))
     }
 
@@ -569,7 +587,12 @@ impl ProcessGroup {
     }
 
     fn ctx(&self) -> String {
-        format!("rank {} of {} ({})", self.rank, self.size, self.config)
+        format!("{} of {} ({})", self.trace.who(self.rank), self.size, self.config)
+    }
+
+    /// Rank `r` of this group as errors name it: with its world rank when that differs.
+    pub(crate) fn who(&self, r: usize) -> String {
+        self.trace.who(r)
     }
 
     /// The engine's op code for `op`, and what to do after the wait. Gloo has no AVG: it runs SUM and
@@ -634,7 +657,8 @@ impl ProcessGroup {
     ) -> Result<Work> {
         let (seq, recording) = self.trace.enter(&op, e.backend.name());
         let p2p = crate::flight::is_p2p(&op);
-        let ctx = format!("rank {} of {} ({}, #{seq} of group {})", self.rank, self.size, e.backend, self.trace.name);
+        let ctx =
+            format!("{} of {} ({}, #{seq} of group {})", self.who(self.rank), self.size, e.backend, self.trace.name);
         let desc = move || format!("{op} on {ctx}");
         let handle = match start(&desc) {
             Ok(h) => h,
@@ -763,7 +787,7 @@ impl ProcessGroup {
         if dst == self.rank {
             return Err(Error::invalid("send", format!("rank {dst} cannot send to itself")));
         }
-        self.engine(t.device(), &|| format!("send of {} to rank {dst}", describe(t)))?;
+        self.engine(t.device(), &|| format!("send of {} to {}", describe(t), self.who(dst)))?;
         // the strict mode checks every message's size itself
         let header = if self.strict.is_none() && self.checks_now(Scope::SendTo(dst), "p2p", t.device()) {
             let h = Tensor::from_slice(&meta::fingerprint(5, t, 0)).f_to_device(self.meta_device())?;
@@ -784,7 +808,7 @@ impl ProcessGroup {
     }
 
     pub(crate) fn send_raw(&self, t: &Tensor, dst: usize, tag: i32) -> Result<Work> {
-        let desc = || format!("send of {} to rank {dst} (tag {tag})", describe(t));
+        let desc = || format!("send of {} to {} (tag {tag})", describe(t), self.who(dst));
         let e = self.engine(t.device(), &desc)?;
         let (t, _) = self.stage(e, t, true)?;
         if let Some(s) = self.strict_for(e) {
@@ -831,7 +855,7 @@ impl ProcessGroup {
         if src == self.rank {
             return Err(Error::invalid("recv", format!("rank {src} cannot receive from itself")));
         }
-        self.engine(t.device(), &|| format!("recv of {} from rank {src}", describe(t)))?;
+        self.engine(t.device(), &|| format!("recv of {} from {}", describe(t), self.who(src)))?;
         if self.strict.is_none() && self.checks_now(Scope::RecvFrom(src), "p2p", t.device()) {
             let mine = meta::fingerprint(5, t, 0);
             let mut h = Tensor::f_zeros([mine.len() as i64], (tch::Kind::Int64, self.meta_device()))?;
@@ -839,22 +863,23 @@ impl ProcessGroup {
             let theirs = Vec::<i64>::try_from(h.f_to_device(Device::Cpu)?)?;
             if theirs[..] != mine[..] {
                 let msg = format!(
-                    "rank {src} sent {} but rank {} posted {}",
+                    "{} sent {} but {} posted {}",
+                    self.who(src),
                     tensor_meta::render(&theirs[2..]),
-                    self.rank,
+                    self.who(self.rank),
                     tensor_meta::render(&mine[2..])
                 );
                 if let Some(mut scratch) = tensor_meta::empty(&theirs[2..], t.device()) {
                     self.recv_raw(&mut scratch, src, tag)?.wait()?;
                 }
-                return Err(Error::mismatch(format!("recv from rank {src} (tag {tag})"), msg));
+                return Err(Error::mismatch(format!("recv from {} (tag {tag})", self.who(src)), msg));
             }
         }
         self.recv_raw(t, src, tag)
     }
 
     pub(crate) fn recv_raw(&self, t: &mut Tensor, src: usize, tag: i32) -> Result<Work> {
-        let desc = || format!("recv of {} from rank {src} (tag {tag})", describe(t));
+        let desc = || format!("recv of {} from {} (tag {tag})", describe(t), self.who(src));
         let e = self.engine(t.device(), &desc)?;
         let (into, finish) = self.stage(e, t, false)?;
         if let Some(s) = self.strict_for(e) {
@@ -955,11 +980,13 @@ struct SubgroupPlan {
     connect: bool,
     /// The parent's device was given: the subgroup's is too.
     bound: bool,
+    /// The members' world ranks.
+    world: Arc<[usize]>,
 }
 
 impl SubgroupPlan {
     fn form(self) -> Result<ProcessGroup> {
-        let how = Formation { split: self.split, connect: self.connect, bound: self.bound };
+        let how = Formation { split: self.split, connect: self.connect, bound: self.bound, world: Some(self.world) };
         ProcessGroup::create(&self.store, (self.me, self.size), &self.opts, &self.label, how)
     }
 }
@@ -972,6 +999,8 @@ struct Formation {
     connect: bool,
     /// The device was given (PyTorch's `device_id`): created when the group forms.
     bound: bool,
+    /// A subgroup's members' world ranks (`None`: a root group, whose ranks are its own).
+    world: Option<Arc<[usize]>>,
 }
 
 #[cfg(test)]

@@ -33,9 +33,9 @@ impl P2pOp {
         self
     }
 
-    fn describe(&self) -> String {
+    fn describe(&self, pg: &ProcessGroup) -> String {
         let (what, dir) = if self.send { ("send", "to") } else { ("recv", "from") };
-        format!("{what} of {} {dir} rank {}", describe(&self.tensor), self.peer)
+        format!("{what} of {} {dir} {}", describe(&self.tensor), pg.who(self.peer))
     }
 }
 
@@ -46,7 +46,7 @@ impl ProcessGroup {
     pub fn batch_isend_irecv(&self, ops: Vec<P2pOp>) -> Result<Work> {
         self.check_batch(&ops)?;
         let device = ops[0].tensor.device();
-        let e = self.engine(device, &|| ops[0].describe())?;
+        let e = self.engine(device, &|| ops[0].describe(self))?;
         if !(self.verify && e.backend == Backend::Gloo && self.strict.is_none()) {
             return self.batch_unverified(ops);
         }
@@ -70,8 +70,8 @@ impl ProcessGroup {
             self.check_peer("batch_isend_irecv peer", o.peer)?;
             if o.peer == self.rank {
                 return Err(Error::invalid(
-                    o.describe(),
-                    format!("rank {} cannot send to or receive from itself", self.rank),
+                    o.describe(self),
+                    format!("{} cannot send to or receive from itself", self.who(self.rank)),
                 ));
             }
             let (a, b) = (first.tensor.device(), o.tensor.device());
@@ -80,8 +80,8 @@ impl ProcessGroup {
                     "batch_isend_irecv",
                     format!(
                         "{} and {} are on different device types: one batch runs on one engine",
-                        first.describe(),
-                        o.describe()
+                        first.describe(self),
+                        o.describe(self)
                     ),
                 ));
             }
@@ -92,7 +92,7 @@ impl ProcessGroup {
     /// [`batch_isend_irecv`](Self::batch_isend_irecv) without agreement checks (the crate's own rings).
     pub(crate) fn batch_unverified(&self, ops: Vec<P2pOp>) -> Result<Work> {
         self.check_batch(&ops)?;
-        let desc = || format!("batch of {}", ops.iter().map(P2pOp::describe).collect::<Vec<_>>().join(", "));
+        let desc = || format!("batch of {}", ops.iter().map(|o| o.describe(self)).collect::<Vec<_>>().join(", "));
         let e = self.engine(ops[0].tensor.device(), &desc)?;
         match e.backend {
             Backend::Nccl => {

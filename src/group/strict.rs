@@ -150,11 +150,12 @@ impl Order {
                 op: what.to_string(),
                 timeout,
                 msg: format!(
-                    "strict NCCL mode: rank {}'s first collective or batch on this group creates its NCCL \
-                    communicator, which waits for every rank of the group, and rank {r} posted none (bind a \
+                    "strict NCCL mode: {}'s first collective or batch on this group creates its NCCL \
+                    communicator, which waits for every rank of the group, and {} posted none (bind a \
                     device, as from_env does on a GPU machine, to create communicators when groups are built; \
                     or make every rank use the group first in the same order)",
-                    self.rank
+                    self.trace.who(self.rank),
+                    self.trace.who(r),
                 ),
             })?;
         }
@@ -182,9 +183,10 @@ impl Order {
                 op: what.to_string(),
                 timeout: left,
                 msg: format!(
-                    "strict NCCL mode: rank {p} posted no {ordinal} collective or batch with rank {} on {queue} \
+                    "strict NCCL mode: {} posted no {ordinal} collective or batch with rank {} on {queue} \
                     (NCCL runs a group's collectives and batches in posting order on every rank: this one \
                     waits for rank {p}'s)",
+                    self.trace.who(p),
                     self.rank
                 ),
             })?;
@@ -580,10 +582,10 @@ impl Queue {
             } else {
                 mismatch.get_or_insert_with(|| {
                     format!(
-                        "rank {} sent {} but rank {rank} posted {} (strict NCCL mode: {}; NCCL needs matched \
-                         sizes)",
-                        op.peer,
+                        "{} sent {} but {} posted {} (strict NCCL mode: {}; NCCL needs matched sizes)",
+                        order.trace.who(op.peer),
                         tensor_meta::render(&theirs),
+                        order.trace.who(rank),
                         tensor_meta::render(&mine),
                         item.what
                     )

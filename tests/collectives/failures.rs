@@ -151,6 +151,30 @@ fn mismatched_send_recv_is_refused_by_the_receiver() {
     assert!(e.contains("rank 0 sent Float[2, 5] but rank 1 posted Float[10]"), "{e}");
 }
 
+/// A subgroup's errors name a peer by its world rank too; `global_rank(s)` map a group's ranks to the
+/// world's (PyTorch's `get_global_rank`, `get_process_group_ranks`), through a subgroup of a subgroup.
+#[test]
+fn a_subgroup_names_its_peers_by_their_world_ranks() {
+    let res = common::run_threads(4, Duration::from_secs(20), |pg| {
+        assert_eq!(pg.global_ranks(), [0, 1, 2, 3]);
+        let odd = pg.new_subgroup(&[1, 3], "odd").unwrap()?;
+        assert_eq!((odd.global_ranks(), odd.global_rank(1), odd.global_rank(2)), (&[1, 3][..], Some(3), None));
+        // listed in reverse: the subgroup's rank 0 is world rank 3
+        let rev = odd.new_subgroup(&[1, 0], "rev").unwrap().unwrap();
+        assert_eq!(rev.global_ranks(), [3, 1]);
+        Some(if pg.rank() == 3 {
+            odd.send(&Tensor::ones([2, 5], (Kind::Float, Device::Cpu)), 0, 9).map_err(|e| e.to_string())
+        } else {
+            let mut t = Tensor::zeros([10], (Kind::Float, Device::Cpu));
+            odd.recv(&mut t, 1, 9).map_err(|e| e.to_string())
+        })
+    });
+    assert!(res[0].is_none() && res[2].is_none(), "{res:?}");
+    assert!(res[3].as_ref().unwrap().is_ok(), "sender: {:?}", res[3]);
+    let e = res[1].as_ref().unwrap().as_ref().unwrap_err();
+    assert!(e.contains("rank 1 (world rank 3) sent Float[2, 5] but rank 0 (world rank 1) posted Float[10]"), "{e}");
+}
+
 #[test]
 fn different_operations_at_the_same_point_are_reported() {
     let res = common::run_threads(2, Duration::from_secs(10), |pg| {

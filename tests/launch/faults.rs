@@ -136,6 +136,21 @@ fn a_failing_stage_is_named_by_its_world_rank_under_data_parallelism() {
     assert!(culprit.contains("culprit: rank 3 ("), "the headline names world rank 3 alone: {t}");
 }
 
+/// A rank stopped under pp 2 x DDP 2: the peers waiting on it in a subgroup name it by its world rank
+/// beside its rank there, and tchrun's headline follows that to it (before, the headline named rank 2,
+/// the first to pass the failure on).
+#[test]
+fn a_stopped_rank_of_a_subgroup_is_named_by_its_world_rank() {
+    let env = [DEFAULT_TIMEOUT, ("TCH_DIST_HEARTBEAT_TIMEOUT_SECS", "3")];
+    let (o, secs) = drill_env(4, "pipeline-dp", "stop@3:3", &[], &env);
+    let t = text(&o);
+    assert_failed_in_time(&o, secs, 3 + SLACK);
+    let named = t.lines().find(|l| l.contains("(world rank 3) of group mesh-")).unwrap_or_default();
+    assert!(named.contains("rank 1 (world rank 3) of group mesh-") && named.contains("published no heartbeat"), "{t}");
+    let culprit = t.lines().find(|l| l.contains("culprit: ")).unwrap_or_default();
+    assert!(culprit.contains("culprit: rank 3 ("), "the headline names world rank 3: {t}");
+}
+
 #[test]
 fn an_unwritable_checkpoint_fails_every_rank_at_once_naming_rank_0_and_the_file() {
     let (o, secs) = drill(2, "ddp", "none@0:0", &["--ckpt", "/dev/null/ckpt.safetensors"]);

@@ -20,8 +20,17 @@ pub(super) fn headline(
     let done: Vec<usize> = exits.iter().filter(|(_, how)| exited_normally(how)).map(|(&r, _)| r).collect();
     let named: Vec<usize> =
         analysis.map(|a| a.culprits.iter().copied().filter(|r| !done.contains(r)).collect()).unwrap_or_default();
+    // a rank the recorder names (it never entered a collective) whose own error says it waited on a rank
+    // that failed was held up by that one (a pipeline stage waiting for its neighbour)
+    let passed: Vec<Option<usize>> =
+        named.iter().map(|r| tails.get(r).and_then(|t| error_line(t)).and_then(|l| passed_on(&l))).collect();
+    let through_errors = passed.iter().any(Option::is_some);
+    let mut named: Vec<usize> = named.iter().zip(&passed).map(|(&r, p)| p.unwrap_or(r)).collect();
+    named.sort_unstable();
+    named.dedup();
     let told = named_in_errors(tails).filter(|r| !done.contains(r));
     let (culprits, why) = match (named.is_empty(), told) {
+        (false, _) if through_errors => (named, "named by the flight recorder and the ranks' errors"),
         (false, _) => (named, "named by the flight recorder"),
         (true, Some(r)) => (vec![r], "named in the ranks' errors"),
         (true, None) => (vec![first_failed], "the first to fail"),
@@ -33,11 +42,11 @@ pub(super) fn headline(
         let error = error.unwrap_or_else(|| format!("no error line in its output{ended}"));
         // the rank that found it says why (an agreement check's odd one out), where the culprit's own
         // line is only what it met next (a peer gone)
-        let why_line = tails
-            .iter()
-            .filter(|(&k, _)| k != r)
-            .filter_map(|(&k, t)| error_line(t).map(|l| (k, l)))
-            .find(|(_, l)| names_odd_one(l, r) && !error.contains("the odd one out"));
+        let why_line =
+            tails.iter().filter(|(&k, _)| k != r).filter_map(|(&k, t)| error_line(t).map(|l| (k, l))).find(|(_, l)| {
+                (names_odd_one(l, r) && !error.contains("the odd one out"))
+                    || (blamed_by_world_rank(l) == Some(r) && !error.starts_with("Error: "))
+            });
         lines.push(format!("culprit: rank {r} ({why}): {error}"));
         if let Some((k, l)) = why_line {
             lines.push(format!("why: rank {k} found it: {l}"));
@@ -61,22 +70,46 @@ fn names_odd_one(line: &str, r: usize) -> bool {
     line.match_indices(&marker).any(|(at, m)| !line[at + m.len()..].starts_with(|c: char| c.is_ascii_digit()))
 }
 
-/// A rank the ranks' own error lines blame: the one a passed-on failure names (`rank 1 failed: ...`, a
-/// pipeline stage or a checkpoint), or the odd one out of an agreement check.
+/// The world rank a subgroup's error blames: `rank 1 (world rank 3) of group dp [2, 3] has published no
+/// heartbeat`, `... never entered collective #4`, `... left group`, `... entered #4 but`. A rank's own
+/// place (`on rank 0 (world rank 2) of 2`) is not blame.
+fn blamed_by_world_rank(line: &str) -> Option<usize> {
+    const MARK: &str = "(world rank ";
+    line.match_indices(MARK).find_map(|(at, _)| {
+        let rest = &line[at + MARK.len()..];
+        let digits = rest.find(|c: char| !c.is_ascii_digit())?;
+        let after = &rest[digits..];
+        let blames =
+            [") of group ", ") never entered", ") left group", ") entered #"].iter().any(|m| after.starts_with(m));
+        if blames {
+            rest[..digits].parse().ok()
+        } else {
+            None
+        }
+    })
+}
+
+/// A rank the ranks' own error lines blame: a peer a subgroup's error names by its world rank, the one a
+/// passed-on failure names (`rank 1 failed: ...`, a pipeline stage or a checkpoint), or the odd one out
+/// of an agreement check.
 fn named_in_errors(tails: &BTreeMap<usize, Vec<String>>) -> Option<usize> {
     let after = |line: &str, marker: &str| -> Option<usize> {
         let rest = &line[line.find(marker)? + marker.len()..];
         rest.split(|c: char| !c.is_ascii_digit()).next()?.parse().ok()
     };
     let lines: Vec<String> = tails.values().filter_map(|t| error_line(t)).collect();
-    // the innermost of a chain (`rank 1 failed: ... rank 2 failed: ...`) is the cause
-    let failed = lines.iter().find_map(|l| {
-        let at = l.rfind(" failed: ")?;
-        let head = &l[..at];
-        let r = head.rfind("rank ")?;
-        head[r + 5..].parse().ok()
-    });
-    failed.or_else(|| lines.iter().find_map(|l| after(l, "the odd one out: rank ")))
+    let failed = lines.iter().find_map(|l| passed_on(l));
+    let blamed = lines.iter().find_map(|l| blamed_by_world_rank(l));
+    blamed.or(failed).or_else(|| lines.iter().find_map(|l| after(l, "the odd one out: rank ")))
+}
+
+/// The rank whose failure an error line passes on: the innermost of a chain (`rank 1 failed: ... rank 2
+/// failed: ...`).
+fn passed_on(line: &str) -> Option<usize> {
+    let at = line.rfind(" failed: ")?;
+    let head = &line[..at];
+    let r = head.rfind("rank ")?;
+    head[r + 5..].parse().ok()
 }
 
 /// The line of a rank's output that says what went wrong: the last `Error: ` line (a `main` that returned
@@ -158,6 +191,41 @@ mod tests {
         assert!(h[0].starts_with("culprit: rank 0 (named by the flight recorder): Error: recv"), "{h:?}");
         assert!(h[1].starts_with("why: rank 1 found it: Error: y") && h[1].contains("state_dict alone"), "{h:?}");
         assert!(names_odd_one("x; the odd one out: rank 1, y", 1) && !names_odd_one("the odd one out: rank 12", 1));
+        // the recorder names rank 1 (it never entered a collective), whose own error says it waited on rank 3
+        let a1 = Analysis { findings: vec![], culprits: vec![1] };
+        let held = BTreeMap::from([
+            (
+                1,
+                lines(&[
+                    "Error: pipeline stage 0 waiting for Grad of microbatch 0: rank 3 failed: pipeline stage 1: bad",
+                ]),
+            ),
+            (3, lines(&["Error: pipeline stage 1: bad"])),
+        ]);
+        let h = headline(0, Some(&a1), &held, &BTreeMap::new());
+        assert_eq!(
+            h[0],
+            "culprit: rank 3 (named by the flight recorder and the ranks' errors): Error: pipeline stage 1: bad"
+        );
+        // a subgroup's error names the stopped peer by its world rank, through a passed-on failure
+        let stopped = BTreeMap::from([
+            (
+                0,
+                lines(&["Error: pipeline stage 0: rank 2 failed: DDP forward on rank 0 (world rank 2) of 2: peer \
+                gone or unreachable: rank 1 (world rank 3) of group dp [2, 3] has published no heartbeat for 3.0s"]),
+            ),
+            (
+                2,
+                lines(&["Error: DDP forward on rank 0 (world rank 2) of 2: peer gone or unreachable: rank 1 (world \
+                rank 3) of group dp [2, 3] has published no heartbeat for 3.0s"]),
+            ),
+            (3, lines(&["step 2"])),
+        ]);
+        let h = headline(0, None, &stopped, &BTreeMap::new());
+        assert!(h[0].starts_with("culprit: rank 3 (named in the ranks' errors): no error line"), "{h:?}");
+        assert!(h[1].starts_with("why: rank 0 found it: Error: pipeline stage 0"), "{h:?}");
+        assert_eq!(blamed_by_world_rank("x on rank 0 (world rank 2) of 2 (gloo)"), None);
+        assert_eq!(blamed_by_world_rank("rank 1 (world rank 12) never entered collective #3"), Some(12));
         let exits = BTreeMap::from([(0, "exit code 1".to_string()), (1, "signal 15 (SIGTERM)".to_string())]);
         let h = headline(1, Some(&a), &tails, &exits);
         assert_eq!(h, vec!["culprit: rank 0 (named by the flight recorder): no error line in its output; it ended with exit code 1"
