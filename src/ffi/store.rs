@@ -28,6 +28,10 @@ pub struct Store {
     origin: Option<(String, Vec<String>)>,
     /// The shared connection this handle is a view of, kept alive while the handle lives.
     _shared: Option<Arc<Store>>,
+    /// The first network error of this connection (its server gone), shared by every handle over it:
+    /// later calls fail with it at once instead of each failing on the socket again, which c10d reports
+    /// with a warning and a C++ stack trace every time.
+    broken: Arc<Mutex<Option<String>>>,
 }
 
 /// The shared connection of each TCPStore server this process talks to (see
@@ -124,7 +128,7 @@ pub(crate) fn millis(d: Duration) -> i64 {
 impl Store {
     fn wrap(ptr: *mut ffi::tdx_store, timeout: Duration, desc: String) -> Result<Store> {
         let ptr = NonNull::new(ptr).ok_or_else(|| Error::invalid(desc.clone(), "shim returned a null store"))?;
-        Ok(Store { ptr, timeout, desc, origin: None, _shared: None })
+        Ok(Store { ptr, timeout, desc, origin: None, _shared: None, broken: Arc::default() })
     }
 
     /// Connects to (or, with `is_server`, starts) a TCPStore.
@@ -175,6 +179,7 @@ impl Store {
             (at, prefixes)
         });
         s._shared = self._shared.clone();
+        s.broken = self.broken.clone();
         Ok(s)
     }
 
@@ -222,6 +227,7 @@ impl Store {
                 fresh
             }
         };
+        // a handle over the root shares its connection, and with it the root's broken state
         let mut s = (*root).clone();
         for p in prefixes {
             s = s.prefixed(p)?;
@@ -249,21 +255,45 @@ impl Store {
         }
     }
 
+    /// Fails at once, naming its first error, when this connection broke before.
+    fn usable(&self, op: impl FnOnce() -> String) -> Result<()> {
+        match &*self.broken.lock().unwrap_or_else(|e| e.into_inner()) {
+            Some(first) => Err(Error::PeerGone {
+                op: op(),
+                msg: format!("the store's connection broke earlier (its server is gone): {first}"),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// `check` of a call's code, remembering a network error as this connection's.
+    fn outcome(&self, code: libc::c_int, timeout: Duration, op: impl FnOnce() -> String) -> Result<()> {
+        let r = check(code, timeout, op);
+        if let Err(Error::PeerGone { msg, .. }) = &r {
+            self.broken.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert_with(|| msg.clone());
+        }
+        r
+    }
+
     pub fn set(&self, key: &str, value: &[u8]) -> Result<()> {
         let k = cstr("store key", key)?;
+        let op = || format!("{}: set {key:?}", self.desc);
+        self.usable(op)?;
         // SAFETY: pointers valid for the call.
         let code = unsafe { ffi::tdx_store_set(self.ptr.as_ptr(), k.as_ptr(), value.as_ptr(), value.len()) };
-        check(code, self.timeout, || format!("{}: set {key:?}", self.desc))
+        self.outcome(code, self.timeout, op)
     }
 
     /// Reads `key`, waiting up to the store's timeout for it to be set.
     pub fn get(&self, key: &str) -> Result<Vec<u8>> {
         let k = cstr("store key", key)?;
+        let op = || format!("{}: get {key:?}", self.desc);
+        self.usable(op)?;
         let mut buf = std::ptr::null_mut();
         let mut len = 0usize;
         // SAFETY: on success `buf` is a malloc'ed buffer of `len` bytes that we copy and free.
         let code = unsafe { ffi::tdx_store_get(self.ptr.as_ptr(), k.as_ptr(), &mut buf, &mut len) };
-        check(code, self.timeout, || format!("{}: get {key:?}", self.desc))?;
+        self.outcome(code, self.timeout, op)?;
         let v = unsafe { std::slice::from_raw_parts(buf, len).to_vec() };
         unsafe { ffi::tdx_buf_free(buf) };
         Ok(v)
@@ -272,40 +302,48 @@ impl Store {
     /// Atomically adds `delta` to the integer at `key` and returns the new value.
     pub fn add(&self, key: &str, delta: i64) -> Result<i64> {
         let k = cstr("store key", key)?;
+        let op = || format!("{}: add {key:?}", self.desc);
+        self.usable(op)?;
         let mut out = 0;
         // SAFETY: pointers valid for the call.
         let code = unsafe { ffi::tdx_store_add(self.ptr.as_ptr(), k.as_ptr(), delta, &mut out) };
-        check(code, self.timeout, || format!("{}: add {key:?}", self.desc))?;
+        self.outcome(code, self.timeout, op)?;
         Ok(out)
     }
 
     /// Whether `key` is set, without waiting.
     pub fn check(&self, key: &str) -> Result<bool> {
         let k = cstr("store key", key)?;
+        let op = || format!("{}: check {key:?}", self.desc);
+        self.usable(op)?;
         let mut out = 0;
         // SAFETY: pointers valid for the call.
         let code = unsafe { ffi::tdx_store_check(self.ptr.as_ptr(), k.as_ptr(), &mut out) };
-        check(code, self.timeout, || format!("{}: check {key:?}", self.desc))?;
+        self.outcome(code, self.timeout, op)?;
         Ok(out != 0)
     }
 
     /// Removes `key`; whether it was there.
     pub(crate) fn delete(&self, key: &str) -> Result<bool> {
         let k = cstr("store key", key)?;
+        let op = || format!("{}: delete {key:?}", self.desc);
+        self.usable(op)?;
         let mut out = 0;
         // SAFETY: pointers valid for the call.
         let code = unsafe { ffi::tdx_store_delete(self.ptr.as_ptr(), k.as_ptr(), &mut out) };
-        check(code, self.timeout, || format!("{}: delete {key:?}", self.desc))?;
+        self.outcome(code, self.timeout, op)?;
         Ok(out != 0)
     }
 
     /// Waits until `key` is set, at most `timeout`.
     pub fn wait(&self, key: &str, timeout: Duration) -> Result<()> {
         let k = cstr("store key", key)?;
+        let op = || format!("{}: wait for {key:?}", self.desc);
+        self.usable(op)?;
         // SAFETY: pointers valid for the call.
         // at least 1 ms: c10d reads 0 ms as "no timeout", so a deadline nearly reached would wait for ever
         let code = unsafe { ffi::tdx_store_wait(self.ptr.as_ptr(), k.as_ptr(), millis(timeout).max(1)) };
-        check(code, timeout, || format!("{}: wait for {key:?}", self.desc))
+        self.outcome(code, timeout, op)
     }
 
     /// The port a TCPStore listens on or connects to (useful after asking for port 0).
@@ -341,6 +379,7 @@ impl Clone for Store {
             desc: self.desc.clone(),
             origin: self.origin.clone(),
             _shared: self._shared.clone(),
+            broken: self.broken.clone(),
         }
     }
 }

@@ -175,6 +175,32 @@ fn a_subgroup_names_its_peers_by_their_world_ranks() {
     assert!(e.contains("rank 1 (world rank 3) sent Float[2, 5] but rank 0 (world rank 1) posted Float[10]"), "{e}");
 }
 
+/// A TCPStore client whose server is gone fails each later call at once with the first error, through
+/// every handle over that connection, instead of failing on the socket again (which c10d reports with a
+/// warning and a C++ stack trace every time).
+#[test]
+fn a_store_whose_server_is_gone_fails_later_calls_with_the_first_error() {
+    use tch_dist::store::TcpStoreOptions;
+    let port = common::free_port();
+    let opts = |o: TcpStoreOptions| TcpStoreOptions { wait_workers: false, ..o.timeout(Duration::from_secs(5)) };
+    let server = Store::tcp(&opts(TcpStoreOptions::server("127.0.0.1", port, 2))).unwrap();
+    let client = Store::tcp(&opts(TcpStoreOptions::client("127.0.0.1", port, 2))).unwrap();
+    let view = client.prefixed("job/").unwrap();
+    client.set("a", b"1").unwrap();
+    assert!(view.check("a").is_ok_and(|set| !set));
+    drop(server);
+    let first = (0..50).find_map(|_| {
+        std::thread::sleep(Duration::from_millis(20));
+        client.check("a").err()
+    });
+    let first = first.expect("the client never noticed its server had gone");
+    assert!(first.is_peer_failure(), "{first:?}");
+    for e in [client.get("a").unwrap_err(), view.set("b", b"2").unwrap_err(), view.check("b").unwrap_err()] {
+        assert!(e.is_peer_failure(), "{e:?}");
+        assert!(e.to_string().contains("the store's connection broke earlier (its server is gone)"), "{e}");
+    }
+}
+
 #[test]
 fn different_operations_at_the_same_point_are_reported() {
     let res = common::run_threads(2, Duration::from_secs(10), |pg| {
