@@ -67,7 +67,7 @@ pub enum Launcher {
 
 /// One process's place in the job, as its launcher gave it.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Placement {
+pub struct JobRank {
     pub launcher: Launcher,
     pub rank: usize,
     pub world_size: usize,
@@ -97,7 +97,7 @@ fn need<T>(v: Option<T>, var: &str, hint: &str) -> Result<T> {
 
 /// Reads the job's layout: torchrun's variables when `RANK` is set, else Slurm's when `SLURM_PROCID` is.
 /// `MASTER_ADDR` and `MASTER_PORT` win over Slurm's host list and port rule when set.
-pub fn placement(vars: Vars) -> Result<Placement> {
+pub fn job_rank(vars: Vars) -> Result<JobRank> {
     let (launcher, rank, world_size, local_rank, addr, port) = if get(vars, "RANK").is_some() {
         let hint = "torchrun and tchrun set it";
         (
@@ -177,7 +177,7 @@ pub fn placement(vars: Vars) -> Result<Placement> {
         };
         return Err(Error::Env { var: r.into(), msg: format!("{r}={rank} is not below {w}={world_size}") });
     }
-    Ok(Placement { launcher, rank, world_size, local_rank, master_addr: addr, master_port: port })
+    Ok(JobRank { launcher, rank, world_size, local_rank, master_addr: addr, master_port: port })
 }
 
 /// A node's place in a job whose launchers were started by `srun`, one per node (`srun
@@ -321,7 +321,7 @@ mod tests {
     }
 
     #[test]
-    fn srun_alone_gives_a_placement() {
+    fn srun_alone_gives_a_job_rank() {
         let v = vars(&[
             ("SLURM_PROCID", "5"),
             ("SLURM_STEP_NUM_TASKS", "16"),
@@ -329,10 +329,10 @@ mod tests {
             ("SLURM_JOB_NODELIST", "gpu[003-006]"),
             ("SLURM_JOB_ID", "4242"),
         ]);
-        let p = placement(&v).unwrap();
+        let p = job_rank(&v).unwrap();
         assert_eq!(
             p,
-            Placement {
+            JobRank {
                 launcher: Launcher::Slurm,
                 rank: 5,
                 world_size: 16,
@@ -349,7 +349,7 @@ mod tests {
             ("SLURM_JOB_NODELIST", "a[1-9]"),
             ("MASTER_PORT", "29400"),
         ]);
-        let p = placement(&v).unwrap();
+        let p = job_rank(&v).unwrap();
         assert_eq!((p.master_addr.as_str(), p.master_port), ("b1", 29400));
         let v = vars(&[
             ("SLURM_PROCID", "0"),
@@ -357,14 +357,14 @@ mod tests {
             ("MASTER_ADDR", "10.0.0.9"),
             ("SLURM_JOB_ID", "1"),
         ]);
-        assert_eq!(placement(&v).unwrap().master_addr, "10.0.0.9");
+        assert_eq!(job_rank(&v).unwrap().master_addr, "10.0.0.9");
         let v = vars(&[
             ("SLURM_PROCID", "0"),
             ("SLURM_STEP_NUM_TASKS", "2"),
             ("SLURM_LAUNCH_NODE_IPADDR", "10.1.2.3"),
             ("SLURM_JOB_ID", "1"),
         ]);
-        assert_eq!(placement(&v).unwrap().master_addr, "10.1.2.3");
+        assert_eq!(job_rank(&v).unwrap().master_addr, "10.1.2.3");
     }
 
     #[test]
@@ -379,9 +379,9 @@ mod tests {
             ("SLURM_PROCID", "0"),
             ("SLURM_STEP_NUM_TASKS", "2"),
         ]);
-        let p = placement(&v).unwrap();
+        let p = job_rank(&v).unwrap();
         assert_eq!((p.launcher, p.rank, p.world_size, p.local_rank), (Launcher::Torchrun, 3, 8, Some(3)));
-        let err = |pairs: &[(&str, &str)]| placement(&vars(pairs)).unwrap_err().to_string();
+        let err = |pairs: &[(&str, &str)]| job_rank(&vars(pairs)).unwrap_err().to_string();
         let e = err(&[]);
         assert!(e.contains("RANK") && e.contains("SLURM_PROCID"), "{e}");
         let e = err(&[

@@ -58,7 +58,7 @@ impl InitOptions {
     /// Reads the job's layout from its launcher: `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`,
     /// `MASTER_PORT` as `torchrun`, `tchrun` and a Kubeflow PyTorchJob set them; without `RANK`, Slurm's
     /// `SLURM_PROCID`, `SLURM_STEP_NUM_TASKS`, `SLURM_LOCALID` and the first host of the step's node list (see
-    /// [`launcher::placement`]), so that `srun my-trainer` needs no launcher. The device follows
+    /// [`launcher::job_rank`]), so that `srun my-trainer` needs no launcher. The device follows
     /// [`launcher::device`]: `cuda:LOCAL_RANK`, or `cuda:0` when one GPU is visible to the process, or the
     /// CPU on a machine without GPUs, never silently the CPU on one with them (`TCH_DIST_DEVICE=cpu`
     /// asks for it). [`ProcessGroup::init`] makes a CUDA device the current one. `TCH_DIST_TIMEOUT_SECS`
@@ -70,7 +70,7 @@ impl InitOptions {
 
     /// [`from_env`](Self::from_env) over the variables `vars` gives, on a machine with `visible_gpus`.
     pub fn from_vars(vars: launcher::Vars, visible_gpus: usize) -> Result<Self> {
-        let p = launcher::placement(vars)?;
+        let p = launcher::job_rank(vars)?;
         let mut o = InitOptions::new(p.rank, p.world_size, &p.master_addr, p.master_port);
         o.device = launcher::device(vars, p.local_rank, visible_gpus)?;
         o.timeout = crate::settings::timeout(vars)?.unwrap_or(o.timeout);

@@ -8,7 +8,7 @@
 //!
 //! ```
 //! use tch::{nn, nn::OptimizerConfig, Device, Kind, Tensor};
-//! use tch_dist::pipeline::{LayerList, Partition, Pipeline, PipelineConfig, schedule::ScheduleKind as ScheduleKind};
+//! use tch_dist::pipeline::{LayerList, Partition, Pipeline, PipelineConfig, schedule::ScheduleKind};
 //! let layers = LayerList::new()
 //!     .add("fc1", |p| nn::linear(p, 8, 16, Default::default()))
 //!     .add_fn("tanh", |x| x.tanh())
