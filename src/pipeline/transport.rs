@@ -268,11 +268,10 @@ impl GroupTransport {
     /// its launcher rank (what tchrun and the flight recorder call it), which its message carries.
     fn failed(&self, origin: usize, op: String) -> Error {
         match self.pg.store().get(&self.abort_key()) {
-            Ok(m) => {
-                let m = String::from_utf8_lossy(&m);
-                let (rank, msg) = launch_rank_of(&m).unwrap_or((origin, m.to_string()));
-                Error::RankFailed { op, rank, msg }
-            }
+            Ok(m) => match AbortMessage::read(&m) {
+                Some(a) => Error::RankFailed { op, rank: a.world, msg: a.msg },
+                None => Error::RankFailed { op, rank: origin, msg: String::from_utf8_lossy(&m).to_string() },
+            },
             Err(e) => Error::RankFailed { op, rank: origin, msg: format!("(its message could not be read: {e})") },
         }
     }
@@ -283,7 +282,7 @@ impl GroupTransport {
         if !self.pg.store().check(&key)? {
             return Ok(None);
         }
-        Ok(Some(origin_of(&self.pg.store().get(&key)?)))
+        Ok(Some(AbortMessage::read(&self.pg.store().get(&key)?).map_or(0, |a| a.origin)))
     }
 
     /// A placeholder for a tensor this rank cannot send: `shape` when known, its first bytes marked.
@@ -296,16 +295,30 @@ impl GroupTransport {
     }
 }
 
-/// The launcher rank and the message of a stage's abort message (`rank O world W: MSG`).
-fn launch_rank_of(m: &str) -> Option<(usize, String)> {
-    let (head, msg) = m.split_once(": ")?;
-    let w = head.split_whitespace().nth(3)?.parse().ok()?;
-    Some((w, msg.to_string()))
+/// A stage's abort message, as [`GroupTransport::abort`] writes it: `rank O world W: MSG`.
+struct AbortMessage {
+    /// The failed stage's rank in the pipeline group.
+    origin: usize,
+    /// Its launcher rank.
+    world: usize,
+    msg: String,
 }
 
-fn origin_of(msg: &[u8]) -> usize {
-    let s = String::from_utf8_lossy(msg);
-    s.split_whitespace().nth(1).and_then(|r| r.trim_end_matches(':').parse().ok()).unwrap_or(0)
+impl AbortMessage {
+    fn write(origin: usize, world: usize, msg: &str) -> String {
+        format!("rank {origin} world {world}: {msg}")
+    }
+
+    fn read(bytes: &[u8]) -> Option<AbortMessage> {
+        let s = String::from_utf8_lossy(bytes);
+        let (head, msg) = s.split_once(": ")?;
+        match head.split_whitespace().collect::<Vec<_>>()[..] {
+            ["rank", o, "world", w] => {
+                Some(AbortMessage { origin: o.parse().ok()?, world: w.parse().ok()?, msg: msg.to_string() })
+            }
+            _ => None,
+        }
+    }
 }
 
 fn header_of(t: &Tensor, holds: i64, origin: usize) -> [i64; HEADER] {
@@ -492,10 +505,10 @@ impl Transport for GroupTransport {
             Some(o) => o,
             None => {
                 let me = self.pg.rank();
-                // with the launcher's RANK (a pipeline group is often a subgroup of the world), as the
-                // flight recorder names ranks
-                let world = crate::settings::launch_rank().unwrap_or(me);
-                let _ = self.pg.store().set(&self.abort_key(), format!("rank {me} world {world}: {msg}").as_bytes());
+                // with its world rank (a pipeline group is often a subgroup of the world), as the flight
+                // recorder and tchrun name ranks
+                let world = self.pg.global_rank(me).unwrap_or(me);
+                let _ = self.pg.store().set(&self.abort_key(), AbortMessage::write(me, world, msg).as_bytes());
                 me
             }
         };
