@@ -68,7 +68,12 @@ pub(crate) fn merge(dumps: &BTreeMap<usize, Dump>, world: Option<usize>, exits: 
             }
         }
     }
+    // who belongs to each group, in world ranks, as the dumps recorded it
+    let members: BTreeMap<&str, &Vec<usize>> =
+        dumps.values().flat_map(|d| d.groups.iter()).map(|(g, m)| (g.as_str(), m)).collect();
     let mut culprits = BTreeSet::new();
+    // ranks that never entered a collective while they waited in another one: held up, not the cause
+    let mut held = BTreeSet::new();
     for (group, (seq, e)) in &stuck {
         let waiting: Vec<String> = dumps
             .values()
@@ -95,11 +100,28 @@ pub(crate) fn merge(dumps: &BTreeMap<usize, Dump>, world: Option<usize>, exits: 
                 if exits.get(&d.rank).is_none_or(|s| s != "exit code 0") {
                     culprits.insert(d.rank);
                 }
+                let waits = d.entries.iter().find(|x| x.group != *group && x.state != EntryState::Completed);
+                let note = match waits {
+                    Some(w) => {
+                        held.insert(d.rank);
+                        format!(" (it waits in {} of group {})", describe(w), w.group)
+                    }
+                    None => String::new(),
+                };
                 a.findings.push(format!(
-                    "rank {} never entered #{seq}: its last collective in {group} was {}",
+                    "rank {} never entered #{seq}: its last collective in {group} was {}{note}",
                     d.rank,
                     describe(l)
                 ));
+            }
+        }
+        if let Some(m) = members.get(group.as_str()).filter(|_| group != "default") {
+            for &r in m.iter().filter(|r| !dumps.contains_key(r)) {
+                let exit = exits.get(&r).map(|s| format!("; tchrun saw it end with {s}")).unwrap_or_default();
+                if exits.get(&r).is_none_or(|s| s != "exit code 0") {
+                    culprits.insert(r);
+                }
+                a.findings.push(format!("rank {r} of {group} left no dump{exit}"));
             }
         }
         if group == "default" {
@@ -161,7 +183,9 @@ pub(crate) fn merge(dumps: &BTreeMap<usize, Dump>, world: Option<usize>, exits: 
     if stuck.is_empty() && !dumps.is_empty() {
         a.findings.push("every recorded collective completed".into());
     }
-    a.culprits = culprits.into_iter().collect();
+    // the cause is a rank not held up elsewhere, when there is one (a cycle of waits names them all)
+    let free: Vec<usize> = culprits.iter().copied().filter(|r| !held.contains(r)).collect();
+    a.culprits = if free.is_empty() { culprits.into_iter().collect() } else { free };
     if !a.culprits.is_empty() {
         let names: Vec<String> = a.culprits.iter().map(|r| format!("rank {r}")).collect();
         a.findings.insert(0, format!("culprit: {}", names.join(", ")));
@@ -171,4 +195,72 @@ pub(crate) fn merge(dumps: &BTreeMap<usize, Dump>, world: Option<usize>, exits: 
 
 fn first_clause(err: &str) -> &str {
     err.split("; ").next().unwrap_or(err)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(group: &str, seq: u64, state: EntryState) -> Entry {
+        Entry {
+            id: seq,
+            group: group.into(),
+            group_rank: 0,
+            group_size: 2,
+            seq,
+            collective_seq: seq,
+            p2p_seq: 0,
+            op: "allreduce(Sum) of Float[4] on Cpu".into(),
+            backend: "gloo".into(),
+            label: String::new(),
+            enqueued: 0.0,
+            ended: None,
+            state,
+            error: None,
+        }
+    }
+
+    fn dump(rank: usize, entries: Vec<Entry>, groups: &[(&str, &[usize])]) -> (usize, Dump) {
+        let groups = groups.iter().map(|(g, m)| (g.to_string(), m.to_vec())).collect();
+        let d = Dump {
+            rank,
+            pid: 1,
+            host: "h".into(),
+            time: 0.0,
+            reason: String::new(),
+            peers: Vec::new(),
+            entries,
+            groups,
+        };
+        (rank, d)
+    }
+
+    /// A 2 x 2 mesh (tp [0, 1], [2, 3]; dp [0, 2], [1, 3]) whose world rank 3 stopped in step 7: rank 2
+    /// waits for it in tp, so it never entered dp's #7, where rank 0 waits for it. Rank 3 is the cause,
+    /// not rank 2 (held up in tp), and it is named though it left no dump.
+    #[test]
+    fn a_rank_held_up_in_another_group_is_not_the_cause() {
+        use EntryState::{Completed, Failed};
+        let (tp, dp) = ("mesh-tp [2, 3]", "mesh-dp [0, 2]");
+        let dumps = BTreeMap::from([
+            dump(0, vec![entry(dp, 6, Completed), entry(dp, 7, Failed)], &[("default", &[0, 1, 2, 3]), (dp, &[0, 2])]),
+            dump(
+                2,
+                vec![entry(dp, 6, Completed), entry(tp, 7, Failed)],
+                &[("default", &[0, 1, 2, 3]), (tp, &[2, 3]), (dp, &[0, 2])],
+            ),
+        ]);
+        let a = merge(&dumps, Some(4), &BTreeMap::new());
+        assert_eq!(a.culprits, [3], "{a}");
+        let text = a.to_string();
+        assert!(text.contains("rank 2 never entered #7") && text.contains("(it waits in #7"), "{text}");
+        assert!(text.contains("rank 3 of mesh-tp [2, 3] left no dump"), "{text}");
+        // a cycle of waits (each waits in a collective the other never entered) names both
+        let pair = "mesh-tp [0, 1]";
+        let cycle = BTreeMap::from([
+            dump(0, vec![entry(pair, 6, Completed), entry("default", 5, Failed)], &[(pair, &[0, 1])]),
+            dump(1, vec![entry("default", 4, Completed), entry(pair, 7, Failed)], &[(pair, &[0, 1])]),
+        ]);
+        assert_eq!(merge(&cycle, Some(2), &BTreeMap::new()).culprits, [0, 1]);
+    }
 }

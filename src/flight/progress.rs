@@ -717,6 +717,15 @@ fn wake_publisher() {
     }
 }
 
+/// The world ranks of the members of each live group of this process, by the group's name.
+pub(crate) fn members() -> std::collections::BTreeMap<String, Vec<usize>> {
+    let groups = registry().lock().map(|g| g.iter().filter_map(Weak::upgrade).collect::<Vec<_>>()).unwrap_or_default();
+    groups
+        .iter()
+        .map(|t| (t.name.clone(), t.world.as_ref().map_or_else(|| (0..t.size).collect(), |w| w.to_vec())))
+        .collect()
+}
+
 fn register(t: &Arc<GroupTrace>) {
     t.publish();
     if let Ok(mut g) = registry().lock() {

@@ -63,6 +63,10 @@ pub struct Dump {
     /// What the failing rank read of the other ranks' progress in the failing group.
     pub peers: Vec<PeerProgress>,
     pub entries: Vec<Entry>,
+    /// The world ranks of each group's members, by the group's name (for the analysis: who should have
+    /// entered a subgroup's collective).
+    #[serde(default)]
+    pub groups: std::collections::BTreeMap<String, Vec<usize>>,
 }
 
 pub(crate) fn now() -> f64 {
@@ -222,6 +226,7 @@ pub(crate) fn dump_with(reason: &str, peers: Vec<PeerProgress>, group_rank: Opti
         reason: reason.to_string(),
         peers,
         entries: entries(),
+        groups: super::progress::members(),
     };
     let text = serde_json::to_string_pretty(&d).ok()?;
     DUMPED.store(true, Ordering::SeqCst);

@@ -328,7 +328,7 @@ impl FsdpBuilder {
                     format!("{} parameters, {} elements, {how}", r[0], r[1])
                 };
                 let listing = crate::group::meta::by_rank(rows, show, "; ");
-                format!("ranks built different units here ({listing}){}", crate::group::meta::odd_ones_out(rows))
+                format!("ranks built different units here ({listing}){}", crate::group::meta::odd_ones_out(g, rows))
             })?;
         }
         let settings = flat_param::Settings {

@@ -120,7 +120,7 @@ impl Meta<'_> {
             format!(
                 "ranks are at different metadata exchanges here ({listing}){}; {}: one rank runs a collective, a \
                  forward or a check that the others do not",
-                odd_ones_out(&rows.iter().map(|r| r[..HEAD_FIELDS].to_vec()).collect::<Vec<_>>()),
+                odd_ones_out(self.pg, &rows.iter().map(|r| r[..HEAD_FIELDS].to_vec()).collect::<Vec<_>>()),
                 self.sites(what)
             ),
         ))
@@ -270,12 +270,12 @@ fn same_type<A: 'static, B: 'static>(v: &[A]) -> Option<&[B]> {
     Some(unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<B>(), v.len()) })
 }
 
-/// "; the odd one out: rank 2" when most ranks agree and a few do not.
-pub(crate) fn odd_ones_out(rows: &[Vec<i64>]) -> String {
+/// "; the odd one out: rank 2" when most ranks of `pg` agree and a few do not (with their world ranks in a
+/// subgroup: "rank 2 (world rank 3)").
+pub(crate) fn odd_ones_out(pg: &ProcessGroup, rows: &[Vec<i64>]) -> String {
     let common = rows.iter().max_by_key(|r| rows.iter().filter(|x| x == r).count());
     let Some(common) = common else { return String::new() };
-    let odd: Vec<String> =
-        rows.iter().enumerate().filter(|(_, r)| *r != common).map(|(i, _)| format!("rank {i}")).collect();
+    let odd: Vec<String> = rows.iter().enumerate().filter(|(_, r)| *r != common).map(|(i, _)| pg.who(i)).collect();
     if odd.is_empty() || odd.len() * 2 >= rows.len() {
         return String::new();
     }
@@ -303,7 +303,7 @@ pub(crate) fn agree_on_op(pg: &ProcessGroup, what: &str, op: i64, t: &Tensor, ex
     let what = format!("{what} (agreement check before it)");
     pg.meta().agree(&what, &fingerprint(op, t, extra), |rows| {
         let listing = by_rank(rows, |f| tensor_meta::render(&f[2..]), ", ");
-        let odd = odd_ones_out(rows);
+        let odd = odd_ones_out(pg, rows);
         if rows.iter().any(|r| r[..2] != rows[0][..2]) {
             format!("ranks issued different operations or arguments at this point ({listing}){odd}")
         } else {

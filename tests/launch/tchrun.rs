@@ -248,6 +248,7 @@ fn a_stale_flight_dump_is_not_read_as_this_jobs() {
         time: 0.0,
         reason: "an earlier job".into(),
         peers: Vec::new(),
+        groups: Default::default(),
         entries: vec![Entry {
             id: 1,
             group: "default".into(),

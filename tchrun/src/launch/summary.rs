@@ -29,6 +29,11 @@ pub(super) fn headline(
     named.sort_unstable();
     named.dedup();
     let told = named_in_errors(tails).filter(|r| !done.contains(r));
+    // the recorder names every rank that never entered a collective (all of a subgroup's members when a
+    // rank outside it waits); the ranks' own errors say which one of them caused it
+    if let Some(t) = told.filter(|t| named.len() > 1 && named.contains(t)) {
+        named = vec![t];
+    }
     let (culprits, why) = match (named.is_empty(), told) {
         (false, _) if through_errors => (named, "named by the flight recorder and the ranks' errors"),
         (false, _) => (named, "named by the flight recorder"),
@@ -66,8 +71,21 @@ pub(super) fn headline(
 
 /// Whether `line` names rank `r` as an agreement check's odd one out (rank 1, not rank 12).
 fn names_odd_one(line: &str, r: usize) -> bool {
-    let marker = format!("the odd one out: rank {r}");
-    line.match_indices(&marker).any(|(at, m)| !line[at + m.len()..].starts_with(|c: char| c.is_ascii_digit()))
+    odd_one_in(line) == Some(r)
+}
+
+/// The world rank an agreement check names as the odd one out: `the odd one out: rank 1`, or in a
+/// subgroup `the odd one out: rank 2 (world rank 3)`.
+fn odd_one_in(line: &str) -> Option<usize> {
+    const MARK: &str = "the odd one out: rank ";
+    let rest = &line[line.find(MARK)? + MARK.len()..];
+    let digits = rest.find(|c: char| !c.is_ascii_digit()).unwrap_or(rest.len());
+    let group_rank = rest[..digits].parse().ok()?;
+    let world = rest[digits..].strip_prefix(" (world rank ").and_then(|w| {
+        let end = w.find(|c: char| !c.is_ascii_digit())?;
+        w[..end].parse().ok()
+    });
+    Some(world.unwrap_or(group_rank))
 }
 
 /// The world rank a subgroup's error blames: `rank 1 (world rank 3) of group dp [2, 3] has published no
@@ -93,14 +111,10 @@ fn blamed_by_world_rank(line: &str) -> Option<usize> {
 /// passed-on failure names (`rank 1 failed: ...`, a pipeline stage or a checkpoint), or the odd one out
 /// of an agreement check.
 fn named_in_errors(tails: &BTreeMap<usize, Vec<String>>) -> Option<usize> {
-    let after = |line: &str, marker: &str| -> Option<usize> {
-        let rest = &line[line.find(marker)? + marker.len()..];
-        rest.split(|c: char| !c.is_ascii_digit()).next()?.parse().ok()
-    };
     let lines: Vec<String> = tails.values().filter_map(|t| error_line(t)).collect();
     let failed = lines.iter().find_map(|l| passed_on(l));
     let blamed = lines.iter().find_map(|l| blamed_by_world_rank(l));
-    blamed.or(failed).or_else(|| lines.iter().find_map(|l| after(l, "the odd one out: rank ")))
+    blamed.or(failed).or_else(|| lines.iter().find_map(|l| odd_one_in(l)))
 }
 
 /// The rank whose failure an error line passes on: the innermost of a chain (`rank 1 failed: ... rank 2
@@ -226,6 +240,16 @@ mod tests {
         assert!(h[1].starts_with("why: rank 0 found it: Error: pipeline stage 0"), "{h:?}");
         assert_eq!(blamed_by_world_rank("x on rank 0 (world rank 2) of 2 (gloo)"), None);
         assert_eq!(blamed_by_world_rank("rank 1 (world rank 12) never entered collective #3"), Some(12));
+        // a subgroup [1, 2, 3] disagrees; the recorder names all three (rank 0, outside it, waited), the
+        // errors the odd one out by its world rank
+        let all3 = Analysis { findings: vec![], culprits: vec![1, 2, 3] };
+        let odd =
+            "Error: allreduce: mismatch: ranks disagree on dtype/shape: ...; the odd one out: rank 2 (world rank 3)";
+        let shape = BTreeMap::from([(1, lines(&[odd])), (2, lines(&[odd])), (3, lines(&[odd]))]);
+        let h = headline(1, Some(&all3), &shape, &BTreeMap::new());
+        assert_eq!(h.iter().filter(|l| l.starts_with("culprit: ")).count(), 1, "{h:?}");
+        assert!(h[0].starts_with("culprit: rank 3 (named by the flight recorder)"), "{h:?}");
+        assert_eq!(odd_one_in("the odd one out: rank 1, y"), Some(1));
         let exits = BTreeMap::from([(0, "exit code 1".to_string()), (1, "signal 15 (SIGTERM)".to_string())]);
         let h = headline(1, Some(&a), &tails, &exits);
         assert_eq!(h, vec!["culprit: rank 0 (named by the flight recorder): no error line in its output; it ended with exit code 1"
