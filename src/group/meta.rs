@@ -115,7 +115,7 @@ impl Meta<'_> {
             return Ok(rows);
         }
         let listing = by_rank(&rows, show_head, ", ");
-        Err(Error::mismatch(
+        Err(dumped(Error::mismatch(
             self.op(what),
             format!(
                 "ranks are at different metadata exchanges here ({listing}){}; {}: one rank runs a collective, a \
@@ -123,7 +123,7 @@ impl Meta<'_> {
                 odd_ones_out(self.pg, &rows.iter().map(|r| r[..HEAD_FIELDS].to_vec()).collect::<Vec<_>>()),
                 self.sites(what)
             ),
-        ))
+        )))
     }
 
     /// After a disagreement that every rank saw at this same exchange: where each rank was, from one more
@@ -256,7 +256,7 @@ impl Meta<'_> {
             return Ok(rows);
         }
         let sites = if self.pg.verifies() { format!("; {}", self.sites(what)) } else { String::new() };
-        Err(Error::mismatch(self.op(what), format!("{}{sites}", explain(&rows))))
+        Err(dumped(Error::mismatch(self.op(what), format!("{}{sites}", explain(&rows)))))
     }
 }
 
@@ -268,6 +268,13 @@ fn same_type<A: 'static, B: 'static>(v: &[A]) -> Option<&[B]> {
     }
     // SAFETY: A and B are the same type (the same TypeId), so the slice's memory holds `v.len()` Bs.
     Some(unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<B>(), v.len()) })
+}
+
+/// A disagreement every rank of the group saw: each leaves its flight-recorder dump (when there is a dump
+/// directory), as on a failed collective.
+fn dumped(e: Error) -> Error {
+    crate::flight::dump(&e.to_string());
+    e
 }
 
 /// "; the odd one out: rank 2" when most ranks of `pg` agree and a few do not (with their world ranks in a
