@@ -31,11 +31,14 @@ pub(super) fn headline(
     let told = named_in_errors(tails).filter(|r| !done.contains(r));
     // the recorder names every rank that never entered a collective (all of a subgroup's members when a
     // rank outside it waits); the ranks' own errors say which one of them caused it
-    if let Some(t) = told.filter(|t| named.len() > 1 && named.contains(t)) {
+    let picked = told.filter(|t| named.len() > 1 && named.contains(t));
+    if let Some(t) = picked {
         named = vec![t];
     }
     let (culprits, why) = match (named.is_empty(), told) {
-        (false, _) if through_errors => (named, "named by the flight recorder and the ranks' errors"),
+        (false, _) if through_errors || picked.is_some() => {
+            (named, "named by the flight recorder and the ranks' errors")
+        }
         (false, _) => (named, "named by the flight recorder"),
         (true, Some(r)) => (vec![r], "named in the ranks' errors"),
         (true, None) => (vec![first_failed], "the first to fail"),
@@ -248,7 +251,7 @@ mod tests {
         let shape = BTreeMap::from([(1, lines(&[odd])), (2, lines(&[odd])), (3, lines(&[odd]))]);
         let h = headline(1, Some(&all3), &shape, &BTreeMap::new());
         assert_eq!(h.iter().filter(|l| l.starts_with("culprit: ")).count(), 1, "{h:?}");
-        assert!(h[0].starts_with("culprit: rank 3 (named by the flight recorder)"), "{h:?}");
+        assert!(h[0].starts_with("culprit: rank 3 (named by the flight recorder and the ranks' errors)"), "{h:?}");
         assert_eq!(odd_one_in("the odd one out: rank 1, y"), Some(1));
         let exits = BTreeMap::from([(0, "exit code 1".to_string()), (1, "signal 15 (SIGTERM)".to_string())]);
         let h = headline(1, Some(&a), &tails, &exits);
