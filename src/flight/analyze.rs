@@ -100,7 +100,8 @@ pub(crate) fn merge(dumps: &BTreeMap<usize, Dump>, world: Option<usize>, exits: 
                 if exits.get(&d.rank).is_none_or(|s| s != "exit code 0") {
                     culprits.insert(d.rank);
                 }
-                let waits = d.entries.iter().find(|x| x.group != *group && x.state != EntryState::Completed);
+                // its most recent operation, in another group, not finished: it waits there
+                let waits = d.entries.last().filter(|x| x.group != *group && x.state != EntryState::Completed);
                 let note = match waits {
                     Some(w) => {
                         held.insert(d.rank);

@@ -477,6 +477,11 @@ impl GroupTrace {
 
     /// A failure of this group is survived by the caller (a fault-tolerant replicate group): it is
     /// reported without dumping the flight recorder or waiting for the others' dumps.
+    /// Its failures are handled by the caller (see [`set_survivable`](Self::set_survivable)).
+    pub(crate) fn is_survivable(&self) -> bool {
+        self.survivable.load(Ordering::SeqCst)
+    }
+
     pub(crate) fn set_survivable(&self) {
         self.survivable.store(true, Ordering::SeqCst);
     }
@@ -720,8 +725,11 @@ fn wake_publisher() {
 /// The world ranks of the members of each live group of this process, by the group's name.
 pub(crate) fn members() -> std::collections::BTreeMap<String, Vec<usize>> {
     let groups = registry().lock().map(|g| g.iter().filter_map(Weak::upgrade).collect::<Vec<_>>()).unwrap_or_default();
+    // the world group and its subgroups: another root's ranks (a fault-tolerant replica group's) are not
+    // world ranks, and a survivable group's failures are not the job's
     groups
         .iter()
+        .filter(|t| (t.world.is_some() || t.name == "default") && !t.survivable.load(Ordering::SeqCst))
         .map(|t| (t.name.clone(), t.world.as_ref().map_or_else(|| (0..t.size).collect(), |w| w.to_vec())))
         .collect()
 }

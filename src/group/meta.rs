@@ -115,15 +115,18 @@ impl Meta<'_> {
             return Ok(rows);
         }
         let listing = by_rank(&rows, show_head, ", ");
-        Err(dumped(Error::mismatch(
-            self.op(what),
-            format!(
-                "ranks are at different metadata exchanges here ({listing}){}; {}: one rank runs a collective, a \
+        Err(dumped(
+            self.pg,
+            Error::mismatch(
+                self.op(what),
+                format!(
+                    "ranks are at different metadata exchanges here ({listing}){}; {}: one rank runs a collective, a \
                  forward or a check that the others do not",
-                odd_ones_out(self.pg, &rows.iter().map(|r| r[..HEAD_FIELDS].to_vec()).collect::<Vec<_>>()),
-                self.sites(what)
+                    odd_ones_out(self.pg, &rows.iter().map(|r| r[..HEAD_FIELDS].to_vec()).collect::<Vec<_>>()),
+                    self.sites(what)
+                ),
             ),
-        )))
+        ))
     }
 
     /// After a disagreement that every rank saw at this same exchange: where each rank was, from one more
@@ -256,7 +259,7 @@ impl Meta<'_> {
             return Ok(rows);
         }
         let sites = if self.pg.verifies() { format!("; {}", self.sites(what)) } else { String::new() };
-        Err(dumped(Error::mismatch(self.op(what), format!("{}{sites}", explain(&rows)))))
+        Err(dumped(self.pg, Error::mismatch(self.op(what), format!("{}{sites}", explain(&rows)))))
     }
 }
 
@@ -272,8 +275,10 @@ fn same_type<A: 'static, B: 'static>(v: &[A]) -> Option<&[B]> {
 
 /// A disagreement every rank of the group saw: each leaves its flight-recorder dump (when there is a dump
 /// directory), as on a failed collective.
-fn dumped(e: Error) -> Error {
-    crate::flight::dump(&e.to_string());
+fn dumped(pg: &ProcessGroup, e: Error) -> Error {
+    if !pg.is_survivable() {
+        crate::flight::dump(&e.to_string());
+    }
     e
 }
 

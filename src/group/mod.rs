@@ -336,8 +336,8 @@ impl ProcessGroup {
 
     /// The world rank of this group's rank `group_rank` (PyTorch's `get_global_rank`): its rank in the
     /// group this one was formed from at the root, through [`new_subgroup`](Self::new_subgroup) or a mesh
-    /// (the world group made by [`from_env`](Self::from_env) for a launched job). `None` when the group
-    /// has no such rank.
+    /// (the world group made by [`from_env`](Self::from_env) for a launched job; a group made by
+    /// [`new`](Self::new) is its own root, its ranks its own). `None` when the group has no such rank.
     pub fn global_rank(&self, group_rank: usize) -> Option<usize> {
         self.world_ranks.get(group_rank).copied()
     }
@@ -358,6 +358,11 @@ impl ProcessGroup {
     /// on it end within a heartbeat check instead of the timeout.
     pub(crate) fn leave(&self) {
         self.trace.leave();
+    }
+
+    /// Whether [`set_survivable`](Self::set_survivable) was called.
+    pub(crate) fn is_survivable(&self) -> bool {
+        self.trace.is_survivable()
     }
 
     /// Failures of this group are the caller's to survive: reported without flight-recorder dumps.
@@ -401,8 +406,10 @@ impl ProcessGroup {
         self.timeout
     }
     /// A group of the given ranks of this one (as `torch.distributed.new_group`), with the same backends.
-    /// Only the members call it (others get `None` without talking to anyone); `name` keeps different
-    /// subgroups of the same ranks apart. Member `ranks[i]` is rank `i` of the subgroup.
+    /// The members must call it; a rank that is not one of them may, and gets `None` at once without
+    /// talking to anyone (unlike PyTorch's `new_group`, which every rank of the group calls). `name` keeps
+    /// different subgroups of the same ranks apart. Member `ranks[i]` is rank `i` of the subgroup, whose
+    /// world rank [`global_rank`](Self::global_rank) gives.
     pub fn new_subgroup(&self, ranks: &[usize], name: &str) -> Result<Option<ProcessGroup>> {
         match self.subgroup_plan(ranks, name, false)? {
             Some(plan) => plan.form().map(Some),
@@ -491,9 +498,12 @@ impl ProcessGroup {
             collectives: self.collectives,
             heartbeat_timeout: self.trace.heartbeat_timeout(),
         };
+        // named by its members' world ranks: the same on every member, and unique across the job (a
+        // subgroup's own ranks repeat from one parent to the next)
+        let world: Arc<[usize]> = ranks.iter().map(|&r| self.world_ranks[r]).collect();
         let label = match formation {
-            1 => format!("{name} {:?}", ranks),
-            n => format!("{name}#{n} {:?}", ranks),
+            1 => format!("{name} {:?}", world),
+            n => format!("{name}#{n} {:?}", world),
         };
         // the color tells the parts apart: each part's lowest rank
         let split = match (&self.cuda, partition && self.bound) {
@@ -511,7 +521,7 @@ impl ProcessGroup {
             split,
             connect: false,
             bound: self.bound,
-            world: ranks.iter().map(|&r| self.world_ranks[r]).collect(),
+            world,
         }))
     }
 

@@ -505,9 +505,9 @@ impl Transport for GroupTransport {
             Some(o) => o,
             None => {
                 let me = self.pg.rank();
-                // with its world rank (a pipeline group is often a subgroup of the world), as the flight
-                // recorder and tchrun name ranks
-                let world = self.pg.global_rank(me).unwrap_or(me);
+                // with its launcher rank (a pipeline group is often a subgroup of the world), as the flight
+                // recorder's dumps and tchrun name ranks; else (ranks of one process) its world rank
+                let world = crate::settings::launch_rank().or(self.pg.global_rank(me)).unwrap_or(me);
                 let _ = self.pg.store().set(&self.abort_key(), AbortMessage::write(me, world, msg).as_bytes());
                 me
             }

@@ -24,7 +24,7 @@ pub(super) fn headline(
     // that failed was held up by that one (a pipeline stage waiting for its neighbour)
     let passed: Vec<Option<usize>> =
         named.iter().map(|r| tails.get(r).and_then(|t| error_line(t)).and_then(|l| passed_on(&l))).collect();
-    let through_errors = passed.iter().any(Option::is_some);
+    let through_errors = named.iter().zip(&passed).any(|(r, p)| p.is_some_and(|p| p != *r));
     let mut named: Vec<usize> = named.iter().zip(&passed).map(|(&r, p)| p.unwrap_or(r)).collect();
     named.sort_unstable();
     named.dedup();
@@ -91,22 +91,28 @@ fn odd_one_in(line: &str) -> Option<usize> {
     Some(world.unwrap_or(group_rank))
 }
 
-/// The world rank a subgroup's error blames: `rank 1 (world rank 3) of group dp [2, 3] has published no
-/// heartbeat`, `... never entered collective #4`, `... left group`, `... entered #4 but`. A rank's own
-/// place (`on rank 0 (world rank 2) of 2`) is not blame.
+/// The world rank a group's error blames: `rank 1 (world rank 3) of group dp [2, 3] has published no
+/// heartbeat`, `... never entered collective #4`, `... left group`, `... entered #4 but`; a rank named
+/// without its world rank is one whose rank is the same in the world. A rank's own place
+/// (`on rank 0 (world rank 2) of 2`) is not blame.
 fn blamed_by_world_rank(line: &str) -> Option<usize> {
-    const MARK: &str = "(world rank ";
-    line.match_indices(MARK).find_map(|(at, _)| {
-        let rest = &line[at + MARK.len()..];
-        let digits = rest.find(|c: char| !c.is_ascii_digit())?;
-        let after = &rest[digits..];
-        let blames =
-            [") of group ", ") never entered", ") left group", ") entered #"].iter().any(|m| after.starts_with(m));
-        if blames {
-            rest[..digits].parse().ok()
-        } else {
-            None
-        }
+    const BLAMES: [&str; 4] = [" of group ", " never entered", " left group", " entered #"];
+    let number = |s: &str| -> Option<(usize, usize)> {
+        let end = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+        Some((s[..end].parse().ok()?, end))
+    };
+    line.match_indices("rank ").find_map(|(at, m)| {
+        let rest = &line[at + m.len()..];
+        let (r, end) = number(rest)?;
+        let after = &rest[end..];
+        let (r, after) = match after.strip_prefix(" (world rank ") {
+            Some(w) => {
+                let (w, end) = number(w)?;
+                (w, after[" (world rank ".len() + end..].strip_prefix(')')?)
+            }
+            None => (r, after),
+        };
+        BLAMES.iter().any(|b| after.starts_with(b)).then_some(r)
     })
 }
 
@@ -114,9 +120,11 @@ fn blamed_by_world_rank(line: &str) -> Option<usize> {
 /// passed-on failure names (`rank 1 failed: ...`, a pipeline stage or a checkpoint), or the odd one out
 /// of an agreement check.
 fn named_in_errors(tails: &BTreeMap<usize, Vec<String>>) -> Option<usize> {
+    // a blamed rank whose own error passes on another's failure was only waiting for that one
+    let own = |r: usize| tails.get(&r).and_then(|t| error_line(t)).and_then(|l| passed_on(&l)).unwrap_or(r);
     let lines: Vec<String> = tails.values().filter_map(|t| error_line(t)).collect();
     let failed = lines.iter().find_map(|l| passed_on(l));
-    let blamed = lines.iter().find_map(|l| blamed_by_world_rank(l));
+    let blamed = lines.iter().find_map(|l| blamed_by_world_rank(l)).map(own);
     blamed.or(failed).or_else(|| lines.iter().find_map(|l| odd_one_in(l)))
 }
 
@@ -242,6 +250,8 @@ mod tests {
         assert!(h[0].starts_with("culprit: rank 3 (named in the ranks' errors): no error line"), "{h:?}");
         assert!(h[1].starts_with("why: rank 0 found it: Error: pipeline stage 0"), "{h:?}");
         assert_eq!(blamed_by_world_rank("x on rank 0 (world rank 2) of 2 (gloo)"), None);
+        assert_eq!(blamed_by_world_rank("rank 0 of group mesh-dp [0, 2] has published no heartbeat"), Some(0));
+        assert_eq!(blamed_by_world_rank("DDP forward on rank 1 of 2: rank 0 never entered #3"), Some(0));
         assert_eq!(blamed_by_world_rank("rank 1 (world rank 12) never entered collective #3"), Some(12));
         // a subgroup [1, 2, 3] disagrees; the recorder names all three (rank 0, outside it, waited), the
         // errors the odd one out by its world rank
