@@ -10,7 +10,7 @@
 //!   extra@R:S      rank R runs S more steps than the others (uneven inputs without `join`); no final barrier
 //!   torcherr@R:S   rank R runs a tensor operation on mismatched shapes at step S (a libtorch error)
 //!
-//!   fault_drill --mode ddp|zero2|fsdp|pipeline|pipeline-dp [--steps 8]
+//!   fault_drill --mode ddp|zero2|fsdp|pipeline|pipeline-dp|mesh [--steps 8]
 //!
 //! Rank 0 prints `step S` after each step; every rank prints `done` at the end.
 use std::sync::Arc;
@@ -30,7 +30,8 @@ use tch_dist::{ProcessGroup, ReduceOp};
 
 #[derive(Parser)]
 struct Args {
-    /// ddp, zero2, fsdp, pipeline (2 ranks, one stage each) or pipeline-dp (4 ranks: pp 2 x DDP 2)
+    /// ddp, zero2, fsdp, pipeline (2 ranks, one stage each), pipeline-dp (4 ranks: pp 2 x DDP 2) or mesh
+    /// (4 ranks: a 2 x 2 mesh, an all-reduce in each dimension per step)
     #[arg(long, default_value = "ddp")]
     mode: String,
     #[arg(long, default_value_t = 8)]
@@ -83,6 +84,24 @@ fn batch(step: usize, rank: usize) -> (Tensor, Tensor) {
     (x, y)
 }
 
+/// A 2 x 2 mesh (dp, tp): per step an all-reduce over tp, then one over dp, so that a rank stopped in tp
+/// holds its tp peer away from that peer's dp all-reduce.
+fn mesh(args: &Args, pg: &ProcessGroup, f: &Option<Fault>) -> Result<(), Box<dyn std::error::Error>> {
+    let mesh = tch_dist::mesh::DeviceMesh::new(pg, &[("dp", 2), ("tp", 2)])?;
+    let (dp, tp) = (mesh.group("dp")?, mesh.group("tp")?);
+    for step in 0..args.steps {
+        strike(f, pg.rank(), step);
+        let mut t = Tensor::ones([8], (Kind::Float, Device::Cpu));
+        tp.allreduce(&mut t, ReduceOp::Sum)?;
+        dp.allreduce(&mut t, ReduceOp::Sum)?;
+        if pg.rank() == 0 {
+            println!("step {step}");
+        }
+    }
+    println!("done");
+    Ok(())
+}
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse();
     let pg = Arc::new(ProcessGroup::from_env()?);
@@ -90,6 +109,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let f = fault();
     if args.mode.starts_with("pipeline") {
         return pipeline(&args, pg, &f);
+    }
+    if args.mode == "mesh" {
+        return mesh(&args, &pg, &f);
     }
     tch::manual_seed(0);
     if args.mode == "fsdp" {

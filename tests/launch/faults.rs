@@ -151,6 +151,21 @@ fn a_stopped_rank_of_a_subgroup_is_named_by_its_world_rank() {
     assert!(culprit.contains("culprit: rank 3 ("), "the headline names world rank 3: {t}");
 }
 
+/// A 2 x 2 mesh whose world rank 3 stops: rank 2, waiting for it in their tp group, never enters the dp
+/// all-reduce rank 0 waits in. The recorder names rank 3 (it left no dump), not rank 2, which is held up
+/// (found by an outside user: the headline named rank 2).
+#[test]
+fn a_rank_held_up_in_another_group_is_not_the_culprit() {
+    let env = [DEFAULT_TIMEOUT, ("TCH_DIST_HEARTBEAT_TIMEOUT_SECS", "3")];
+    let (o, secs) = drill_env(4, "mesh", "stop@3:3", &[], &env);
+    let t = text(&o);
+    assert_failed_in_time(&o, secs, 3 + SLACK);
+    let culprit = t.lines().find(|l| l.contains("culprit: ")).unwrap_or_default();
+    assert!(culprit.contains("culprit: rank 3 (named by the flight recorder"), "{t}");
+    assert!(t.contains("rank 2 never entered #") && t.contains("(it waits in #"), "{t}");
+    assert!(t.contains("rank 3 of mesh-tp [2, 3] left no dump"), "{t}");
+}
+
 #[test]
 fn an_unwritable_checkpoint_fails_every_rank_at_once_naming_rank_0_and_the_file() {
     let (o, secs) = drill(2, "ddp", "none@0:0", &["--ckpt", "/dev/null/ckpt.safetensors"]);
