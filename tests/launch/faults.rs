@@ -114,6 +114,10 @@ fn a_rank_calling_another_collective_is_a_mismatch_on_every_rank() {
         t.contains("ranks disagree on dtype/shape: rank 0: Float[5], rank 1: Float[5], rank 2: Float[3]; the odd one out: rank 2"),
         "{t}"
     );
+    // every rank saw the disagreement and left its flight-recorder dump, which tchrun read
+    for r in 0..3 {
+        assert!(t.contains(&format!("tchrun:   rank {r} last recorded #")), "rank {r}'s dump:\n{t}");
+    }
 }
 
 #[test]
