@@ -9,7 +9,10 @@ use std::time::{Duration, Instant};
 
 /// The collective timeout the drills run with.
 const TIMEOUT: u64 = 10;
-/// What "a few seconds" may add: tchrun's grace period for SIGTERM before SIGKILL, and start-up.
+/// What "a few seconds" may add: tchrun's grace period for SIGTERM before SIGKILL, and start-up. The
+/// 4-rank drills (pp x dp, a mesh) allow it three times over: their start-up and first steps under a
+/// loaded machine took 11.1 s where 3 + 8 was allowed, still far from the collective timeout (600 s)
+/// the bound tells apart.
 const SLACK: u64 = 8;
 
 /// Runs `ranks` ranks of the drill with `fault`; (output, seconds).
@@ -148,7 +151,7 @@ fn a_stopped_rank_of_a_subgroup_is_named_by_its_world_rank() {
     let env = [DEFAULT_TIMEOUT, ("TCH_DIST_HEARTBEAT_TIMEOUT_SECS", "3")];
     let (o, secs) = drill_env(4, "pipeline-dp", "stop@3:3", &[], &env);
     let t = text(&o);
-    assert_failed_in_time(&o, secs, 3 + SLACK);
+    assert_failed_in_time(&o, secs, 3 + 3 * SLACK);
     let named = t.lines().find(|l| l.contains("(world rank 3) of group mesh-")).unwrap_or_default();
     assert!(named.contains("rank 1 (world rank 3) of group mesh-") && named.contains("published no heartbeat"), "{t}");
     let culprit = t.lines().find(|l| l.contains("culprit: ")).unwrap_or_default();
@@ -163,7 +166,7 @@ fn a_rank_held_up_in_another_group_is_not_the_culprit() {
     let env = [DEFAULT_TIMEOUT, ("TCH_DIST_HEARTBEAT_TIMEOUT_SECS", "3")];
     let (o, secs) = drill_env(4, "mesh", "stop@3:3", &[], &env);
     let t = text(&o);
-    assert_failed_in_time(&o, secs, 3 + SLACK);
+    assert_failed_in_time(&o, secs, 3 + 3 * SLACK);
     let culprit = t.lines().find(|l| l.contains("culprit: ")).unwrap_or_default();
     assert!(culprit.contains("culprit: rank 3 (named by the flight recorder"), "{t}");
     assert!(t.contains("rank 2 never entered #") && t.contains("(it waits in #"), "{t}");
