@@ -18,11 +18,11 @@ use clap::Parser;
 #[path = "common/digits.rs"]
 mod digits;
 
-use tch::nn::{ModuleT, OptimizerConfig};
-use tch::{nn, Device, Kind};
+use tch::{Device, Kind};
 use tch_dist::data::{Batches, DistributedSampler, SamplerOptions};
 use tch_dist::ddp::DdpOptions;
-use tch_dist::parallelize::{self, Plan};
+use tch_dist::nn::{self, ModuleT, OptimizerConfig};
+use tch_dist::parallelize::Plan;
 use tch_dist::{DistModule, ProcessGroup, ReduceOp};
 
 const GLOBAL_BATCH: i64 = 64;
@@ -53,8 +53,8 @@ fn conv3(p: nn::Path, cin: i64, cout: i64) -> nn::Conv2D {
     nn::conv2d(p, cin, cout, 3, nn::ConvConfig { padding: 1, bias: false, ..Default::default() })
 }
 
-fn bn(p: nn::Path, c: i64) -> parallelize::BatchNorm {
-    parallelize::batch_norm2d(&p, c, Default::default()).unwrap()
+fn bn(p: nn::Path, c: i64) -> nn::BatchNorm {
+    nn::batch_norm2d(p, c, Default::default())
 }
 
 /// conv, bn, relu, conv, bn, plus the input, relu (ResNet's basic block).

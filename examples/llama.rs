@@ -14,16 +14,17 @@ use std::os::unix::fs::FileExt;
 use std::sync::Arc;
 
 use clap::Parser;
-use tch::nn::{self, Module};
 use tch::{Device, Kind, Tensor};
 use tch_dist::amp::AutocastGuard;
 use tch_dist::checkpoint::hf::{save_hf_stores, HfCheckpoint, HfPart, HfSaveOptions, HfSlot};
 use tch_dist::checkpoint::{Checkpointer, StateDict};
 use tch_dist::ddp::DdpOptions;
 use tch_dist::fsdp::FsdpOptions;
+use tch_dist::nn::{self, Module};
+use tch_dist::nn::{Linear, Unit};
 use tch_dist::optim::{AdamW, Optimizer};
 use tch_dist::parallel_dims::{ParallelDims, ParallelMesh};
-use tch_dist::parallelize::{self, Linear, Parallel, Plan, Style, Unit};
+use tch_dist::parallelize::{Parallel, Plan, Style};
 use tch_dist::pipeline::{LayerList, Partition, PipelineConfig, PipelineRank};
 use tch_dist::recompute::Checkpointed;
 use tch_dist::throughput::{transformer_flops_per_token, Throughput, ThroughputConfig};
@@ -205,8 +206,7 @@ fn inv_freq(v: &serde_json::Value, head_dim: i64) -> Result<Vec<f64>> {
 fn linear(p: nn::Path, i: i64, o: i64, cfg: &Config) -> Linear {
     let ws_init = nn::Init::Randn { mean: 0.0, stdev: cfg.init_std };
     // main checked what the split needs (heads and sizes divisible by --tp)
-    parallelize::linear(&p, i, o, nn::LinearConfig { ws_init, bias: false, ..Default::default() })
-        .expect("a projection the plan splits")
+    nn::linear(p, i, o, nn::LinearConfig { ws_init, bias: false, ..Default::default() })
 }
 
 /// `weight * x / rms(x)`, computed in float32 as `transformers` does.
@@ -372,7 +372,7 @@ impl Llama {
             .map(|i| {
                 let p = &m / "layers" / i;
                 // an FSDP unit per layer
-                parallelize::unit(&p, Block::new(p.clone(), cfg, recompute)).expect("built inside plan.build")
+                nn::unit(&p, Block::new(p.clone(), cfg, recompute))
             })
             .collect();
         Llama {
@@ -400,7 +400,7 @@ impl Module for Llama {
         let x = self.norm.forward(&x);
         match &self.lm_head {
             Some(head) => head.forward(&x),
-            None => x.matmul(&self.embed_tokens.ws.tr()),
+            None => x.matmul(&self.embed_tokens.ws().tr()),
         }
     }
 }

@@ -1,7 +1,7 @@
 //! tch-rs's own `examples/min-gpt` (a Rust port of karpathy's minGPT; tch-rs is MIT/Apache-2.0), made
 //! distributed through a `parallelize::Plan`: its model code is tch's, built while the plan is entered,
-//! except that the linear layers come from `parallelize::linear`, each block passes through
-//! `parallelize::unit`, and attention views its heads as `-1` (this rank's heads under tensor
+//! except that the linear layers come from `tch_dist::nn::linear`, each block passes through
+//! `tch_dist::nn::unit`, and attention views its heads as `-1` (this rank's heads under tensor
 //! parallelism). Each layout is a launch and a
 //! plan, not a model change (docs/min-gpt.md):
 //!
@@ -22,10 +22,10 @@ use clap::Parser;
 mod degrees;
 use degrees::Degrees;
 use tch::data::TextData;
-use tch::nn::{ModuleT, OptimizerConfig};
-use tch::{nn, Device, IndexOp, Kind, Tensor};
+use tch::{Device, IndexOp, Kind, Tensor};
+use tch_dist::nn::{self, Linear, ModuleT, OptimizerConfig};
 use tch_dist::parallel_dims::ParallelMesh;
-use tch_dist::parallelize::{self, Linear, Plan, Style};
+use tch_dist::parallelize::{Plan, Style};
 use tch_dist::ProcessGroup;
 
 type Result<T> = std::result::Result<T, Box<dyn std::error::Error>>;
@@ -86,12 +86,12 @@ const W: nn::Init = nn::Init::Randn { mean: 0.0, stdev: 0.02 };
 const INIT: nn::LinearConfig = nn::LinearConfig { ws_init: W, bs_init: Some(nn::Init::Const(0.0)), bias: true };
 
 fn linear(vs: nn::Path, in_dim: i64, out_dim: i64) -> Linear {
-    parallelize::linear(&vs.set_group(WEIGHT_DECAY_GROUP), in_dim, out_dim, INIT).unwrap()
+    nn::linear(vs.set_group(WEIGHT_DECAY_GROUP), in_dim, out_dim, INIT)
 }
 
 fn linear_no_bias(vs: nn::Path, in_dim: i64, out_dim: i64) -> Linear {
     let cfg = nn::LinearConfig { bias: false, ..INIT };
-    parallelize::linear(&vs.set_group(WEIGHT_DECAY_GROUP), in_dim, out_dim, cfg).unwrap()
+    nn::linear(vs.set_group(WEIGHT_DECAY_GROUP), in_dim, out_dim, cfg)
 }
 
 fn causal_self_attention(p: &nn::Path, cfg: Config) -> impl ModuleT {
@@ -139,7 +139,7 @@ fn gpt(p: nn::Path, cfg: Config) -> impl ModuleT {
     let mut blocks = nn::seq_t();
     for block_idx in 0..cfg.n_layer {
         let bp = p / block_idx;
-        blocks = blocks.add(parallelize::unit(&bp, block(&bp, cfg)).unwrap()); // plan: an FSDP unit
+        blocks = blocks.add(nn::unit(&bp, block(&bp, cfg))); // plan: an FSDP unit
     }
     nn::func_t(move |xs, train| {
         let (_sz_b, sz_t) = xs.size2().unwrap();

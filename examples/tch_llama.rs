@@ -1,43 +1,38 @@
-//! A Llama-style language model (the architecture of tch-rs's `examples/llama`: a fused `c_attn`
-//! projection read in three slices, RMSNorm scales made with `vs.ones`, rotary embeddings passed to each
-//! block, a SwiGLU MLP, no biases), trained on characters under DDP, FSDP, HSDP or tensor parallelism
-//! through a `parallelize::Plan`, with tch's own `nn::AdamW`, saved to and resumed from a sharded
-//! checkpoint in any layout (docs/porting.md walks through it):
+//! examples/tch_llama_plain.rs (a Llama-style model in one process, tch alone) ported to every layout:
+//! DDP, FSDP, HSDP and tensor parallelism, chosen by `--parallel` (degrees: `ParallelDims`), with tch's
+//! own `nn::AdamW`, saved to and resumed from a sharded checkpoint in any layout. `diff` the two files to
+//! see what the port changes (docs/porting.md walks through it):
 //!
-//!   tchrun --nproc-per-node 1 -- tch_llama --corpus FILE                  # one process
-//!   tchrun --nproc-per-node 2 -- tch_llama --corpus FILE --dp 2           # DDP
-//!   tchrun --nproc-per-node 2 -- tch_llama --corpus FILE --fsdp 2         # FSDP, a unit per block
-//!   tchrun --nproc-per-node 4 -- tch_llama --corpus FILE --hsdp 2x2       # HSDP
-//!   tchrun --nproc-per-node 2 -- tch_llama --corpus FILE --tp 2           # tensor parallel
+//!   tchrun --nproc-per-node 1 -- tch_llama --corpus FILE                                  # one process
+//!   tchrun --nproc-per-node 2 -- tch_llama --corpus FILE --parallel dp_replicate=2        # DDP
+//!   tchrun --nproc-per-node 2 -- tch_llama --corpus FILE --parallel dp_shard=2            # FSDP
+//!   tchrun --nproc-per-node 4 -- tch_llama --corpus FILE --parallel dp_replicate=2,dp_shard=2  # HSDP
+//!   tchrun --nproc-per-node 2 -- tch_llama --corpus FILE --parallel tp=2                  # tensor parallel
 //!
 //! `--checkpoint DIR` saves the model and tch's optimizer there after the last step; `--resume` first
 //! loads the newest checkpoint there (saved in any layout) and goes on from its step.
 use std::io::Write;
-use std::sync::Arc;
+use std::sync::Arc; // [checkpoint]
 
 use clap::Parser;
 
-#[path = "common/degrees.rs"]
-mod degrees;
-use degrees::Degrees;
 use tch::data::TextData;
-use tch::nn::{self, Module, OptimizerConfig};
 use tch::{Device, IndexOp, Kind, Tensor};
-use tch_dist::checkpoint::{Checkpointer, StateDict};
-use tch_dist::parallel_dims::ParallelMesh;
-use tch_dist::parallelize::{self, Linear, Plan, Style, Unit};
-use tch_dist::{DistModule, ProcessGroup};
+use tch_dist::checkpoint::{Checkpointer, StateDict}; // [checkpoint]
+use tch_dist::nn::{self, Module, OptimizerConfig}; // [tp fsdp] tch's nn, with the layers a plan splits
+use tch_dist::prelude::*;
 
 type Result<T> = std::result::Result<T, Box<dyn std::error::Error>>;
 
 #[derive(Parser, Debug)]
-#[command(about = "a Llama-style model under DDP, FSDP, HSDP or tensor parallelism")]
+#[command(about = "a Llama-style language model")]
 struct Args {
     /// The training text (characters).
     #[arg(long)]
     corpus: String,
-    #[command(flatten)]
-    degrees: Degrees,
+    /// The layout: degrees such as `dp_shard=2,tp=2` (one process by default).
+    #[arg(long, default_value_t)] // [flags]
+    parallel: ParallelDims, // [flags]
     #[arg(long, default_value_t = 4)]
     layers: i64,
     #[arg(long, default_value_t = 256)]
@@ -51,18 +46,18 @@ struct Args {
     batch_size: i64,
     #[arg(long, default_value_t = 0.001)]
     lr: f64,
-    /// The step to stop after (counted from the start, resumed runs included).
+    /// The number of steps.
     #[arg(long, default_value_t = 100)]
     steps: usize,
-    /// Where the first rank writes `step loss` lines.
+    /// Where to write `step loss` lines.
     #[arg(long)]
     losses: Option<String>,
     /// A sharded checkpoint of the model and the optimizer is saved here after the last step.
-    #[arg(long)]
-    checkpoint: Option<String>,
+    #[arg(long)] // [checkpoint]
+    checkpoint: Option<String>, // [checkpoint]
     /// Load the newest checkpoint under --checkpoint first, and go on from its step.
-    #[arg(long)]
-    resume: bool,
+    #[arg(long)] // [checkpoint]
+    resume: bool, // [checkpoint]
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -73,8 +68,8 @@ struct Config {
     n_embd: i64,
 }
 
-fn linear(p: nn::Path, i: i64, o: i64) -> Linear {
-    parallelize::linear(&p, i, o, nn::LinearConfig { bias: false, ..Default::default() }).unwrap()
+fn linear(p: nn::Path, i: i64, o: i64) -> nn::Linear {
+    nn::linear(p, i, o, nn::LinearConfig { bias: false, ..Default::default() })
 }
 
 /// Root-mean-square normalisation with a learned scale (starting at one, for training).
@@ -99,9 +94,9 @@ impl Module for RmsNorm {
 /// SwiGLU: `c_proj(silu(c_fc1 x) * c_fc2 x)`.
 #[derive(Debug)]
 struct Mlp {
-    c_fc1: Linear,
-    c_fc2: Linear,
-    c_proj: Linear,
+    c_fc1: nn::Linear,
+    c_fc2: nn::Linear,
+    c_proj: nn::Linear,
 }
 
 impl Mlp {
@@ -125,9 +120,9 @@ impl Module for Mlp {
 /// Causal self-attention with one fused projection for queries, keys and values.
 #[derive(Debug)]
 struct Attention {
-    c_attn: Linear,
-    c_proj: Linear,
-    head_dim: i64,
+    c_attn: nn::Linear,
+    c_proj: nn::Linear,
+    n_head: i64,
 }
 
 /// Rotates pairs of `x`'s last dimension (`[b, heads, t, head_dim]`) by the angles in `rope`
@@ -146,19 +141,19 @@ impl Attention {
         Attention {
             c_attn: linear(&p / "c_attn", cfg.n_embd, 3 * cfg.n_embd),
             c_proj: linear(&p / "c_proj", cfg.n_embd, cfg.n_embd),
-            head_dim: cfg.n_embd / cfg.n_head,
+            n_head: cfg.n_head,
         }
     }
 
     fn forward(&self, x: &Tensor, rope: &Tensor) -> Tensor {
-        let (b, t, _) = x.size3().unwrap();
-        let qkv = self.c_attn.forward(x).chunk(3, -1);
-        // -1 heads: all of them in one process, this rank's under tensor parallelism
-        let heads = |y: &Tensor| y.reshape([b, t, -1, self.head_dim]).transpose(1, 2);
+        let (b, t, c) = x.size3().unwrap();
+        let qkv = self.c_attn.forward(x).chunk(3, -1); // [tp] a rank holds a third of each of q, k, v
+        let (q, k, v) = (&qkv[0], &qkv[1], &qkv[2]); // [tp]
+        let heads = |y: &Tensor| y.reshape([b, t, -1, c / self.n_head]).transpose(1, 2); // [tp] -1: its heads
         let rope = rope.narrow(0, 0, t);
-        let (q, k, v) = (rotary(&heads(&qkv[0]), &rope), rotary(&heads(&qkv[1]), &rope), heads(&qkv[2]));
+        let (q, k, v) = (rotary(&heads(q), &rope), rotary(&heads(k), &rope), heads(v));
         let y = Tensor::scaled_dot_product_attention(&q, &k, &v, None::<Tensor>, 0.0, true, None, false);
-        self.c_proj.forward(&y.transpose(1, 2).reshape([b, t, -1]))
+        self.c_proj.forward(&y.transpose(1, 2).reshape([b, t, -1])) // [tp]
     }
 }
 
@@ -190,21 +185,16 @@ impl Block {
 #[derive(Debug)]
 struct Llama {
     wte: nn::Embedding,
-    blocks: Vec<Unit<Block>>,
+    blocks: Vec<nn::Unit<Block>>, // [fsdp] FSDP units, or the blocks
     ln_f: RmsNorm,
-    lm_head: Linear,
+    lm_head: nn::Linear,
     rope: Tensor,
 }
 
 impl Llama {
     fn new(p: nn::Path, cfg: Config, context: i64) -> Self {
         let t = &p / "transformer";
-        let blocks = (0..cfg.n_layer)
-            .map(|i| {
-                let bp = &t / "h" / i;
-                parallelize::unit(&bp, Block::new(bp.clone(), cfg)).unwrap() // an FSDP unit per block
-            })
-            .collect();
+        let blocks = (0..cfg.n_layer).map(|i| nn::unit(&t / "h" / i, Block::new(&t / "h" / i, cfg))).collect(); // [fsdp]
         Llama {
             wte: nn::embedding(&t / "wte", cfg.vocab_size, cfg.n_embd, Default::default()),
             blocks,
@@ -219,7 +209,7 @@ impl Module for Llama {
     fn forward(&self, ids: &Tensor) -> Tensor {
         let mut x = self.wte.forward(ids);
         for block in &self.blocks {
-            x = block.forward_with(&x, |b, x| b.forward(x, &self.rope));
+            x = block.forward_with(&x, |b, x| b.forward(x, &self.rope)); // [fsdp]
         }
         self.lm_head.forward(&self.ln_f.forward(&x))
     }
@@ -233,57 +223,48 @@ fn rope_table(head_dim: i64, context: i64) -> Tensor {
     Tensor::stack(&[angles.cos(), angles.sin()], -1)
 }
 
-/// Tensor parallelism by name (the fused projection split block by block), and the data parallelism
-/// of the flags.
-fn plan(dims: &ParallelMesh) -> Plan {
-    dims.plan()
-        .style("*.attn.c_attn", Style::colwise_fused(3))
-        .styles(&["*.c_fc1", "*.c_fc2"], Style::colwise())
-        .style("*.c_proj", Style::rowwise())
+fn append(file: &String) -> std::io::Result<std::fs::File> {
+    std::fs::OpenOptions::new().create(true).append(true).open(file)
 }
 
 fn main() -> Result<()> {
     let a = Args::parse();
     tch::set_num_threads(1);
     let world = Arc::new(ProcessGroup::from_env()?);
-    let dims = a.degrees.dims()?.build(&world)?;
-    let rows = dims.rows(a.batch_size)?; // this rank's rows of each batch
+    let dims = a.parallel.build(&world)?;
     let data = TextData::new(&a.corpus).map_err(|e| format!("--corpus {}: {e}", a.corpus))?;
     let cfg = Config { vocab_size: data.labels(), n_layer: a.layers, n_head: a.n_head, n_embd: a.n_embd };
-    let vs = nn::VarStore::new(Device::Cpu);
-    let plan = plan(&dims);
+    let vs = nn::VarStore::new(world.device());
+    // the data parallelism of the degrees, and tensor parallelism by name
+    let plan = dims.plan().style("*.attn.c_attn", Style::colwise_fused(3)).style("*.c_proj", Style::rowwise()); // [tp]
+    let plan = plan.styles(&["*.c_fc1", "*.c_fc2"], Style::colwise()); // [tp]
     tch::manual_seed(42); // every rank and every layout: the same model
     let model = plan.build(&vs, || Llama::new(vs.root(), cfg, a.block_size))?;
     let mut opt = nn::AdamW::default().build(&vs, a.lr)?; // after the model: under FSDP, over its shards
-
-    let mut start = 0;
-    let mut ck = a.checkpoint.as_ref().map(|dir| Checkpointer::new(world.clone(), dir)).transpose()?;
+    let mut ck = a.checkpoint.as_ref().map(|dir| Checkpointer::new(world.clone(), dir)).transpose()?; // [checkpoint]
+    let mut start = 0; // [checkpoint]
     if let (true, Some(ck)) = (a.resume, ck.as_mut()) {
+        // [checkpoint] in any layout, saved in any other
         let step = ck.load(StateDict::new().var_store("model", &vs).tch_optimizer("optim", &mut opt, &vs))?;
         start = step.ok_or("--resume: no checkpoint under --checkpoint")? as usize;
     }
 
-    // the same batches on every rank; each data-parallel rank trains on its rows
     tch::manual_seed(1);
-    let batches = data.iter_shuffle(a.block_size + 1, a.batch_size);
-    let mut out = match (&a.losses, world.rank()) {
-        (Some(f), 0) => Some(std::fs::OpenOptions::new().create(true).append(true).open(f)?),
-        _ => None,
-    };
-    for (step, batch) in batches.enumerate().take(a.steps).skip(start) {
-        let batch = batch.i(rows.clone());
+    let batches = data.iter_shuffle(a.block_size + 1, a.batch_size).enumerate().take(a.steps).skip(start); // [checkpoint]
+    let mut out = a.losses.as_ref().filter(|_| dims.is_reporter()).map(append).transpose()?;
+    for (step, batch) in batches {
+        let batch = batch.i(dims.rows(a.batch_size)?).to_device(vs.device()); // [dp] this rank's rows
         let xs = batch.narrow(1, 0, a.block_size).to_kind(Kind::Int64);
         let ys = batch.narrow(1, 1, a.block_size).to_kind(Kind::Int64);
         let logits = model.forward(&xs);
         let loss = logits.view([-1, cfg.vocab_size]).cross_entropy_for_logits(&ys.view([-1]));
-        opt.zero_grad();
-        model.backward(&loss)?; // DDP's and FSDP's reductions; plain autograd otherwise
-        opt.step();
-        // averaged (a collective: on every rank alike) and read only where it is shown or written
+        opt.backward_step(&loss);
+        // averaged over the data-parallel ranks (a collective: on every rank alike); read where it is
+        // shown or written (a host sync)
         let logs = step.is_multiple_of(20) || step + 1 == a.steps;
         if logs || a.losses.is_some() {
-            let l = dims.average_loss(&loss)?.double_value(&[]);
-            if world.rank() == 0 && logs {
+            let l = dims.average_loss(&loss)?.double_value(&[]); // [dp]
+            if logs && dims.is_reporter() {
                 println!("step {step}: loss {l:.4}");
             }
             if let Some(f) = out.as_mut() {
@@ -292,6 +273,7 @@ fn main() -> Result<()> {
         }
     }
     if let Some(ck) = ck.as_mut() {
+        // [checkpoint]
         ck.save(a.steps as u64, StateDict::new().var_store("model", &vs).tch_optimizer("optim", &mut opt, &vs))?;
     }
     Ok(())

@@ -50,6 +50,7 @@ pub mod init;
 pub mod memory;
 pub mod mesh;
 pub mod moe;
+pub mod nn;
 pub mod optim;
 pub mod parallel_dims;
 pub mod parallelize;

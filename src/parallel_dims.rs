@@ -54,6 +54,62 @@ impl Default for ParallelDims {
     }
 }
 
+/// The degrees as they are written on a command line or in a config: `name=degree` pairs joined by
+/// commas, in any order, each name a field (`"dp_shard=rest,tp=2"`; `rest` or `-1` is [`REST`]); the
+/// degrees left out are 1, and `"1"` (or nothing) is one process. `Display` writes the same form, the
+/// degrees above 1 only, so a `ParallelDims` is a clap argument as it is:
+/// `#[arg(long, default_value_t)] parallel: ParallelDims` takes `--parallel dp_shard=2,tp=2`.
+impl std::str::FromStr for ParallelDims {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<ParallelDims> {
+        let mut d = ParallelDims::default();
+        let bad = |why: String| Error::invalid("ParallelDims", format!("{s:?}: {why}"));
+        for entry in s.split(',').map(str::trim).filter(|e| !e.is_empty() && *e != "1") {
+            let (name, value) = entry
+                .split_once('=')
+                .ok_or_else(|| bad(format!("{entry:?} is not name=degree (names: {}, ep)", DIMS.join(", "))))?;
+            let degree = match value.trim() {
+                "rest" | "-1" => REST,
+                v => match v.parse::<usize>() {
+                    Ok(n) if n > 0 => n,
+                    _ => return Err(bad(format!("{name}={v}: a degree is a positive whole number, or rest"))),
+                },
+            };
+            let field = match name.trim() {
+                "pp" => &mut d.pp,
+                "dp_replicate" => &mut d.dp_replicate,
+                "dp_shard" => &mut d.dp_shard,
+                "cp" => &mut d.cp,
+                "tp" => &mut d.tp,
+                "ep" => &mut d.ep,
+                other => return Err(bad(format!("no degree is named {other:?} (names: {}, ep)", DIMS.join(", ")))),
+            };
+            *field = degree;
+        }
+        Ok(d)
+    }
+}
+
+impl std::fmt::Display for ParallelDims {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let d = self;
+        let all =
+            [("pp", d.pp), ("dp_replicate", d.dp_replicate), ("dp_shard", d.dp_shard), ("cp", d.cp), ("tp", d.tp)];
+        let set: Vec<String> = all
+            .iter()
+            .chain(&[("ep", d.ep)])
+            .filter(|(_, v)| *v != 1)
+            .map(|(n, v)| if *v == REST { format!("{n}=rest") } else { format!("{n}={v}") })
+            .collect();
+        if set.is_empty() {
+            f.write_str("1")
+        } else {
+            f.write_str(&set.join(","))
+        }
+    }
+}
+
 /// The mesh dimensions' names, outermost first.
 pub const DIMS: [&str; 5] = ["pp", "dp_replicate", "dp_shard", "cp", "tp"];
 
@@ -359,6 +415,22 @@ enum DpKind {
 #[cfg(test)]
 mod tests {
     use super::{ParallelDims, REST};
+
+    #[test]
+    fn degrees_read_from_text_and_write_back_the_same() {
+        let d: ParallelDims = "dp_shard=rest, tp=2".parse().unwrap();
+        assert_eq!(d, ParallelDims { dp_shard: REST, tp: 2, ..Default::default() });
+        assert_eq!(d.to_string(), "dp_shard=rest,tp=2");
+        for s in ["1", "", "pp=2,dp_replicate=2,dp_shard=2,cp=2,tp=2,ep=2"] {
+            let d: ParallelDims = s.parse().unwrap();
+            assert_eq!(d.to_string().parse::<ParallelDims>().unwrap(), d, "{s}");
+        }
+        assert_eq!(ParallelDims::default().to_string(), "1");
+        let err = |s: &str| s.parse::<ParallelDims>().unwrap_err().to_string();
+        assert!(err("fsdp=2").contains("no degree is named \"fsdp\""), "{}", err("fsdp=2"));
+        assert!(err("tp=0").contains("tp=0"), "{}", err("tp=0"));
+        assert!(err("tp").contains("name=degree"), "{}", err("tp"));
+    }
 
     #[test]
     fn the_rest_is_what_the_world_leaves_and_wrong_degrees_are_named() {

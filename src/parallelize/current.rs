@@ -1,19 +1,21 @@
 //! The plan a model is being built under, for model code that does not pass one along: inside
-//! `let _plan = plan.enter();`, [`linear`] is `plan.linear`, [`embedding`] is `plan.embedding`,
-//! [`batch_norm2d`] is `plan.batch_norm` and [`unit`] is `plan.unit`; with no plan entered they give tch's own layers and the block itself. The
-//! scope is the thread's, as tch's `no_grad_guard` is, so that a model's constructors keep tch's
-//! signatures. It covers building the model; what runs later (a vocabulary-parallel loss) takes the
-//! plan itself ([`Plan::cross_entropy`]).
+//! `let _plan = plan.enter();` (or `plan.build(&vs, || ..)`), `tch_dist::nn`'s `linear` is `plan.linear`,
+//! its `embedding` is `plan.embedding`, its `batch_norm2d` is `plan.batch_norm` and its `unit` is
+//! `plan.unit`; with no plan entered they give tch's own layers and the block itself. The scope is the
+//! thread's, as tch's `no_grad_guard` is, so that a model's constructors keep tch's signatures. It
+//! covers building the model; what runs later (a vocabulary-parallel loss) takes the plan itself
+//! ([`Plan::cross_entropy`]).
 //!
 //! ```no_run
-//! use tch::{nn, nn::Module, Device};
-//! use tch_dist::parallelize::{self, Plan, Style};
+//! use tch::Device;
+//! use tch_dist::nn::{self, Module};
+//! use tch_dist::parallelize::{Plan, Style};
 //! # fn main() -> tch_dist::Result<()> {
 //! # let mesh = tch_dist::mesh::DeviceMesh::new(&tch_dist::ProcessGroup::from_env()?, &[("tp", 2)])?;
 //! // the model's code, as in tch: no plan in its signatures
 //! fn mlp(p: &nn::Path) -> impl Module {
-//!     let fc = parallelize::linear(&(p / "fc"), 64, 256, Default::default()).unwrap();
-//!     let proj = parallelize::linear(&(p / "proj"), 256, 64, Default::default()).unwrap();
+//!     let fc = nn::linear(p / "fc", 64, 256, Default::default());
+//!     let proj = nn::linear(p / "proj", 256, 64, Default::default());
 //!     nn::func(move |xs| xs.apply(&fc).gelu("none").apply(&proj))
 //! }
 //! let plan = Plan::tensor_parallel(&mesh, "tp")?.style("*.fc", Style::colwise()).style("*.proj", Style::rowwise());
@@ -111,32 +113,32 @@ pub fn current() -> Plan {
 }
 
 /// [`Plan::linear`] of the entered plan: tch's `nn::linear` when none is, or its split form.
-pub fn linear(path: &nn::Path, in_dim: i64, out_dim: i64, config: nn::LinearConfig) -> Result<Linear> {
+pub(crate) fn linear(path: &nn::Path, in_dim: i64, out_dim: i64, config: nn::LinearConfig) -> Result<Linear> {
     current().linear(path, in_dim, out_dim, config)
 }
 
 /// [`Plan::embedding`] of the entered plan: tch's `nn::embedding` when none is, or its split form.
-pub fn embedding(path: &nn::Path, num: i64, dim: i64, config: nn::EmbeddingConfig) -> Result<Embedding> {
+pub(crate) fn embedding(path: &nn::Path, num: i64, dim: i64, config: nn::EmbeddingConfig) -> Result<Embedding> {
     current().embedding(path, num, dim, config)
 }
 
 /// [`Plan::batch_norm`] of the entered plan, 2-d: tch's `nn::batch_norm2d` when none is, or its
 /// synchronised form ([`Plan::sync_batch_norm`]).
-pub fn batch_norm2d(path: &nn::Path, out_dim: i64, config: nn::BatchNormConfig) -> Result<BatchNorm> {
+pub(crate) fn batch_norm2d(path: &nn::Path, out_dim: i64, config: nn::BatchNormConfig) -> Result<BatchNorm> {
     current().batch_norm(path, 2, out_dim, config)
 }
 
 /// [`Plan::batch_norm`] of the entered plan, 1-d.
-pub fn batch_norm1d(path: &nn::Path, out_dim: i64, config: nn::BatchNormConfig) -> Result<BatchNorm> {
+pub(crate) fn batch_norm1d(path: &nn::Path, out_dim: i64, config: nn::BatchNormConfig) -> Result<BatchNorm> {
     current().batch_norm(path, 1, out_dim, config)
 }
 
 /// [`Plan::batch_norm`] of the entered plan, 3-d.
-pub fn batch_norm3d(path: &nn::Path, out_dim: i64, config: nn::BatchNormConfig) -> Result<BatchNorm> {
+pub(crate) fn batch_norm3d(path: &nn::Path, out_dim: i64, config: nn::BatchNormConfig) -> Result<BatchNorm> {
     current().batch_norm(path, 3, out_dim, config)
 }
 
 /// [`Plan::unit`] of the entered plan: an FSDP unit of the block when it shards, else the block itself.
-pub fn unit<M>(path: &nn::Path, module: M) -> Result<Unit<M>> {
+pub(crate) fn unit<M>(path: &nn::Path, module: M) -> Result<Unit<M>> {
     current().unit(path, module)
 }

@@ -15,6 +15,25 @@ pub enum Linear {
 }
 
 impl Linear {
+    /// The weight `[out, in]` as this rank holds it: tch's `ws` whole, a column-parallel layer's rows
+    /// of it, a row-parallel layer's columns.
+    pub fn ws(&self) -> &Tensor {
+        match self {
+            Linear::Local(l) => &l.ws,
+            Linear::Column(l) => &l.ws,
+            Linear::Row(l) => &l.ws,
+        }
+    }
+
+    /// The bias as this rank holds it (a column-parallel layer's part; a row-parallel layer's whole).
+    pub fn bs(&self) -> Option<&Tensor> {
+        match self {
+            Linear::Local(l) => l.bs.as_ref(),
+            Linear::Column(l) => l.bs.as_ref(),
+            Linear::Row(l) => l.bs.as_ref(),
+        }
+    }
+
     /// The layer's output, errors returned.
     pub fn f_forward(&self, x: &Tensor) -> Result<Tensor> {
         match self {
@@ -33,6 +52,15 @@ pub enum Embedding {
 }
 
 impl Embedding {
+    /// The table `[num, dim]` as this rank holds it: tch's `ws` whole, or this rank's rows of the
+    /// vocabulary.
+    pub fn ws(&self) -> &Tensor {
+        match self {
+            Embedding::Local(e) => &e.ws,
+            Embedding::Vocab(e) => &e.ws,
+        }
+    }
+
     /// The embeddings of `ids`, errors returned.
     pub fn f_forward(&self, ids: &Tensor) -> Result<Tensor> {
         match self {

@@ -27,7 +27,8 @@ mod parallel;
 mod plan;
 mod replicas;
 
-pub use current::{batch_norm1d, batch_norm2d, batch_norm3d, current, embedding, linear, unit, PlanGuard};
+pub(crate) use current::{batch_norm1d, batch_norm2d, batch_norm3d, embedding, linear, unit};
+pub use current::{current, PlanGuard};
 
 pub use layers::{BatchNorm, Embedding, Linear};
 pub use parallel::{Parallel, Unit};

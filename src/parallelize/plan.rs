@@ -65,7 +65,7 @@ impl Style {
 /// How layers come from a plan, for errors that found none built through it.
 const NOT_ENTERED: &str = "no layer was built through the plan: build the model inside plan.build(&vs, || ..), or \
     while the plan is entered and its guard held (`let _plan = plan.enter();`; `let _ = plan.enter();` drops it at \
-    once), with parallelize::linear / batch_norm2d / embedding (or plan.linear ..), not tch's nn::linear";
+    once), with tch_dist::nn::linear / batch_norm2d / embedding (or plan.linear ..), not tch::nn::linear";
 
 /// Names that fused projections go by (GPT-2's `c_attn`, `qkv`, `in_proj`, GPT-NeoX's
 /// `query_key_value`, `gate_up_proj`, `w13`): a plain column-wise split of one mixes its blocks.

@@ -186,7 +186,7 @@ impl LayerList {
     }
 
     /// [`build_stage`](Self::build_stage) through `plan`: its data parallelism across the ranks holding
-    /// the same stage, and its tensor-parallel styles for layers built with `parallelize::linear` (and
+    /// the same stage, and its tensor-parallel styles for layers built with `tch_dist::nn::linear` (and
     /// the rest). Under FSDP each layer with parameters is sharded as soon as it is built (a unit), so the
     /// whole stage never exists at once.
     pub(crate) fn build_stage_with(&self, range: Range<usize>, device: Device, plan: &Plan) -> Result<Stage> {
@@ -196,7 +196,7 @@ impl LayerList {
         let vs = nn::VarStore::new(device);
         let plan = plan.for_another_model();
         plan.bind(&vs)?;
-        // what a builder sees: the plan's styles, no data parallelism (a `parallelize::unit` inside it
+        // what a builder sees: the plan's styles, no data parallelism (a `tch_dist::nn::unit` inside it
         // stays local: the chunk shards each layer below, outside the generators' hold, as the
         // collectives of sharding wait for other ranks)
         let building = plan.clone().with_data_parallelism(DataParallelism::None);

@@ -208,7 +208,7 @@ pub struct PipelineConfig {
     /// Each chunk built through this plan ([`PipelineRank`] only): its data parallelism across the ranks
     /// that hold the same stage (DDP, FSDP or HSDP; [`ParallelMesh::plan`](crate::parallel_dims::ParallelMesh::plan)
     /// derives it from the degrees) and its tensor-parallel styles for layers built with
-    /// `parallelize::linear` and the rest. The plan's ZeRO-1/2 is refused: shard with FSDP.
+    /// `tch_dist::nn::linear` and the rest. The plan's ZeRO-1/2 is refused: shard with FSDP.
     pub plan: Plan,
 }
 

@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tch::{nn, nn::Module, Device, Kind, Tensor};
-use tch_dist::parallelize::{self, Embedding, Linear, Plan, Style};
+use tch_dist::parallelize::{Embedding, Linear, Plan, Style};
 
 static GENERATOR: Mutex<()> = Mutex::new(());
 
@@ -18,7 +18,7 @@ fn forward(plan: Option<&Plan>, ids: &Tensor) -> (Vec<String>, Tensor, Tensor) {
     let vs = nn::VarStore::new(Device::Cpu);
     let linear = |p: &nn::Path, i, o| match plan {
         Some(plan) => plan.linear(p, i, o, Default::default()).unwrap(),
-        None => parallelize::linear(p, i, o, Default::default()).unwrap(),
+        None => tch_dist::nn::linear(p, i, o, Default::default()),
     };
     let (emb, fc, proj, out) = {
         let _g = GENERATOR.lock().unwrap_or_else(|e| e.into_inner());
@@ -28,7 +28,7 @@ fn forward(plan: Option<&Plan>, ids: &Tensor) -> (Vec<String>, Tensor, Tensor) {
         (
             match plan {
                 Some(plan) => plan.embedding(&tok, 16, 8, Default::default()).unwrap(),
-                None => parallelize::embedding(&tok, 16, 8, Default::default()).unwrap(),
+                None => tch_dist::nn::embedding(&tok, 16, 8, Default::default()),
             },
             linear(&(&r / "mlp" / "fc"), 8, 32),
             linear(&(&r / "mlp" / "proj"), 32, 8),
@@ -251,10 +251,10 @@ fn a_sync_batch_norm_that_no_batch_norm_took_is_refused_at_finish() {
             tch::manual_seed(2);
             let bn = if hold {
                 let _plan = plan.enter();
-                parallelize::batch_norm2d(&(vs.root() / "bn"), 4, Default::default()).map(|_| ())
+                tch_dist::nn::f_batch_norm2d(vs.root() / "bn", 4, Default::default()).map(|_| ())
             } else {
                 let _ = plan.enter();
-                parallelize::batch_norm2d(&(vs.root() / "bn"), 4, Default::default()).map(|_| ())
+                tch_dist::nn::f_batch_norm2d(vs.root() / "bn", 4, Default::default()).map(|_| ())
             };
             bn.unwrap();
             drop(_g);
@@ -319,15 +319,13 @@ fn an_entered_plan_holds_for_its_scope_on_its_thread() {
     let kinds = common::run_threads(2, Duration::from_secs(30), |pg| {
         let plan = Plan::over_group(Arc::new(pg)).style("fc*", Style::colwise());
         let vs = nn::VarStore::new(Device::Cpu);
-        let fc = |n: &str| kind(&parallelize::linear(&(vs.root() / n), 4, 8, Default::default()).unwrap());
+        let fc = |n: &str| kind(&tch_dist::nn::linear(vs.root() / n, 4, 8, Default::default()));
         let mut seen = vec![fc("fc0")];
         {
             let _plan = plan.enter();
             seen.push(fc("fc1"));
             let other = std::thread::scope(|s| {
-                s.spawn(|| kind(&parallelize::linear(&(vs.root() / "fc2"), 4, 8, Default::default()).unwrap()))
-                    .join()
-                    .unwrap()
+                s.spawn(|| kind(&tch_dist::nn::linear(vs.root() / "fc2", 4, 8, Default::default()))).join().unwrap()
             });
             seen.push(other);
             {

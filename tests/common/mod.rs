@@ -263,6 +263,19 @@ pub fn layouts_train_like_one_process(
     layouts: &[(usize, &[&str])],
     tol: f64,
 ) {
+    layouts_train_like(example, example, args, steps, layouts, tol)
+}
+
+/// [`layouts_train_like_one_process`] with another program as the one process: `reference` (the
+/// one-process program that `example` ports) runs alone with `args`.
+pub fn layouts_train_like(
+    reference: &str,
+    example: &str,
+    args: &[&str],
+    steps: usize,
+    layouts: &[(usize, &[&str])],
+    tol: f64,
+) {
     // a folder per call: tests of one binary run at once, several of them over the same example
     static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
     let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -273,7 +286,8 @@ pub fn layouts_train_like_one_process(
         let mut all = vec!["--corpus", corpus.as_str()];
         all.extend(args);
         all.extend(layout);
-        let losses = example_losses(example, procs, &all, &dir.join(file));
+        let program = if procs == 1 && layout.is_empty() { reference } else { example };
+        let losses = example_losses(program, procs, &all, &dir.join(file));
         assert_eq!(losses.len(), steps, "{layout:?}: one loss per step");
         losses
     };

@@ -352,10 +352,10 @@ fn step_gathers(schedule: ScheduleKind, microbatches: usize, want: &[f64]) -> us
     panic!("the flight recorder dropped this test's entries in each of 5 runs");
 }
 
-/// Layers split by the plan when it has a tensor-parallel group (`parallelize::linear`: the column-wise
+/// Layers split by the plan when it has a tensor-parallel group (`tch_dist::nn::linear`: the column-wise
 /// `l0` and the row-wise `l1` after it, each rank's slice of what the list's seed draws), tch's otherwise.
 fn tp_layers() -> LayerList {
-    let split = |i, o| move |p: &nn::Path| tch_dist::parallelize::linear(p, i, o, Default::default()).unwrap();
+    let split = |i, o| move |p: &nn::Path| tch_dist::nn::linear(p, i, o, Default::default());
     LayerList::new()
         .seed(11)
         .add("l0", split(6, 16))
@@ -366,7 +366,7 @@ fn tp_layers() -> LayerList {
         .add("l3", |p| nn::linear(p, 12, 3, Default::default()))
 }
 
-/// A block as model code written for `Plan::build` makes it: its layer through `parallelize::unit`,
+/// A block as model code written for `Plan::build` makes it: its layer through `tch_dist::nn::unit`,
 /// which a pipeline chunk leaves local (the chunk shards each layer itself).
 #[derive(Debug)]
 struct Block(tch_dist::parallelize::Unit<nn::Linear>);
@@ -381,7 +381,7 @@ impl nn::Module for Block {
 fn unit_layers() -> LayerList {
     let lin = linear(6, 16);
     LayerList::new()
-        .add("l0", move |p| Block(tch_dist::parallelize::unit(p, lin(p)).unwrap()))
+        .add("l0", move |p| Block(tch_dist::nn::unit(p, lin(p))))
         .add_fn("a0", |x| x.tanh())
         .add("l1", scaled(16, 16))
         .add_fn("a1", |x| x.tanh())
