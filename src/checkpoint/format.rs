@@ -104,17 +104,10 @@ pub(crate) fn dtype_kind(name: &str) -> Result<Kind> {
 
 /// The bytes of a contiguous CPU tensor.
 pub(crate) fn bytes_of(t: &Tensor) -> Result<&[u8]> {
-    if t.device() != tch::Device::Cpu || !t.is_contiguous() {
-        return Err(Error::invalid("checkpoint", "internal: writing a tensor that is not contiguous on the CPU"));
-    }
-    let n = t.numel() * t.kind().elt_size_in_bytes();
-    if n == 0 {
-        return Ok(&[]);
-    }
-    // SAFETY: a contiguous CPU tensor's data is `n` initialised bytes at data_ptr, kept alive by `t`,
-    // which the slice borrows. Writers only read tensors no one writes meanwhile: a synchronous save runs
-    // before training resumes, and an asynchronous one reads its own staged copies.
-    Ok(unsafe { std::slice::from_raw_parts(t.data_ptr() as *const u8, n) })
+    // writers only read tensors no one writes meanwhile: a synchronous save runs before training
+    // resumes, and an asynchronous one reads its own staged copies
+    crate::ffi::bytes::bytes(t)
+        .ok_or_else(|| Error::invalid("checkpoint", "internal: writing a tensor that is not contiguous on the CPU"))
 }
 
 /// One chunk to write: a box of tensor `name`, its data contiguous on the CPU.
@@ -230,28 +223,30 @@ pub(crate) fn read_rows(
     let (s0, s1) = if c.unchecked { (want0, want1) } else { (b0 * BLOCK, (b1 * BLOCK).min(size)) };
     let buf = Tensor::f_empty([(s1 - s0) as i64], (Kind::Uint8, tch::Device::Cpu))?;
     if s1 > s0 {
-        // SAFETY: `buf` is a fresh contiguous CPU tensor of exactly s1 - s0 bytes that nothing else
-        // references; the slice lives only for this read.
-        let dst = unsafe { std::slice::from_raw_parts_mut(buf.data_ptr() as *mut u8, (s1 - s0) as usize) };
-        f.read_exact_at(dst, c.begin + s0).map_err(|e| {
-            Error::invalid(
-                format!("checkpoint file {file}"),
-                format!("{}: cannot read bytes {}..: {e}", c.stored_as.as_deref().unwrap_or(name), c.begin + s0),
-            )
-        })?;
-        for (k, block) in dst.chunks(BLOCK as usize).enumerate().filter(|_| !c.unchecked) {
-            let expected = c.block_crc32.get(b0 as usize + k).copied();
-            if expected != Some(crc32fast::hash(block)) {
-                return Err(Error::mismatch(
+        // `buf` is fresh: nothing else references it
+        let filled = crate::ffi::bytes::fill(&buf, |dst| -> Result<()> {
+            f.read_exact_at(dst, c.begin + s0).map_err(|e| {
+                Error::invalid(
                     format!("checkpoint file {file}"),
-                    format!(
-                        "{name}: bytes {}..{} fail their checksum: the file is damaged",
-                        c.begin + s0 + k as u64 * BLOCK,
-                        c.begin + s0 + k as u64 * BLOCK + block.len() as u64
-                    ),
-                ));
+                    format!("{}: cannot read bytes {}..: {e}", c.stored_as.as_deref().unwrap_or(name), c.begin + s0),
+                )
+            })?;
+            for (k, block) in dst.chunks(BLOCK as usize).enumerate().filter(|_| !c.unchecked) {
+                let expected = c.block_crc32.get(b0 as usize + k).copied();
+                if expected != Some(crc32fast::hash(block)) {
+                    return Err(Error::mismatch(
+                        format!("checkpoint file {file}"),
+                        format!(
+                            "{name}: bytes {}..{} fail their checksum: the file is damaged",
+                            c.begin + s0 + k as u64 * BLOCK,
+                            c.begin + s0 + k as u64 * BLOCK + block.len() as u64
+                        ),
+                    ));
+                }
             }
-        }
+            Ok(())
+        });
+        filled.ok_or_else(|| Error::invalid("checkpoint", "internal: a read buffer not contiguous on the CPU"))??;
     }
     let data = buf.f_narrow(0, (want0 - s0) as i64, (want1 - want0) as i64)?.f_view_dtype(kind)?;
     let mut shape = c.lengths.clone();
@@ -265,14 +260,16 @@ pub(crate) fn read_rows(
 /// are (contiguous on the CPU, of the stored size). Returns false, having done nothing, when not.
 pub(crate) fn read_into(f: &File, file: &str, name: &str, c: &ChunkMeta, kind: Kind, dst: &Tensor) -> Result<bool> {
     let n = (dst.numel() * dst.kind().elt_size_in_bytes()) as u64;
-    if dst.kind() != kind || dst.device() != tch::Device::Cpu || !dst.is_contiguous() || n != c.end - c.begin || n == 0
-    {
+    if dst.kind() != kind || n != c.end - c.begin || n == 0 {
         return Ok(false);
     }
-    // SAFETY: `dst` is a contiguous CPU tensor of exactly n bytes at data_ptr; loading writes the state
-    // dict's tensors in place by contract, while no other code uses them (loading is collective and
-    // synchronous); the slice lives only for this read.
-    let bytes = unsafe { std::slice::from_raw_parts_mut(dst.data_ptr() as *mut u8, n as usize) };
+    // loading writes the state dict's tensors in place by contract, while no other code uses them
+    // (loading is collective and synchronous)
+    Ok(crate::ffi::bytes::fill(dst, |bytes| check_read(f, file, name, c, bytes)).transpose()?.is_some())
+}
+
+/// Reads chunk `c` of `file` into `bytes` (its size) and checks its blocks' checksums.
+fn check_read(f: &File, file: &str, name: &str, c: &ChunkMeta, bytes: &mut [u8]) -> Result<()> {
     let what = || format!("checkpoint file {file}");
     f.read_exact_at(bytes, c.begin).map_err(|e| {
         let name = c.stored_as.as_deref().unwrap_or(name);
@@ -287,7 +284,7 @@ pub(crate) fn read_into(f: &File, file: &str, name: &str, c: &ChunkMeta, kind: K
             ));
         }
     }
-    Ok(true)
+    Ok(())
 }
 
 /// Reads and checks a checkpoint directory's metadata.

@@ -264,12 +264,8 @@ impl Checkpointer {
                 }
             }
         };
-        if t.device() == Device::Cpu && t.is_contiguous() && buf.is_contiguous() && t.kind() == buf.kind() {
-            let n = t.numel() * t.kind().elt_size_in_bytes();
-            // SAFETY: both are contiguous CPU tensors of n bytes (same shape and dtype); `buf` is ours alone
-            // (fresh, or back from a finished save) and does not overlap `t`.
-            unsafe { std::ptr::copy_nonoverlapping(t.data_ptr() as *const u8, buf.data_ptr() as *mut u8, n) };
-        } else {
+        // `buf` is ours alone (fresh, or back from a finished save); a plain copy where bytes cannot go
+        if !crate::ffi::bytes::copy(t, &buf) {
             buf.shallow_clone().f_copy_(t)?;
         }
         Ok(buf)

@@ -17,6 +17,7 @@ pub(crate) unsafe fn adopt(p: tdx_tensor, what: &str) -> crate::error::Result<tc
 }
 
 mod autocast;
+pub(crate) mod bytes;
 pub(crate) use autocast::{autocast_enter, autocast_exit};
 pub(crate) mod c10d;
 pub(crate) use c10d::nccl_trace_json;

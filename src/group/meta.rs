@@ -173,12 +173,9 @@ impl Meta<'_> {
         }
         if self.pg.verifies() {
             if let Some(ints) = same_type::<T, i64>(v).filter(|i| i.len() <= HEAD - HEAD_FIELDS) {
-                let rows = self.head(what, Exchange::Inline, v, ints)?;
+                let rows = self.head(what, Exchange::Inline, v, &ints)?;
                 let n = v.len();
-                return Ok(rows
-                    .iter()
-                    .filter_map(|r| same_type::<i64, T>(&r[HEAD_FIELDS..HEAD_FIELDS + n]).map(<[T]>::to_vec))
-                    .collect());
+                return Ok(rows.iter().filter_map(|r| same_type::<i64, T>(&r[HEAD_FIELDS..HEAD_FIELDS + n])).collect());
             }
             self.head(what, Exchange::Gather, v, &[])?;
         }
@@ -263,14 +260,13 @@ impl Meta<'_> {
     }
 }
 
-/// `v` as a slice of `B` when `A` and `B` are one type (an `i64` payload travels inline in a first
+/// `v` as `B`s when `A` and `B` are one type (an `i64` payload travels inline in a first
 /// message, and comes back out of it).
-fn same_type<A: 'static, B: 'static>(v: &[A]) -> Option<&[B]> {
+fn same_type<A: Copy + 'static, B: Copy + 'static>(v: &[A]) -> Option<Vec<B>> {
     if std::any::TypeId::of::<A>() != std::any::TypeId::of::<B>() {
         return None;
     }
-    // SAFETY: A and B are the same type (the same TypeId), so the slice's memory holds `v.len()` Bs.
-    Some(unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<B>(), v.len()) })
+    v.iter().map(|x| (x as &dyn std::any::Any).downcast_ref::<B>().copied()).collect()
 }
 
 /// A disagreement every rank of the group saw: each leaves its flight-recorder dump (when there is a dump
