@@ -5,7 +5,8 @@
 # one intra-op thread per rank, as DDP (everything replicated: each side writes every tensor once) and as
 # ZeRO-3 / FSDP2 (each rank writes its shards). Per process: REPS repetitions of a synchronous save, an
 # asynchronous save (stall: until the call returns; total: until committed) and a load; the slowest
-# rank's time, median over repetitions, then median over ROUNDS rounds that alternate the two sides.
+# rank's time, median over repetitions, then median over ROUNDS rounds; each
+# round runs both sides once per world size, in a fixed order (ours DDP, DCP DDP, FSDP2, ours ZeRO-3).
 #   scripts/bench-checkpoint.sh          # ROUNDS=3 REPS=3; DIR=... where to write (default: a temp dir)
 set -euo pipefail
 # shellcheck source-path=SCRIPTDIR source=bench-lib.sh

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Collective bandwidth, tch-dist against torch.distributed (Gloo), 2 processes on this machine, same run:
-# allreduce, and all_to_all_single in equal chunks. Rounds alternate ours / PyTorch; each size reports
+# allreduce, and all_to_all_single in equal chunks. Each round runs ours (checks on, then
+# off), then PyTorch, in that order; each size reports
 # the median over rounds. Prints a Markdown table per operation.
 #   scripts/bench-collectives.sh            # 4 KiB .. 64 MiB, 3 rounds, both operations
 #   ROUNDS=5 BENCH_SECONDS=1 BENCH_OPS=all_to_all scripts/bench-collectives.sh

@@ -3,7 +3,8 @@
 # with head-tail load balancing), same run, same shapes: causal attention's forward and backward over
 # [1, 8 heads, 2048 tokens, 64] on 2 ranks (Gloo, one thread each), and the whole sequence in one process
 # (ATen's fused CPU flash kernel, in both); ours also with its agreement checks at first use only
-# (TCH_DIST_VERIFY=once, the default on NCCL; Gloo's checks every call). Rounds alternate; each figure is the median over rounds of
+# (TCH_DIST_VERIFY=once, the default on NCCL; Gloo's checks every call). Each round runs every configuration once, in a
+# fixed order (ours, then PyTorch's, then one process each); each figure is the median over rounds of
 # each run's median step. PyTorch on CPU needs its CPU flash kernel registered with its ring code (see
 # scripts/bench_context_parallel.py); without it, the error this prints first.
 #   scripts/bench-context-parallel.sh            # ROUNDS=3 BENCH_SEQ=2048 BENCH_HEADS=8 BENCH_DIM=64

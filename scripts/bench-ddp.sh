@@ -2,7 +2,8 @@
 # DDP benchmark: tch-dist against PyTorch DDP in the same run. MLP 1024-4096-4096-1024 (25.2M parameters,
 # 100.7 MB), batch 32 per rank, SGD, 2 ranks over Gloo, one intra-op thread per rank. Step time is the
 # median of 8 steps after 2 warm-up steps; memory is the peak counted by one CPU ruler in every process
-# (tch-dist's counting allocator; PyTorch loads it through ctypes). Rounds alternate the runs; ranks start
+# (tch-dist's counting allocator; PyTorch loads it through ctypes). Each round runs every
+# configuration once, in the order of `round` below (PyTorch's single and DDP runs first); ranks start
 # under tchrun. PowerSGD rows: rank 4, warm start, error feedback, from the third step on, one bucket
 # (PyTorch's hook over Gloo aborts with several: its callbacks order the collectives differently per rank).
 #   scripts/bench-ddp.sh           # ROUNDS=3 by default

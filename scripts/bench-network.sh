@@ -10,7 +10,8 @@
 # against HSDP (shard within a node, replicate across), ours and FSDP2, with the bytes that cross the
 # link per step (bench-memory.sh's model: 24 Linear(1024, 1024), AdamW). PyTorch's ranks bind their node's
 # address with GLOO_SOCKET_IFNAME=lo (shaped-links.sh puts it first there), ours with tchrun
-# --local-addr. Rounds alternate the runs. Needs root, ip and tc.
+# --local-addr. Each round runs every configuration once, in a fixed order (PyTorch's before ours
+# for each). Needs root, ip and tc.
 #   scripts/bench-network.sh                 # ROUNDS=2, RATES="1gbit 10gbit", LAYOUTS="1 2"
 set -euo pipefail
 # shellcheck source-path=SCRIPTDIR source=bench-lib.sh

@@ -1,7 +1,7 @@
 //! tch's `nn`, with the layers a [`Plan`](crate::parallelize::Plan) can split or synchronise in place of
 //! tch's own: `use tch_dist::nn;` where the model said `use tch::nn;`, and its `nn::linear`,
 //! `nn::embedding` and `nn::batch_norm*d` calls, and its fields typed `nn::Linear` or `nn::Embedding`,
-//! stay as they are. [`unit`] adds the one thing tch's `nn` has no word for: a block FSDP shards as one.
+//! stay as they are. [`unit()`] adds the one thing tch's `nn` has no word for: a block FSDP shards as one.
 //! A model that reads a layer's `ws` field (an output head tied to the embedding) calls `ws()`, which
 //! gives the part this rank holds.
 //!
@@ -44,6 +44,7 @@
 //! ```
 use std::borrow::Borrow;
 
+#[doc(no_inline)]
 pub use tch::nn::*;
 
 use crate::error::Result;
