@@ -9,13 +9,15 @@ cd "$(dirname "$0")/.."
 scripts/setup.sh
 source scripts/env.sh
 
-echo "== rustfmt, clippy (default and cuda features), rustdoc: all clean"
+echo "== rustfmt, clippy (default and cuda features), rustdoc, import circles: all clean"
 cargo fmt --check
 cargo clippy -q --all-targets -- -D warnings
 # the libraries as a user's crate gets them: without the tests' features (testing, plot)
 cargo clippy -q --lib -p tch-dist -p tch-dist-sys -- -D warnings
 cargo clippy -q --all-targets --features cuda -- -D warnings
 RUSTDOCFLAGS="-D warnings" cargo doc -q --no-deps
+# the layers stay layers: no file of src/ reaches back to itself through its imports
+python3 scripts/import_circles.py
 
 echo "== cargo test (default features), every multi-rank suite in the strict NCCL mode"
 # Some tests run the examples (forum repro, training); build them first, whatever cargo test filters.

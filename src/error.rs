@@ -1,8 +1,6 @@
 //! One error type for the crate: what failed, and the message libtorch gave.
 use std::time::Duration;
 
-use crate::ffi;
-
 /// Errors of tch-dist. Each variant says which operation failed and carries the engine's message. `Debug`
 /// prints the same one line as `Display`, so `main() -> Result<(), Box<dyn Error>>` reports it readably.
 #[derive(thiserror::Error)]
@@ -162,24 +160,7 @@ pub(crate) fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
     inner.strip_suffix("\")").unwrap_or(inner).to_string()
 }
 
-/// Turns a shim return code into a `Result`, reading the thread's last error message.
-/// `op` is evaluated only on failure, so hot paths do not format strings.
-pub(crate) fn check(code: libc::c_int, timeout: Duration, op: impl FnOnce() -> String) -> Result<()> {
-    if code == ffi::TDX_OK {
-        return Ok(());
-    }
-    let msg = ffi::last_error();
-    let op = op();
-    Err(match code {
-        ffi::TDX_ETIMEOUT => Error::Timeout { op, timeout, msg },
-        ffi::TDX_ENETWORK => Error::PeerGone { op, msg },
-        ffi::TDX_EINVALID => classify_invalid(op, msg),
-        ffi::TDX_EUNAVAILABLE => Error::Unavailable { what: op, msg },
-        _ => classify_generic(op, msg),
-    })
-}
-
-fn classify_invalid(op: String, msg: String) -> Error {
+pub(crate) fn classify_invalid(op: String, msg: String) -> Error {
     if looks_like_mismatch(&msg) {
         Error::Mismatch { op, msg }
     } else {
@@ -187,7 +168,7 @@ fn classify_invalid(op: String, msg: String) -> Error {
     }
 }
 
-fn classify_generic(op: String, msg: String) -> Error {
+pub(crate) fn classify_generic(op: String, msg: String) -> Error {
     if looks_like_mismatch(&msg) {
         Error::Mismatch { op, msg }
     } else {

@@ -2,8 +2,9 @@
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::error::{check, Error, Result};
+use crate::error::{Error, Result};
 use crate::ffi::c10d::WorkHandle;
+use crate::ffi::check;
 use crate::flight::{GroupTrace, HeartbeatWatch, Recording, HEARTBEAT_CHECK_EVERY};
 use crate::store::millis;
 

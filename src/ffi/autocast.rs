@@ -7,7 +7,7 @@ pub(crate) fn autocast_enter(device: i32, dtype: i32) -> crate::Result<(i32, i32
     let (mut prev_enabled, mut prev_dtype) = (0, 0);
     // SAFETY: plain ints and out-pointers valid for the call; the shim catches every exception.
     let code = unsafe { super::tdx_autocast_enter(device, 1, dtype, &mut prev_enabled, &mut prev_dtype) };
-    crate::error::check(code, std::time::Duration::ZERO, || "enter autocast".to_string())?;
+    crate::ffi::check(code, std::time::Duration::ZERO, || "enter autocast".to_string())?;
     Ok((prev_enabled, prev_dtype))
 }
 

@@ -6,7 +6,8 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use tch::Tensor;
 
-use crate::error::{check, crossing_autograd, Error, Result};
+use super::check;
+use crate::error::{crossing_autograd, Error, Result};
 use crate::ffi;
 use crate::hooks::write_error;
 

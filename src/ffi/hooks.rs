@@ -5,7 +5,8 @@ use std::ptr::NonNull;
 
 use tch::Tensor;
 
-use crate::error::{check, crossing_autograd, Error, Result};
+use super::check;
+use crate::error::{crossing_autograd, Error, Result};
 use crate::ffi;
 
 type Callback = Box<dyn Fn() + Send + Sync>;

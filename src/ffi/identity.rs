@@ -2,7 +2,8 @@
 //! TensorImpl from another, and a weak reference that says when it is gone.
 use tch::Tensor;
 
-use crate::error::{check, Result};
+use super::check;
+use crate::error::Result;
 
 /// A weak reference to a tensor, from the shim.
 pub(crate) struct WeakRef(*mut super::tdx_weak);

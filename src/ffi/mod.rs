@@ -16,6 +16,27 @@ pub(crate) unsafe fn adopt(p: tdx_tensor, what: &str) -> crate::error::Result<tc
     Ok(unsafe { tch::Tensor::from_ptr(p as *mut torch_sys::C_tensor) })
 }
 
+/// Turns a shim return code into a `Result`, reading the thread's last error message.
+/// `op` is evaluated only on failure, so hot paths do not format strings.
+pub(crate) fn check(
+    code: libc::c_int,
+    timeout: std::time::Duration,
+    op: impl FnOnce() -> String,
+) -> crate::error::Result<()> {
+    if code == TDX_OK {
+        return Ok(());
+    }
+    let msg = last_error();
+    let op = op();
+    Err(match code {
+        TDX_ETIMEOUT => crate::error::Error::Timeout { op, timeout, msg },
+        TDX_ENETWORK => crate::error::Error::PeerGone { op, msg },
+        TDX_EINVALID => crate::error::classify_invalid(op, msg),
+        TDX_EUNAVAILABLE => crate::error::Error::Unavailable { what: op, msg },
+        _ => crate::error::classify_generic(op, msg),
+    })
+}
+
 mod autocast;
 pub(crate) mod bytes;
 pub(crate) use autocast::{autocast_enter, autocast_exit};

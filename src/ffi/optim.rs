@@ -2,8 +2,9 @@
 //! AdamW and SGD, the single-tensor AdamW, and the multi-tensor norm and scale that clipping uses.
 use tch::Tensor;
 
+use super::check;
 use super::handle;
-use crate::error::{check, Error, Result};
+use crate::error::{Error, Result};
 
 /// AdamW's scalars for one step.
 #[derive(Clone, Copy, Debug)]

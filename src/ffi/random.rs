@@ -5,7 +5,8 @@ use std::time::Duration;
 use tch::Tensor;
 
 use super::adopt;
-use crate::error::{check, Error, Result};
+use super::check;
+use crate::error::{Error, Result};
 
 /// `torch.randperm(n, generator=torch.Generator().manual_seed(seed))`, as a tensor.
 pub(crate) fn randperm(n: i64, seed: u64) -> Result<Tensor> {

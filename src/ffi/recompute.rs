@@ -5,8 +5,9 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use tch::Tensor;
 
+use super::check;
 use super::hooks::write_error;
-use crate::error::{check, Error, Result};
+use crate::error::{Error, Result};
 
 /// A block's forward over its inputs, which the node runs again in backward.
 pub(crate) type ForwardFn = Box<dyn Fn(&[Tensor]) -> Result<Tensor> + Send + Sync>;

@@ -1,6 +1,7 @@
 //! Safe wrappers of the shim's references (the `testing` feature): libtorch's own implementations that
 //! tests compare ours against.
-use crate::error::{check, Error, Result};
+use super::check;
+use crate::error::{Error, Result};
 use crate::ffi;
 
 /// `c10d::compute_bucket_assignment_by_size` on tensors of the given element counts, dtypes and device ids

@@ -4,8 +4,9 @@ use std::time::Duration;
 
 use tch::Tensor;
 
+use super::check;
 use super::handle;
-use crate::error::{check, Result};
+use crate::error::Result;
 
 /// Reads one integer of `t`'s storage through `call`.
 fn read(t: &Tensor, what: &str, call: unsafe extern "C" fn(super::tdx_tensor, *mut i64) -> libc::c_int) -> Result<i64> {

@@ -5,7 +5,8 @@ use std::ptr::NonNull;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
-use crate::error::{check, Error, Result};
+use super::check;
+use crate::error::{Error, Result};
 use crate::ffi;
 
 /// Timeout of store operations when none is given (PyTorch's TCPStore default, 300 s). Groups have their

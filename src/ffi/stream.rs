@@ -24,7 +24,8 @@
 //! still uses must be recorded on that stream ([`record_stream`]). Every call is an error off CUDA.
 use tch::{Device, Kind, Tensor};
 
-use crate::error::{check, Error, Result};
+use super::check;
+use crate::error::{Error, Result};
 use crate::ffi;
 
 /// A CUDA stream of one device (c10's packed form: id, device index, device type).

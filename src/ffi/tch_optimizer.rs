@@ -5,7 +5,8 @@ use std::ptr::NonNull;
 
 use tch::{nn, Tensor};
 
-use crate::error::{check, Error, Result};
+use super::check;
+use crate::error::{Error, Result};
 
 const WHAT: &str = "TchOptimizer";
 

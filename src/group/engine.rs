@@ -10,9 +10,10 @@ use std::sync::{Arc, Mutex, Once, Weak};
 use std::time::Duration;
 
 use super::{Backend, GroupOptions};
-use crate::error::{check, Error, Result};
+use crate::error::{Error, Result};
 use crate::ffi;
 use crate::ffi::c10d::{GlooArgs, NcclArgs, Pg};
+use crate::ffi::check;
 use crate::flight::GroupTrace;
 use crate::store::{millis, Store};
 

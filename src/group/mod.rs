@@ -3,7 +3,7 @@
 //! collective runs on the one for its tensors' device.
 mod all_to_all;
 mod backend;
-mod checks;
+pub(crate) mod checks;
 mod engine;
 pub(crate) mod flat;
 pub(crate) mod loop_check;
@@ -28,8 +28,9 @@ pub use flat::Collectives;
 pub use p2p::P2pOp;
 use strict::Strict;
 
-use crate::error::{check, Error, Result};
+use crate::error::{Error, Result};
 use crate::ffi::c10d::{Pg, Posted};
+use crate::ffi::check;
 use crate::flight::GroupTrace;
 use crate::store::Store;
 use crate::work::{Finish, Handle, Work, WorkTrace};

@@ -6,8 +6,9 @@ use std::sync::{Arc, Mutex};
 
 use tch::Tensor;
 
-use crate::error::{check, Error, Result};
+use crate::error::{Error, Result};
 use crate::ffi::c10d::{Made, Pg};
+use crate::ffi::check;
 use crate::flight::Recording;
 use crate::group::ProcessGroup;
 use crate::hooks;

@@ -29,7 +29,8 @@ use tch::{Device, Kind, Tensor};
 
 use super::engine::Engine;
 use super::tensor_meta;
-use crate::error::{check, Error, Result};
+use crate::error::{Error, Result};
+use crate::ffi::check;
 use crate::store::Store;
 use crate::work::{Ticket, Work};
 
