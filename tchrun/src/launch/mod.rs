@@ -186,6 +186,11 @@ fn pump(
                     let _ = writeln!(f, "{line}");
                 }
             }
+            // backtrace frames stay out of the tail: with RUST_BACKTRACE set, dozens of them would push
+            // the error line (or a panic's message) out of it
+            if summary::is_frame(&line) {
+                continue;
+            }
             if let Ok(mut t) = tail.lock() {
                 if t.len() == keep {
                     t.pop_front();
@@ -517,7 +522,7 @@ fn report_failure(
     );
     let tail = tails.get(&rank).map(Vec::as_slice).unwrap_or_default();
     if !tail.is_empty() {
-        eprintln!("tchrun: last {} lines of rank {rank}:", tail.len());
+        eprintln!("tchrun: last {} lines of rank {rank} (backtrace frames left out):", tail.len());
         for l in tail {
             eprintln!("tchrun:   {l}");
         }
@@ -541,6 +546,29 @@ fn report_failure(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// With RUST_BACKTRACE set, a panic's message and an `Error:` line are followed by dozens of frames:
+    /// the tail keeps the lines that are not frames, so the headline still finds them.
+    #[test]
+    fn the_tail_keeps_the_error_behind_a_long_backtrace() {
+        for (first, second) in [("thread 'main' panicked at src/main.rs:3:5:", "boom"), ("Error: the bad thing", "")] {
+            let mut out = vec![first.to_string(), second.to_string(), "stack backtrace:".to_string()];
+            for i in 0..40 {
+                out.push(format!("  {i:>2}: some::function::name"));
+                out.push("             at /rustc/library/std/src/panicking.rs:697:5".to_string());
+            }
+            out.push("3: a line the program printed".to_string());
+            let text = out.join("\n") + "\n";
+            let tail = Arc::new(Mutex::new(VecDeque::new()));
+            pump(std::io::Cursor::new(text.into_bytes()), "[test] ".into(), true, tail.clone(), 20, None)
+                .join()
+                .unwrap();
+            let kept: Vec<String> = tail.lock().unwrap().iter().cloned().collect();
+            assert_eq!(kept, vec![first, second, "3: a line the program printed"], "{kept:?}");
+            let line = summary::error_line(&kept).unwrap();
+            assert!(line.contains(if second.is_empty() { "the bad thing" } else { "boom" }), "{line}");
+        }
+    }
 
     #[test]
     fn lib_dir_is_appended_once() {

@@ -150,17 +150,25 @@ pub(super) fn error_line(tail: &[String]) -> Option<String> {
         let msg = tail.get(i + 1).filter(|m| !is_frame(m)).map_or("", |m| m.as_str());
         return Some(first_line(&format!("{} {msg}", tail[i].trim())));
     }
+    // a command-line parser's refusal (clap's `error: ...`)
+    if let Some(l) = tail.iter().rev().find(|l| l.starts_with("error: ")) {
+        return Some(first_line(l));
+    }
     tail.iter().rev().find(|l| l.contains("what():")).map(|l| first_line(l.trim()))
 }
 
 /// A backtrace or C++ stack frame, or the note that introduces one.
-fn is_frame(l: &str) -> bool {
+pub(super) fn is_frame(l: &str) -> bool {
     let t = l.trim_start();
+    // Rust's frames are indented (`   3: name`, `             at file:line`); a program's own `3: ...` is not
+    let indented = t.len() < l.len();
     t.starts_with("frame #")
-        || t.starts_with("at ")
+        || (indented && t.starts_with("at "))
         || t.starts_with("Exception raised from")
         || t.starts_with("note: run with `RUST_BACKTRACE")
-        || t.split_once(": ").is_some_and(|(n, _)| !n.is_empty() && n.chars().all(|c| c.is_ascii_digit()))
+        || t == "stack backtrace:"
+        || t == "Stack backtrace:"
+        || (indented && t.split_once(": ").is_some_and(|(n, _)| !n.is_empty() && n.chars().all(|c| c.is_ascii_digit())))
 }
 
 #[cfg(test)]
@@ -187,6 +195,15 @@ mod tests {
         let p = lines(&["thread 'main' panicked at src/main.rs:9:5:", "boom", "note: run with `RUST_BACKTRACE=1`"]);
         assert_eq!(error_line(&p).as_deref(), Some("thread 'main' panicked at src/main.rs:9:5: boom"));
         assert_eq!(error_line(&lines(&["   0: main", "step 1"])), None);
+        // a command-line parser's refusal, and a program's own numbered line that is not a frame
+        let clap = lines(&["error: invalid value 'fsdp=2' for '--parallel <PARALLEL>': no degree", "", "For more"]);
+        assert_eq!(
+            error_line(&clap).as_deref(),
+            Some("error: invalid value 'fsdp=2' for '--parallel <PARALLEL>': no degree")
+        );
+        assert!(
+            !is_frame("3: loss 1.25") && is_frame("   3: main") && !is_frame("at step 3") && is_frame("   at x.rs:1")
+        );
     }
 
     #[test]
