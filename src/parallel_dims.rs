@@ -322,6 +322,8 @@ impl ParallelMesh {
             ));
         }
         let _call = self.loss.enter_call("ParallelMesh::average_loss");
+        // a rank that calls it alone is named at it: "(in \"ParallelMesh::average_loss\")"
+        let _l = crate::flight::label("ParallelMesh::average_loss");
         let _g = tch::no_grad_guard();
         // a copy in float32 (the allreduce writes into it, not into the caller's)
         let mut t = loss.f_detach()?.f_reshape([1])?.f_to_dtype(tch::Kind::Float, false, true)?;

@@ -118,6 +118,17 @@ impl Drop for Unfinished {
     }
 }
 
+/// The warning for an FSDP model whose only unit is the root (no block built as a unit).
+fn one_unit_warning(units: &[String]) -> Option<String> {
+    (units == ["root"]).then(|| {
+        "tch-dist: warning: the plan shards the model (FSDP), but no block went through tch_dist::nn::unit (or \
+         plan.unit): the whole model is one unit, gathered whole for every forward and backward, so a rank holds \
+         as much as the unsharded model while it computes; build each block as nn::unit(&path, block) \
+         (docs/porting.md)"
+            .to_string()
+    })
+}
+
 /// FSDP's units of the plan's model: the builder, made when the plan meets the model's VarStore
 /// ([`Plan::fully_shard`], [`Plan::build`], [`Plan::finish`]) and taken by `finish`. The lock is held only
 /// to take a handle: never across the builder's collectives.
@@ -431,7 +442,12 @@ impl Plan {
                         }
                     }
                 };
-                Ok(Parallel::Fsdp(builder.finish(model)?))
+                let fsdp = builder.finish(model)?;
+                // allowed, as in FSDP2 (fully_shard on the root alone), but rarely meant: said once
+                if let Some(w) = one_unit_warning(&fsdp.units()).filter(|_| fsdp.process_group().rank() == 0) {
+                    eprintln!("{w}");
+                }
+                Ok(Parallel::Fsdp(fsdp))
             }
         }
     }
@@ -506,26 +522,41 @@ impl Plan {
             return Ok(());
         }
         let built = self.built.lock().unwrap_or_else(|e| e.into_inner()).clone();
-        for (pattern, style) in &self.styles {
-            if built.iter().any(|path| matches(pattern, path)) {
-                continue;
+        // every pattern that matched nothing, each with the paths it may have meant
+        let unmatched: Vec<(String, String)> = self
+            .styles
+            .iter()
+            .filter(|(pattern, _)| !built.iter().any(|path| matches(pattern, path)))
+            .map(|(pattern, style)| {
+                let closest = closest(pattern, &built).join(", ");
+                (format!("{pattern:?} ({})", style.name()), closest)
+            })
+            .collect();
+        let what = match &unmatched[..] {
+            [] => return Ok(()),
+            [(one, _)] => {
+                format!("the style pattern {one} matched no layer, so that layer would stay whole on every rank")
             }
-            let hint = if built.is_empty() {
-                NOT_ENTERED.to_string()
-            } else {
-                format!("the closest layer paths are {}", closest(pattern, &built).join(", "))
-            };
-            return Err(Error::invalid(
-                "Plan::finish",
-                format!(
-                    "the style pattern {pattern:?} ({}) matched no layer, so that layer would stay whole on every \
-                     rank; {hint} (patterns match dotted VarStore paths, `*` any run of characters; \
-                     Plan::allow_unmatched_styles accepts this)",
-                    style.name()
-                ),
-            ));
-        }
-        Ok(())
+            many => format!(
+                "{} style patterns ({}) matched no layer, so those layers would stay whole on every rank",
+                many.len(),
+                many.iter().map(|(p, _)| p.as_str()).collect::<Vec<_>>().join(", ")
+            ),
+        };
+        let hint = if built.is_empty() {
+            NOT_ENTERED.to_string()
+        } else {
+            let near: Vec<String> =
+                unmatched.iter().map(|(p, c)| format!("for {p} the closest layer paths are {c}")).collect();
+            near.join("; ")
+        };
+        Err(Error::invalid(
+            "Plan::finish",
+            format!(
+                "{what}; {hint} (patterns match dotted VarStore paths, `*` any run of characters; \
+                 Plan::allow_unmatched_styles accepts this)"
+            ),
+        ))
     }
 
     /// [`style`](Self::style) for each pattern of `patterns`, in order.
@@ -627,8 +658,15 @@ fn finished(what: &str) -> Error {
 
 #[cfg(test)]
 mod tests {
-    use super::matches;
+    use super::{matches, one_unit_warning};
     use crate::names::closest;
+
+    #[test]
+    fn a_model_that_is_one_unit_is_warned_about() {
+        assert!(one_unit_warning(&["root".to_string()]).is_some_and(|w| w.contains("nn::unit(&path, block)")));
+        assert!(one_unit_warning(&["h.0".to_string(), "root".to_string()]).is_none());
+        assert!(one_unit_warning(&["h.0".to_string()]).is_none());
+    }
 
     #[test]
     fn the_closest_paths_come_first() {

@@ -172,7 +172,7 @@ impl ColumnParallelLinear {
         pg: Arc<ProcessGroup>,
         config: ColumnParallelConfig,
     ) -> Result<Self> {
-        let what = "ColumnParallelLinear";
+        let what = &format!("ColumnParallelLinear {}", dotted(path));
         check_blocks(what, out_dim, &config, &pg)?;
         let (opts, c) = ((path.kind(), path.device()), &config.linear);
         let mine = block_rows(out_dim, config.blocks(), pg.rank() as i64, pg.size() as i64);
@@ -274,7 +274,7 @@ impl RowParallelLinear {
         pg: Arc<ProcessGroup>,
         config: RowParallelConfig,
     ) -> Result<Self> {
-        let what = "RowParallelLinear";
+        let what = &format!("RowParallelLinear {}", dotted(path));
         divisible(what, "in_dim", in_dim, &pg)?;
         let (rank, t, opts) = (pg.rank(), pg.size(), (path.kind(), path.device()));
         let c = &config.linear;

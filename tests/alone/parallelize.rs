@@ -110,12 +110,17 @@ fn a_style_pattern_that_matches_no_layer_is_an_error_naming_the_closest_paths() 
         let nothing = Plan::over_group(plan.tp_group().unwrap().clone()).style("*.attn.q", Style::colwise());
         let none_built = nothing.finish(&vs, ()).err().map(|e| e.to_string()).unwrap_or_default();
         let accepted = plan.clone().allow_unmatched_styles().finish(&vs, ()).is_ok();
-        (q, o, err, none_built, accepted)
+        let two = plan.clone().style("*.mlp.fc", Style::colwise());
+        let two = two.finish(&vs, ()).err().map(|e| e.to_string()).unwrap_or_default();
+        (q, o, err, none_built, accepted, two)
     });
-    for (rank, (q, o, err, none_built, accepted)) in errs.into_iter().enumerate() {
+    for (rank, (q, o, err, none_built, accepted, two)) in errs.into_iter().enumerate() {
+        // every pattern that matched nothing is named, not only the first
+        assert!(two.contains("2 style patterns (\"*.attn.wo\" (row-wise), \"*.mlp.fc\" (column-wise))"), "{two}");
+        assert!(two.contains("for \"*.mlp.fc\" (column-wise) the closest layer paths are "), "{two}");
         assert_eq!((q, o), ("column", "local"), "rank {rank}");
         assert!(err.contains("\"*.attn.wo\" (row-wise) matched no layer"), "rank {rank}: {err}");
-        assert!(err.contains("closest layer paths are block0.attn.o"), "rank {rank}: {err}");
+        assert!(err.contains("the closest layer paths are block0.attn.o"), "rank {rank}: {err}");
         assert!(none_built.contains("no layer was built through the plan"), "rank {rank}: {none_built}");
         assert!(accepted, "rank {rank}: allow_unmatched_styles did not accept the plan");
     }
@@ -301,7 +306,14 @@ fn the_plans_fsdp_refuses_a_second_model_and_another_var_store() {
     let err = plan.unit(&(vs.root() / "none"), nn::func(|x| x.shallow_clone())).unwrap_err().to_string();
     assert!(err.contains("no parameters under none"), "{err}");
     let model = plan.finish(&vs, block).unwrap();
-    assert!(matches!(model, tch_dist::parallelize::Parallel::Fsdp(_)));
+    let tch_dist::parallelize::Parallel::Fsdp(fsdp) = &model else { panic!("not FSDP") };
+    assert_eq!(fsdp.units(), ["b"]);
+    // a model with no block built as a unit is one unit, the root: what the plan warns about
+    let whole = nn::VarStore::new(Device::Cpu);
+    let plan1 = Plan::new().fully_shard(opts()).unwrap();
+    let m = plan1.build(&whole, || nn::linear(whole.root() / "b", 4, 4, Default::default())).unwrap();
+    let tch_dist::parallelize::Parallel::Fsdp(one) = &m else { panic!("not FSDP") };
+    assert_eq!(one.units(), ["root"]);
     let err = plan.finish(&vs, ()).unwrap_err().to_string();
     assert!(err.contains("finished already"), "{err}");
 

@@ -116,13 +116,16 @@ fn a_size_not_divisible_by_the_group_is_named() {
     let errs = common::run_threads(2, Duration::from_secs(30), |pg| {
         let vs = nn::VarStore::new(Device::Cpu);
         let pg = Arc::new(pg);
-        let c = ColumnParallelLinear::new(&vs.root(), 4, 7, pg.clone(), Default::default()).unwrap_err();
-        let r = RowParallelLinear::new(&vs.root(), 5, 4, pg.clone(), Default::default()).unwrap_err();
+        let c =
+            ColumnParallelLinear::new(&(vs.root() / "h" / 0 / "fc"), 4, 7, pg.clone(), Default::default()).unwrap_err();
+        let r =
+            RowParallelLinear::new(&(vs.root() / "h" / 0 / "proj"), 5, 4, pg.clone(), Default::default()).unwrap_err();
         let e = VocabParallelEmbedding::new(&vs.root(), 9, 4, pg, Default::default()).unwrap_err();
         (c.to_string(), r.to_string(), e.to_string())
     });
     let (c, r, e) = &errs[0];
-    assert!(c.contains("out_dim 7") && c.contains("ColumnParallelLinear"), "{c}");
-    assert!(r.contains("in_dim 5") && r.contains("RowParallelLinear"), "{r}");
+    // the layer is named by its path
+    assert!(c.contains("out_dim 7") && c.contains("ColumnParallelLinear h.0.fc"), "{c}");
+    assert!(r.contains("in_dim 5") && r.contains("RowParallelLinear h.0.proj"), "{r}");
     assert!(e.contains("vocabulary (9)"), "{e}");
 }

@@ -125,3 +125,25 @@ fn degrees_that_do_not_fit_the_world_are_refused_on_every_rank() {
         assert!(e.contains("multiply to 3, not the world size 4"), "{e}");
     }
 }
+
+/// The loss averaged on one rank only (the rank that prints) meets the other's next collective: both fail
+/// at once, and the error names `average_loss` as where the lone rank was: the strict mode as the lone
+/// call, plain Gloo in the call sites.
+#[test]
+fn average_loss_called_on_one_rank_only_is_named() {
+    for strict in [false, true] {
+        let opts = tch_dist::GroupOptions { strict_nccl: strict, ..common::gloo_opts(Duration::from_secs(30)) };
+        let res = common::run_threads_with(2, opts, |world| {
+            let dims = ParallelDims { dp_replicate: 2, ..Default::default() }.build(&world).unwrap();
+            let loss = Tensor::from(1.0f32);
+            // rank 1 goes on to the data-parallel group's next collective (DDP's, in a training loop)
+            let r = if world.rank() == 0 { dims.average_loss(&loss).map(|_| ()) } else { dims.loss_group().barrier() };
+            r.err().map(|e| e.to_string())
+        });
+        for e in res {
+            let e = e.expect("refused on both ranks");
+            let named = if strict { "ParallelMesh::average_loss alone" } else { "(in \"ParallelMesh::average_loss\")" };
+            assert!(e.contains(named), "strict {strict}: {e}");
+        }
+    }
+}
