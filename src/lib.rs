@@ -2,7 +2,8 @@
 //!
 //! Layers, bottom up: a thin C++ shim over libtorch's c10d (the `tch-dist-sys` crate: `csrc/` and its raw
 //! FFI); safe wrappers
-//! ([`store`], [`group`], [`work`], [`hooks`], [`memory`]); and the features built on them.
+//! ([`store`], [`group`], [`Work`], [`hooks`], [`memory`]); and the features built on them: [`nn`] is
+//! tch's `nn` with the layers a [`parallelize::Plan`] splits.
 //!
 //! ```no_run
 //! use tch_dist::{ProcessGroup, ReduceOp};
@@ -39,8 +40,8 @@ pub mod checkpoint;
 pub mod context_parallel;
 pub mod data;
 pub mod ddp;
-pub mod dist_module;
-pub mod error;
+mod dist_module;
+mod error;
 pub mod flight;
 pub mod fsdp;
 pub mod ft;
@@ -68,7 +69,7 @@ pub mod sync_debug;
 pub mod throughput;
 pub mod timeline;
 pub mod tp;
-pub mod work;
+mod work;
 pub mod zero;
 
 pub use dist_module::{DistModule, WithTrain};
