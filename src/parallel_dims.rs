@@ -358,17 +358,6 @@ impl ParallelMesh {
         self.expert_replicas.as_ref()
     }
 
-    /// What the degrees make of the data parallelism: FSDP where `dp_shard` is above 1 (HSDP with
-    /// `dp_replicate` too), DDP where only `dp_replicate` (or `cp`) is, none otherwise.
-    fn kind(&self) -> DpKind {
-        match (self.dims.dp_replicate, self.dims.dp_shard, self.dims.cp) {
-            (1, 1, 1) => DpKind::None,
-            (_, 1, _) => DpKind::Ddp,
-            (1, _, _) => DpKind::Fsdp,
-            _ => DpKind::Hsdp,
-        }
-    }
-
     /// `opts` over DDP's ranks: every data- and context-parallel rank (the [`loss_group`](Self::loss_group);
     /// `dp_replicate` x `cp` in a layout that does not shard).
     pub fn ddp(&self, opts: DdpOptions) -> DdpOptions {
@@ -379,9 +368,10 @@ impl ParallelMesh {
     /// is above 1.
     pub fn fsdp(&self, opts: FsdpOptions) -> FsdpOptions {
         let opts = opts.process_group(self.shard.clone());
-        match self.kind() {
-            DpKind::Hsdp => opts.replicate_group(self.replicate.clone()),
-            _ => opts,
+        if self.dims.dp_shard > 1 && self.dims.dp_replicate > 1 {
+            opts.replicate_group(self.replicate.clone())
+        } else {
+            opts
         }
     }
 
@@ -397,21 +387,16 @@ impl ParallelMesh {
     /// [`plan`](Self::plan), DDP or FSDP with the caller's options, whichever the degrees choose (their
     /// groups are the mesh's).
     pub fn plan_with(&self, ddp: DdpOptions, fsdp: FsdpOptions) -> Plan {
-        let dp = match self.kind() {
-            DpKind::None => DataParallelism::None,
-            DpKind::Ddp => DataParallelism::Replicate(self.ddp(ddp), None),
-            DpKind::Fsdp | DpKind::Hsdp => DataParallelism::Shard(self.fsdp(fsdp)),
+        // FSDP where dp_shard is above 1 (HSDP with dp_replicate too), DDP where only dp_replicate (or
+        // cp) is, none otherwise
+        let d = &self.dims;
+        let dp = match (d.dp_replicate, d.dp_shard, d.cp) {
+            (1, 1, 1) => DataParallelism::None,
+            (_, 1, _) => DataParallelism::Replicate(self.ddp(ddp), None),
+            _ => DataParallelism::Shard(self.fsdp(fsdp)),
         };
         Plan::over_group(self.tp.clone()).with_data_parallelism(dp)
     }
-}
-
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-enum DpKind {
-    None,
-    Ddp,
-    Fsdp,
-    Hsdp,
 }
 
 #[cfg(test)]
