@@ -395,7 +395,7 @@ impl Plan {
 
     /// The model under the plan's data parallelism (see [`finish`](Self::finish)).
     fn wrap<M>(&self, vs: &nn::VarStore, model: M) -> Result<Parallel<M>> {
-        self.check_styles_matched()?;
+        self.check_styles_matched(vs)?;
         self.check_batch_norms_built()?;
         if let Some(pg) = self.tp_group() {
             super::replicas::check_agree(vs, pg)?;
@@ -517,28 +517,44 @@ impl Plan {
         Ok(())
     }
 
-    fn check_styles_matched(&self) -> Result<()> {
+    fn check_styles_matched(&self, vs: &nn::VarStore) -> Result<()> {
         if self.unmatched_ok {
             return Ok(());
         }
         let built = self.built.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        // the layers the VarStore has (its variables' paths less their last name), whether or not the plan
+        // built them: a pattern that matches one the plan did not build names a layer made another way
+        let mut layers: Vec<String> =
+            vs.variables().into_keys().filter_map(|n| n.rsplit_once('.').map(|(l, _)| l.to_string())).collect();
+        layers.sort();
+        layers.dedup();
         // every pattern that matched nothing, each with the paths it may have meant
         let unmatched: Vec<(String, String)> = self
             .styles
             .iter()
             .filter(|(pattern, _)| !built.iter().any(|path| matches(pattern, path)))
             .map(|(pattern, style)| {
-                let closest = closest(pattern, &built).join(", ");
-                (format!("{pattern:?} ({})", style.name()), closest)
+                let near = match layers.iter().find(|l| matches(pattern, l)) {
+                    Some(l) => format!(
+                        "the VarStore has a layer at {l}, not built through the plan: made by hand or with tch's \
+                         nn::linear, where tch_dist::nn::linear (or plan.linear) would split it"
+                    ),
+                    None => format!("the closest layer paths are {}", closest(pattern, &built).join(", ")),
+                };
+                (format!("{pattern:?} ({})", style.name()), near)
             })
             .collect();
         let what = match &unmatched[..] {
             [] => return Ok(()),
             [(one, _)] => {
-                format!("the style pattern {one} matched no layer, so that layer would stay whole on every rank")
+                format!(
+                    "the style pattern {one} matched no layer built through the plan, so tensor parallelism would \
+                     leave that layer whole on every rank"
+                )
             }
             many => format!(
-                "{} style patterns ({}) matched no layer, so those layers would stay whole on every rank",
+                "{} style patterns ({}) matched no layer built through the plan, so tensor parallelism would leave \
+                 those layers whole on every rank",
                 many.len(),
                 many.iter().map(|(p, _)| p.as_str()).collect::<Vec<_>>().join(", ")
             ),
@@ -546,8 +562,7 @@ impl Plan {
         let hint = if built.is_empty() {
             NOT_ENTERED.to_string()
         } else {
-            let near: Vec<String> =
-                unmatched.iter().map(|(p, c)| format!("for {p} the closest layer paths are {c}")).collect();
+            let near: Vec<String> = unmatched.iter().map(|(p, c)| format!("for {p}: {c}")).collect();
             near.join("; ")
         };
         Err(Error::invalid(

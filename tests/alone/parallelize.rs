@@ -112,14 +112,18 @@ fn a_style_pattern_that_matches_no_layer_is_an_error_naming_the_closest_paths() 
         let accepted = plan.clone().allow_unmatched_styles().finish(&vs, ()).is_ok();
         let two = plan.clone().style("*.mlp.fc", Style::colwise());
         let two = two.finish(&vs, ()).err().map(|e| e.to_string()).unwrap_or_default();
-        (q, o, err, none_built, accepted, two)
+        let by_hand = plan.clone().style("block1.attn.q", Style::colwise());
+        let by_hand = by_hand.finish(&vs, ()).err().map(|e| e.to_string()).unwrap_or_default();
+        (q, o, err, none_built, accepted, two, by_hand)
     });
-    for (rank, (q, o, err, none_built, accepted, two)) in errs.into_iter().enumerate() {
+    for (rank, (q, o, err, none_built, accepted, two, by_hand)) in errs.into_iter().enumerate() {
         // every pattern that matched nothing is named, not only the first
         assert!(two.contains("2 style patterns (\"*.attn.wo\" (row-wise), \"*.mlp.fc\" (column-wise))"), "{two}");
-        assert!(two.contains("for \"*.mlp.fc\" (column-wise) the closest layer paths are "), "{two}");
+        assert!(two.contains("for \"*.mlp.fc\" (column-wise): the closest layer paths are "), "{two}");
+        // a layer the VarStore has but the plan did not build (tch's nn::linear) is named as such
+        assert!(by_hand.contains("the VarStore has a layer at block1.attn.q, not built through the plan"), "{by_hand}");
         assert_eq!((q, o), ("column", "local"), "rank {rank}");
-        assert!(err.contains("\"*.attn.wo\" (row-wise) matched no layer"), "rank {rank}: {err}");
+        assert!(err.contains("\"*.attn.wo\" (row-wise) matched no layer built through the plan"), "rank {rank}: {err}");
         assert!(err.contains("the closest layer paths are block0.attn.o"), "rank {rank}: {err}");
         assert!(none_built.contains("no layer was built through the plan"), "rank {rank}: {none_built}");
         assert!(accepted, "rank {rank}: allow_unmatched_styles did not accept the plan");

@@ -22,6 +22,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use summary::STOPPED;
 use tch_dist::{Error, Result};
 
 /// Everything the launcher needs; `tchrun`'s flags map onto it one to one.
@@ -426,9 +427,6 @@ fn attempt(cfg: &LaunchConfig, restart: usize, watch: &mut dyn FnMut() -> Result
     }
     Ok(outcome)
 }
-
-/// How a worker's exit reads when tchrun stopped it (it did not end on its own).
-const STOPPED: &str = ", after tchrun stopped it";
 
 /// After a failure: what the workers' flight-recorder dumps say (which rank never arrived where), if
 /// they left any.

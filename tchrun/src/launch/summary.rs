@@ -9,6 +9,23 @@ pub(super) fn exited_normally(how: &str) -> bool {
     how == "exit code 0"
 }
 
+/// How a worker's exit reads when tchrun stopped it (it did not end on its own).
+pub(super) const STOPPED: &str = ", after tchrun stopped it";
+
+/// Whether an error line only says that a peer went away (a connection closed under a collective, the
+/// store gone): what a rank meets when another failed, not a failure of its own.
+fn lost_a_peer(line: &str) -> bool {
+    const SAYS: [&str; 6] = [
+        "Connection closed by peer",
+        "Connection reset by peer",
+        "Broken pipe",
+        "peer gone",
+        "the store went away",
+        "connection broke",
+    ];
+    SAYS.iter().any(|s| line.contains(s))
+}
+
 /// The headline: `culprit: rank R (why named): <its error line>`, and a hint when ranks ended their loops
 /// at different steps.
 pub(super) fn headline(
@@ -28,7 +45,23 @@ pub(super) fn headline(
     let mut named: Vec<usize> = named.iter().zip(&passed).map(|(&r, p)| p.unwrap_or(r)).collect();
     named.sort_unstable();
     named.dedup();
+    // a rank tchrun stopped, with no error line, is not named beside one that failed on its own (the
+    // recorder names every rank that never entered a collective, the stopped ones among them)
+    let on_its_own = |r: &usize| exits.get(r).is_some_and(|how| !how.ends_with(STOPPED) && !exited_normally(how));
+    if named.iter().any(on_its_own) {
+        named.retain(|r| on_its_own(r) || tails.get(r).and_then(|t| error_line(t)).is_some());
+    }
     let told = named_in_errors(tails).filter(|r| !done.contains(r));
+    // the first to fail may only have lost a peer (under tensor parallelism no dump names anyone): a rank
+    // that failed on its own with an error of its own is the cause
+    let line_of = |r: usize| tails.get(&r).and_then(|t| error_line(t));
+    let cause = match line_of(first_failed) {
+        Some(l) if lost_a_peer(&l) => exits
+            .keys()
+            .copied()
+            .find(|&r| r != first_failed && on_its_own(&r) && line_of(r).is_some_and(|l| !lost_a_peer(&l))),
+        _ => None,
+    };
     // the recorder names every rank that never entered a collective (all of a subgroup's members when a
     // rank outside it waits); the ranks' own errors say which one of them caused it
     let picked = told.filter(|t| named.len() > 1 && named.contains(t));
@@ -41,7 +74,10 @@ pub(super) fn headline(
         }
         (false, _) => (named, "named by the flight recorder"),
         (true, Some(r)) => (vec![r], "named in the ranks' errors"),
-        (true, None) => (vec![first_failed], "the first to fail"),
+        (true, None) => match cause {
+            Some(c) => (vec![c], "failed with an error of its own; the first to fail had lost a peer"),
+            None => (vec![first_failed], "the first to fail"),
+        },
     };
     let mut lines = Vec::new();
     for r in culprits {
@@ -204,6 +240,35 @@ mod tests {
         assert!(
             !is_frame("3: loss 1.25") && is_frame("   3: main") && !is_frame("at step 3") && is_frame("   at x.rs:1")
         );
+    }
+
+    #[test]
+    fn a_rank_that_only_lost_a_peer_gives_way_to_the_one_that_failed() {
+        // tensor parallelism: rank 1 panics in its loss, rank 0's all-reduce loses it; both end between
+        // two polls, and no dump names anyone
+        let tails = BTreeMap::from([
+            (0, lines(&["thread 'main' panicked at src/tensor.rs:300:27:", "called `Result::unwrap()` on an `Err` value: Torch(\"[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Connection closed by peer [127.0.0.1]:1234\")"])),
+            (1, lines(&["thread 'main' panicked at src/bin/mistakes.rs:164:13:", "deliberate panic in the loss"])),
+        ]);
+        let exits = BTreeMap::from([(0, "exit code 101".to_string()), (1, "exit code 101".to_string())]);
+        let h = headline(0, None, &tails, &exits);
+        assert!(
+            h[0].starts_with("culprit: rank 1 (failed with an error of its own") && h[0].contains("deliberate"),
+            "{h:?}"
+        );
+        // a peer loss with no other failure stays the first to fail
+        let alone = BTreeMap::from([(0, tails[&0].clone())]);
+        let h = headline(0, None, &alone, &BTreeMap::from([(0, "exit code 101".to_string())]));
+        assert!(h[0].starts_with("culprit: rank 0 (the first to fail)"), "{h:?}");
+    }
+
+    #[test]
+    fn a_rank_tchrun_stopped_is_not_named_beside_the_one_that_failed() {
+        let a = Analysis { findings: vec![], culprits: vec![1, 2] };
+        let tails = BTreeMap::from([(1, lines(&["Error: boom"])), (2, lines(&["step 4"]))]);
+        let exits = BTreeMap::from([(1, "exit code 1".to_string()), (2, format!("signal 15 (SIGTERM){STOPPED}"))]);
+        let h = headline(1, Some(&a), &tails, &exits);
+        assert_eq!(h, vec!["culprit: rank 1 (named by the flight recorder): Error: boom"], "{h:?}");
     }
 
     #[test]
