@@ -43,7 +43,10 @@ pub fn analyze(dir: &Path, world: Option<usize>, exits: &BTreeMap<usize, String>
             .map_err(|e| Error::invalid(f.path().display().to_string(), e.to_string()))?;
         let d: Dump = serde_json::from_str(&text)
             .map_err(|e| Error::invalid(f.path().display().to_string(), format!("not a flight dump: {e}")))?;
-        dumps.insert(d.rank, d);
+        // a dump of a rank this job does not have is another job's, left in a reused folder
+        if world.is_none_or(|w| d.rank < w) {
+            dumps.insert(d.rank, d);
+        }
     }
     Ok(merge(&dumps, world, exits))
 }
@@ -234,6 +237,25 @@ mod tests {
             groups,
         };
         (rank, d)
+    }
+
+    /// A folder reused from a larger job (tchrun's default folder under a reused pid) holds a dump of a
+    /// rank this job does not have: it is not read.
+    #[test]
+    fn a_dump_of_a_rank_beyond_the_world_is_another_jobs() {
+        use EntryState::Failed;
+        let dir = std::env::temp_dir().join(format!("tdx-analyze-stale-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let (_, old) = dump(2, vec![entry("mesh-tp [2, 3]", 7, Failed)], &[("default", &[0, 1, 2, 3])]);
+        std::fs::write(dir.join("rank2.json"), serde_json::to_string(&old).unwrap()).unwrap();
+        let (_, mine) = dump(0, vec![entry("default", 3, Failed)], &[("default", &[0, 1])]);
+        std::fs::write(dir.join("rank0.json"), serde_json::to_string(&mine).unwrap()).unwrap();
+        let a = analyze(&dir, Some(2), &BTreeMap::new()).unwrap().to_string();
+        let all = analyze(&dir, None, &BTreeMap::new()).unwrap().to_string();
+        let _ = std::fs::remove_dir_all(&dir);
+        assert!(!a.contains("mesh-tp"), "{a}");
+        assert!(all.contains("mesh-tp"), "without a world size every dump is read: {all}");
     }
 
     /// A 2 x 2 mesh (tp [0, 1], [2, 3]; dp [0, 2], [1, 3]) whose world rank 3 stopped in step 7: rank 2

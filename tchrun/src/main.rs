@@ -219,11 +219,12 @@ fn main() {
         }
         None => None,
     };
-    let trace_dir = cli
-        .trace_dir
-        .clone()
-        .or_else(|| cli.redirect_logs.as_ref().map(|d| d.join("flight")))
-        .unwrap_or_else(|| std::env::temp_dir().join(format!("tchrun-{}-flight", std::process::id())));
+    let trace_dir =
+        cli.trace_dir.clone().or_else(|| cli.redirect_logs.as_ref().map(|d| d.join("flight"))).unwrap_or_else(|| {
+            // the pid and the start time: a later launch that reuses the pid does not meet this one's dumps
+            let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+            std::env::temp_dir().join(format!("tchrun-{}-{}-flight", std::process::id(), t.as_secs()))
+        });
     let (master_addr, master_port) = if cli.standalone {
         match launch::free_port() {
             Ok(p) => ("127.0.0.1".to_string(), p),

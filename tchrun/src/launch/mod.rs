@@ -533,8 +533,17 @@ fn report_failure(
                 dir.display(),
                 dir.display()
             );
+            // the recorder's culprits as the headline reads them: no rank tchrun stopped beside one that
+            // failed on its own
+            let shown = summary::not_stopped_beside_failed(a.culprits.clone(), tails, exits);
             for l in &a.findings {
-                eprintln!("tchrun:   {l}");
+                match l.strip_prefix("culprit: ") {
+                    Some(_) if shown != a.culprits && !shown.is_empty() => {
+                        let names: Vec<String> = shown.iter().map(|r| format!("rank {r}")).collect();
+                        eprintln!("tchrun:   culprit: {}", names.join(", "));
+                    }
+                    _ => eprintln!("tchrun:   {l}"),
+                }
             }
         }
         Some((_, Err(e))) => eprintln!("tchrun: flight recorder: {e}"),

@@ -45,12 +45,8 @@ pub(super) fn headline(
     let mut named: Vec<usize> = named.iter().zip(&passed).map(|(&r, p)| p.unwrap_or(r)).collect();
     named.sort_unstable();
     named.dedup();
-    // a rank tchrun stopped, with no error line, is not named beside one that failed on its own (the
-    // recorder names every rank that never entered a collective, the stopped ones among them)
+    named = not_stopped_beside_failed(named, tails, exits);
     let on_its_own = |r: &usize| exits.get(r).is_some_and(|how| !how.ends_with(STOPPED) && !exited_normally(how));
-    if named.iter().any(on_its_own) {
-        named.retain(|r| on_its_own(r) || tails.get(r).and_then(|t| error_line(t)).is_some());
-    }
     let told = named_in_errors(tails).filter(|r| !done.contains(r));
     // the first to fail may only have lost a peer (under tensor parallelism no dump names anyone): a rank
     // that failed on its own with an error of its own is the cause
@@ -106,6 +102,20 @@ pub(super) fn headline(
         ));
     }
     lines
+}
+
+/// `named` without the ranks tchrun stopped that printed no error, when one of them failed on its own:
+/// the recorder names every rank that never entered a collective, the ones tchrun stopped among them.
+pub(super) fn not_stopped_beside_failed(
+    mut named: Vec<usize>,
+    tails: &BTreeMap<usize, Vec<String>>,
+    exits: &BTreeMap<usize, String>,
+) -> Vec<usize> {
+    let on_its_own = |r: &usize| exits.get(r).is_some_and(|how| !how.ends_with(STOPPED) && !exited_normally(how));
+    if named.iter().any(on_its_own) {
+        named.retain(|r| on_its_own(r) || tails.get(r).and_then(|t| error_line(t)).is_some());
+    }
+    named
 }
 
 /// Whether `line` names rank `r` as an agreement check's odd one out (rank 1, not rank 12).
