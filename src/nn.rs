@@ -57,8 +57,12 @@ pub fn f_linear<'a, T: Borrow<Path<'a>>>(vs: T, in_dim: i64, out_dim: i64, c: Li
 }
 
 /// [`f_linear`], panicking on error as tch's `nn::linear` does.
+#[track_caller]
 pub fn linear<'a, T: Borrow<Path<'a>>>(vs: T, in_dim: i64, out_dim: i64, c: LinearConfig) -> Linear {
-    f_linear(vs, in_dim, out_dim, c).unwrap_or_else(|e| panic!("{e}"))
+    match f_linear(vs, in_dim, out_dim, c) {
+        Ok(layer) => layer,
+        Err(e) => panic!("{e}"),
+    }
 }
 
 /// tch's `nn::embedding`, or its vocabulary-parallel form under the entered plan's style for this path.
@@ -67,8 +71,12 @@ pub fn f_embedding<'a, T: Borrow<Path<'a>>>(vs: T, num: i64, dim: i64, c: Embedd
 }
 
 /// [`f_embedding`], panicking on error as tch's `nn::embedding` does.
+#[track_caller]
 pub fn embedding<'a, T: Borrow<Path<'a>>>(vs: T, num: i64, dim: i64, c: EmbeddingConfig) -> Embedding {
-    f_embedding(vs, num, dim, c).unwrap_or_else(|e| panic!("{e}"))
+    match f_embedding(vs, num, dim, c) {
+        Ok(layer) => layer,
+        Err(e) => panic!("{e}"),
+    }
 }
 
 /// tch's `nn::batch_norm1d`, or its synchronised form under the entered plan's `sync_batch_norm`.
@@ -77,8 +85,12 @@ pub fn f_batch_norm1d<'a, T: Borrow<Path<'a>>>(vs: T, out_dim: i64, c: BatchNorm
 }
 
 /// [`f_batch_norm1d`], panicking on error as tch's `nn::batch_norm1d` does.
+#[track_caller]
 pub fn batch_norm1d<'a, T: Borrow<Path<'a>>>(vs: T, out_dim: i64, c: BatchNormConfig) -> BatchNorm {
-    f_batch_norm1d(vs, out_dim, c).unwrap_or_else(|e| panic!("{e}"))
+    match f_batch_norm1d(vs, out_dim, c) {
+        Ok(layer) => layer,
+        Err(e) => panic!("{e}"),
+    }
 }
 
 /// tch's `nn::batch_norm2d`, or its synchronised form under the entered plan's `sync_batch_norm`.
@@ -87,8 +99,12 @@ pub fn f_batch_norm2d<'a, T: Borrow<Path<'a>>>(vs: T, out_dim: i64, c: BatchNorm
 }
 
 /// [`f_batch_norm2d`], panicking on error as tch's `nn::batch_norm2d` does.
+#[track_caller]
 pub fn batch_norm2d<'a, T: Borrow<Path<'a>>>(vs: T, out_dim: i64, c: BatchNormConfig) -> BatchNorm {
-    f_batch_norm2d(vs, out_dim, c).unwrap_or_else(|e| panic!("{e}"))
+    match f_batch_norm2d(vs, out_dim, c) {
+        Ok(layer) => layer,
+        Err(e) => panic!("{e}"),
+    }
 }
 
 /// tch's `nn::batch_norm3d`, or its synchronised form under the entered plan's `sync_batch_norm`.
@@ -97,8 +113,12 @@ pub fn f_batch_norm3d<'a, T: Borrow<Path<'a>>>(vs: T, out_dim: i64, c: BatchNorm
 }
 
 /// [`f_batch_norm3d`], panicking on error as tch's `nn::batch_norm3d` does.
+#[track_caller]
 pub fn batch_norm3d<'a, T: Borrow<Path<'a>>>(vs: T, out_dim: i64, c: BatchNormConfig) -> BatchNorm {
-    f_batch_norm3d(vs, out_dim, c).unwrap_or_else(|e| panic!("{e}"))
+    match f_batch_norm3d(vs, out_dim, c) {
+        Ok(layer) => layer,
+        Err(e) => panic!("{e}"),
+    }
 }
 
 /// A block of the model (a transformer block) built at `vs`: an FSDP unit of its variables under a plan
@@ -108,6 +128,10 @@ pub fn f_unit<'a, T: Borrow<Path<'a>>, M>(vs: T, block: M) -> Result<Unit<M>> {
 }
 
 /// [`f_unit`], panicking on error as tch's `nn` functions do.
+#[track_caller]
 pub fn unit<'a, T: Borrow<Path<'a>>, M>(vs: T, block: M) -> Unit<M> {
-    f_unit(vs, block).unwrap_or_else(|e| panic!("{e}"))
+    match f_unit(vs, block) {
+        Ok(layer) => layer,
+        Err(e) => panic!("{e}"),
+    }
 }

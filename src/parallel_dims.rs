@@ -65,7 +65,11 @@ impl std::str::FromStr for ParallelDims {
     fn from_str(s: &str) -> Result<ParallelDims> {
         let mut d = ParallelDims::default();
         let bad = |why: String| Error::invalid("ParallelDims", format!("{s:?}: {why}"));
-        for entry in s.split(',').map(str::trim).filter(|e| !e.is_empty() && *e != "1") {
+        if s.trim() == "1" {
+            return Ok(d);
+        }
+        let mut seen: Vec<&str> = Vec::new();
+        for entry in s.split(',').map(str::trim).filter(|e| !e.is_empty()) {
             let (name, value) = entry
                 .split_once('=')
                 .ok_or_else(|| bad(format!("{entry:?} is not name=degree (names: {}, ep)", DIMS.join(", "))))?;
@@ -76,7 +80,12 @@ impl std::str::FromStr for ParallelDims {
                     _ => return Err(bad(format!("{name}={v}: a degree is a positive whole number, or rest"))),
                 },
             };
-            let field = match name.trim() {
+            let name = name.trim();
+            if seen.contains(&name) {
+                return Err(bad(format!("{name} is given twice")));
+            }
+            seen.push(name);
+            let field = match name {
                 "pp" => &mut d.pp,
                 "dp_replicate" => &mut d.dp_replicate,
                 "dp_shard" => &mut d.dp_shard,
@@ -417,6 +426,8 @@ mod tests {
         assert!(err("fsdp=2").contains("no degree is named \"fsdp\""), "{}", err("fsdp=2"));
         assert!(err("tp=0").contains("tp=0"), "{}", err("tp=0"));
         assert!(err("tp").contains("name=degree"), "{}", err("tp"));
+        assert!(err("tp=2,tp=4").contains("tp is given twice"), "{}", err("tp=2,tp=4"));
+        assert!(err("tp=2,1").contains("\"1\" is not name=degree"), "{}", err("tp=2,1"));
     }
 
     #[test]

@@ -221,7 +221,8 @@ pub(crate) fn read_rows(
     let b0 = want0 / BLOCK;
     let b1 = want1.div_ceil(BLOCK).max(b0);
     let (s0, s1) = if c.unchecked { (want0, want1) } else { (b0 * BLOCK, (b1 * BLOCK).min(size)) };
-    let buf = Tensor::f_empty([(s1 - s0) as i64], (Kind::Uint8, tch::Device::Cpu))?;
+    // zeroed, not empty: its bytes are handed out as a slice to read into, which must be initialised
+    let buf = Tensor::f_zeros([(s1 - s0) as i64], (Kind::Uint8, tch::Device::Cpu))?;
     if s1 > s0 {
         // `buf` is fresh: nothing else references it
         let filled = crate::ffi::bytes::fill(&buf, |dst| -> Result<()> {

@@ -172,7 +172,9 @@ impl Meta<'_> {
             return Ok(vec![v.to_vec()]);
         }
         if self.pg.verifies() {
-            if let Some(ints) = same_type::<T, i64>(v).filter(|i| i.len() <= HEAD - HEAD_FIELDS) {
+            // small i64 payloads ride inline in the first message (checked before any copy)
+            let ints = if v.len() <= HEAD - HEAD_FIELDS { same_type::<T, i64>(v) } else { None };
+            if let Some(ints) = ints {
                 let rows = self.head(what, Exchange::Inline, v, &ints)?;
                 let n = v.len();
                 return Ok(rows.iter().filter_map(|r| same_type::<i64, T>(&r[HEAD_FIELDS..HEAD_FIELDS + n])).collect());

@@ -444,7 +444,8 @@ impl Plan {
                 };
                 let fsdp = builder.finish(model)?;
                 // allowed, as in FSDP2 (fully_shard on the root alone), but rarely meant: said once
-                if let Some(w) = one_unit_warning(&fsdp.units()).filter(|_| fsdp.process_group().rank() == 0) {
+                let pg = fsdp.process_group();
+                if let Some(w) = one_unit_warning(&fsdp.units()).filter(|_| pg.global_rank(pg.rank()) == Some(0)) {
                     eprintln!("{w}");
                 }
                 Ok(Parallel::Fsdp(fsdp))

@@ -175,6 +175,7 @@ fn pump(
     log: Option<Arc<Mutex<std::fs::File>>>,
 ) -> std::thread::JoinHandle<()> {
     std::thread::spawn(move || {
+        let mut in_trace = false;
         for line in BufReader::new(stream).lines() {
             let Ok(line) = line else { break };
             if to_stderr {
@@ -188,8 +189,13 @@ fn pump(
                 }
             }
             // backtrace frames stay out of the tail: with RUST_BACKTRACE set, dozens of them would push
-            // the error line (or a panic's message) out of it
-            if summary::is_frame(&line) {
+            // the error line (or a panic's message) out of it. Rust's numbered frames only after their
+            // header (anyhow's indented, numbered "Caused by:" list stays); C++'s frames wherever they are
+            let header = matches!(line.trim(), "stack backtrace:" | "Stack backtrace:");
+            let cpp =
+                line.trim_start().starts_with("frame #") || line.trim_start().starts_with("Exception raised from");
+            in_trace = header || (in_trace && summary::is_frame(&line));
+            if header || cpp || in_trace {
                 continue;
             }
             if let Ok(mut t) = tail.lock() {
@@ -555,11 +561,16 @@ mod tests {
     use super::*;
 
     /// With RUST_BACKTRACE set, a panic's message and an `Error:` line are followed by dozens of frames:
-    /// the tail keeps the lines that are not frames, so the headline still finds them.
+    /// the tail keeps the lines that are not frames, so the headline still finds them; anyhow's
+    /// "Caused by:" list (indented and numbered too) stays.
     #[test]
     fn the_tail_keeps_the_error_behind_a_long_backtrace() {
-        for (first, second) in [("thread 'main' panicked at src/main.rs:3:5:", "boom"), ("Error: the bad thing", "")] {
-            let mut out = vec![first.to_string(), second.to_string(), "stack backtrace:".to_string()];
+        let panic = ["thread 'main' panicked at src/main.rs:3:5:", "boom", "stack backtrace:"];
+        let anyhow = ["Error: the bad thing", "", "Caused by:", "    0: the inner cause", "", "Stack backtrace:"];
+        for (head, kept_head, wanted) in
+            [(&panic[..], &panic[..2], "boom"), (&anyhow[..], &anyhow[..5], "the bad thing")]
+        {
+            let mut out: Vec<String> = head.iter().map(|s| s.to_string()).collect();
             for i in 0..40 {
                 out.push(format!("  {i:>2}: some::function::name"));
                 out.push("             at /rustc/library/std/src/panicking.rs:697:5".to_string());
@@ -571,9 +582,11 @@ mod tests {
                 .join()
                 .unwrap();
             let kept: Vec<String> = tail.lock().unwrap().iter().cloned().collect();
-            assert_eq!(kept, vec![first, second, "3: a line the program printed"], "{kept:?}");
+            let mut expected: Vec<&str> = kept_head.to_vec();
+            expected.push("3: a line the program printed");
+            assert_eq!(kept, expected, "{kept:?}");
             let line = summary::error_line(&kept).unwrap();
-            assert!(line.contains(if second.is_empty() { "the bad thing" } else { "boom" }), "{line}");
+            assert!(line.contains(wanted), "{line}");
         }
     }
 

@@ -15,13 +15,19 @@ pub(super) const STOPPED: &str = ", after tchrun stopped it";
 /// Whether an error line only says that a peer went away (a connection closed under a collective, the
 /// store gone): what a rank meets when another failed, not a failure of its own.
 fn lost_a_peer(line: &str) -> bool {
-    const SAYS: [&str; 6] = [
+    const SAYS: [&str; 12] = [
         "Connection closed by peer",
+        "Connection closed by remote peer",
         "Connection reset by peer",
+        "Connection refused",
         "Broken pipe",
+        "failed to recv, got 0 bytes",
+        "remote process exited",
         "peer gone",
         "the store went away",
         "connection broke",
+        "timed out after",
+        "Application timeout caused pair closure",
     ];
     SAYS.iter().any(|s| line.contains(s))
 }
@@ -45,17 +51,21 @@ pub(super) fn headline(
     let mut named: Vec<usize> = named.iter().zip(&passed).map(|(&r, p)| p.unwrap_or(r)).collect();
     named.sort_unstable();
     named.dedup();
+    let told = named_in_errors(tails).filter(|r| !done.contains(r));
     named = not_stopped_beside_failed(named, tails, exits);
     let on_its_own = |r: &usize| exits.get(r).is_some_and(|how| !how.ends_with(STOPPED) && !exited_normally(how));
-    let told = named_in_errors(tails).filter(|r| !done.contains(r));
-    // the first to fail may only have lost a peer (under tensor parallelism no dump names anyone): a rank
-    // that failed on its own with an error of its own is the cause
+    // the first to fail may only have lost a peer (under tensor parallelism no dump names anyone): the one
+    // other rank that failed on its own with an error of its own is the cause. Not when several did, nor
+    // when a rank ended on its own by a signal with nothing printed (killed: it may be the cause).
     let line_of = |r: usize| tails.get(&r).and_then(|t| error_line(t));
-    let cause = match line_of(first_failed) {
-        Some(l) if lost_a_peer(&l) => exits
-            .keys()
-            .copied()
-            .find(|&r| r != first_failed && on_its_own(&r) && line_of(r).is_some_and(|l| !lost_a_peer(&l))),
+    let silent_kill = exits.iter().any(|(r, how)| on_its_own(r) && how.starts_with("signal") && line_of(*r).is_none());
+    let own: Vec<usize> = exits
+        .keys()
+        .copied()
+        .filter(|&r| r != first_failed && on_its_own(&r) && line_of(r).is_some_and(|l| !lost_a_peer(&l)))
+        .collect();
+    let cause = match (line_of(first_failed), &own[..]) {
+        (Some(l), [one]) if lost_a_peer(&l) && !silent_kill => Some(*one),
         _ => None,
     };
     // the recorder names every rank that never entered a collective (all of a subgroup's members when a
@@ -106,14 +116,16 @@ pub(super) fn headline(
 
 /// `named` without the ranks tchrun stopped that printed no error, when one of them failed on its own:
 /// the recorder names every rank that never entered a collective, the ones tchrun stopped among them.
+/// A rank the ranks' errors blame is kept (a hung rank tchrun stopped, which the others' timeouts name).
 pub(super) fn not_stopped_beside_failed(
     mut named: Vec<usize>,
     tails: &BTreeMap<usize, Vec<String>>,
     exits: &BTreeMap<usize, String>,
 ) -> Vec<usize> {
     let on_its_own = |r: &usize| exits.get(r).is_some_and(|how| !how.ends_with(STOPPED) && !exited_normally(how));
+    let told = named_in_errors(tails);
     if named.iter().any(on_its_own) {
-        named.retain(|r| on_its_own(r) || tails.get(r).and_then(|t| error_line(t)).is_some());
+        named.retain(|r| on_its_own(r) || told == Some(*r) || tails.get(r).and_then(|t| error_line(t)).is_some());
     }
     named
 }
@@ -270,6 +282,31 @@ mod tests {
         let alone = BTreeMap::from([(0, tails[&0].clone())]);
         let h = headline(0, None, &alone, &BTreeMap::from([(0, "exit code 101".to_string())]));
         assert!(h[0].starts_with("culprit: rank 0 (the first to fail)"), "{h:?}");
+    }
+
+    #[test]
+    fn a_hung_rank_that_the_errors_blame_stays_named_though_tchrun_stopped_it() {
+        // subgroup [1, 2]: rank 1 hangs (stopped by tchrun, nothing printed), rank 2 times out naming it
+        let a = Analysis { findings: vec![], culprits: vec![1, 2] };
+        let tails = BTreeMap::from([
+            (1, lines(&["step 4"])),
+            (2, lines(&["Error: allreduce on rank 1 (world rank 2) of 2: rank 0 (world rank 1) of group g [1, 2] never entered #5"])),
+        ]);
+        let exits = BTreeMap::from([(1, format!("signal 15 (SIGTERM){STOPPED}")), (2, "exit code 1".to_string())]);
+        let h = headline(2, Some(&a), &tails, &exits);
+        assert!(h[0].starts_with("culprit: rank 1 "), "{h:?}");
+    }
+
+    #[test]
+    fn a_peer_loss_is_not_passed_over_when_two_ranks_failed_otherwise_or_one_was_killed() {
+        let lost = lines(&["Error: allreduce: Connection closed by peer [127.0.0.1]:1"]);
+        let tails = BTreeMap::from([(0, lost.clone()), (1, lines(&["Error: one"])), (2, lines(&["Error: two"]))]);
+        let failed = |n: usize| (0..n).map(|r| (r, "exit code 1".to_string())).collect::<BTreeMap<_, _>>();
+        assert!(headline(0, None, &tails, &failed(3))[0].starts_with("culprit: rank 0 (the first to fail)"));
+        let killed = BTreeMap::from([(0, lost), (1, lines(&["Error: one"])), (2, lines(&["step 3"]))]);
+        let mut exits = failed(2);
+        exits.insert(2, "signal 9 (SIGKILL)".to_string());
+        assert!(headline(0, None, &killed, &exits)[0].starts_with("culprit: rank 0 (the first to fail)"));
     }
 
     #[test]
