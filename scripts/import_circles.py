@@ -1,6 +1,8 @@
-"""Import circles among src/'s files: prints each group of files that reach one another through
-`crate::` paths, and exits 1 if there is any. A module's own children (declared by it) do not count as
-its imports, nor do a file's `#[cfg(test)] mod tests` or comments (doc links). Run from anywhere:
+"""Import circles among src/'s files: prints each group of files that reach one another through their
+`crate::` and `super::` paths, and exits 1 if there is any that spans more than one folder. A module's
+own children (declared by it) do not count as its imports, nor do a file's `#[cfg(test)] mod tests` or
+comments (doc links); files of one folder that use one another are one module's parts, not a circle
+between layers. Run from anywhere:
     python3 scripts/import_circles.py
 """
 import os
@@ -27,7 +29,7 @@ def files():
     return found
 
 
-def imports(text, known):
+def imports(text, known, module=""):
     """The modules of `known` that the code in `text` names through `crate::`."""
     cut = text.find("#[cfg(test)]\nmod tests")
     code = text if cut < 0 else text[:cut]
@@ -47,6 +49,13 @@ def imports(text, known):
     for prefix, inner in re.findall(r"crate::((?:[a-z_0-9]+::)*)\{([^}]*)\}", code):
         for item in inner.split(","):
             found.add(deepest(prefix + item.strip().split(" ")[0]))
+    # super:: paths, from this module's parent
+    parent = module.rsplit("::", 1)[0] + "::" if "::" in module else ""
+    for path in re.findall(r"super::((?:[a-z_0-9]+::)*[A-Za-z_0-9]+)", code):
+        found.add(deepest(parent + path))
+    for prefix, inner in re.findall(r"super::((?:[a-z_0-9]+::)*)\{([^}]*)\}", code):
+        for item in inner.split(","):
+            found.add(deepest(parent + prefix + item.strip().split(" ")[0]))
     found.discard(None)
     found.discard("")
     return found
@@ -91,10 +100,12 @@ def main():
     graph = {}
     for module, rel in known.items():
         with open(os.path.join(ROOT, rel)) as f:
-            deps = imports(f.read(), known)
+            deps = imports(f.read(), known, module)
         # a module declares its children: naming them is not an import that could close a circle
         graph[module] = {d for d in deps if d != module and not (module == "" or d.startswith(module + "::"))}
-    found = circles(graph)
+    # a circle among the files of one folder is one module's parts
+    folder = lambda m: known[m].rsplit("/", 1)[0] if "/" in known[m] else ""
+    found = [g for g in circles(graph) if len({folder(m) for m in g}) > 1]
     for group in found:
         print("import circle:", " -> ".join(known[m] for m in group))
     print(f"{len(found)} import circles among {len(known)} files in src/")

@@ -8,8 +8,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use crate::error::{Error, Result};
-use crate::group::checks::CheckPolicy;
-use crate::group::flat::Collectives;
+use crate::group::policy::{CheckPolicy, Collectives};
 
 /// A variable as the process's environment has it: `None` when unset or blank (a value that is not
 /// UTF-8 is taken as written, its odd bytes replaced, so that a parser names it rather than skip it).

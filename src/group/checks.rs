@@ -18,20 +18,8 @@ use std::sync::Mutex;
 
 use tch::Device;
 
+use super::policy::CheckPolicy;
 use super::{Backend, ProcessGroup};
-
-/// When agreement checks run, with `GroupOptions::verify` on.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
-pub enum CheckPolicy {
-    /// Before every collective, on every engine (`TCH_DIST_VERIFY=always`).
-    Always,
-    /// Every time on Gloo; at each kind of check's first call on NCCL.
-    #[default]
-    OnceOnNccl,
-    /// At each kind of check's first call, on every engine (`TCH_DIST_VERIFY=once`): NCCL's policy on
-    /// Gloo, so that CI runs it without a GPU.
-    Once,
-}
 
 /// Which calls a check's set follows.
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]

@@ -7,22 +7,11 @@ use std::collections::VecDeque;
 
 use tch::{Device, Tensor};
 
+use super::policy::Collectives;
 use super::ring::{self, RingReduce};
 use super::{describe, meta, Backend, ProcessGroup, ReduceOp};
 use crate::error::{Error, Result};
 use crate::work::Work;
-
-/// How the flat collectives run ([`GroupOptions::collectives`](super::GroupOptions::collectives)).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum Collectives {
-    /// The engine's fastest: NCCL's own collectives on NCCL, the ring on Gloo.
-    #[default]
-    Auto,
-    /// The engine's own `all_gather_into_tensor` / `reduce_scatter_tensor` everywhere.
-    Native,
-    /// Rings of batched point-to-point steps everywhere.
-    Ring,
-}
 
 impl ProcessGroup {
     /// Whether flat collectives on `device` run as rings.

@@ -3,12 +3,13 @@
 //! collective runs on the one for its tensors' device.
 mod all_to_all;
 mod backend;
-pub(crate) mod checks;
+mod checks;
 mod engine;
 pub(crate) mod flat;
 pub(crate) mod loop_check;
 pub(crate) mod meta;
 mod p2p;
+pub(crate) mod policy;
 pub(crate) mod ring;
 pub(crate) mod shim_op;
 mod strict;
@@ -20,12 +21,12 @@ use std::time::Duration;
 use tch::{Device, Tensor};
 
 pub use backend::{Backend, BackendConfig};
-pub use checks::CheckPolicy;
 pub(crate) use checks::Scope;
 pub(crate) use engine::shutdown_all;
 use engine::Engine;
-pub use flat::Collectives;
 pub use p2p::P2pOp;
+pub use policy::CheckPolicy;
+pub use policy::Collectives;
 use strict::Strict;
 
 use crate::error::{Error, Result};
